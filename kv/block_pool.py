@@ -1,0 +1,150 @@
+"""The block pool: fixed-size KV blocks, reference counts and an LRU prefix cache.
+
+Pure bookkeeping (no torch): block ids index the KV tensors owned elsewhere.
+
+Invariants:
+- every block is either in use (ref_count > 0) or in the free queue (ref_count == 0);
+- a free block may still hold a cached full block (block_hash set); it stays findable
+  through `cached` until it is handed out again, which evicts it;
+- the free queue is ordered by eviction priority: the head is evicted first. Freed blocks
+  go to the tail, so the least recently used cached block is evicted first.
+All operations are O(1) per block (doubly linked free queue, dict for the cache).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks with O(1) pop-front, append and remove-from-middle."""
+
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        self._head = Block(-1)  # sentinels: never handed out
+        self._tail = Block(-1)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def append(self, block: Block) -> None:
+        last = self._tail.prev
+        assert last is not None
+        last.next = block
+        block.prev = last
+        block.next = self._tail
+        self._tail.prev = block
+        self.num_free += 1
+
+    def remove(self, block: Block) -> None:
+        assert block.prev is not None and block.next is not None, f"{block} is not free"
+        block.prev.next = block.next
+        block.next.prev = block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def pop_front(self) -> Block:
+        block = self._head.next
+        if block is None or block is self._tail:
+            raise RuntimeError("no free blocks")
+        self.remove(block)
+        return block
+
+    def block_ids(self) -> list[int]:
+        """Eviction order, head first (for tests and debugging; O(n))."""
+        ids = []
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            ids.append(node.block_id)
+            node = node.next
+        return ids
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, Block] = {}  # block hash -> block holding that KV
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now, cached-but-unreferenced ones included."""
+        return self.free_queue.num_free
+
+    # -- allocation ------------------------------------------------------------------
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.free_queue.num_free
+
+    def allocate(self, num_blocks: int) -> list[Block]:
+        """Hand out `num_blocks` fresh blocks (evicting cached ones, LRU first)."""
+        if not self.can_allocate(num_blocks):
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_queue.pop_front()
+            self._evict(block)
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block; unreferenced blocks join the free queue's
+        tail in the given order (so pass a sequence's blocks tail-first: its last blocks,
+        the least likely to be shared, are then evicted first)."""
+        for block in blocks:
+            assert block.ref_count > 0, f"double free of {block}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+
+    # -- prefix cache ----------------------------------------------------------------
+    def lookup(self, block_hash: int) -> Block | None:
+        return self.cached.get(block_hash) if self.enable_prefix_caching else None
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on cache hits (a free cached block leaves the free queue)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def cache_block(self, block: Block, block_hash: int) -> bool:
+        """Register a full, computed block under its hash. Returns False when another
+        block already holds that hash (two sequences computed the same block at once):
+        the first stays the cached copy, this one is freed normally later."""
+        if not self.enable_prefix_caching or block.block_hash is not None:
+            return False
+        if block_hash in self.cached:
+            return False
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def _evict(self, block: Block) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.cached.values()):
+            self._evict(block)

@@ -1,0 +1,68 @@
+"""The KV tensors: allocated once at start-up from a memory budget.
+
+Layout (the flash-attention paged layout, which the torch backend uses too):
+
+    kv_cache[layer] : (2, num_blocks, block_size, num_kv_heads, head_dim)
+                       ^ 0 = keys, 1 = values
+
+so the K/V of token slot s = block_id * block_size + offset is
+kv_cache[layer][:, block_id, offset]. One tensor for all layers: one allocation, no
+fragmentation, and the block count follows from the bytes, never from a guess.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int  # heads held on this device (a TP rank holds its own share)
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
+    num_blocks = budget_bytes // spec.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget of {budget_bytes} bytes holds no block "
+            f"({spec.bytes_per_block} bytes each); raise it"
+        )
+    return int(num_blocks)
+
+
+def gpu_kv_budget(device: torch.device, utilization: float) -> int:
+    """Bytes for the KV cache on a GPU: the share of total memory we may use, minus what
+    is already taken (weights, activations measured by a warm-up pass)."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    budget = int(total * utilization) - used
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no memory for the KV cache "
+            f"({used / 2**30:.1f} GiB already used of {total / 2**30:.1f} GiB)"
+        )
+    return budget
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
+    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    logger.info(
+        "KV cache: %d blocks x %d tokens, %.1f MiB on %s",
+        num_blocks, spec.block_size, num_blocks * spec.bytes_per_block / 2**20, device,
+    )
+    # zeros, not empty: padded decode slots read block 0, and garbage there could be NaN
+    # (masked, but NaN * 0 is still NaN in a matmul).
+    return torch.zeros(shape, dtype=spec.dtype, device=device)

@@ -1,0 +1,186 @@
+"""The engine API everything above the worker uses: add a request and get an async
+stream of outputs; abort; stats.
+
+Threads: the step loop runs on its own thread and owns the engine core. Callers on the
+asyncio loop talk to it through a thread-safe inbox (add / abort) and receive outputs
+through one `call_soon_threadsafe` per step; neither side ever blocks the other.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from worker.config import EngineConfig
+from worker.engine import Engine, EngineStats, RequestError
+from worker.output_processor import RequestOutputProcessor
+from worker.outputs import RequestOutput
+from worker.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has stopped; no request can be served by this engine."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    notify: bool  # send the caller a final "abort" output (False when the caller left)
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stats: EngineStats = engine.stats()
+        self._dead: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        from transformers import AutoTokenizer
+
+        engine = Engine.from_config(config)
+        tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
+        return cls(engine, tokenizer)
+
+    # -- caller side (asyncio) ---------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+            self._thread.start()
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs. Leaving the iteration early (the caller went away,
+        the task was cancelled) aborts the request; its blocks are freed within one step."""
+        self._ensure_started()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self.engine.validate(prompt_token_ids, params)  # reads config only: thread-safe
+        processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params)
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                out = processor.process(item)
+                if out.finished:
+                    finished = True
+                    if processor.stopped:
+                        # The core does not know about stop strings: end it there too.
+                        self._inbox.put(_Abort(request_id, notify=False))
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._inbox.put(_Abort(request_id, notify=False))
+
+    def abort(self, request_id: str) -> None:
+        """Abort from outside the stream; the stream then ends with finish_reason 'abort'."""
+        self._inbox.put(_Abort(request_id, notify=True))
+
+    def stats(self) -> EngineStats:
+        """A snapshot taken after the latest step (never blocks on the loop)."""
+        return self._stats
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # -- step-loop side (thread) ------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished()
+                if not self._drain_inbox(block):
+                    return
+                outputs = self.engine.step()
+                self._stats = self.engine.stats()
+                if outputs:
+                    self._publish(outputs)
+        except BaseException as e:  # a bug in the core: fail everything, loudly
+            logger.exception("engine loop died")
+            self._dead = e
+            self._publish_error(EngineDeadError(f"the engine loop has stopped: {e}"))
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued adds/aborts; wait for one when idle. False means stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if item is _STOP:
+                return False
+            if isinstance(item, _Add):
+                try:
+                    self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
+                except RequestError as e:
+                    self._publish([e], request_ids=[item.request_id])
+            elif isinstance(item, _Abort):
+                out = self.engine.abort_request(item.request_id)
+                if out is not None and item.notify:
+                    self._publish([out])
+
+    def _publish(self, items: list[Any], request_ids: list[str] | None = None) -> None:
+        assert self._loop is not None
+        ids = request_ids or [o.request_id for o in items]
+        self._loop.call_soon_threadsafe(self._deliver, ids, items)
+
+    def _deliver(self, request_ids: list[str], items: list[Any]) -> None:
+        for request_id, item in zip(request_ids, items):
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(item)
+
+    def _publish_error(self, error: BaseException) -> None:
+        if self._loop is None:
+            return
+
+        def fail_all() -> None:
+            for stream in self._streams.values():
+                stream.put_nowait(error)
+
+        self._loop.call_soon_threadsafe(fail_all)

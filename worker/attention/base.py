@@ -1,0 +1,57 @@
+"""The attention backend interface: one call per layer over the whole flat batch.
+
+Flat batch layout (built by the model runner every step):
+
+    tokens:  [ d0 d1 ... d(D-1) | p0 chunk .......... | p1 chunk ..... ]
+               decodes, one      prefill chunks, each query_len tokens
+               token per seq     (query_start, query_len, context_len)
+
+A sequence's context_len counts its cached tokens plus this step's, so its queries sit
+at positions context_len - query_len ... context_len - 1 and attend causally to keys
+0 ... own position, read through its block table from the paged KV cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class PrefillInfo:
+    query_start: int
+    query_len: int
+    context_len: int
+    block_table: torch.Tensor  # (num_blocks,) long, just the blocks this context needs
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) long: where each token's new K/V is written
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # (D, max_blocks) long, padded with block 0
+    decode_context_lens: torch.Tensor | None  # (D,) long
+    decode_max_context: int
+    prefills: list[PrefillInfo] = field(default_factory=list)
+    # Varlen form of the whole batch (flash backends): int32 tensors.
+    cu_seqlens_q: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    max_query_len: int = 0
+    max_context_len: int = 0
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, Hq, D)
+        k: torch.Tensor,  # (T, Hkv, D)
+        v: torch.Tensor,  # (T, Hkv, D)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, Hkv, D)
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        ...

@@ -1,0 +1,60 @@
+"""Flash-attention backend (vllm-flash-attn / flash-attn), CUDA only.
+
+Used only when a package imports on CUDA and its build matches the installed torch;
+`load_flash_backend` returns None with the reason otherwise, and the caller logs it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from worker.attention.base import AttentionMetadata
+
+
+def _import_varlen() -> tuple[Callable[..., Any] | None, str]:
+    errors = []
+    for module in ("vllm_flash_attn", "flash_attn"):
+        try:
+            mod = __import__(module, fromlist=["flash_attn_varlen_func"])
+            return mod.flash_attn_varlen_func, module
+        except Exception as e:  # ImportError, or an ABI mismatch raised at import
+            errors.append(f"{module}: {type(e).__name__}: {e}")
+    return None, "; ".join(errors)
+
+
+class FlashAttention:
+    name = "flash"
+
+    def __init__(self, varlen_func: Callable[..., Any]) -> None:
+        self._varlen = varlen_func
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        return self._varlen(
+            q=q, k=key_cache, v=value_cache,
+            cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_query_len,
+            seqused_k=meta.seqused_k, max_seqlen_k=meta.max_context_len,
+            softmax_scale=scale, causal=True, block_table=meta.block_table,
+        )
+
+
+def load_flash_backend(device: torch.device) -> tuple[FlashAttention | None, str]:
+    """The flash backend, or None and why it cannot be used here."""
+    if device.type != "cuda":
+        return None, f"flash attention needs CUDA (device is {device.type})"
+    func, why = _import_varlen()
+    if func is None:
+        return None, f"no usable flash-attention package ({why})"
+    return FlashAttention(func), why

@@ -1,0 +1,95 @@
+"""Pure-torch paged attention (CPU and GPU), the default backend.
+
+Decodes: ONE batched SDPA call for all decode sequences per layer: their keys/values are
+gathered through a (D, max_blocks) block table into (D, L, Hkv, Dh) and masked by context
+length. Prefill chunks: one SDPA call per chunk; a chunk with no cached context attends
+to its own fresh K/V directly (no gather), one with cached context gathers it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention.base import AttentionMetadata
+
+
+class TorchPagedAttention:
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
+        flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+        flat_keys.index_copy_(0, meta.slot_mapping, k)
+        flat_values.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decode_tokens
+        if num_decodes:
+            out[:num_decodes] = self._decode(q[:num_decodes], key_cache, value_cache, meta, scale)
+        for p in meta.prefills:
+            end = p.query_start + p.query_len
+            qs = q[p.query_start : end]
+            if p.context_len == p.query_len:
+                out[p.query_start : end] = _sdpa_causal(qs, k[p.query_start : end], v[p.query_start : end], scale)
+            else:
+                ks = key_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
+                vs = value_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
+                out[p.query_start : end] = _sdpa_with_context(qs, ks, vs, p.context_len, scale)
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        num_seqs, num_heads, head_dim = q.shape
+        num_kv_heads = key_cache.shape[2]
+        tables = meta.decode_block_tables
+        max_len = meta.decode_max_context
+        # (D, max_blocks, block_size, Hkv, Dh) -> (D, Hkv, L, Dh)
+        keys = key_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+        values = value_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+        positions = torch.arange(max_len, device=q.device)
+        mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        return out.squeeze(2)
+
+
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)
+
+
+def _sdpa_with_context(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
+) -> torch.Tensor:
+    # Query j sits at position context_len - query_len + j and sees keys 0..that position.
+    query_len = q.shape[0]
+    query_pos = torch.arange(context_len - query_len, context_len, device=q.device)
+    key_pos = torch.arange(context_len, device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)

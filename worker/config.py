@@ -1,0 +1,51 @@
+"""The engine's own configuration: frozen dataclasses, built by cluster/ from the user schema."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # CPU: the KV tensors get exactly this many bytes. GPU: ignored when
+    # gpu_memory_utilization is set (the budget is a fraction of free memory then).
+    kv_cache_bytes: int = 256 * 1024**2
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    # Tests force tiny pools (to provoke preemption) with an exact block count.
+    num_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # local directory or Hub id
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    attention_backend: str = "auto"  # auto | torch | flash
+    seed: int = 0
+    num_threads: int | None = None  # torch CPU threads; None leaves torch's default
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()

@@ -1,0 +1,225 @@
+"""The engine core: schedule -> execute -> update, one iteration per `step()`.
+
+Synchronous and single-threaded on purpose (the async wrapper runs it on its own thread):
+the scheduler, block pool and sequences are only ever touched from one thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+from kv.cache_manager import KVCacheManager, cdiv
+from kv.stats import KVStats
+from worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from worker.outputs import RequestOutput
+from worker.sampling_params import SamplingParams
+from worker.scheduler import Scheduler, SchedulerOutput
+from worker.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A user-caused problem with a request (maps to HTTP 400 / gRPC INVALID_ARGUMENT)."""
+
+
+class Runner(Protocol):
+    """What the engine needs from a model runner (the real one, or a fake in tests)."""
+
+    num_blocks: int
+
+    def execute(self, plan: SchedulerOutput) -> object: ...  # -> RunnerOutput
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    kv: KVStats
+    num_running: int
+    num_waiting: int
+    num_waiting_prompt_tokens: int
+    num_preemptions: int
+    num_generated_tokens: int
+    num_steps: int
+    tokens_per_s: float  # generated tokens per second over the last few seconds
+    forward_share: float  # share of step time spent in the model forward (cumulative)
+
+    def to_dict(self) -> dict[str, float]:
+        d = {k: v for k, v in self.__dict__.items() if k != "kv"}
+        d.update(self.kv.to_dict())
+        return d
+
+
+class Engine:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        runner: Runner,
+        vocab_size: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.runner = runner
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.kv = KVCacheManager(runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.seqs: dict[str, Sequence] = {}
+        self.model_path: Path | None = None  # set when built from a model directory
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.step_time_s = 0.0
+        self.forward_time_s = 0.0
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        from worker.model.loader import resolve_model_path
+        from worker.model_config import load_hf_config, eos_token_ids_of
+        from worker.model_runner import ModelRunner
+
+        path = resolve_model_path(config.model.model)
+        hf_config = load_hf_config(path)
+        max_model_len = min(config.scheduler.max_model_len, hf_config.max_position_embeddings)
+        scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
+        config = replace(config, model=replace(config.model, model=str(path)), scheduler=scheduler_config)
+        runner = ModelRunner(config, hf_config, max_model_len)
+        engine = cls(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config))
+        engine.model_path = path
+        return engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    # -- requests ------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for a request that could never be served."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
+                f"(at least one output token must fit)"
+            )
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in [0, {self.vocab_size})")
+        need = cdiv(min(n + params.max_tokens, self.max_model_len), self.kv.block_size)
+        if need > self.kv.num_total_blocks:
+            raise RequestError(
+                f"the request needs {need} KV blocks but the pool has {self.kv.num_total_blocks}; "
+                f"shorten the prompt or max_tokens"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its blocks are free when this returns."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._output(seq, [], None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the iteration ---------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        try:
+            result = self.runner.execute(plan)
+        except Exception as e:  # fail this step's requests, keep serving the rest
+            logger.exception("engine step failed; failing %d requests", len(plan.seqs))
+            return self._fail(plan, e)
+        changed = self.scheduler.update(plan, result.token_ids)
+        logprobs_of = {seq.request_id: lp for seq, lp in zip(plan.seqs, result.logprobs)}
+        outputs = []
+        now = time.monotonic()
+        for seq in changed:
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.is_finished:
+                del self.seqs[seq.request_id]
+            lp = logprobs_of.get(seq.request_id)
+            outputs.append(self._output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None))
+        self._account(len(changed), time.perf_counter() - start, result.forward_s)
+        return outputs
+
+    def _fail(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        outputs = []
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        for seq in plan.seqs:
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            self.scheduler.finish(seq, "error")
+            self.seqs.pop(seq.request_id, None)
+            out = self._output(seq, [], None)
+            out.error = message
+            outputs.append(out)
+        return outputs
+
+    def _account(self, num_tokens: int, step_s: float, forward_s: float) -> None:
+        self.num_steps += 1
+        self.num_generated_tokens += num_tokens
+        self.step_time_s += step_s
+        self.forward_time_s += forward_s
+        now = time.monotonic()
+        self._recent.append((now, num_tokens))
+        while self._recent and now - self._recent[0][0] > 5.0:
+            self._recent.popleft()
+
+    @staticmethod
+    def _output(seq: Sequence, new_token_ids: list[int], logprobs: list | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+        )
+
+    def stats(self) -> EngineStats:
+        recent = self._recent
+        span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
+        tokens_per_s = sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0
+        return EngineStats(
+            kv=self.kv.stats(),
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_waiting_prompt_tokens=sum(s.num_uncomputed_tokens for s in self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.num_steps,
+            tokens_per_s=tokens_per_s,
+            forward_share=self.forward_time_s / self.step_time_s if self.step_time_s else 0.0,
+        )

@@ -1,0 +1,77 @@
+"""Building blocks of the Llama family that carry no parallelism: RMSNorm and RoPE."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as transformers (normalise in fp32, scale in the input dtype),
+        # so greedy outputs match it token for token.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(hf_config: object, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's RoPE type (default,
+    linear, llama3, yarn, ...), computed with transformers' own init functions."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    if rope_type == "dynamic":
+        raise ValueError("dynamic NTK RoPE scaling depends on the sequence length; not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, built once (a gather per
+    step instead of trigonometry per token)."""
+
+    def __init__(self, hf_config: object, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self._hf_config, self._head_dim, self._max_positions = hf_config, head_dim, max_positions
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self.reset_tables()
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """(Re)compute the tables in place, e.g. after the module was built on `meta`."""
+        if self.cos.device.type == "meta":
+            return
+        inv_freq, scaling = rope_inv_freq(self._hf_config, self._head_dim)
+        positions = torch.arange(self._max_positions, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # fp32 tables whatever the model dtype: positions past 256 lose precision in bf16.
+        self.cos = (emb.cos() * scaling).to(self.cos.device)
+        self.sin = (emb.sin() * scaling).to(self.sin.device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: (T, Hq, D), k: (T, Hkv, D); rotate-half convention, as in transformers.
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

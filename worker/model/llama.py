@@ -1,0 +1,160 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over one flat token batch.
+
+Every linear layer sees all tokens of all sequences at once (selective batching);
+only attention is per sequence, through the block tables in AttentionMetadata.
+Fused projections: qkv_proj = [q; k; v] rows and gate_up_proj = [gate; up] rows, one
+matmul each; the loader writes the Hugging Face tensors into their row ranges.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.attention.base import AttentionBackend, AttentionMetadata
+from worker.model.layers import RMSNorm, RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class LlamaArch:
+    """The shape of a model, read from its Hugging Face config."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, hf_config: object) -> LlamaArch:
+        archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+        family = SUPPORTED_ARCHITECTURES.get(archs[0])
+        if family is None:
+            raise ValueError(
+                f"unsupported architecture {archs[0]!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported activation {act!r} (the Llama family uses silu)")
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        return cls(
+            family=family,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            qkv_bias=family == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=family == "qwen3",
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            max_position_embeddings=hf_config.max_position_embeddings,
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: LlamaArch, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rope = rope
+        self.backend = backend
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArch, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, rope, backend)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, arch: LlamaArch, hf_config: object, backend: AttentionBackend, max_positions: int
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        rope = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, rope, backend) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rope = rope
+        if not arch.tie_word_embeddings:
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,); kv_caches: (num_layers, 2, blocks, block_size, Hkv, D).
+        Returns final hidden states (T, hidden)."""
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, kv_caches[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()

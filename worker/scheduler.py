@@ -1,0 +1,185 @@
+"""Iteration-level scheduler: every step it builds a plan from running and waiting
+sequences; the runner executes the plan; `update` applies the result.
+
+Policy (one rule covers prefill, chunked prefill, decode and recompute: each scheduled
+sequence's `num_computed_tokens` catches up with its `num_tokens`):
+1. running sequences first, in admission order: each gets what it still lacks (1 token
+   for a decode, the rest of the prompt for a chunked prefill) within the token budget;
+   when one cannot get a block, the most recently admitted running sequence is preempted
+   (blocks freed, requeued at the front of `waiting`, recomputed later);
+2. then waiting sequences in FIFO order fill what is left of the token budget with
+   prompt chunks (chunked prefill), up to `max_num_seqs`, admitted only when their
+   blocks fit. A blocked head of the queue blocks those behind it (no starvation).
+Torch-free on purpose: it is unit-tested on its own.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kv.cache_manager import KVCacheManager
+from worker.config import SchedulerConfig
+from worker.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step: `num_new_tokens[i]` tokens of `seqs[i]`, starting at its
+    `num_computed_tokens`, go into this step's flat batch."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    def samples(self, i: int) -> bool:
+        """Does seqs[i] reach the end of its tokens this step (and so sample one)?"""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    # -- planning ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:  # memory is short this step: do not admit more
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            scheduled = True
+            while not self.kv.can_allocate(seq.request_id, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()  # most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            block_ids = self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new)
+            self._add_to_plan(out, seq, num_new, block_ids)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids)
+            num_hit_tokens = len(hits) * self.kv.block_size
+            num_new = min(seq.num_tokens - num_hit_tokens, budget)
+            if not self.kv.can_allocate(seq.request_id, num_hit_tokens + num_new, hits):
+                break
+            block_ids = self.kv.allocate(seq.request_id, num_hit_tokens + num_new, hits)
+            if seq.num_preemptions == 0:
+                self.kv.record_admission(seq.num_prompt_tokens, num_hit_tokens)
+                seq.num_cached_tokens = num_hit_tokens
+            seq.num_computed_tokens = num_hit_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            self._add_to_plan(out, seq, num_new, block_ids)
+            budget -= num_new
+
+    @staticmethod
+    def _add_to_plan(out: SchedulerOutput, seq: Sequence, num_new: int, block_ids: list[int]) -> None:
+        out.seqs.append(seq)
+        out.num_new_tokens.append(num_new)
+        out.block_ids.append(block_ids)
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute, not swap: the KV is rebuilt from token_ids (prefix cache permitting).
+        self.kv.free(seq.request_id, keep_hashes=True)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- applying a step's result --------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
+        """Advance every scheduled sequence; append sampled tokens; finish and free the
+        ones that stop. Returns the sequences that got a token (finished ones included)."""
+        changed: list[Sequence] = []
+        any_finished = False
+        for seq, num_new, token_id in zip(out.seqs, out.num_new_tokens, sampled_token_ids):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += num_new
+            self.kv.cache_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            if token_id is None:
+                continue  # a prompt chunk that did not reach the end of the prompt
+            seq.append_token(token_id)
+            changed.append(seq)
+            if self._check_stop(seq, token_id):
+                any_finished = True
+                self.kv.free(seq.request_id)
+        if any_finished:
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        return changed
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> bool:
+        params = seq.params
+        num_output = seq.num_output_tokens
+        reason: str | None = None
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in seq.eos_token_ids:
+                reason = "stop"
+            elif token_id in params.stop_token_ids:
+                reason, seq.stop_reason = "stop", token_id
+        if reason is None and (num_output >= params.max_tokens or seq.num_tokens >= self.config.max_model_len):
+            reason = "length"
+        if reason is None:
+            return False
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        return True
+
+    # -- removal from outside the step (abort, failed step) ---------------------------------
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence that is waiting or running now (abort / error); frees its blocks."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq.request_id)

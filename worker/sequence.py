@@ -1,0 +1,97 @@
+"""Per-request state: one `Sequence` object holds everything the engine knows about a request.
+
+Token layout (the one rule that covers prefill, chunked prefill, decode and recompute):
+
+    token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... o(O-1) ]      P = num_prompt_tokens
+                 <------ num_computed_tokens ------>
+                                                     <- not yet in the KV cache ->
+
+A step schedules `num_new_tokens` tokens starting at `num_computed_tokens`; it samples
+a new token only when the step reaches the end (`num_computed + num_new == num_tokens`).
+The token at position i lives in KV slot block_ids[i // block_size] * block_size + i % block_size.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from worker.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    __slots__ = (
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "params",
+        "status",
+        "finish_reason",
+        "stop_reason",
+        "arrival_time",
+        "first_token_time",
+        "num_preemptions",
+        "sampler_state",
+        "eos_token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+        # Opaque per-request state owned by the sampler (e.g. a seeded torch.Generator).
+        self.sampler_state: Any = None
+        self.eos_token_ids = eos_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
