@@ -131,9 +131,10 @@ class KVCacheManager:
         )
 
     def cached_block_hashes(self, limit: int) -> list[int]:
-        """Up to `limit` cached block hashes (for routing on prefix overlap)."""
+        """Up to `limit` cached block hashes, most recently cached first (for routing on
+        prefix overlap). Call it from the thread that owns the pool."""
         out = []
-        for block_hash in self.pool.cached:
+        for block_hash in reversed(self.pool.cached):
             out.append(block_hash)
             if len(out) >= limit:
                 break

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ class _Abort:
 
 _STOP = object()
 
+# How many cached block hashes are kept for prefix-aware routing. Chained hashes make a
+# prefix match of depth d need all d hashes; the most recently cached are the likeliest.
+MAX_PREFIX_HASHES = 4096
+
 
 class AsyncEngine:
     def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
@@ -54,6 +59,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats: EngineStats = engine.stats()
+        # Taken on the step thread (the pool is not thread-safe), at most every period.
+        self._prefix_hashes: list[int] = []
+        self._prefix_hashes_time = 0.0
         self._dead: BaseException | None = None
 
     @classmethod
@@ -118,6 +126,16 @@ class AsyncEngine:
         """A snapshot taken after the latest step (never blocks on the loop)."""
         return self._stats
 
+    def prefix_hashes(self) -> list[int]:
+        """Cached block hashes, most recent first, as of the latest snapshot."""
+        return self._prefix_hashes
+
+    def _snapshot_prefix_hashes(self, period_s: float = 0.5) -> None:
+        now = time.monotonic()
+        if now - self._prefix_hashes_time >= period_s:
+            self._prefix_hashes = self.engine.kv.cached_block_hashes(MAX_PREFIX_HASHES)
+            self._prefix_hashes_time = now
+
     @property
     def is_alive(self) -> bool:
         return self._dead is None
@@ -137,6 +155,7 @@ class AsyncEngine:
                     return
                 outputs = self.engine.step()
                 self._stats = self.engine.stats()
+                self._snapshot_prefix_hashes()
                 if outputs:
                     self._publish(outputs)
         except BaseException as e:  # a bug in the core: fail everything, loudly

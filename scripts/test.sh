@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs what the tests need, then runs them.
+# Unit tests need no Ray; integration tests share one local Ray/Serve cluster per session.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    else
+        sudo apt-get update -qq && sudo apt-get install -y -qq redis-server >/dev/null
+    fi
+fi
+bash scripts/install.sh test
+export RAY_AUTH_MODE=disabled  # tests only: Ray token auth stays on everywhere else
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
