@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_blocks_for_budget
-from worker.attention import AttentionMetadata, PrefillInfo, select_backend
+from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo, select_backend
 from worker.config import EngineConfig
 from worker.model.llama import LlamaArch
 from worker.model.loader import load_model, resolve_model_path
@@ -86,8 +86,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        # Decodes (1 query token) first: the backend batches them in one call.
-        order = sorted(range(len(plan.seqs)), key=lambda i: plan.num_new_tokens[i] != 1)
+        # Decodes (1 query token) first, shortest context first (see _decode_group_bounds).
+        num_new, seqs = plan.num_new_tokens, plan.seqs
+        order = sorted(
+            range(len(seqs)),
+            key=lambda i: (num_new[i] != 1, seqs[i].num_computed_tokens if num_new[i] == 1 else 0),
+        )
         input_ids, positions, meta, last_token_idx, sample_rows = self._prepare(plan, order)
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -136,12 +140,17 @@ class ModelRunner:
 
         num_decodes = sum(1 for n in lens if n == 1)
         dev = self.device
-        decode_tables = decode_ctx = None
-        decode_max = 0
-        if num_decodes:
-            decode_max = int(max(starts[:num_decodes])) + 1
-            decode_tables = table[:num_decodes, : -(-decode_max // bs)].to(dev, non_blocking=True)
-            decode_ctx = context_lens[:num_decodes].to(dev, non_blocking=True)
+        groups = []
+        for lo, hi in _decode_group_bounds(starts[:num_decodes]):
+            max_ctx = starts[hi - 1] + 1  # sorted ascending: the last is the longest
+            groups.append(
+                DecodeGroup(
+                    lo, hi,
+                    table[lo:hi, : -(-max_ctx // bs)].to(dev, non_blocking=True),
+                    context_lens[lo:hi].to(dev, non_blocking=True),
+                    max_ctx,
+                )
+            )
         prefills = []
         qs = query_start.tolist()
         for row in range(num_decodes, num_seqs):
@@ -152,9 +161,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev, non_blocking=True),
             num_decode_tokens=num_decodes,
-            decode_block_tables=decode_tables,
-            decode_context_lens=decode_ctx,
-            decode_max_context=decode_max,
+            decode_groups=groups,
             prefills=prefills,
         )
         if self.backend.name == "flash":
@@ -180,3 +187,19 @@ class ModelRunner:
             torch.tensor(last_idx, dtype=torch.long).to(dev, non_blocking=True),
             sample_rows,
         )
+
+
+def _decode_group_bounds(sorted_starts: list[int], min_group: int = 8) -> list[tuple[int, int]]:
+    """Split decodes (sorted by context length) into groups attended in one call each.
+    A group pads every member to its longest context, so a new group starts when the
+    context has doubled since the group's first member (padding waste < 2x), provided the
+    group already has `min_group` members (each call has a fixed cost too)."""
+    bounds = []
+    lo = 0
+    for i in range(1, len(sorted_starts)):
+        if i - lo >= min_group and sorted_starts[i] + 1 > 2 * (sorted_starts[lo] + 1):
+            bounds.append((lo, i))
+            lo = i
+    if sorted_starts:
+        bounds.append((lo, len(sorted_starts)))
+    return bounds

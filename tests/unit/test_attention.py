@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from worker.attention import AttentionMetadata, PrefillInfo, select_backend
+from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo, select_backend
 from worker.attention.torch_paged import TorchPagedAttention
 
 BLOCK_SIZE = 4
@@ -59,13 +59,22 @@ def _build_batch(specs: list[tuple[int, int]], device: torch.device, seed: int =
             prefills.append(PrefillInfo(start, new, ctx, torch.tensor(table)))
         start += new
     max_blocks = max((len(t) for t, _ in decode_rows), default=1)
+    # Two decode groups when there are several decodes: groups must be independent.
+    groups = []
+    cut = max(1, len(decode_rows) // 2) if len(decode_rows) > 1 else len(decode_rows)
+    for lo, hi in ((0, cut), (cut, len(decode_rows))):
+        rows = decode_rows[lo:hi]
+        if rows:
+            groups.append(DecodeGroup(
+                lo, hi,
+                torch.tensor([t + [0] * (max_blocks - len(t)) for t, _ in rows]),
+                torch.tensor([c for _, c in rows]),
+                max(c for _, c in rows),
+            ))
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
         num_decode_tokens=len(decode_rows),
-        decode_block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t, _ in decode_rows])
-        if decode_rows else None,
-        decode_context_lens=torch.tensor([c for _, c in decode_rows]) if decode_rows else None,
-        decode_max_context=max((c for _, c in decode_rows), default=0),
+        decode_groups=groups,
         prefills=prefills,
     )
     # The varlen form of the same batch (flash backends).

@@ -5,12 +5,12 @@ import logging
 
 import torch
 
-from worker.attention.base import AttentionBackend, AttentionMetadata, PrefillInfo
+from worker.attention.base import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillInfo
 from worker.attention.torch_paged import TorchPagedAttention
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "PrefillInfo", "select_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "DecodeGroup", "PrefillInfo", "select_backend"]
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

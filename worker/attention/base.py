@@ -27,12 +27,23 @@ class PrefillInfo:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes [start, end) of the flat batch, attended in one call. The runner sorts
+    decodes by context length and groups them so that padding to the group's longest
+    context stays small (padding is gathered and computed for nothing)."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # (end - start, max_blocks) long, padded with block 0
+    context_lens: torch.Tensor  # (end - start,) long
+    max_context: int
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) long: where each token's new K/V is written
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # (D, max_blocks) long, padded with block 0
-    decode_context_lens: torch.Tensor | None  # (D,) long
-    decode_max_context: int
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillInfo] = field(default_factory=list)
     # Varlen form of the whole batch (flash backends): int32 tensors.
     cu_seqlens_q: torch.Tensor | None = None

@@ -1,8 +1,8 @@
 """Pure-torch paged attention (CPU and GPU), the default backend.
 
-Decodes: ONE batched SDPA call for all decode sequences per layer: their keys/values are
-gathered through a (D, max_blocks) block table into (D, L, Hkv, Dh) and masked by context
-length. Prefill chunks: one SDPA call per chunk; a chunk with no cached context attends
+Decodes: one batched SDPA call per decode group (the runner groups decodes of similar
+context length; usually 1-3 groups) per layer: their keys/values are gathered through a
+(D, max_blocks) block table into (D, L, Hkv, Dh) and masked by context length. Prefill chunks: one SDPA call per chunk; a chunk with no cached context attends
 to its own fresh K/V directly (no gather), one with cached context gathers it.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.attention.base import AttentionMetadata
+from worker.attention.base import AttentionMetadata, DecodeGroup
 
 
 class TorchPagedAttention:
@@ -33,9 +33,8 @@ class TorchPagedAttention:
         flat_values.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        num_decodes = meta.num_decode_tokens
-        if num_decodes:
-            out[:num_decodes] = self._decode(q[:num_decodes], key_cache, value_cache, meta, scale)
+        for group in meta.decode_groups:
+            out[group.start : group.end] = self._decode(q[group.start : group.end], key_cache, value_cache, group, scale)
         for p in meta.prefills:
             end = p.query_start + p.query_len
             qs = q[p.query_start : end]
@@ -52,19 +51,18 @@ class TorchPagedAttention:
         q: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        group: DecodeGroup,
         scale: float,
     ) -> torch.Tensor:
-        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = key_cache.shape[2]
-        tables = meta.decode_block_tables
-        max_len = meta.decode_max_context
+        tables = group.block_tables
+        max_len = group.max_context
         # (D, max_blocks, block_size, Hkv, Dh) -> (D, Hkv, L, Dh)
         keys = key_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
         values = value_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
         positions = torch.arange(max_len, device=q.device)
-        mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+        mask = (positions[None, :] < group.context_lens[:, None])[:, None, None, :]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
             enable_gqa=num_heads != num_kv_heads,
