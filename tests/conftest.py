@@ -1,0 +1,132 @@
+"""Shared test fixtures: tiny Llama-family checkpoints (built once per session), a cached
+transformers reference, and a helper that steps the synchronous engine to completion.
+
+Nothing here starts Ray; integration tests bring their own fixtures.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.engine import Engine
+from worker.outputs import RequestOutput
+from worker.sampling_params import SamplingParams
+
+# The test models are tiny (hidden 64, 2 layers): one intra-op thread is several times
+# faster than two on a shared 2-core machine (spinning workers fight for the cores), and
+# it keeps the numerics of the engine and the reference on the same code paths.
+torch.set_num_threads(1)
+
+TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+
+class TinyModels:
+    """Builds each tiny family's checkpoint on first use, once per session."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._dirs: dict[str, Path] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, family: str) -> Path:
+        from tests.tiny_models import make_tiny_model
+
+        with self._lock:
+            if family not in self._dirs:
+                self._dirs[family] = make_tiny_model(family, self.root / family)
+            return self._dirs[family]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    """`tiny_model(family) -> Path`: a tiny random checkpoint written by transformers."""
+    return TinyModels(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model: TinyModels) -> Path:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_model: TinyModels) -> Path:
+    return tiny_model("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_model: TinyModels) -> Path:
+    return tiny_model("qwen3")
+
+
+class HFReference:
+    """transformers' greedy `generate` (fp32, one request at a time), memoised per
+    (family, prompt, max_tokens) so that each reference is computed once per session."""
+
+    def __init__(self, models: TinyModels) -> None:
+        self.models = models
+        self._cache: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+    def __call__(
+        self, family: str, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]
+    ) -> list[list[int]]:
+        from tests.tiny_models import hf_greedy
+
+        keys = [(family, tuple(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
+        missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
+        if missing:
+            outs = hf_greedy(self.models(family), [list(k[1]) for k in missing], [k[2] for k in missing])
+            self._cache.update(zip(missing, outs))
+        return [list(self._cache[k]) for k in keys]
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model: TinyModels) -> HFReference:
+    """`hf_reference(family, prompts, max_tokens) -> list[list[int]]` (cached)."""
+    return HFReference(tiny_model)
+
+
+def run_engine(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    params_list: Sequence[SamplingParams] | SamplingParams,
+    request_ids: Sequence[str] | None = None,
+    final_outputs: dict[str, RequestOutput] | None = None,
+    max_steps: int = 100_000,
+) -> dict[str, list[int]]:
+    """Add every prompt (ids "0", "1", ... unless given) and step the synchronous engine
+    until nothing is left. Returns the output token ids per request id; the last output
+    of each request goes into `final_outputs` when one is passed."""
+    if isinstance(params_list, SamplingParams):
+        params_list = [params_list] * len(prompts)
+    ids = list(request_ids) if request_ids is not None else [str(i) for i in range(len(prompts))]
+    assert len(ids) == len(prompts) == len(params_list)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    for rid, prompt, params in zip(ids, prompts, params_list):
+        engine.add_request(rid, list(prompt), params)
+    finished: set[str] = set()
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.request_id not in tokens:
+                continue  # a request added by someone else
+            assert out.request_id not in finished, f"output after finish for {out.request_id}"
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                finished.add(out.request_id)
+                if final_outputs is not None:
+                    final_outputs[out.request_id] = out
+    else:
+        raise AssertionError(f"the engine did not finish within {max_steps} steps")
+    assert finished == set(ids), f"unfinished: {sorted(set(ids) - finished)}"
+    return tokens
+
+
+@pytest.fixture(name="run_engine")
+def run_engine_fixture() -> Callable[..., dict[str, list[int]]]:
+    """The `run_engine` helper, as a fixture (tests do not import conftest)."""
+    return run_engine
