@@ -81,8 +81,10 @@ class WorkerReplica:
             "kv_usage": stats.kv.usage,
         }
 
-    async def stats(self) -> dict[str, float]:
-        return self.engine.stats().to_dict()
+    async def stats(self) -> dict[str, float | str]:
+        """Engine stats plus `replica_id` (the ingress labels per-replica metrics with it;
+        it gathers these from every replica with DeploymentHandle.broadcast)."""
+        return {**self.engine.stats().to_dict(), "replica_id": _replica_id()}
 
     async def model_info(self) -> dict:
         eng = self.engine.engine
@@ -97,3 +99,12 @@ class WorkerReplica:
             self.engine.shutdown()
         except Exception:
             pass
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (unit tests)
+        return "local"

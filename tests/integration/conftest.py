@@ -48,12 +48,14 @@ def serve_cluster() -> Iterator[ServeCluster]:
         runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}},
         log_to_driver=False,
     )
+    # The gRPC servicer is included once its generated stubs exist (as `kvserve serve` does).
+    from cluster.app import grpc_servicer
+
+    servicer = grpc_servicer()
+    servicers = [servicer] if servicer else []
     serve.start(
         http_options=HTTPOptions(host="127.0.0.1", port=http_port),
-        grpc_options=gRPCOptions(
-            port=grpc_port,
-            grpc_servicer_functions=["protos.kvserve.v1.kvserve_pb2_grpc.add_KVServeServicer_to_server"],
-        ),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=servicers),
     )
     try:
         yield ServeCluster(http_port, grpc_port)

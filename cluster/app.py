@@ -1,0 +1,157 @@
+"""Builds the kvserve Serve application from a `KVServeConfig`.
+
+    ingress (FastAPI, router.ingress.Ingress) ──handle──> worker (worker.replica.WorkerReplica)
+                                                         routed by KVHeadroomRouter (or pow2)
+
+Entry points:
+- `build_app(config)` for Python (the CLI, tests);
+- `app_builder(args)` for `serve run cluster.app:app_builder key=value ...` and for a
+  serveConfigV2 application (`import_path: cluster.app:app_builder`, `args:` = the same
+  YAML schema, e.g. rendered by the Helm chart).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from cluster.config import KVServeConfig
+from router.ingress import Ingress
+from router.settings import IngressSettings
+from worker.replica import WorkerReplica
+
+logger = logging.getLogger(__name__)
+
+WORKER_DEPLOYMENT = "worker"
+INGRESS_DEPLOYMENT = "ingress"
+KV_HEADROOM_ROUTER = "router.request_router:KVHeadroomRouter"
+# Streams per ingress replica beyond its 429 bound that still reach it: /health, /metrics,
+# /v1/models must answer while it is saturated with generation requests.
+_INGRESS_CONTROL_HEADROOM = 64
+
+
+def build_app(config: KVServeConfig) -> Application:
+    worker = serve.deployment(WorkerReplica, name=WORKER_DEPLOYMENT).options(**worker_options(config))
+    ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
+    return ingress.bind(worker.bind(config.engine_config()), ingress_settings(config))
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Serve's application-builder hook: `args` is a KVServeConfig as a dict."""
+    return build_app(KVServeConfig.from_dict(dict(args)))
+
+
+def ingress_settings(config: KVServeConfig) -> IngressSettings:
+    i = config.ingress
+    return IngressSettings(
+        served_model_name=config.model.resolved_name(),
+        tokenizer_path=config.model.resolved_path(),
+        max_queued_requests=i.max_queued_requests,
+        max_body_bytes=i.max_body_bytes,
+        max_n=i.max_n,
+        request_timeout_s=i.request_timeout_s,
+        trust_remote_code=config.model.trust_remote_code,
+    )
+
+
+def ingress_options(config: KVServeConfig) -> dict[str, Any]:
+    i = config.ingress
+    return {
+        "num_replicas": i.num_replicas,
+        # Above the 429 bound, so that the ingress itself answers 429 (with an OpenAI
+        # error body) instead of requests queueing in the proxy.
+        "max_ongoing_requests": i.max_queued_requests + _INGRESS_CONTROL_HEADROOM,
+        "ray_actor_options": {"num_cpus": i.num_cpus},
+    }
+
+
+def worker_options(config: KVServeConfig) -> dict[str, Any]:
+    w = config.workers
+    options: dict[str, Any] = {
+        "max_ongoing_requests": w.max_ongoing_requests,
+        "ray_actor_options": worker_resources(config),
+        "health_check_period_s": w.health_check_period_s,
+        "health_check_timeout_s": w.health_check_timeout_s,
+    }
+    if w.autoscaling is not None:
+        a = w.autoscaling
+        autoscaling: dict[str, Any] = {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s,
+        }
+        if a.initial_replicas is not None:
+            autoscaling["initial_replicas"] = a.initial_replicas
+        if a.policy != "serve":
+            autoscaling["policy"] = {"policy_function": a.policy, "policy_kwargs": dict(a.policy_kwargs)}
+        options["autoscaling_config"] = AutoscalingConfig(**autoscaling)
+        options["num_replicas"] = "auto"
+    else:
+        options["num_replicas"] = w.num_replicas
+    router = request_router_config(config)
+    if router is not None:
+        options["request_router_config"] = router
+    return options
+
+
+def worker_resources(config: KVServeConfig) -> dict[str, Any]:
+    """Per replica: explicit values win; otherwise one GPU when the engine runs on CUDA
+    (device 'cuda', or 'auto' on a cluster that has GPUs) and one CPU."""
+    w = config.workers
+    num_gpus = w.num_gpus
+    if num_gpus is None:
+        device = config.engine.device
+        num_gpus = 1.0 if device == "cuda" or (device == "auto" and _cluster_has_gpus()) else 0.0
+    num_cpus = w.num_cpus if w.num_cpus is not None else 1.0
+    resources: dict[str, Any] = {"num_cpus": num_cpus}
+    if num_gpus:
+        resources["num_gpus"] = num_gpus
+    return resources
+
+
+def _cluster_has_gpus() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
+    """KV-headroom routing when asked for and its module is importable; else Serve's
+    default power-of-two-choices (stats are still reported, for metrics and autoscaling)."""
+    if config.routing.router != "kv_headroom":
+        return None
+    module_name, class_name = KV_HEADROOM_ROUTER.split(":")
+    try:
+        module = importlib.import_module(module_name)
+        getattr(module, class_name)
+    except (ImportError, AttributeError) as e:
+        logger.warning("routing 'kv_headroom' unavailable (%s); using Serve's default router", e)
+        return None
+    return RequestRouterConfig(
+        request_router_class=KV_HEADROOM_ROUTER,
+        request_router_kwargs=dict(config.routing.router_kwargs),
+        request_routing_stats_period_s=config.routing.stats_period_s,
+    )
+
+
+def grpc_servicer() -> str | None:
+    """The servicer function to give Serve's gRPC proxy (`gRPCOptions.grpc_servicer_functions`),
+    or None when the generated stubs are missing (HTTP only)."""
+    try:
+        from router.grpc_proxy import GRPC_SERVICER  # the generated function plus a cancel fix
+
+        return GRPC_SERVICER
+    except ImportError:
+        pass
+    try:
+        importlib.import_module("protos.kvserve.v1.kvserve_pb2_grpc")
+    except ImportError:
+        return None
+    return "protos.kvserve.v1.kvserve_pb2_grpc.add_KVServeServicer_to_server"

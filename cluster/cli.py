@@ -1,0 +1,181 @@
+"""The `kvserve` command.
+
+    kvserve serve                       # local Ray + the whole app on the embedded model
+    kvserve serve --model DIR --num-workers 2 --port 8001
+    kvserve serve --config kvserve.yaml # the same schema as serve deploy / Helm
+    kvserve config [--config FILE]      # print the effective configuration as YAML
+
+Subcommands live in a table of "module:function" registrars, imported lazily; each adds
+its own argparse subparser and sets `func`. Another command (e.g. `kvserve bench ...`,
+a gRPC client) is one more line in SUBCOMMANDS; a registrar whose module does not exist
+yet is skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from cluster.config import ConfigError, KVServeConfig
+
+# name -> "module:register_function"; register(subparsers) adds the parser, sets func.
+SUBCOMMANDS: dict[str, str] = {
+    "serve": "cluster.cli:register_serve",
+    "config": "cluster.cli:register_config",
+    "complete": "cluster.grpc_cli:register",
+    "bench": "benchmarks.cli:register",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM serving cluster on Ray Serve.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, target in SUBCOMMANDS.items():
+        module_name, function_name = target.split(":")
+        try:
+            register = getattr(importlib.import_module(module_name), function_name)
+        except (ImportError, AttributeError):
+            continue  # a command whose code is not there (yet)
+        register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 2
+
+
+# -- shared config flags ------------------------------------------------------------------
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML file in the KVServeConfig schema")
+    parser.add_argument("--model", metavar="PATH", help="model directory or Hub id (default: embedded kvserve-tiny)")
+    parser.add_argument("--served-model-name", metavar="NAME", help="the model name clients send")
+    parser.add_argument("--num-workers", type=int, metavar="N", help="worker replicas")
+    parser.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    parser.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
+
+
+def config_from_args(args: argparse.Namespace) -> KVServeConfig:
+    config = KVServeConfig.from_yaml(args.config) if args.config else KVServeConfig()
+    overrides = {
+        "model.path": args.model,
+        "model.served_model_name": args.served_model_name,
+        "workers.num_replicas": args.num_workers,
+        "http.host": args.host,
+        "http.port": args.port,
+        "grpc.port": args.grpc_port,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return config.with_overrides(overrides) if overrides else config
+
+
+# -- kvserve config -----------------------------------------------------------------------
+def register_config(subparsers: Any) -> None:
+    parser = subparsers.add_parser("config", help="print the effective configuration as YAML")
+    add_config_flags(parser)
+    parser.set_defaults(func=run_config)
+
+
+def run_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    print(yaml.safe_dump(config_from_args(args).model_dump(), sort_keys=False), end="")
+    return 0
+
+
+# -- kvserve serve ------------------------------------------------------------------------
+def register_serve(subparsers: Any) -> None:
+    parser = subparsers.add_parser("serve", help="run the serving cluster (local Ray unless --address)")
+    add_config_flags(parser)
+    parser.add_argument("--address", help="an existing Ray cluster to join (default: start a local one)")
+    parser.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray cluster")
+    parser.add_argument("--dashboard", action="store_true", help="start the Ray dashboard (local cluster)")
+    parser.set_defaults(func=run_serve)
+
+
+def local_num_cpus(config: KVServeConfig) -> int:
+    """Logical CPUs for a local cluster: the machine's, or what the replicas ask for when
+    that is more (they are scheduling units; on a small machine the replicas share cores
+    rather than wait forever for a CPU that does not exist)."""
+    from cluster.app import worker_resources
+
+    workers = config.workers
+    replicas = workers.autoscaling.max_replicas if workers.autoscaling else workers.num_replicas
+    wanted = replicas * worker_resources(config)["num_cpus"] + config.ingress.num_replicas * config.ingress.num_cpus
+    return max(os.cpu_count() or 1, math.ceil(wanted))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    engine_config = config.engine_config()  # fails early (and readably) on a missing model
+
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from cluster.app import build_app, grpc_servicer
+
+    init_kwargs: dict[str, Any] = {"address": args.address, "log_to_driver": False}
+    if args.address is None:
+        init_kwargs.update(include_dashboard=args.dashboard, num_cpus=args.num_cpus or local_num_cpus(config))
+        # Replicas import kvserve from the same place as this process (a source checkout
+        # works without installing it).
+        root = str(Path(__file__).resolve().parent.parent)
+        pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        init_kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": pythonpath}}
+    ray.init(**init_kwargs)
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: Any) -> None:
+        stop.set()
+
+    # After ray.init, which installs its own SIGTERM handler (a stack dump, then exit):
+    # both signals end the wait below, and the shutdown runs in order.
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        servicer = grpc_servicer() if config.grpc.enabled else None
+        grpc = servicer is not None
+        serve.start(
+            http_options=HTTPOptions(host=config.http.host, port=config.http.port),
+            grpc_options=gRPCOptions(port=config.grpc.port, grpc_servicer_functions=[servicer] if servicer else []),
+        )
+        print(f"kvserve: loading {engine_config.model.model} on {config.workers.num_replicas} worker(s) ...", flush=True)
+        serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False)
+        name = config.model.resolved_name()
+        print(f"kvserve: serving model {name!r}", flush=True)
+        print(f"kvserve: HTTP (OpenAI API) on http://{config.http.host}:{config.http.port}{config.route_prefix.rstrip('/')}/v1", flush=True)
+        if grpc:
+            # Serve's gRPC proxy has no host option: it listens on every interface.
+            print(f"kvserve: gRPC on 0.0.0.0:{config.grpc.port} (service kvserve.v1.KVServe)", flush=True)
+        else:
+            print("kvserve: gRPC not available (protos.kvserve.v1 stubs not found)", flush=True)
+        print("kvserve: Ctrl-C to stop", flush=True)
+        while not stop.wait(1.0):
+            pass
+        print("kvserve: shutting down ...", flush=True)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

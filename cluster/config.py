@@ -1,0 +1,318 @@
+"""The one user-facing configuration schema of kvserve.
+
+The same `KVServeConfig` is read by the CLI (`kvserve serve --config FILE`), by
+`serve run cluster.app:app_builder` / a serveConfigV2 `args:` block (the application
+builder validates its args with it), and by the Helm chart (which renders its values into
+those args). It is the edge of the system, so it is pydantic with `extra="forbid"`;
+inside, it builds the engine's own frozen dataclasses (`worker.config.EngineConfig`).
+
+A minimal YAML file:
+
+    model: /models/Llama-3.2-1B-Instruct     # or a Hub id, or omitted (embedded default)
+    workers: {num_replicas: 2}
+
+Every section and field is optional; unknown keys are errors that name the closest
+known key.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+
+class ConfigError(ValueError):
+    """An invalid configuration, with one readable line per problem."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4}
+
+
+def parse_bytes(value: Any) -> Any:
+    """`268435456`, `"256MiB"`, `"1GiB"`, `"512MB"` -> bytes (other types pass through)."""
+    if not isinstance(value, str):
+        return value
+    match = _SIZE.match(value)
+    if match is None:
+        raise ValueError(f"not a byte size: {value!r} (examples: 268435456, '256MiB', '2GiB')")
+    number, unit = float(match.group(1)), (match.group(2) or "").upper()
+    if "I" in unit:  # KiB, MiB, ... (binary)
+        scale = 1024 ** ("KMGT".index(unit[0]) + 1)
+    else:  # K, KB, M, MB, ... (decimal), B or nothing (bytes)
+        scale = _UNITS[unit if unit in ("", "B") else unit[0]]
+    return int(number * scale)
+
+
+class ModelSection(_Section):
+    # A local directory or a Hugging Face Hub id. None: the embedded default model.
+    path: str | None = None
+    # The `model` name clients send. Default: the directory's name for a local path, the
+    # id for a Hub id, "kvserve-tiny" for the embedded default.
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+    seed: int = Field(0, ge=0)
+
+    def resolved_path(self) -> str:
+        if self.path is not None:
+            return self.path
+        from worker.default_model import default_model_path
+
+        return default_model_path()
+
+    def resolved_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.path is None:
+            from worker.default_model import DEFAULT_MODEL_NAME
+
+            return DEFAULT_MODEL_NAME
+        local = Path(self.path).expanduser()
+        if local.is_dir() or self.path.startswith((".", "/", "~")):
+            return local.resolve().name
+        return self.path  # a Hub id, e.g. "meta-llama/Llama-3.2-1B"
+
+
+class EngineSection(_Section):
+    block_size: int = Field(16, gt=0, le=256)
+    # CPU: the KV tensors get exactly this many bytes ("256MiB" style accepted).
+    kv_cache_bytes: int = Field(256 * 1024**2, gt=0)
+    # GPU: the KV budget as a fraction of the device's memory.
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    # An exact number of KV blocks (tests, capacity experiments); overrides both budgets.
+    num_blocks: int | None = Field(None, gt=0)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int = Field(2048, ge=2)
+    enable_prefix_caching: bool = True
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    num_threads: int | None = Field(None, ge=1)  # torch CPU threads per worker
+
+    @field_validator("kv_cache_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, v: Any) -> Any:
+        return parse_bytes(v)
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two (8, 16, 32, ...), got {v}")
+        return v
+
+
+class AutoscalingSection(_Section):
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    initial_replicas: int | None = Field(None, ge=0)
+    # Ongoing requests per worker replica that Serve's default policy aims at.
+    target_ongoing_requests: float = Field(64.0, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(120.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0)  # > Serve's metrics interval (10 s)
+    # The scaling policy, "module:function_or_class". Default: kvserve's queue-depth / KV
+    # usage policy (cluster/autoscaling.py); "serve": Serve's built-in policy, which
+    # scales on target_ongoing_requests.
+    policy: str = "cluster.autoscaling:queue_depth_policy"
+    policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSection:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError("initial_replicas must lie in [min_replicas, max_replicas]")
+        if self.policy != "serve" and ":" not in self.policy:
+            raise ValueError(f"policy must be 'module:function' or 'serve', got {self.policy!r}")
+        return self
+
+
+class WorkersSection(_Section):
+    num_replicas: int = Field(1, ge=1)
+    # A batching engine wants many requests at once (Serve's default of 5 starves it).
+    max_ongoing_requests: int = Field(256, ge=1)
+    # Per replica resources. None: 1 CPU; 1 GPU when the engine runs on CUDA.
+    num_cpus: float | None = Field(None, ge=0)
+    num_gpus: float | None = Field(None, ge=0)
+    tensor_parallel_size: int = 1
+    autoscaling: AutoscalingSection | None = None
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _tp_is_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("tensor parallelism is not available yet; tensor_parallel_size must be 1")
+        return v
+
+
+class IngressSection(_Section):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.5, ge=0)
+    # Requests (weighted by `n`) one ingress replica holds at once, streaming or
+    # waiting for a worker; one more is answered 429 at once instead of piling up.
+    max_queued_requests: int = Field(1024, ge=1)
+    max_body_bytes: int = Field(4 * 1024**2, gt=0)  # larger bodies: 413
+    max_n: int = Field(16, ge=1)  # bound on `n` (choices per request)
+    request_timeout_s: float = Field(600.0, gt=0)
+
+    @field_validator("max_body_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, v: Any) -> Any:
+        return parse_bytes(v)
+
+
+class HTTPSection(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class GRPCSection(_Section):
+    port: int = Field(9000, ge=0, le=65535)
+    enabled: bool = True
+
+
+class RoutingSection(_Section):
+    # kv_headroom: router/request_router.py:KVHeadroomRouter. pow2: Serve's default.
+    router: Literal["kv_headroom", "pow2"] = "kv_headroom"
+    stats_period_s: float = Field(1.0, gt=0)
+    router_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class KVServeConfig(_Section):
+    app_name: str = "kvserve"
+    route_prefix: str = "/"
+    model: ModelSection = ModelSection()
+    engine: EngineSection = EngineSection()
+    workers: WorkersSection = WorkersSection()
+    ingress: IngressSection = IngressSection()
+    http: HTTPSection = HTTPSection()
+    grpc: GRPCSection = GRPCSection()
+    routing: RoutingSection = RoutingSection()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_shorthand(cls, v: Any) -> Any:
+        # `model: /path/or/hub-id` is short for `model: {path: ...}`.
+        return {"path": v} if isinstance(v, str) else v
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"must start with '/', got {v!r}")
+        return v
+
+    # -- loading -----------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> KVServeConfig:
+        """Validate, turning pydantic's errors into one readable line per problem."""
+        try:
+            return cls.model_validate(data or {})
+        except ValidationError as e:
+            raise ConfigError(format_validation_error(e, cls)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> KVServeConfig:
+        import yaml
+
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def with_overrides(self, overrides: dict[str, Any]) -> KVServeConfig:
+        """A copy with dotted-key overrides applied (`{"http.port": 8001}`), re-validated."""
+        data = self.model_dump()
+        for key, value in overrides.items():
+            node = data
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        return type(self).from_dict(data)
+
+    # -- building the engine's config ---------------------------------------------------
+    def engine_config(self) -> EngineConfig:
+        e = self.engine
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model.resolved_path(),
+                dtype=e.dtype,
+                device=e.device,
+                attention_backend=e.attention_backend,
+                seed=self.model.seed,
+                num_threads=e.num_threads,
+                trust_remote_code=self.model.trust_remote_code,
+            ),
+            cache=CacheConfig(
+                block_size=e.block_size,
+                kv_cache_bytes=e.kv_cache_bytes,
+                gpu_memory_utilization=e.gpu_memory_utilization,
+                enable_prefix_caching=e.enable_prefix_caching,
+                num_blocks_override=e.num_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=e.max_num_seqs,
+                max_num_batched_tokens=e.max_num_batched_tokens,
+                max_model_len=e.max_model_len,
+            ),
+        )
+
+
+def format_validation_error(error: ValidationError, root: type[BaseModel]) -> str:
+    """One line per problem: dotted path, what is wrong, and for a typo the closest key."""
+    lines = []
+    for item in error.errors():
+        loc = [str(p) for p in item["loc"]]
+        path = ".".join(loc) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            known = _known_fields(root, loc[:-1])
+            close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            where = ".".join(loc[:-1]) or "the top level"
+            lines.append(f"{path}: unknown key{hint} (known keys in {where}: {', '.join(sorted(known))})")
+        else:
+            message = item["msg"].removeprefix("Value error, ")
+            got = repr(item.get("input"))
+            lines.append(f"{path}: {message}" + ("" if got in message else f" (got {got})"))
+    return "invalid kvserve configuration:\n  " + "\n  ".join(lines)
+
+
+def _known_fields(root: type[BaseModel], parents: list[str]) -> list[str]:
+    model: Any = root
+    for part in parents:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return []
+        model = _section_type(field.annotation)
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return list(model.model_fields)
+    return []
+
+
+def _section_type(annotation: Any) -> Any:
+    """`X | None` -> X for section-typed fields."""
+    for arg in getattr(annotation, "__args__", (annotation,)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return annotation

@@ -1,0 +1,247 @@
+"""One API request's engine requests, sent to the workers and merged back into one stream.
+
+    API request ──> n EngineInputs ──> n handle calls (stream=True), one task each
+                                         │ RequestOutput ...
+                                         v
+                 consumer <── one asyncio.Queue of (choice index, output | exception)
+
+Every engine request goes out through the worker DeploymentHandle, so the request
+router (KV headroom) places each one; n > 1 choices share the prompt and find its blocks
+in the prefix cache of whichever replica already holds them.
+
+Ending the stream early (client gone, timeout, error) cancels every task; each cancels
+its DeploymentResponseGenerator, Serve cancels the worker's generator, and the engine
+aborts the request (its blocks are freed within one step). Nothing here blocks the event
+loop or calls ray.get.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from router import errors
+from router.metrics import IngressMetrics
+from router.openai_convert import EngineInput
+from worker.engine import RequestError
+from worker.outputs import RequestOutput
+from worker.replica import GenerateRequest
+from worker.sampling_params import SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+
+class Permit:
+    """A share of the ingress's in-flight bound; release() is idempotent."""
+
+    def __init__(self, limiter: InFlightLimiter, weight: int) -> None:
+        self._limiter = limiter
+        self.weight = weight
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._limiter._release(self.weight)
+
+    def __del__(self) -> None:  # a stream dropped without closing must not leak its share
+        self.release()
+
+
+class InFlightLimiter:
+    """Bounds what one ingress replica holds at once. Over the bound: 429 at once, so that
+    overload shows up at the client instead of as an ever-growing queue here."""
+
+    def __init__(self, limit: int, metrics: IngressMetrics | None = None) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._metrics = metrics
+
+    def acquire(self, weight: int) -> Permit:
+        # A request heavier than the whole bound still runs when it is alone.
+        weight = min(weight, self.limit)
+        if self.in_flight + weight > self.limit:
+            if self._metrics is not None:
+                self._metrics.rejected.labels(self._metrics.model_name, "overloaded").inc()
+            raise errors.overloaded(self.limit)
+        self.in_flight += weight
+        self._report()
+        return Permit(self, weight)
+
+    def _release(self, weight: int) -> None:
+        self.in_flight -= weight
+        self._report()
+
+    def _report(self) -> None:
+        if self._metrics is not None:
+            self._metrics.in_flight.labels(self._metrics.model_name).set(self.in_flight)
+
+
+def api_error_of(error: BaseException) -> errors.APIError:
+    """A worker-side or Serve exception as the API error a client should see."""
+    cause = getattr(error, "cause", None) or error  # RayTaskError carries the original
+    if isinstance(cause, errors.APIError):
+        return cause
+    if isinstance(cause, (RequestError, SamplingParamsError)):
+        return errors.bad_request(str(cause.args[0]) if cause.args else str(cause))
+    name = type(cause).__name__
+    if name == "BackPressureError":
+        return errors.APIError(429, "The workers' queues are full; retry later.", "rate_limit_error", None, "server_overloaded")
+    if name in ("DeploymentUnavailableError", "ActorDiedError", "ActorUnavailableError", "EngineDeadError"):
+        return errors.APIError(503, f"No worker is available: {name}.", "server_error", None, "service_unavailable")
+    logger.error("request failed: %r", error)
+    return errors.internal(f"The request failed: {name}.")
+
+
+def _use_child_request_id(index: int) -> None:
+    """Give this task's handle calls their own Serve internal request id.
+
+    Serve 2.60 gives every handle call made while serving one request that request's
+    internal id, and its request router indexes pending calls by that id: a second
+    concurrent call to the same deployment is then never fulfilled (with a custom
+    router it hung every n=2 request here). A child id per choice fixes that, and lets
+    routers that key their bookkeeping by the id (the KV-headroom ledger) tell the
+    choices apart. Serve then no longer links these calls to the HTTP request for
+    cancellation; GenerationStream cancels them itself.
+    """
+    try:
+        from ray.serve import context as serve_context
+
+        current = serve_context._get_serve_request_context()
+        parent = current._internal_request_id or uuid.uuid4().hex
+        serve_context._serve_request_context.set(replace(current, _internal_request_id=f"{parent}-{index}"))
+    except Exception:  # a Serve without this private API: keep the default behaviour
+        logger.debug("could not set a child request id", exc_info=True)
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    output: RequestOutput
+
+
+class _ChoiceTiming:
+    __slots__ = ("last", "first_seen")
+
+    def __init__(self) -> None:
+        self.last = 0.0
+        self.first_seen = False
+
+
+class GenerationStream:
+    """Async-iterate ChoiceEvents of all choices until every choice has finished.
+
+    `start()` waits for the first output, so that errors the workers raise before any
+    token (a prompt the pool can never hold, a dead engine) become a proper HTTP status
+    rather than an error inside a 200 stream.
+    """
+
+    def __init__(
+        self,
+        generate_handle: Any,  # worker DeploymentHandle with options(stream=True)
+        inputs: list[EngineInput],
+        request_id: str,
+        permit: Permit,
+        timeout_s: float,
+        metrics: IngressMetrics,
+        arrival_time: float | None = None,  # time.monotonic() when the HTTP request came in
+    ) -> None:
+        self._handle = generate_handle
+        self.inputs = inputs
+        self.request_id = request_id
+        self._permit = permit
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        self._metrics = metrics
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._unfinished = {inp.index for inp in inputs}
+        self._first: ChoiceEvent | None = None
+        self._start_time = arrival_time if arrival_time is not None else time.monotonic()
+        self._timing = {inp.index: _ChoiceTiming() for inp in inputs}
+        self._closed = False
+
+    async def start(self) -> None:
+        for inp in self.inputs:
+            request = GenerateRequest(f"{self.request_id}-{inp.index}", inp.prompt_token_ids, inp.params)
+            self._tasks.append(asyncio.create_task(self._feed(inp.index, request)))
+        try:
+            self._first = await self._next()
+        except BaseException:
+            self.close()
+            raise
+
+    async def _feed(self, index: int, request: GenerateRequest) -> None:
+        _use_child_request_id(index)  # this task's own context: the others are untouched
+        response = self._handle.generate.remote(request)
+        finished = False
+        try:
+            async for out in response:
+                finished = out.finished
+                self._queue.put_nowait((index, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._queue.put_nowait((index, e))
+        finally:
+            if not finished:
+                response.cancel()  # the worker's generator is cancelled -> engine abort
+
+    async def _next(self) -> ChoiceEvent:
+        try:
+            async with asyncio.timeout(max(self._deadline - time.monotonic(), 0.0)):
+                index, item = await self._queue.get()
+        except TimeoutError:
+            raise errors.timed_out(self._timeout_s) from None
+        if isinstance(item, BaseException):
+            raise api_error_of(item)
+        if item.finish_reason == "error":
+            raise errors.internal(item.error or "The engine failed this request.")
+        self._observe(index, item)
+        if item.finished:
+            self._unfinished.discard(index)
+        return ChoiceEvent(index, item)
+
+    def _observe(self, index: int, out: RequestOutput) -> None:
+        now = time.monotonic()
+        timing = self._timing[index]
+        if out.new_token_ids:
+            if not timing.first_seen:
+                timing.first_seen = True
+                self._metrics.observe_first_token(now - self._start_time)
+            else:
+                self._metrics.observe_inter_token(now - timing.last, len(out.new_token_ids))
+            timing.last = now
+        if out.finished:
+            self._metrics.observe_finished(now - self._start_time, out.num_prompt_tokens, out.num_output_tokens, out.finish_reason)
+
+    async def __aiter__(self) -> AsyncIterator[ChoiceEvent]:
+        try:
+            if self._first is not None:
+                first, self._first = self._first, None
+                yield first
+            while self._unfinished:
+                yield await self._next()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel what is still running and give the permit back (sync: safe in finally
+        blocks of cancelled tasks)."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            if not task.done():
+                task.cancel()
+        self._permit.release()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except RuntimeError:  # collected after its event loop closed: nothing left to cancel
+            pass

@@ -1,0 +1,338 @@
+"""OpenAI bodies <-> engine requests and outputs.
+
+In: a validated request becomes one `EngineInput` per choice (token ids, tokenized once
+here, and SamplingParams). Out: the engine's `RequestOutput`s, merged over choices,
+become a response body or stream chunks. Nothing here does I/O.
+
+Choice indices: completions with several prompts number their choices
+prompt_index * n + i, as OpenAI does; chat has one prompt, so index = i.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from router import openai_protocol as p
+from router.errors import bad_request
+from worker.outputs import RequestOutput, TokenLogprob
+from worker.sampling_params import SamplingParams, SamplingParamsError
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    index: int  # the choice's index in the response
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+# -- requests -> engine inputs -----------------------------------------------------------
+def encode_completion_prompts(tokenizer: Any, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+    """Each prompt as token ids; text gets the tokenizer's special tokens (BOS) added."""
+    if isinstance(prompt, str):
+        return [tokenizer(prompt).input_ids]
+    if all(isinstance(x, int) for x in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    if all(isinstance(x, str) for x in prompt):
+        return [ids for ids in tokenizer(list(prompt)).input_ids]
+    return [list(ids) for ids in prompt]  # type: ignore[union-attr]
+
+
+def encode_chat(tokenizer: Any, request: p.ChatCompletionRequest) -> list[int]:
+    """The chat template renders the conversation (BOS included); then tokenize it as is."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise bad_request("This model has no chat template; use /v1/completions.", "messages")
+    messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in request.messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=request.add_generation_prompt,
+            **(request.chat_template_kwargs or {}),
+        )
+    except Exception as e:  # jinja's TemplateError (raise_exception in the template) and kin
+        raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    if num_prompt_tokens == 0:
+        raise bad_request("The prompt is empty.", "prompt")
+    requested = num_prompt_tokens + (max_tokens or 1)
+    if requested > max_model_len:
+        # Blame the prompt when it alone leaves no room for one output token.
+        param = "prompt" if num_prompt_tokens >= max_model_len or not max_tokens else "max_tokens"
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{requested} tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} in the completion). "
+            f"Please reduce the length of the prompt or the completion.",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def sampling_params(
+    request: p.CompletionRequest | p.ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+) -> SamplingParams:
+    """Choice i of a seeded request uses seed + i: reproducible, yet the n choices differ."""
+    top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=top_k,
+            min_p=request.min_p or 0.0,
+            seed=None if request.seed is None else (request.seed + choice) % 2**63,
+            repetition_penalty=request.repetition_penalty or 1.0,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            stop=tuple(request.stop_list),
+            stop_token_ids=tuple(request.stop_token_ids or ()),
+            ignore_eos=request.ignore_eos,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            logprobs=logprobs,
+            min_tokens=min(request.min_tokens, max_tokens),
+            skip_special_tokens=request.skip_special_tokens,
+        )
+    except SamplingParamsError as e:
+        raise bad_request(str(e)) from None
+
+
+def check_n(n: int, max_n: int) -> None:
+    if n > max_n:
+        raise bad_request(f"n must be at most {max_n} on this server, got {n}.", "n", "invalid_value")
+
+
+def completion_inputs(
+    request: p.CompletionRequest, tokenizer: Any, max_model_len: int, max_n: int
+) -> list[EngineInput]:
+    check_n(request.n, max_n)
+    inputs = []
+    for prompt_index, ids in enumerate(encode_completion_prompts(tokenizer, request.prompt)):
+        check_length(len(ids), request.max_tokens, max_model_len)
+        max_tokens = request.max_tokens or max_model_len - len(ids)
+        for i in range(request.n):
+            params = sampling_params(request, max_tokens, request.logprobs, i)
+            inputs.append(EngineInput(prompt_index * request.n + i, prompt_index, ids, params))
+    return inputs
+
+
+def chat_inputs(
+    request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int
+) -> list[EngineInput]:
+    check_n(request.n, max_n)
+    ids = encode_chat(tokenizer, request)
+    requested = request.max_output_tokens
+    check_length(len(ids), requested, max_model_len)
+    # No max_tokens in chat means "as long as the context allows", as with OpenAI.
+    max_tokens = requested or max_model_len - len(ids)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    return [EngineInput(i, 0, ids, sampling_params(request, max_tokens, logprobs, i)) for i in range(request.n)]
+
+
+# -- engine outputs -> bodies -------------------------------------------------------------
+class TokenTexts:
+    """Token id -> its text, cached (the vocabulary bounds the cache)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    index: int
+    prompt_index: int
+    text_parts: list[str] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def add(self, out: RequestOutput) -> None:
+        if out.text_delta:
+            self.text_parts.append(out.text_delta)
+        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        self.num_output_tokens = max(self.num_output_tokens, out.num_output_tokens)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+
+
+def usage_of(states: list[ChoiceState], prompt_lengths: list[int]) -> p.Usage:
+    prompt_tokens = sum(prompt_lengths)
+    completion_tokens = sum(s.num_output_tokens for s in states)
+    cached: dict[int, int] = {}
+    for s in states:
+        cached[s.prompt_index] = max(cached.get(s.prompt_index, 0), s.num_cached_tokens)
+    return p.Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(cached.values())),
+    )
+
+
+def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, offset: int) -> p.CompletionLogprobs:
+    """OpenAI's legacy shape: parallel lists; `text_offset` counts from the choice's start."""
+    out = p.CompletionLogprobs()
+    for entry in entries:
+        token = texts(entry.token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(entry.logprob)
+        out.top_logprobs.append({texts(t): lp for t, lp in entry.top} if entry.top else None)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> p.ChatLogprobs:
+    content = []
+    for entry in entries:
+        token = texts(entry.token_id)
+        content.append(
+            p.TokenLogprobContent(
+                token=token,
+                logprob=entry.logprob,
+                bytes=list(token.encode()),
+                top_logprobs=[
+                    p.TopLogprob(token=texts(t), logprob=lp, bytes=list(texts(t).encode())) for t, lp in entry.top
+                ],
+            )
+        )
+    return p.ChatLogprobs(content=content)
+
+
+class CompletionFormatter:
+    """Builds /v1/completions bodies and chunks."""
+
+    def __init__(self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.texts = texts
+        self.want_logprobs = want_logprobs
+        self._offsets: dict[int, int] = {}
+
+    def start_chunks(self, indices: list[int]) -> list[p.BaseModel]:
+        return []
+
+    def delta_chunk(self, index: int, out: RequestOutput) -> p.CompletionChunk | None:
+        if not out.text_delta and not out.finished and not (self.want_logprobs and out.logprobs):
+            return None
+        logprobs = None
+        if self.want_logprobs:
+            offset = self._offsets.get(index, 0)
+            logprobs = completion_logprobs(out.logprobs or [], self.texts, offset)
+            self._offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
+        choice = p.CompletionChoice(
+            index=index,
+            text=out.text_delta,
+            logprobs=logprobs,
+            finish_reason=out.finish_reason if out.finished else None,
+            stop_reason=out.stop_reason if out.finished else None,
+        )
+        return p.CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
+
+    def usage_chunk(self, usage: p.Usage) -> p.CompletionChunk:
+        return p.CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
+
+    def response(self, states: list[ChoiceState], usage: p.Usage) -> p.CompletionResponse:
+        choices = [
+            p.CompletionChoice(
+                index=s.index,
+                text=s.text,
+                logprobs=completion_logprobs(s.logprobs, self.texts, 0) if self.want_logprobs else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(states, key=lambda s: s.index)
+        ]
+        return p.CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+
+class ChatFormatter:
+    """Builds /v1/chat/completions bodies and chunks."""
+
+    def __init__(self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.texts = texts
+        self.want_logprobs = want_logprobs
+
+    def _chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
+        return p.ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+
+    def start_chunks(self, indices: list[int]) -> list[p.BaseModel]:
+        """OpenAI opens each choice with a delta that carries only the role."""
+        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))]) for i in indices]
+
+    def delta_chunk(self, index: int, out: RequestOutput) -> p.ChatCompletionChunk | None:
+        if not out.text_delta and not out.finished and not (self.want_logprobs and out.logprobs):
+            return None
+        choice = p.ChatChunkChoice(
+            index=index,
+            delta=p.ChatDelta(content=out.text_delta) if out.text_delta or not out.finished else p.ChatDelta(),
+            logprobs=chat_logprobs(out.logprobs or [], self.texts) if self.want_logprobs else None,
+            finish_reason=out.finish_reason if out.finished else None,
+            stop_reason=out.stop_reason if out.finished else None,
+        )
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: p.Usage) -> p.ChatCompletionChunk:
+        return self._chunk([], usage)
+
+    def response(self, states: list[ChoiceState], usage: p.Usage) -> p.ChatCompletionResponse:
+        choices = [
+            p.ChatChoice(
+                index=s.index,
+                message=p.ChatResponseMessage(content=s.text),
+                logprobs=chat_logprobs(s.logprobs, self.texts) if self.want_logprobs else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(states, key=lambda s: s.index)
+        ]
+        return p.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+
+
+def sse(obj: p.BaseModel | dict[str, Any]) -> str:
+    """One server-sent event. Chunks leave out null fields as OpenAI's stream does, except
+    a choice's `finish_reason` and `logprobs`, which OpenAI always sends."""
+    if isinstance(obj, p.BaseModel):
+        data = obj.model_dump(exclude_none=True)
+        for choice in data.get("choices", ()):
+            choice.setdefault("logprobs", None)
+            choice.setdefault("finish_reason", None)
+        obj = data
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,136 @@
+"""router.grpc_proxy without Ray: the cancel-safe wrapper of Serve's streaming handlers."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterator
+from typing import Any
+from unittest.mock import Mock
+
+import pytest
+
+from router import grpc_proxy
+
+
+class Handler:
+    """Stands in for Serve's unary_stream handler: yields `n` messages, then waits (for
+    the next message from a replica) until cancelled."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.cancelled = asyncio.Event()
+        self.finished = False
+
+    async def __call__(self, request: Any, context: Any) -> AsyncIterator[bytes]:
+        try:
+            for i in range(self.n):
+                yield f"{request}-{i}".encode()
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        finally:
+            self.finished = True
+
+
+class FakeContext:
+    """grpc's ServicerContext as the coroutine handler uses it: `write`, which can be held
+    (HTTP/2 flow control) to cancel the call inside it."""
+
+    def __init__(self, hold_after: int | None = None) -> None:
+        self.written: list[bytes] = []
+        self.hold_after = hold_after
+        self.holding = asyncio.Event()
+
+    async def write(self, message: bytes) -> None:
+        if self.hold_after is not None and len(self.written) >= self.hold_after:
+            self.holding.set()
+            await asyncio.Event().wait()
+        self.written.append(message)
+
+
+async def test_messages_pass_through_in_order() -> None:
+    async def finite(request: Any, context: Any) -> AsyncIterator[bytes]:
+        for i in range(3):
+            yield bytes([i])
+
+    context = FakeContext()
+    stream = grpc_proxy.cancel_safe_stream(finite)
+    assert inspect.iscoroutinefunction(stream)  # grpc's reader/writer API
+    await stream("r", context)
+    assert context.written == [b"\x00", b"\x01", b"\x02"]
+
+
+async def test_errors_pass_through() -> None:
+    async def failing(request: Any, context: Any) -> AsyncIterator[bytes]:
+        yield b"a"
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        await grpc_proxy.cancel_safe_stream(failing)("r", FakeContext())
+
+
+@pytest.mark.parametrize("hold_after", [None, 1], ids=["waiting-for-a-message", "blocked-in-a-write"])
+async def test_a_cancelled_call_cancels_the_handler_before_returning(hold_after: int | None) -> None:
+    """grpc cancels the call's task wherever it waits: for the handler's next message, or
+    in a write the client does not read. Either way the handler is cancelled inside its own
+    await, and has finished before the call's coroutine returns (grpc frees the call then)."""
+    handler = Handler(3)
+    context = FakeContext(hold_after)
+    task = asyncio.create_task(grpc_proxy.cancel_safe_stream(handler)("r", context))
+    if hold_after is None:
+        while len(context.written) < 3:
+            await asyncio.sleep(0)
+    else:
+        await context.holding.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert handler.cancelled.is_set() and handler.finished
+
+
+class FakeServeServer:
+    """The parts of Serve's gRPCGenericServer the generated add function meets."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, dict[str, Any]] = {}
+        self.service_handler_factory = self._factory
+
+    def _factory(self, service_method: str, streaming_type: str) -> Any:
+        async def stream(request: Any, context: Any) -> AsyncIterator[bytes]:
+            yield b""
+
+        async def unary(request: Any, context: Any) -> bytes:
+            return b""
+
+        return stream if streaming_type == "stream" else unary
+
+    def add_generic_rpc_handlers(self, generic_handlers: Any) -> None:
+        for name in generic_handlers[0]._method_handlers:
+            self.handlers[name] = {
+                kind: self.service_handler_factory(service_method=name, streaming_type=kind) for kind in ("stream", "unary")
+            }
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
+        pass
+
+
+def test_only_the_kvserve_streaming_handlers_are_wrapped() -> None:
+    server = FakeServeServer()
+    original = server.service_handler_factory
+    grpc_proxy.add_KVServeServicer_to_server(Mock(), server)
+    assert server.service_handler_factory == original  # put back for other services
+    assert "/kvserve.v1.KVServe/GenerateStream" in server.handlers
+    for built in server.handlers.values():
+        assert "cancel_safe_stream" in built["stream"].__qualname__
+        assert inspect.iscoroutinefunction(built["stream"])
+        assert "cancel_safe_stream" not in built["unary"].__qualname__
+
+
+def test_a_plain_grpc_server_gets_the_generated_registration() -> None:
+    import grpc
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    grpc_proxy.add_KVServeServicer_to_server(Mock(), server)  # no service_handler_factory: as generated
+    server.stop(None)
