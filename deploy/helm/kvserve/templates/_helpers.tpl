@@ -1,0 +1,317 @@
+{{/* ---------------------------------------------------------------- names and labels */}}
+
+{{- define "kvserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* KubeRay derives child names (<name>-raycluster-xxxxx-head-svc, ...) from the
+RayService name: keep it short enough for their 63-character limits. */}}
+{{- define "kvserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvserve.labels" -}}
+helm.sh/chart: {{ include "kvserve.chart" . }}
+{{ include "kvserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kvserve
+{{- end -}}
+
+{{- define "kvserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* ---------------------------------------------------------------- kvserve block */}}
+
+{{- define "kvserve.httpPort" -}}
+{{- $http := .Values.kvserve.http | default dict -}}
+{{- $http.port | default 8000 | int -}}
+{{- end -}}
+
+{{- define "kvserve.grpcPort" -}}
+{{- $grpc := .Values.kvserve.grpc | default dict -}}
+{{- $grpc.port | default 9000 | int -}}
+{{- end -}}
+
+{{/* "true" / "false": the gRPC API is on unless kvserve.grpc.enabled is false. */}}
+{{- define "kvserve.grpcEnabled" -}}
+{{- $grpc := .Values.kvserve.grpc | default dict -}}
+{{- if hasKey $grpc "enabled" -}}{{ ternary "true" "false" (eq (toString $grpc.enabled) "true") }}{{- else -}}true{{- end -}}
+{{- end -}}
+
+{{- define "kvserve.tensorParallelSize" -}}
+{{- $workers := .Values.kvserve.workers | default dict -}}
+{{- $workers.tensor_parallel_size | default 1 | int -}}
+{{- end -}}
+
+{{- define "kvserve.appName" -}}
+{{- .Values.kvserve.app_name | default "kvserve" -}}
+{{- end -}}
+
+{{- define "kvserve.routePrefix" -}}
+{{- .Values.kvserve.route_prefix | default "/" -}}
+{{- end -}}
+
+{{/* The Serve config: the same document `serve deploy` takes. applications[0].args is
+the kvserve block, verbatim (cluster.app:app_builder validates it with KVServeConfig). */}}
+{{- define "kvserve.serveConfig" -}}
+proxy_location: {{ .Values.serve.proxyLocation }}
+http_options:
+  host: 0.0.0.0
+  port: {{ include "kvserve.httpPort" . }}
+  {{- if not (kindIs "invalid" .Values.serve.requestTimeoutS) }}
+  request_timeout_s: {{ .Values.serve.requestTimeoutS }}
+  {{- end }}
+{{- if eq (include "kvserve.grpcEnabled" .) "true" }}
+grpc_options:
+  port: {{ include "kvserve.grpcPort" . }}
+  grpc_servicer_functions:
+    - router.grpc_proxy.add_KVServeServicer_to_server
+{{- end }}
+applications:
+  - name: {{ include "kvserve.appName" . }}
+    route_prefix: {{ include "kvserve.routePrefix" . }}
+    import_path: cluster.app:app_builder
+    args:
+      {{- toYaml .Values.kvserve | nindent 6 }}
+{{- end -}}
+
+{{/* ---------------------------------------------------------------- validation */}}
+
+{{/* Cross-field rules that values.schema.json cannot state (or states less clearly).
+Rendered (as nothing) at the top of rayservice.yaml, so every install/template/lint
+runs it. */}}
+{{- define "kvserve.validate" -}}
+{{- $tp := include "kvserve.tensorParallelSize" . | int -}}
+{{- $workers := .Values.kvserve.workers | default dict -}}
+{{- $names := dict -}}
+{{- $roles := dict -}}
+{{- $maxGpus := 0 -}}
+{{- range $i, $pool := .Values.pools -}}
+  {{- if hasKey $names $pool.name -}}
+    {{- fail (printf "pools: the name %q is used twice; each pool becomes a KubeRay worker group and needs its own name" $pool.name) -}}
+  {{- end -}}
+  {{- $_ := set $names $pool.name true -}}
+  {{- $_ := set $roles $pool.role true -}}
+  {{- $gpus := $pool.gpusPerPod | int -}}
+  {{- if gt $gpus $maxGpus -}}{{- $maxGpus = $gpus -}}{{- end -}}
+  {{- if ne (mod $gpus $tp) 0 -}}
+    {{- fail (printf "pools[%d] (%s): gpusPerPod=%d is not a multiple of kvserve.workers.tensor_parallel_size=%d; a tensor-parallel group must not span pods" $i $pool.name $gpus $tp) -}}
+  {{- end -}}
+  {{- if gt ($pool.minReplicas | int) ($pool.maxReplicas | int) -}}
+    {{- fail (printf "pools[%d] (%s): minReplicas=%d is greater than maxReplicas=%d" $i $pool.name ($pool.minReplicas | int) ($pool.maxReplicas | int)) -}}
+  {{- end -}}
+  {{- if or (lt ($pool.replicas | int) ($pool.minReplicas | int)) (gt ($pool.replicas | int) ($pool.maxReplicas | int)) -}}
+    {{- fail (printf "pools[%d] (%s): replicas=%d must lie in [minReplicas=%d, maxReplicas=%d]" $i $pool.name ($pool.replicas | int) ($pool.minReplicas | int) ($pool.maxReplicas | int)) -}}
+  {{- end -}}
+{{- end -}}
+{{- if or (hasKey $roles "prefill") (hasKey $roles "decode") -}}
+  {{- if hasKey $roles "mixed" -}}
+    {{- fail "pools: a 'mixed' pool cannot be combined with 'prefill'/'decode' pools; declare either mixed pools, or one prefill and one decode pool (disaggregated)" -}}
+  {{- end -}}
+  {{- if not (and (hasKey $roles "prefill") (hasKey $roles "decode")) -}}
+    {{- fail "pools: disaggregated serving needs both a 'prefill' and a 'decode' pool" -}}
+  {{- end -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $workers.num_gpus) -}}
+  {{- $numGpus := $workers.num_gpus | float64 -}}
+  {{- if gt $numGpus (float64 $maxGpus) -}}
+    {{- fail (printf "kvserve.workers.num_gpus=%v is more than any pool's gpusPerPod (%d): no worker replica could be scheduled" $workers.num_gpus $maxGpus) -}}
+  {{- end -}}
+  {{- if and (gt $tp 1) (lt $numGpus (float64 $tp)) -}}
+    {{- fail (printf "kvserve.workers.num_gpus=%v is less than tensor_parallel_size=%d: each replica needs one GPU per tensor-parallel rank" $workers.num_gpus $tp) -}}
+  {{- end -}}
+{{- end -}}
+{{- $src := .Values.modelSource -}}
+{{- if eq $src.type "pvc" -}}
+  {{- if not $src.pvc.claimName -}}
+    {{- fail "modelSource.type is 'pvc' but modelSource.pvc.claimName is empty: name the PersistentVolumeClaim that holds the model directory" -}}
+  {{- end -}}
+{{- else if eq $src.type "hostPath" -}}
+  {{- if not $src.hostPath.path -}}
+    {{- fail "modelSource.type is 'hostPath' but modelSource.hostPath.path is empty: give the node directory that holds the model" -}}
+  {{- end -}}
+{{- end -}}
+{{- if ne $src.type "none" -}}
+  {{- $model := .Values.kvserve.model | default dict -}}
+  {{- $path := "" -}}
+  {{- if kindIs "string" $model -}}{{- $path = $model -}}{{- else -}}{{- $path = $model.path | default "" -}}{{- end -}}
+  {{- $mount := trimSuffix "/" $src.mountPath -}}
+  {{- if not (or (eq $path $mount) (hasPrefix (printf "%s/" $mount) $path)) -}}
+    {{- fail (printf "kvserve.model.path=%q does not lie under modelSource.mountPath=%q: the engine would not find the mounted model (set kvserve.model.path to %q, or modelSource.type to 'none')" $path $src.mountPath $src.mountPath) -}}
+  {{- end -}}
+{{- end -}}
+{{- if .Values.gcsFaultTolerance.enabled -}}
+  {{- if not .Values.gcsFaultTolerance.redisAddress -}}
+    {{- fail "gcsFaultTolerance.enabled is true but gcsFaultTolerance.redisAddress is empty (host:port of the Redis that stores the GCS state)" -}}
+  {{- end -}}
+{{- end -}}
+{{- if and (eq .Values.rayAuth.mode "secret") (not .Values.rayAuth.existingSecret) -}}
+  {{- fail "rayAuth.mode is 'secret' but rayAuth.existingSecret is empty: name the Secret that holds the Ray auth token" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* ---------------------------------------------------------------- pod pieces */}}
+
+{{- define "kvserve.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+fsGroup: {{ .Values.securityContext.fsGroup }}
+# Only chown the model volume when its root does not match (a model PVC holds many GBs).
+fsGroupChangePolicy: OnRootMismatch
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "kvserve.containerSecurityContext" -}}
+runAsNonRoot: true
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: {{ .Values.securityContext.readOnlyRootFilesystem }}
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* Env common to every Ray container. Writable caches go to /tmp (an emptyDir), so the
+root filesystem can stay read-only. */}}
+{{- define "kvserve.env" -}}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/cache
+- name: HF_HOME
+  value: /tmp/cache/huggingface
+- name: HF_HUB_OFFLINE
+  value: {{ ternary "0" "1" (eq .Values.modelSource.type "none") | quote }}
+- name: TRITON_CACHE_DIR
+  value: /tmp/cache/triton
+- name: PYTHONDONTWRITEBYTECODE
+  value: "1"
+{{- if eq .Values.rayAuth.mode "secret" }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.rayAuth.existingSecret }}
+      key: {{ .Values.rayAuth.key }}
+{{- end }}
+{{- if .Values.apiKeys.existingSecret }}
+- name: KVSERVE_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKeys.existingSecret }}
+      key: {{ .Values.apiKeys.key }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvserve.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: dshm
+  mountPath: /dev/shm
+{{- if ne .Values.modelSource.type "none" }}
+- name: model
+  mountPath: {{ .Values.modelSource.mountPath }}
+  readOnly: true
+  {{- if and (eq .Values.modelSource.type "pvc") .Values.modelSource.pvc.subPath }}
+  subPath: {{ .Values.modelSource.pvc.subPath }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvserve.volumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.securityContext.tmpSizeLimit }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.securityContext.shmSizeLimit }}
+{{- if eq .Values.modelSource.type "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .Values.modelSource.pvc.claimName }}
+    readOnly: {{ not .Values.modelSource.initContainer.enabled }}
+{{- else if eq .Values.modelSource.type "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ .Values.modelSource.hostPath.path }}
+    type: {{ .Values.modelSource.hostPath.type }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvserve.initContainers" -}}
+{{- $init := .Values.modelSource.initContainer -}}
+{{- if and $init.enabled (ne .Values.modelSource.type "none") }}
+- name: model-init
+  image: {{ default (include "kvserve.image" .) $init.image }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  {{- with $init.command }}
+  command: {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $init.args }}
+  args: {{- toYaml . | nindent 4 }}
+  {{- end }}
+  env:
+    - name: MODEL_DIR
+      value: {{ .Values.modelSource.mountPath }}
+    - name: HOME
+      value: /tmp
+    {{- with $init.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with $init.resources }}
+  resources: {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext: {{- include "kvserve.containerSecurityContext" . | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: model
+      mountPath: {{ .Values.modelSource.mountPath }}
+      {{- if and (eq .Values.modelSource.type "pvc") .Values.modelSource.pvc.subPath }}
+      subPath: {{ .Values.modelSource.pvc.subPath }}
+      {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Container ports of a Ray pod that serves traffic (the Serve proxy runs on it). */}}
+{{- define "kvserve.servePorts" -}}
+- name: serve
+  containerPort: {{ include "kvserve.httpPort" . }}
+  protocol: TCP
+{{- if eq (include "kvserve.grpcEnabled" .) "true" }}
+- name: grpc
+  containerPort: {{ include "kvserve.grpcPort" . }}
+  protocol: TCP
+{{- end }}
+- name: metrics
+  containerPort: 8080
+  protocol: TCP
+{{- end -}}
+
+{{/* `ray start --resources` takes a JSON object; KubeRay wants it as a quoted string. */}}
+{{- define "kvserve.poolResources" -}}
+{{- $res := dict (printf "kvserve_pool_%s" .role) (.gpusPerPod | int) -}}
+{{- toJson $res | quote -}}
+{{- end -}}
