@@ -1,0 +1,444 @@
+"""The KV-headroom routing policy (router/headroom.py), without Ray."""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Mapping
+
+import pytest
+
+from kv.block_hash import hash_full_blocks
+from router.headroom import (
+    MODE_HEADROOM,
+    MODE_LOAD_GATE,
+    MODE_POW2,
+    HeadroomParams,
+    Ranking,
+    ReplicaReport,
+    ReplicaView,
+    RequestProfile,
+    ReservationLedger,
+    load_gate_tripped,
+    rank_replicas,
+    score_replica,
+)
+
+BS = 16
+NOW = 1_000.0
+PARAMS = HeadroomParams(stats_period_s=1.0, stale_after_periods=3.0, expected_output_tokens=256)
+
+
+def report(
+    free_blocks: int,
+    *,
+    num_waiting: int = 0,
+    reserved_blocks: int = 0,
+    prefix_hashes: list[int] | tuple[int, ...] = (),
+    timestamp: float = NOW - 0.5,
+    total_blocks: int = 1000,
+    block_size: int = BS,
+) -> ReplicaReport:
+    stats = {
+        "free_blocks": free_blocks,
+        "total_blocks": total_blocks,
+        "block_size": block_size,
+        "num_running": 0,
+        "num_waiting": num_waiting,
+        "num_waiting_prompt_tokens": num_waiting * block_size,
+        "reserved_blocks": reserved_blocks,
+        "prefix_hashes": list(prefix_hashes),
+        "timestamp": timestamp,
+    }
+    parsed = ReplicaReport.from_stats(stats)
+    assert parsed is not None
+    return parsed
+
+
+def small_request(i: int = 0) -> RequestProfile:
+    # 8 prompt tokens + 8 decode tokens = exactly one 16-token block.
+    return RequestProfile(prompt_token_ids=[1000 + i] * 8, max_tokens=8)
+
+
+def views_for(reports: Mapping[str, ReplicaReport | None], ledger: ReservationLedger) -> list[ReplicaView]:
+    views = []
+    for key, rep in reports.items():
+        if rep is not None:
+            ledger.observe_report(key, rep.timestamp)
+        blocks, requests = ledger.unreflected(key)
+        views.append(ReplicaView(key, rep, blocks, requests, queue_len=ledger.outstanding(key)))
+    return views
+
+
+def dispatch(
+    reports: Mapping[str, ReplicaReport | None],
+    requests: list[RequestProfile],
+    params: HeadroomParams = PARAMS,
+    ledger: ReservationLedger | None = None,
+    now: float = NOW,
+    rng: random.Random | None = None,
+) -> tuple[Counter[str], list[Ranking]]:
+    """What a router does for a burst with no new reports: rank, send to the top replica,
+    reserve its need there at dispatch time."""
+    ledger = ledger if ledger is not None else ReservationLedger(params.report_lag_s)
+    rng = rng or random.Random(0)
+    counts: Counter[str] = Counter()
+    rankings = []
+    for i, req in enumerate(requests):
+        ranking = rank_replicas(req, views_for(reports, ledger), params, now, rng)
+        top = ranking.order[0]
+        ledger.reserve(f"req-{i}-{len(ledger)}", top, ranking.need_blocks, now)
+        counts[top] += 1
+        rankings.append(ranking)
+    return counts, rankings
+
+
+# ---------------------------------------------------------------- need and score
+
+
+def test_need_counts_prompt_plus_capped_decode_in_one_ceil() -> None:
+    req = RequestProfile(prompt_token_ids=list(range(40)), max_tokens=100)
+    assert req.total_blocks(BS, expected_output_tokens=256) == 9  # ceil(140 / 16)
+    long = RequestProfile(prompt_token_ids=list(range(40)), max_tokens=4000)
+    assert long.total_blocks(BS, expected_output_tokens=256) == 19  # ceil((40 + 256) / 16)
+    assert long.total_blocks(BS, expected_output_tokens=0) == 3  # ceil(40 / 16)
+
+
+def test_cached_blocks_is_a_leading_match_capped_below_the_last_token() -> None:
+    tokens = list(range(64))  # 4 full blocks
+    hashes = hash_full_blocks(tokens, BS)
+    req = RequestProfile(prompt_token_ids=tokens + [7], max_tokens=1)
+    # Blocks 0, 1 and 3 cached, block 2 not: only the leading two count.
+    assert req.cached_blocks(BS, frozenset([hashes[0], hashes[1], hashes[3]])) == 2
+    assert req.cached_blocks(BS, frozenset(hashes)) == 4
+    # A prompt of exactly 4 blocks: the engine recomputes the last token, so at most 3 hit.
+    exact = RequestProfile(prompt_token_ids=tokens, max_tokens=1)
+    assert exact.cached_blocks(BS, frozenset(hashes)) == 3
+    # Hashes of another block size never match.
+    assert req.cached_blocks(32, frozenset(hashes)) == 0
+
+
+def test_score_formula() -> None:
+    req = RequestProfile(prompt_token_ids=list(range(40)), max_tokens=100)  # need 9
+    view = ReplicaView("r", report(100, reserved_blocks=10, num_waiting=3), unreflected_blocks=5, unreflected_requests=2)
+    s = score_replica(req, view, PARAMS)
+    assert (s.capacity, s.need_blocks, s.score, s.fits, s.queue_depth) == (90, 9, 76, True, 5)
+    assert s.rank_key == pytest.approx(76 / 90)
+    # headroom_share: this router may promise only half of the free blocks.
+    half = score_replica(req, view, HeadroomParams(headroom_share=0.5, stats_period_s=1.0))
+    assert (half.capacity, half.score) == (40, 26)
+
+
+def test_score_subtracts_cached_blocks_and_adds_prefix_credit() -> None:
+    prefix = list(range(512))  # 32 blocks
+    req = RequestProfile(prompt_token_ids=prefix + [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=8)
+    cached_view = ReplicaView("a", report(200, prefix_hashes=hash_full_blocks(prefix, BS)))
+    cold_view = ReplicaView("b", report(200))
+    hot, cold = score_replica(req, cached_view, PARAMS), score_replica(req, cold_view, PARAMS)
+    assert (hot.cached_blocks, hot.need_blocks, hot.score) == (32, 1, 199)  # ceil(528/16) - 32
+    assert (cold.cached_blocks, cold.need_blocks, cold.score) == (0, 33, 167)
+    assert hot.rank_key == pytest.approx(199 / 200 + 1.0)  # fully cached: credit = prefix_weight
+    assert cold.rank_key == pytest.approx(167 / 200)
+
+
+# ---------------------------------------------------------------- herding
+
+
+def test_burst_of_200_spreads_in_proportion_to_headroom() -> None:
+    reports = {"r100": report(100), "r200": report(200), "r300": report(300)}
+    counts, rankings = dispatch(reports, [small_request(i) for i in range(200)])
+    # 200 one-block requests over 600 free blocks: each replica keeps 2/3 of its headroom.
+    assert counts == {"r100": 33, "r200": 67, "r300": 100}
+    # A proportional burst never trips the load gate by itself.
+    assert {r.mode for r in rankings} == {MODE_HEADROOM}
+
+
+def test_without_dispatch_time_reservations_the_burst_herds() -> None:
+    """The failure mode the ledger exists for: with only the last report, every request of
+    the burst goes to the replica that looked emptiest."""
+    reports = {"r100": report(100), "r200": report(200), "r300": report(300)}
+    views = [ReplicaView(k, r) for k, r in reports.items()]
+    tops = {rank_replicas(small_request(i), views, PARAMS, NOW, random.Random(0)).order[0] for i in range(200)}
+    assert tops == {"r300"}
+
+
+def test_burst_proportions_hold_for_multi_block_requests() -> None:
+    reports = {"a": report(100), "b": report(300)}
+    reqs = [RequestProfile(prompt_token_ids=list(range(40)), max_tokens=8) for _ in range(40)]  # 3 blocks each
+    counts, _ = dispatch(reports, reqs)
+    assert counts == {"a": 10, "b": 30}  # 120 of 400 blocks, 30% of each replica
+
+
+# ---------------------------------------------------------------- running out of headroom
+
+
+def test_replica_with_no_headroom_gets_nothing_while_others_have_headroom() -> None:
+    reports = {
+        "full": report(0),
+        "queued": report(40, reserved_blocks=40),  # free blocks all promised to its queue
+        "a": report(50),
+        "b": report(50),
+    }
+    counts, _ = dispatch(reports, [small_request(i) for i in range(100)])
+    assert counts == {"a": 50, "b": 50}
+
+
+def test_replica_that_runs_out_mid_burst_stops_receiving() -> None:
+    reports = {"small": report(10), "big": report(100)}
+    reqs = [RequestProfile(prompt_token_ids=[5] * 40, max_tokens=8) for _ in range(36)]  # 3 blocks each
+    counts, rankings = dispatch(reports, reqs)
+    # Proportional until "small" holds 3 requests (9 of 10 blocks; a 4th needs 12), then
+    # everything goes to "big" until it is full too (33 x 3 = 99 of 100 blocks).
+    assert counts == {"small": 3, "big": 33}
+    stopped = next(i for i, r in enumerate(rankings) if not r.scores["small"].fits)
+    assert all(r.order[0] == "big" for r in rankings[stopped:])
+    assert rankings[-1].order == ("big", "small")  # no longer fits: last, kept as a fallback
+    assert stopped < 35
+
+
+def test_when_nothing_fits_least_deficit_first() -> None:
+    reports = {"a": report(2), "b": report(5), "c": report(0)}
+    req = RequestProfile(prompt_token_ids=[1] * 100, max_tokens=8)  # 7 blocks
+    ranking = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
+    assert ranking.order == ("b", "a", "c")
+    assert [ranking.scores[k].score for k in ranking.order] == [-2, -5, -7]
+
+
+# ---------------------------------------------------------------- prefix affinity and the load gate
+
+
+def prefix_requests(prefix: list[int], n: int) -> list[RequestProfile]:
+    return [RequestProfile(prompt_token_ids=prefix + [9000 + i] * 8, max_tokens=8) for i in range(n)]
+
+
+def test_prefix_affinity_wins_while_the_cached_replica_has_headroom() -> None:
+    prefix = list(range(512))
+    reports = {
+        "cold-big": report(1000),
+        "cached": report(60, prefix_hashes=hash_full_blocks(prefix, BS)),
+        "cold": report(200),
+    }
+    counts, rankings = dispatch(reports, prefix_requests(prefix, 10))
+    assert counts == {"cached": 10}
+    assert {r.mode for r in rankings} == {MODE_HEADROOM}
+
+
+def test_prefix_affinity_ends_when_the_cached_replica_runs_out_of_headroom() -> None:
+    prefix = list(range(512))
+    reports = {"cached": report(4, prefix_hashes=hash_full_blocks(prefix, BS)), "cold": report(1000)}
+    counts, _ = dispatch(reports, prefix_requests(prefix, 10))
+    assert counts == {"cached": 4, "cold": 6}  # each needs 1 block there, 33 elsewhere
+
+
+def test_partial_prefix_match_earns_partial_credit() -> None:
+    prefix = list(range(512))
+    hashes = hash_full_blocks(prefix, BS)
+    reports = {"half": report(200, prefix_hashes=hashes[:16]), "cold": report(200)}
+    req = prefix_requests(prefix, 1)[0]
+    ranking = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
+    half = ranking.scores["half"]
+    assert half.cached_blocks == 16
+    assert half.rank_key == pytest.approx((200 - 17) / 200 + 16 / 32)
+    assert ranking.order[0] == "half"
+
+
+def test_prefix_affinity_loses_to_the_load_gate_when_overloaded() -> None:
+    prefix = list(range(512))
+    hashes = hash_full_blocks(prefix, BS)
+    reports = {
+        "cached": report(800, num_waiting=30, reserved_blocks=60, prefix_hashes=hashes),
+        "a": report(800),
+        "b": report(700),
+    }
+    ranking = rank_replicas(prefix_requests(prefix, 1)[0], views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
+    assert ranking.mode == MODE_LOAD_GATE
+    assert ranking.order == ("a", "b", "cached")  # least-loaded first; equal depth: rank_key
+    # Without the gate the cached replica would have won.
+    no_gate = HeadroomParams(stats_period_s=1.0, load_gate_threshold=1e9)
+    ungated = rank_replicas(prefix_requests(prefix, 1)[0], views_for(reports, ReservationLedger()), no_gate, NOW, random.Random(0))
+    assert ungated.mode == MODE_HEADROOM and ungated.order[0] == "cached"
+
+
+def test_affinity_hot_spot_built_in_one_burst_is_capped_by_the_gate() -> None:
+    prefix = list(range(512))
+    reports = {
+        "cached": report(1000, prefix_hashes=hash_full_blocks(prefix, BS)),
+        "a": report(1000),
+        "b": report(1000),
+    }
+    counts, rankings = dispatch(reports, prefix_requests(prefix, 90))
+    # Affinity until "cached" holds more than its fair third + 16, then least-loaded.
+    assert rankings[0].mode == MODE_HEADROOM
+    assert MODE_LOAD_GATE in {r.mode for r in rankings}
+    assert counts["cached"] - 90 / 3 <= PARAMS.load_gate_threshold + 1
+    assert counts["a"] > 0 and counts["b"] > 0
+    assert counts == {"cached": 46, "a": 22, "b": 22}  # 46 = fair 30 + threshold 16
+
+
+def test_kv_usage_alone_hides_a_long_waiting_queue() -> None:
+    # "busy" looks emptier by KV, but 30 requests wait there (e.g. max_num_seqs reached).
+    reports = {"busy": report(500, num_waiting=30, reserved_blocks=30), "idle": report(300)}
+    ranking = rank_replicas(small_request(), views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
+    assert ranking.mode == MODE_LOAD_GATE
+    assert ranking.order == ("idle", "busy")
+
+
+def test_load_gate_counts_unreflected_dispatches_as_queue_depth() -> None:
+    r = report(100)
+    balanced = [score_replica(small_request(), ReplicaView(k, r, unreflected_requests=n), PARAMS) for k, n in (("a", 10), ("b", 10))]
+    assert not load_gate_tripped(balanced, PARAMS)
+    skewed = [score_replica(small_request(), ReplicaView(k, r, unreflected_requests=n), PARAMS) for k, n in (("a", 40), ("b", 0))]
+    assert load_gate_tripped(skewed, PARAMS)  # excess 40 - 20 = 20 > 16
+
+
+# ---------------------------------------------------------------- stale / missing stats
+
+
+def test_all_stats_stale_falls_back_to_power_of_two_on_queue_length() -> None:
+    old = NOW - 3.5  # stale after 3 x 1 s
+    views = [
+        ReplicaView("q0", report(900, timestamp=old), queue_len=0),
+        ReplicaView("q5", report(900, timestamp=old), queue_len=5),
+        ReplicaView("q9", None, queue_len=9),  # never reported
+    ]
+    rng = random.Random(1234)
+    firsts: Counter[str] = Counter()
+    for _ in range(600):
+        ranking = rank_replicas(small_request(), views, PARAMS, NOW, rng)
+        assert ranking.mode == MODE_POW2
+        assert sorted(ranking.order) == ["q0", "q5", "q9"]
+        firsts[ranking.order[0]] += 1
+    # The shorter queue of a random pair: q0 wins 2/3 of pairs, q5 1/3, q9 never.
+    assert firsts["q9"] == 0
+    assert 350 < firsts["q0"] < 450 and 150 < firsts["q5"] < 250
+
+
+def test_stats_just_inside_the_staleness_window_are_used() -> None:
+    views = [ReplicaView("a", report(10, timestamp=NOW - 2.9)), ReplicaView("b", report(900, timestamp=NOW - 2.9))]
+    ranking = rank_replicas(small_request(), views, PARAMS, NOW, random.Random(0))
+    assert ranking.mode == MODE_HEADROOM and ranking.order == ("b", "a")
+
+
+def test_mixed_fresh_and_stale_ranks_fitting_then_stale_then_full() -> None:
+    views = [
+        ReplicaView("full", report(0)),
+        ReplicaView("stale", report(900, timestamp=NOW - 60)),
+        ReplicaView("fresh", report(100)),
+        ReplicaView("new", None),
+    ]
+    ranking = rank_replicas(small_request(), views, PARAMS, NOW, random.Random(0))
+    assert ranking.mode == MODE_HEADROOM
+    assert ranking.order[0] == "fresh"
+    assert set(ranking.order[1:3]) == {"stale", "new"}
+    assert ranking.order[3] == "full"
+
+
+def test_request_without_token_ids_uses_power_of_two() -> None:
+    views = [ReplicaView("a", report(0), queue_len=3), ReplicaView("b", report(900), queue_len=1)]
+    ranking = rank_replicas(None, views, PARAMS, NOW, random.Random(0))
+    assert ranking.mode == MODE_POW2
+    assert ranking.order == ("b", "a")  # two replicas: both sampled, shorter queue first
+    assert ranking.need_blocks == {}
+
+
+# ---------------------------------------------------------------- the reservation ledger
+
+
+def test_reservation_counts_until_a_report_taken_after_dispatch() -> None:
+    ledger = ReservationLedger(report_lag_s=0.05)
+    ledger.observe_report("r", NOW - 1.0)
+    ledger.reserve("x", "r", {"r": 7}, now=NOW)
+    assert ledger.unreflected("r") == (7, 1)
+    ledger.observe_report("r", NOW + 0.01)  # taken before the request can have arrived
+    assert ledger.unreflected("r") == (7, 1)
+    ledger.observe_report("r", NOW + 0.2)  # reflects it
+    assert ledger.unreflected("r") == (0, 0)
+    assert ledger.outstanding("r") == 1  # still running there
+    ledger.complete("x", "r")
+    assert ledger.outstanding("r") == 0 and len(ledger) == 0
+
+
+def test_completion_releases_an_unreflected_reservation() -> None:
+    ledger = ReservationLedger()
+    ledger.reserve("x", "r", {"r": 4}, now=NOW)
+    ledger.reserve("y", "r", {"r": 2}, now=NOW)
+    ledger.complete("x", "r")
+    assert ledger.unreflected("r") == (2, 1)
+
+
+def test_reservation_moves_when_serve_sends_the_request_elsewhere() -> None:
+    ledger = ReservationLedger()
+    ledger.reserve("x", "top", {"top": 1, "second": 33}, now=NOW)
+    ledger.routed("x", "second")  # "top" refused (max_ongoing_requests)
+    assert ledger.unreflected("top") == (0, 0)
+    assert ledger.unreflected("second") == (33, 1)
+    # A late completion of the refused attempt on "top" must not drop the live reservation.
+    ledger.complete("x", "top")
+    assert ledger.unreflected("second") == (33, 1)
+    ledger.complete("x", "second")
+    assert len(ledger) == 0
+
+
+def test_rechoice_replaces_the_earlier_reservation() -> None:
+    ledger = ReservationLedger()
+    ledger.reserve("x", "a", {"a": 5, "b": 6}, now=NOW)
+    ledger.reserve("x", "b", {"a": 5, "b": 6}, now=NOW + 0.1)
+    assert ledger.unreflected("a") == (0, 0)
+    assert ledger.unreflected("b") == (6, 1)
+    assert len(ledger) == 1
+
+
+def test_routed_after_completion_is_a_no_op() -> None:
+    ledger = ReservationLedger()
+    ledger.reserve("x", "a", {"a": 5}, now=NOW)
+    ledger.complete("x", "a")  # a fast request finished before Serve reported it routed
+    ledger.routed("x", "a")
+    assert len(ledger) == 0 and ledger.unreflected("a") == (0, 0)
+
+
+def test_prune_drops_gone_replicas_and_abandoned_reservations() -> None:
+    ledger = ReservationLedger()
+    ledger.reserve("gone", "dead", {"dead": 3}, now=NOW)
+    ledger.reserve("abandoned", "a", {"a": 3}, now=NOW - 120)  # never confirmed
+    ledger.reserve("running", "a", {"a": 4}, now=NOW - 120)
+    ledger.routed("running", "a")
+    dropped = ledger.prune(NOW, {"a"}, unconfirmed_ttl_s=60, ttl_s=3600)
+    assert dropped == 2
+    assert "running" in ledger and len(ledger) == 1
+    assert ledger.unreflected("a") == (4, 1)
+    assert ledger.unreflected("dead") == (0, 0)
+
+
+def test_burst_then_fresh_reports_resets_the_view() -> None:
+    """After a report reflects the burst, the router trusts the report, not its ledger."""
+    ledger = ReservationLedger(PARAMS.report_lag_s)
+    reports = {"a": report(100), "b": report(100)}
+    dispatch(reports, [small_request(i) for i in range(50)], ledger=ledger)
+    assert ledger.unreflected("a")[0] + ledger.unreflected("b")[0] == 50
+    # The replicas now report what the burst holds (25 blocks each), taken after it.
+    later = {"a": report(75, timestamp=NOW + 0.5), "b": report(75, timestamp=NOW + 0.5)}
+    views = views_for(later, ledger)
+    assert [(v.unreflected_blocks, v.unreflected_requests) for v in views] == [(0, 0), (0, 0)]
+    assert [ledger.outstanding(k) for k in later] == [25, 25]
+
+
+# ---------------------------------------------------------------- parsing and parameters
+
+
+def test_report_parsing() -> None:
+    assert ReplicaReport.from_stats(None) is None
+    assert ReplicaReport.from_stats({}) is None
+    assert ReplicaReport.from_stats({"free_blocks": 3}) is None
+    assert ReplicaReport.from_stats({"free_blocks": 1, "total_blocks": 1, "block_size": 0, "timestamp": 1.0}) is None
+    rep = ReplicaReport.from_stats(
+        {"free_blocks": 5, "total_blocks": 9, "block_size": 16, "timestamp": 2.0, "prefix_hashes": [3, 4]}
+    )
+    assert rep is not None and rep.prefix_hashes == frozenset({3, 4}) and rep.num_waiting == 0
+
+
+def test_params_from_kwargs() -> None:
+    p = HeadroomParams.from_kwargs({"stats_period_s": 0.5, "load_gate_threshold": 4})
+    assert p.stale_after_s == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="unknown"):
+        HeadroomParams.from_kwargs({"load_gate": 4})
+    with pytest.raises(ValueError, match="headroom_share"):
+        HeadroomParams(headroom_share=0.0)
