@@ -30,7 +30,7 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "cluster.cli:register_serve",
     "config": "cluster.cli:register_config",
     "complete": "cluster.grpc_cli:register",
-    "bench": "benchmarks.cli:register",
+    "bench": "cluster.bench_serve:register",
 }
 
 
