@@ -63,11 +63,14 @@ class TorchPagedAttention:
         values = value_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
         positions = torch.arange(max_len, device=q.device)
         mask = (positions[None, :] < group.context_lens[:, None])[:, None, None, :]
+        # GQA without expanding K/V: query heads are grouped by the KV head they read
+        # (q head h uses kv head h // group_size, as in transformers' repeat_kv), so the
+        # group's queries ride in SDPA's query-length axis: (D, Hkv, group_size, Dh).
+        group_size = num_heads // num_kv_heads
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
+            q.view(num_seqs, num_kv_heads, group_size, head_dim), keys, values, attn_mask=mask, scale=scale
         )
-        return out.squeeze(2)
+        return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
