@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import warnings
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
-from cluster.config import KVServeConfig
+from cluster.config import KVSERVE_POLICY, AutoscalingSection, KVServeConfig
 from router.ingress import Ingress
 from router.settings import IngressSettings
 from worker.replica import WorkerReplica
@@ -32,12 +33,47 @@ KV_HEADROOM_ROUTER = "router.request_router:KVHeadroomRouter"
 # Streams per ingress replica beyond its 429 bound that still reach it: /health, /metrics,
 # /v1/models must answer while it is saturated with generation requests.
 _INGRESS_CONTROL_HEADROOM = 64
+# How often a replica being removed checks whether its last request has finished.
+_DRAIN_POLL_S = 0.5
+# AutoscalingConfig.metrics_interval_s's default (ray.serve.config.DEFAULT_METRICS_INTERVAL_S).
+_SERVE_METRICS_INTERVAL_S = 10.0
 
 
 def build_app(config: KVServeConfig) -> Application:
+    if config.disaggregation is not None:
+        return build_disaggregated_app(config)
     worker = serve.deployment(WorkerReplica, name=WORKER_DEPLOYMENT).options(**worker_options(config))
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
-    return ingress.bind(worker.bind(config.engine_config()), ingress_settings(config))
+    engine = worker.bind(config.engine_config(), drain_timeout_s=config.workers.drain_timeout_s)
+    return ingress.bind(engine, ingress_settings(config))
+
+
+PREFILL_DEPLOYMENT = "prefill"
+DECODE_DEPLOYMENT = "decode"
+PREFILL_POOL_ROUTER = "router.disagg:PrefillPoolRouter"
+
+
+def build_disaggregated_app(config: KVServeConfig) -> Application:
+    """ingress -> prefill pool (exports KV) -> decode pool (imports it): router/disagg.py."""
+    assert config.disaggregation is not None
+    pools = {}
+    for name, section in ((PREFILL_DEPLOYMENT, config.disaggregation.prefill), (DECODE_DEPLOYMENT, config.disaggregation.decode)):
+        pool_config = config.model_copy(update={"workers": section})
+        options = worker_options(pool_config)
+        router = options.get("request_router_config")
+        if name == PREFILL_DEPLOYMENT and router is not None:
+            # The same policy, plus: release_kv goes to the replica that pinned the blocks.
+            # (Rebuilt, not model_copy'd: the config serializes the class when validated.)
+            fields = {k: getattr(router, k) for k in type(router).model_fields if k != "request_router_class"}
+            options["request_router_config"] = RequestRouterConfig(request_router_class=PREFILL_POOL_ROUTER, **fields)
+        deployment = serve.deployment(WorkerReplica, name=name).options(**options)
+        pools[name] = deployment.bind(pool_config.engine_config(), drain_timeout_s=section.drain_timeout_s)
+    ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
+    return ingress.bind(
+        pools[DECODE_DEPLOYMENT], ingress_settings(config),
+        prefill_worker=pools[PREFILL_DEPLOYMENT],
+        max_waiting_for_decode=config.disaggregation.max_waiting_for_decode,
+    )
 
 
 def app_builder(args: dict[str, Any]) -> Application:
@@ -54,7 +90,12 @@ def ingress_settings(config: KVServeConfig) -> IngressSettings:
         max_body_bytes=i.max_body_bytes,
         max_n=i.max_n,
         request_timeout_s=i.request_timeout_s,
+        max_migrations=i.max_migrations,
         trust_remote_code=config.model.trust_remote_code,
+        api_keys_env=i.api_keys_env,
+        max_concurrent_requests_per_key=i.max_concurrent_requests_per_key,
+        tokens_per_minute_per_key=i.tokens_per_minute_per_key,
+        metrics_public=i.metrics_public,
     )
 
 
@@ -76,29 +117,57 @@ def worker_options(config: KVServeConfig) -> dict[str, Any]:
         "ray_actor_options": worker_resources(config),
         "health_check_period_s": w.health_check_period_s,
         "health_check_timeout_s": w.health_check_timeout_s,
+        # Removing a replica (scale-down, redeploy, shutdown): Serve stops routing to it,
+        # polls its ongoing requests every wait_loop_s until none is left, then calls
+        # WorkerReplica.__del__ (which stops the engine) and kills the actor; it kills it
+        # anyway once timeout_s has passed.
+        "graceful_shutdown_timeout_s": w.drain_timeout_s,
+        "graceful_shutdown_wait_loop_s": _DRAIN_POLL_S,
     }
     if w.autoscaling is not None:
-        a = w.autoscaling
-        autoscaling: dict[str, Any] = {
-            "min_replicas": a.min_replicas,
-            "max_replicas": a.max_replicas,
-            "target_ongoing_requests": a.target_ongoing_requests,
-            "upscale_delay_s": a.upscale_delay_s,
-            "downscale_delay_s": a.downscale_delay_s,
-            "look_back_period_s": a.look_back_period_s,
-        }
-        if a.initial_replicas is not None:
-            autoscaling["initial_replicas"] = a.initial_replicas
-        if a.policy != "serve":
-            autoscaling["policy"] = {"policy_function": a.policy, "policy_kwargs": dict(a.policy_kwargs)}
-        options["autoscaling_config"] = AutoscalingConfig(**autoscaling)
+        options["autoscaling_config"] = autoscaling_config(w.autoscaling)
         options["num_replicas"] = "auto"
     else:
         options["num_replicas"] = w.num_replicas
     router = request_router_config(config)
     if router is not None:
         options["request_router_config"] = router
+    if w.tensor_parallel_size > 1:
+        # One bundle per TP rank on one node: the replica (rank 0) takes bundle 0 and its
+        # rank actors the others, each its whole bundle (worker/tp/runner.py).
+        bundle = {"CPU": options["ray_actor_options"]["num_cpus"]}
+        if options["ray_actor_options"].get("num_gpus"):
+            bundle["GPU"] = options["ray_actor_options"]["num_gpus"]
+        options["placement_group_bundles"] = [dict(bundle) for _ in range(w.tensor_parallel_size)]
+        options["placement_group_strategy"] = "STRICT_PACK"
     return options
+
+
+def autoscaling_config(a: AutoscalingSection) -> AutoscalingConfig:
+    """Serve's AutoscalingConfig for the worker pool. kvserve's policy runs as the class
+    QueueDepthPolicy, which Serve instantiates once with `policy_kwargs` (the typed
+    targets); Serve applies the delays and bounds to what it returns."""
+    fields: dict[str, Any] = {
+        "min_replicas": a.min_replicas,
+        "max_replicas": a.max_replicas,
+        "target_ongoing_requests": a.target_ongoing_requests,
+        "upscale_delay_s": a.upscale_delay_s,
+        "downscale_delay_s": a.downscale_delay_s,
+        "look_back_period_s": a.look_back_period_s,
+    }
+    if a.metrics_interval_s != _SERVE_METRICS_INTERVAL_S:  # Serve warns on any explicit value
+        fields["metrics_interval_s"] = a.metrics_interval_s
+    if a.initial_replicas is not None:
+        fields["initial_replicas"] = a.initial_replicas
+    if a.uses_kvserve_policy():
+        fields["policy"] = AutoscalingPolicy(policy_function=KVSERVE_POLICY, policy_kwargs=a.kvserve_policy_kwargs())
+    elif a.policy != "serve":
+        fields["policy"] = AutoscalingPolicy(policy_function=a.policy, policy_kwargs=dict(a.policy_kwargs))
+    with warnings.catch_warnings():
+        # metrics_interval_s is deprecated in favour of an environment variable that Ray 2.60
+        # does not read yet; it is the only way to set the push interval.
+        warnings.filterwarnings("ignore", message=".*metrics_interval_s.*deprecated", category=DeprecationWarning)
+        return AutoscalingConfig(**fields)
 
 
 def worker_resources(config: KVServeConfig) -> dict[str, Any]:
@@ -136,7 +205,13 @@ def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
         return None
     return RequestRouterConfig(
         request_router_class=KV_HEADROOM_ROUTER,
-        request_router_kwargs=dict(config.routing.router_kwargs),
+        # The router must know the real report period to judge staleness; with several
+        # ingress replicas each has a private view, so each may promise only its share.
+        request_router_kwargs={
+            "stats_period_s": config.routing.stats_period_s,
+            "headroom_share": 1.0 / config.ingress.num_replicas,
+            **config.routing.router_kwargs,
+        },
         request_routing_stats_period_s=config.routing.stats_period_s,
     )
 

@@ -27,14 +27,21 @@ prompt is more prefill work than thirty short ones.
 
 A change is applied only once it has been wanted continuously for `upscale_delay_s`
 (up) or `downscale_delay_s` (down): short bursts do not add GPU pods, and a lull does not
-tear down replicas that the next burst needs. The policy state carries that pending
-decision between calls. Scale-to-zero is off unless asked for: a pool keeps one replica
-(loading a model takes minutes).
+tear down replicas that the next burst needs. Under Serve, Serve itself applies those
+delays: Ray 2.60 wraps every custom deployment policy in
+`ray.serve.autoscaling_policy._apply_autoscaling_config` (cold start, scaling factors,
+the delays, then bounds). So the Serve adapter below returns the undelayed demand; delaying
+it here as well would not just double the delay, the two timers reset each other and the
+pool never moves (each side sees "no change wanted" while the other one waits).
+`apply_delays` is the same rule for callers outside Serve (and is unit-tested as such).
+Scale-to-zero is off unless asked for: a pool keeps one replica (loading a model takes
+minutes).
 
-Use (serveConfigV2 / KVServeConfig `workers.autoscaling.policy`):
-    cluster.autoscaling:queue_depth_policy     defaults (mixed or decode pool)
-    cluster.autoscaling:QueueDepthPolicy       a class; Serve passes `policy_kwargs`
-                                                (role, targets, ceiling, scale_to_zero)
+Use: KVServeConfig `workers.autoscaling` (role, target_waiting_per_replica,
+target_waiting_prompt_tokens_per_replica, kv_usage_ceiling, scale_to_zero); cluster/app.py
+then deploys `cluster.autoscaling:QueueDepthPolicy`, a class that Serve instantiates once
+with those as `policy_kwargs` (ray/serve/_private/autoscaling_state.py). The plain function
+`queue_depth_policy` (defaults only: Serve gives a function no kwargs) is for other callers.
 
 The decision itself (`desired_replicas`, `apply_delays`, `decide`) is plain Python and
 needs no Ray; `QueueDepthPolicy.__call__` adapts Serve's AutoscalingContext to it.
@@ -215,12 +222,11 @@ class QueueDepthPolicy:
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         """ctx: ray.serve.config.AutoscalingContext."""
-        config = ctx.config
+        # No delays here: Serve applies config.upscale_delay_s / downscale_delay_s to what
+        # this returns (see the module docstring; a second timer here deadlocks with it).
         bounds = Bounds(
             min_replicas=int(ctx.capacity_adjusted_min_replicas),
             max_replicas=int(ctx.capacity_adjusted_max_replicas),
-            upscale_delay_s=float(getattr(config, "upscale_delay_s", 0.0) or 0.0),
-            downscale_delay_s=float(getattr(config, "downscale_delay_s", 0.0) or 0.0),
         )
         try:
             queued = float(ctx.total_queued_requests or 0.0)

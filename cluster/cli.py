@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,7 +106,33 @@ def register_serve(subparsers: Any) -> None:
     parser.add_argument("--address", help="an existing Ray cluster to join (default: start a local one)")
     parser.add_argument("--num-cpus", type=int, help="logical CPUs of the local Ray cluster")
     parser.add_argument("--dashboard", action="store_true", help="start the Ray dashboard (local cluster)")
+    parser.add_argument("--no-grpc", action="store_true",
+                        help="do not start the gRPC proxy (Serve's listens on every interface)")
     parser.set_defaults(func=run_serve)
+
+
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def listen_warnings(config: KVServeConfig, environ: dict[str, str] | None = None) -> list[str]:
+    """What `kvserve serve` exposes beyond this machine, as warning lines.
+
+    HTTP binds `http.host` (127.0.0.1 unless --host asks otherwise). Serve 2.60's gRPC
+    proxy has no host option: it binds [::]:port, every interface
+    (ray/serve/_private/grpc_util.py start_grpc_server), so it is reachable from the
+    network whenever it is on."""
+    env = os.environ if environ is None else environ
+    keys_env = config.ingress.api_keys_env
+    auth_on = bool(keys_env and env.get(keys_env, "").strip(" ,"))
+    lines = []
+    if config.http.host not in _LOOPBACK_HOSTS:
+        lines.append(f"HTTP listens on {config.http.host}:{config.http.port}, beyond this machine"
+                     + ("" if auth_on else f"; no API keys are set (${keys_env}): anyone who can reach it may use it"))
+    if config.grpc.enabled:
+        lines.append(f"gRPC listens on every interface ([::]:{config.grpc.port}; Serve has no host option for it)"
+                     + ("" if auth_on else f" and no API keys are set (${keys_env})")
+                     + "; use --no-grpc or a firewall to keep it local")
+    return lines
 
 
 def local_num_cpus(config: KVServeConfig) -> int:
@@ -120,8 +147,35 @@ def local_num_cpus(config: KVServeConfig) -> int:
     return max(os.cpu_count() or 1, math.ceil(wanted))
 
 
+def drain_ingress(app_name: str, timeout_s: float) -> None:
+    """Graceful shutdown, first half: every ingress replica answers new requests 503 while
+    the running ones finish, up to `timeout_s` (then serve.shutdown cuts what is left)."""
+    from ray import serve
+
+    from cluster.app import INGRESS_DEPLOYMENT
+
+    try:
+        handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name)
+        deadline = time.monotonic() + timeout_s
+        method = "begin_drain"
+        while True:
+            results = handle.broadcast(method).results(timeout_s=10, return_exceptions=True)
+            method = "num_in_flight"
+            in_flight = sum(r for r in results if isinstance(r, int))
+            if in_flight == 0 or time.monotonic() >= deadline:
+                break
+            print(f"kvserve: draining: {in_flight} request(s) in flight", flush=True)
+            time.sleep(0.5)
+        if in_flight:
+            print(f"kvserve: drain timeout ({timeout_s:g} s): cutting {in_flight} request(s)", flush=True)
+    except Exception as e:  # the app never came up, or is gone already: nothing to drain
+        print(f"kvserve: drain skipped: {type(e).__name__}: {e}", flush=True)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if getattr(args, "no_grpc", False):
+        config = config.with_overrides({"grpc.enabled": False})
     engine_config = config.engine_config()  # fails early (and readably) on a missing model
 
     import ray
@@ -162,13 +216,18 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvserve: HTTP (OpenAI API) on http://{config.http.host}:{config.http.port}{config.route_prefix.rstrip('/')}/v1", flush=True)
         if grpc:
             # Serve's gRPC proxy has no host option: it listens on every interface.
-            print(f"kvserve: gRPC on 0.0.0.0:{config.grpc.port} (service kvserve.v1.KVServe)", flush=True)
+            print(f"kvserve: gRPC on [::]:{config.grpc.port} (service kvserve.v1.KVServe)", flush=True)
+        elif not config.grpc.enabled:
+            print("kvserve: gRPC off", flush=True)
         else:
             print("kvserve: gRPC not available (protos.kvserve.v1 stubs not found)", flush=True)
+        for line in listen_warnings(config):
+            print(f"kvserve: WARNING: {line}", file=sys.stderr, flush=True)
         print("kvserve: Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
             pass
         print("kvserve: shutting down ...", flush=True)
+        drain_ingress(config.app_name, config.workers.drain_timeout_s)
     finally:
         try:
             serve.shutdown()

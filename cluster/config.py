@@ -112,20 +112,72 @@ class EngineSection(_Section):
         return v
 
 
+# kvserve's own policy (cluster/autoscaling.py), by either of its import paths; both run
+# as the class, which Serve instantiates with the typed fields below as `policy_kwargs`.
+KVSERVE_POLICY = "cluster.autoscaling:QueueDepthPolicy"
+KVSERVE_POLICIES = (KVSERVE_POLICY, "cluster.autoscaling:queue_depth_policy")
+# The typed fields that are QueueDepthPolicy's constructor arguments.
+KVSERVE_POLICY_FIELDS = (
+    "role",
+    "target_waiting_per_replica",
+    "target_waiting_prompt_tokens_per_replica",
+    "kv_usage_ceiling",
+    "scale_to_zero",
+)
+
+
 class AutoscalingSection(_Section):
-    min_replicas: int = Field(1, ge=0)
+    min_replicas: int = Field(1, ge=0)  # 0 only with scale_to_zero: true
     max_replicas: int = Field(4, ge=1)
     initial_replicas: int | None = Field(None, ge=0)
-    # Ongoing requests per worker replica that Serve's default policy aims at.
+    # -- kvserve's queue-depth / KV-usage policy (cluster/autoscaling.py:QueueDepthPolicy).
+    # mixed/decode pools size on waiting requests, prefill pools on waiting prompt tokens;
+    # every pool also on KV usage.
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
+    target_waiting_per_replica: float = Field(4.0, gt=0)
+    target_waiting_prompt_tokens_per_replica: float = Field(8192.0, gt=0)
+    kv_usage_ceiling: float = Field(0.85, gt=0, le=1)  # used/all KV blocks per replica, mean
+    # Let an idle pool go to zero replicas (then a request waits for a model load).
+    scale_to_zero: bool = False
+    # -- Serve's built-in policy (`policy: serve`) aims at this many ongoing requests per replica.
     target_ongoing_requests: float = Field(64.0, gt=0)
+    # -- Timing, applied by Serve to whichever policy runs. A change happens once it has been
+    # wanted continuously for the delay; metrics are averaged over look_back_period_s.
     upscale_delay_s: float = Field(10.0, ge=0)
     downscale_delay_s: float = Field(120.0, ge=0)
-    look_back_period_s: float = Field(30.0, gt=0)  # > Serve's metrics interval (10 s)
-    # The scaling policy, "module:function_or_class". Default: kvserve's queue-depth / KV
-    # usage policy (cluster/autoscaling.py); "serve": Serve's built-in policy, which
-    # scales on target_ongoing_requests.
-    policy: str = "cluster.autoscaling:queue_depth_policy"
+    # Serve warns (and will refuse in a later release) unless this exceeds metrics_interval_s.
+    look_back_period_s: float = Field(30.0, gt=0)
+    # How often replicas (and handles) push their stats to Serve's controller. Ray 2.60 reads
+    # this AutoscalingConfig field (deprecated, default 10 s); its successor environment
+    # variable RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S is defined but not read.
+    metrics_interval_s: float = Field(10.0, gt=0)
+    # The scaling policy, "module:function_or_class". Default: kvserve's policy above;
+    # "serve": Serve's built-in policy; anything else: a custom policy, given policy_kwargs
+    # (when it is a class). For kvserve's policy, policy_kwargs may carry the typed fields
+    # above instead (they are moved there).
+    policy: str = KVSERVE_POLICY
     policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_policy_kwargs(cls, data: Any) -> Any:
+        """`policy_kwargs: {role: decode}` for kvserve's policy -> `role: decode`."""
+        if not isinstance(data, dict) or data.get("policy", KVSERVE_POLICY) not in KVSERVE_POLICIES:
+            return data
+        kwargs = data.get("policy_kwargs") or {}
+        if not isinstance(kwargs, dict) or not kwargs:
+            return data
+        unknown = sorted(set(kwargs) - set(KVSERVE_POLICY_FIELDS))
+        if unknown:
+            raise ValueError(f"policy_kwargs {unknown} are not settings of kvserve's policy "
+                             f"(known: {', '.join(KVSERVE_POLICY_FIELDS)})")
+        data = dict(data)
+        for key, value in kwargs.items():
+            if key in data and data[key] != value:
+                raise ValueError(f"{key} is set twice, as {data[key]!r} and in policy_kwargs as {value!r}")
+            data[key] = value
+        data["policy_kwargs"] = {}
+        return data
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscalingSection:
@@ -133,9 +185,19 @@ class AutoscalingSection(_Section):
             raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError("initial_replicas must lie in [min_replicas, max_replicas]")
+        if self.min_replicas == 0 and not self.scale_to_zero:
+            raise ValueError("min_replicas 0 needs scale_to_zero: true (an idle pool then has no "
+                             "replica, and the next request waits for a model load)")
         if self.policy != "serve" and ":" not in self.policy:
             raise ValueError(f"policy must be 'module:function' or 'serve', got {self.policy!r}")
         return self
+
+    def uses_kvserve_policy(self) -> bool:
+        return self.policy in KVSERVE_POLICIES
+
+    def kvserve_policy_kwargs(self) -> dict[str, Any]:
+        """QueueDepthPolicy's constructor arguments (JSON-serialisable, as Serve requires)."""
+        return {name: getattr(self, name) for name in KVSERVE_POLICY_FIELDS}
 
 
 class WorkersSection(_Section):
@@ -149,12 +211,18 @@ class WorkersSection(_Section):
     autoscaling: AutoscalingSection | None = None
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
+    # A replica Serve removes (scale-down, redeploy, shutdown) gets this long to finish its
+    # running requests before it is killed (Serve's graceful_shutdown_timeout_s); requests
+    # still running then are cut, and the ingress resumes them on another replica
+    # (ingress.max_migrations). It also bounds how long a scale-down or shutdown takes.
+    drain_timeout_s: float = Field(60.0, ge=0)
 
     @field_validator("tensor_parallel_size")
     @classmethod
-    def _tp_is_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("tensor parallelism is not available yet; tensor_parallel_size must be 1")
+    def _tp_is_positive(cls, v: int) -> int:
+        # Whether the model's heads split over v ranks is checked when the engine loads it.
+        if v < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
         return v
 
 
@@ -167,6 +235,20 @@ class IngressSection(_Section):
     max_body_bytes: int = Field(4 * 1024**2, gt=0)  # larger bodies: 413
     max_n: int = Field(16, ge=1)  # bound on `n` (choices per request)
     request_timeout_s: float = Field(600.0, gt=0)
+    # A stream whose worker replica dies is resumed on another one (prompt + the tokens
+    # already sent; greedy output unchanged) at most this many times; 0: fail it (503).
+    max_migrations: int = Field(2, ge=0)
+    # API keys (router/auth.py): the environment variable holding them, comma-separated,
+    # each a plaintext key or `sha256:<hex digest>` (hashed at start-up; plaintext is not
+    # kept). Unset or empty: authentication off. The Helm chart fills KVSERVE_API_KEYS
+    # from a Secret.
+    api_keys_env: str | None = "KVSERVE_API_KEYS"
+    # Per API key and ingress replica (429 beyond): requests in flight, and tokens per
+    # minute (prompt + max_tokens charged at admission, the unused part refunded).
+    max_concurrent_requests_per_key: int | None = Field(None, ge=1)
+    tokens_per_minute_per_key: int | None = Field(None, ge=1)
+    # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
+    metrics_public: bool = False
 
     @field_validator("max_body_bytes", mode="before")
     @classmethod
@@ -191,6 +273,19 @@ class RoutingSection(_Section):
     router_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class DisaggregationSection(_Section):
+    """Prefill/decode disaggregation (router/disagg.py): two worker pools instead of one
+    mixed pool. Each pool is a worker deployment with its own replicas, resources and
+    autoscaling (give them `role: prefill` / `role: decode`); both use the routing section's
+    router. The `workers` section is then unused."""
+
+    prefill: WorkersSection = WorkersSection()
+    decode: WorkersSection = WorkersSection()
+    # Requests per ingress replica admitted but not yet decoding (waiting for their prefill
+    # or for a decode replica); one more is answered 429 before any work is done.
+    max_waiting_for_decode: int = Field(256, ge=1)
+
+
 class KVServeConfig(_Section):
     app_name: str = "kvserve"
     route_prefix: str = "/"
@@ -201,6 +296,7 @@ class KVServeConfig(_Section):
     http: HTTPSection = HTTPSection()
     grpc: GRPCSection = GRPCSection()
     routing: RoutingSection = RoutingSection()
+    disaggregation: DisaggregationSection | None = None
 
     @field_validator("model", mode="before")
     @classmethod
@@ -263,6 +359,7 @@ class KVServeConfig(_Section):
                 seed=self.model.seed,
                 num_threads=e.num_threads,
                 trust_remote_code=self.model.trust_remote_code,
+                tensor_parallel_size=self.workers.tensor_parallel_size,
             ),
             cache=CacheConfig(
                 block_size=e.block_size,

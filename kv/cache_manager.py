@@ -120,6 +120,17 @@ class KVCacheManager:
         if blocks:
             self.pool.free(reversed(blocks))
 
+    def pin(self, request_id: str) -> list[Block]:
+        """Take one more reference on each of the request's blocks, so that they outlive
+        `free(request_id)` (an exported request's blocks stay put until the decode side has
+        them). Give them back with `unpin`."""
+        blocks = list(self._blocks.get(request_id, ()))
+        self.pool.touch(blocks)
+        return blocks
+
+    def unpin(self, blocks: list[Block]) -> None:
+        self.pool.free(reversed(blocks))
+
     def stats(self) -> KVStats:
         return KVStats(
             total_blocks=self.pool.num_blocks,

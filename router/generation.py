@@ -26,6 +26,7 @@ from typing import Any
 
 from router import errors
 from router.metrics import IngressMetrics
+from router.migration import Migration, is_replica_failure
 from router.openai_convert import EngineInput
 from worker.engine import RequestError
 from worker.outputs import RequestOutput
@@ -60,8 +61,11 @@ class InFlightLimiter:
         self.limit = limit
         self.in_flight = 0
         self._metrics = metrics
+        self.draining = False  # shutting down: refuse new requests (503), finish the others
 
     def acquire(self, weight: int) -> Permit:
+        if self.draining:
+            raise errors.APIError(503, "The server is shutting down; retry on another instance.", "server_error", None, "shutting_down")
         # A request heavier than the whole bound still runs when it is alone.
         weight = min(weight, self.limit)
         if self.in_flight + weight > self.limit:
@@ -91,13 +95,13 @@ def api_error_of(error: BaseException) -> errors.APIError:
     name = type(cause).__name__
     if name == "BackPressureError":
         return errors.APIError(429, "The workers' queues are full; retry later.", "rate_limit_error", None, "server_overloaded")
-    if name in ("DeploymentUnavailableError", "ActorDiedError", "ActorUnavailableError", "EngineDeadError"):
+    if name == "DeploymentUnavailableError" or is_replica_failure(error):
         return errors.APIError(503, f"No worker is available: {name}.", "server_error", None, "service_unavailable")
     logger.error("request failed: %r", error)
     return errors.internal(f"The request failed: {name}.")
 
 
-def _use_child_request_id(index: int) -> None:
+def _use_child_request_id(index: int | str) -> None:
     """Give this task's handle calls their own Serve internal request id.
 
     Serve 2.60 gives every handle call made while serving one request that request's
@@ -149,8 +153,11 @@ class GenerationStream:
         timeout_s: float,
         metrics: IngressMetrics,
         arrival_time: float | None = None,  # time.monotonic() when the HTTP request came in
+        max_migrations: int = 2,  # resumes per engine request after a replica dies (router/migration.py)
     ) -> None:
         self._handle = generate_handle
+        self._max_migrations = max_migrations
+        self.num_migrations = 0
         self.inputs = inputs
         self.request_id = request_id
         self._permit = permit
@@ -177,19 +184,35 @@ class GenerationStream:
 
     async def _feed(self, index: int, request: GenerateRequest) -> None:
         _use_child_request_id(index)  # this task's own context: the others are untouched
-        response = self._handle.generate.remote(request)
-        finished = False
-        try:
-            async for out in response:
-                finished = out.finished
-                self._queue.put_nowait((index, out))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            self._queue.put_nowait((index, e))
-        finally:
-            if not finished:
-                response.cancel()  # the worker's generator is cancelled -> engine abort
+        migration = Migration(request, self._max_migrations)
+        while True:
+            response = self._handle.generate.remote(migration.request)
+            finished = False
+            try:
+                async for out in response:
+                    finished = out.finished
+                    self._queue.put_nowait((index, migration.observe(out)))
+                return
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                # The replica died mid-stream (or before the first token): resume elsewhere
+                # from prompt + the tokens already streamed, within the migration limit.
+                if migration.next_request(e) is None:
+                    if migration.num_migrations:
+                        logger.warning("request %s: replica failed again after %d migrations: %r",
+                                       request.request_id, migration.num_migrations, e)
+                    self._queue.put_nowait((index, e))
+                    return
+                self.num_migrations += 1
+                self._metrics.migrations.labels(self._metrics.model_name).inc()
+                logger.warning("request %s: replica failed (%s); migrating with %d tokens (%d/%d)",
+                               request.request_id, type(e).__name__, len(migration.generated_token_ids),
+                               migration.num_migrations, migration.max_migrations)
+                _use_child_request_id(f"{index}-m{migration.num_migrations}")
+            finally:
+                if not finished:
+                    response.cancel()  # the worker's generator is cancelled -> engine abort
 
     async def _next(self) -> ChoiceEvent:
         try:

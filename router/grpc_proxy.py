@@ -24,6 +24,12 @@ and Serve's generator still reads it: a first version that let it outlive the ca
 crashed the proxy with a segfault in `context.peer()`). The queue holds what the client
 has not read yet: at most one request's messages.
 
+Undecodable requests. grpc answers a message its deserializer cannot parse (truncated,
+wrong wire types, a string field that is not UTF-8) with INTERNAL ("Exception
+deserializing request!"), as if the server had failed. Here the KVServe deserializers
+return an `Undecodable` marker instead, and the handlers answer it INVALID_ARGUMENT in
+the proxy, before anything reaches a replica.
+
 Only the KVServe service's handlers are wrapped, and only when `server` is Serve's
 gRPCGenericServer (it builds handlers through `service_handler_factory`); anywhere else
 this is the plain generated function.
@@ -31,6 +37,7 @@ this is the plain generated function.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -49,24 +56,84 @@ class _Raised:
         self.error = error
 
 
+class Undecodable:
+    """What a KVServe deserializer returns for bytes that are not the request message."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    @property
+    def details(self) -> str:
+        return f"The request is not a valid protobuf message of the method's request type ({self.reason})."
+
+
+def tolerant_deserializer(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    @functools.wraps(deserialize)
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as e:  # DecodeError, a bad UTF-8 string field, ...
+            return Undecodable(type(e).__name__)
+
+    return parse
+
+
 def add_KVServeServicer_to_server(servicer: Any, server: Any) -> None:  # noqa: N802 (grpc's name)
     factory = getattr(server, "service_handler_factory", None)
     if factory is None or not callable(factory):
         pb_grpc.add_KVServeServicer_to_server(servicer, server)
         return
-    # Serve builds the handlers while the service is added: wrap the factory for this
-    # service only, then put the original back.
+    # Serve builds the handlers while the service is added: wrap the factory (and the
+    # registration methods, for the deserializers) for this service only, then put the
+    # originals back.
+    add_generic = server.add_generic_rpc_handlers
+    add_registered = getattr(server, "add_registered_method_handlers", None)
+
+    def add_generic_tolerant(generic_rpc_handlers: Any) -> Any:
+        for handler in generic_rpc_handlers:
+            methods = getattr(handler, "_method_handlers", None)
+            if isinstance(methods, dict):
+                handler._method_handlers = _tolerant_handlers(methods)
+        return add_generic(generic_rpc_handlers)
+
+    def add_registered_tolerant(service_name: str, method_handlers: dict[str, Any]) -> Any:
+        return add_registered(service_name, _tolerant_handlers(method_handlers))  # type: ignore[misc]
+
     server.service_handler_factory = _cancel_safe_factory(factory)
+    server.add_generic_rpc_handlers = add_generic_tolerant
+    if add_registered is not None:
+        server.add_registered_method_handlers = add_registered_tolerant
     try:
         pb_grpc.add_KVServeServicer_to_server(servicer, server)
     finally:
         server.service_handler_factory = factory
+        server.add_generic_rpc_handlers = add_generic
+        if add_registered is not None:
+            server.add_registered_method_handlers = add_registered
+
+
+def _tolerant_handlers(method_handlers: dict[str, Any]) -> dict[str, Any]:
+    return {
+        name: h._replace(request_deserializer=tolerant_deserializer(h.request_deserializer))
+        if hasattr(h, "_replace") and getattr(h, "request_deserializer", None) is not None
+        else h
+        for name, h in method_handlers.items()
+    }
 
 
 def _cancel_safe_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
     def build(*args: Any, **kwargs: Any) -> Any:
         handler = factory(*args, **kwargs)
-        return cancel_safe_stream(handler) if inspect.isasyncgenfunction(handler) else handler
+        if inspect.isasyncgenfunction(handler):
+            return cancel_safe_stream(handler)
+        if inspect.iscoroutinefunction(handler):
+            return rejecting_undecodable(handler)
+        return handler
 
     return build
 
@@ -84,6 +151,9 @@ def cancel_safe_stream(handler: Callable[..., AsyncIterator[Any]]) -> Callable[.
     """
 
     async def stream(request: Any, context: Any) -> None:
+        if isinstance(request, Undecodable):
+            await _abort_undecodable(request, context)
+            return
         queue: asyncio.Queue[Any] = asyncio.Queue()  # unbounded: the pump never waits on it
 
         async def pump() -> None:
@@ -114,3 +184,21 @@ def cancel_safe_stream(handler: Callable[..., AsyncIterator[Any]]) -> Callable[.
             await asyncio.wait([task])  # returns when it has finished; never raises
 
     return stream
+
+
+def rejecting_undecodable(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """A unary handler that answers an Undecodable request INVALID_ARGUMENT itself."""
+
+    async def unary(request: Any, context: Any) -> Any:
+        if isinstance(request, Undecodable):
+            await _abort_undecodable(request, context)
+            return None
+        return await handler(request, context)
+
+    return unary
+
+
+async def _abort_undecodable(request: Undecodable, context: Any) -> None:
+    import grpc
+
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)

@@ -13,7 +13,8 @@ the in-flight bound, and stream the engine request through the worker handle
 (router/generation.py, so the KV-headroom router places it).
 
 Errors. Each user-visible error is a router.errors.APIError, mapped to a gRPC status:
-400/413 -> INVALID_ARGUMENT, 404 -> NOT_FOUND, 429 -> RESOURCE_EXHAUSTED,
+400 -> INVALID_ARGUMENT, 401 -> UNAUTHENTICATED, 404 -> NOT_FOUND, 413 (a request over
+`max_body_bytes`, as grpc says for a message over its own limit) and 429 -> RESOURCE_EXHAUSTED,
 503 -> UNAVAILABLE, 504 -> DEADLINE_EXCEEDED, 500 -> INTERNAL. The code travels back
 through `grpc_context.set_code/set_details`; how it reaches the client differs:
 - unary RPCs return an empty message after setting the code (Serve copies the context
@@ -56,6 +57,7 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import errors
 from router import openai_convert as convert
 from router import openai_protocol as p
+from router.auth import ANONYMOUS, JointPermit, Principal, grpc_authorization
 from router.generation import GenerationStream, InFlightLimiter, api_error_of
 from router.metrics import IngressMetrics
 from router.settings import IngressSettings
@@ -72,10 +74,12 @@ T = TypeVar("T")
 # Requests above this many bytes are tokenized off the event loop (as the HTTP path does).
 _LARGE_REQUEST_BYTES = 64 * 1024
 _HEALTH_TIMEOUT_S = 10.0
+MAX_REQUEST_ID_CHARS = 128
 
 STATUS_CODES: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
-    413: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     404: grpc.StatusCode.NOT_FOUND,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     500: grpc.StatusCode.INTERNAL,
@@ -281,7 +285,7 @@ class GrpcServicerMixin:
     ) -> pb.GenerateResponse:
         clock = _Clock()
         try:
-            stream = await self._grpc_start(request, clock)
+            stream = await self._grpc_start(request, clock, self._grpc_authenticate(grpc_context))
             response = pb.GenerateResponse(request_id=stream.request_id, model=self._grpc_host.settings.served_model_name)
             texts = self._grpc_host.texts
             try:
@@ -295,6 +299,7 @@ class GrpcServicerMixin:
                         _set_finish(response, out)
             finally:
                 stream.close()  # also when the client cancels (CancelledError here)
+                _settle(stream, response.usage.prompt_tokens + response.usage.completion_tokens)
         except errors.APIError as e:
             error = _fail(grpc_context, e)
             if grpc_context is None:
@@ -308,10 +313,12 @@ class GrpcServicerMixin:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         clock = _Clock()
         try:
-            stream = await self._grpc_start(request, clock)
+            stream = await self._grpc_start(request, clock, self._grpc_authenticate(grpc_context))
         except errors.APIError as e:
             raise _fail(grpc_context, e) from None
         texts = self._grpc_host.texts
+        used = 0  # prompt + completion tokens so far, for the key's budget
+        num_prompt = 0
         try:
             async for event in stream:
                 out = event.output
@@ -324,6 +331,8 @@ class GrpcServicerMixin:
                     text=out.text_delta,
                     logprobs=token_logprobs(out.logprobs, texts),
                 )
+                num_prompt = max(num_prompt, out.num_prompt_tokens)
+                used = num_prompt + out.num_output_tokens
                 if out.finished:
                     _set_finish(message, out)
                 message.timing.CopyFrom(clock.timing())
@@ -334,13 +343,16 @@ class GrpcServicerMixin:
             # Runs on client cancellation too: Serve cancels this generator, and closing
             # the stream cancels the worker call, which aborts the engine request.
             stream.close()
+            _settle(stream, used)
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext | None = None
     ) -> pb.TokenizeResponse:
         host = self._grpc_host
         try:
+            self._grpc_authenticate(grpc_context)
             model = self._grpc_model(request.model)
+            _check_size(request, host.settings.max_body_bytes)
             ids = await _off_loop_if_large(request.ByteSize(), tokenize, request, model, host.tokenizer)
             info = await self._grpc_info()
         except errors.APIError as e:
@@ -358,6 +370,7 @@ class GrpcServicerMixin:
     ) -> pb.ListModelsResponse:
         host = self._grpc_host
         try:
+            self._grpc_authenticate(grpc_context)
             info = await self._grpc_info()
         except errors.APIError as e:
             error = _fail(grpc_context, e)
@@ -400,6 +413,13 @@ class GrpcServicerMixin:
         self, request: pb.StatsRequest, grpc_context: RayServegRPCContext | None = None
     ) -> pb.StatsResponse:
         host = self._grpc_host
+        try:
+            self._grpc_authenticate(grpc_context)
+        except errors.APIError as e:
+            error = _fail(grpc_context, e)
+            if grpc_context is None:
+                raise error from None
+            return pb.StatsResponse()
         response = pb.StatsResponse(
             ingress_in_flight=host.limiter.in_flight,
             ingress_max_in_flight=host.limiter.limit,
@@ -421,6 +441,15 @@ class GrpcServicerMixin:
     def _grpc_host(self) -> IngressHost:
         return cast(IngressHost, self)
 
+    def _grpc_authenticate(self, grpc_context: RayServegRPCContext | None) -> Principal:
+        """The caller, from the `authorization: Bearer KEY` metadata; APIError 401 (->
+        UNAUTHENTICATED) when keys are configured and it is missing or wrong."""
+        api_keys = getattr(self, "api_keys", None)
+        if api_keys is None or not api_keys.enabled:
+            return ANONYMOUS
+        metadata = grpc_context.invocation_metadata() if grpc_context is not None else None
+        return api_keys.authenticate(grpc_authorization(metadata))
+
     def _grpc_model(self, model: str) -> str:
         """The served model's name; empty means it. Another name: NOT_FOUND."""
         served = self._grpc_host.settings.served_model_name
@@ -436,26 +465,58 @@ class GrpcServicerMixin:
         except Exception as e:  # no worker, a dead worker: the worker call failed
             raise api_error_of(e) from None
 
-    async def _grpc_start(self, request: pb.GenerateRequest, clock: _Clock) -> GenerationStream:
+    async def _grpc_start(
+        self, request: pb.GenerateRequest, clock: _Clock, principal: Principal = ANONYMOUS
+    ) -> GenerationStream:
         """Validates, takes a share of the in-flight bound, sends the engine request and
         waits for its first output (so that errors before any token have their status)."""
         host = self._grpc_host
         model = self._grpc_model(request.model)
-        permit = host.limiter.acquire(1)
+        _check_size(request, host.settings.max_body_bytes)
+        # The client's id names the engine request and appears in logs: short and printable.
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
+            raise errors.bad_request(
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters.", "request_id", "invalid_value"
+            )
+        admit = getattr(self, "admit", None)  # the ingress's: the key's limits + in-flight share
+        permit = admit(principal, 1) if admit is not None else host.limiter.acquire(1)
         try:
             info = await self._grpc_info()
             inputs = await _off_loop_if_large(
                 request.ByteSize(), engine_inputs, request, model, host.tokenizer, info["max_model_len"]
             )
+            if isinstance(permit, JointPermit):
+                self.charge(permit, inputs)  # type: ignore[attr-defined]
         except BaseException:
             permit.release()
             raise
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
         stream = GenerationStream(
-            host._generate, inputs, request_id, permit, host.settings.request_timeout_s, host.metrics, clock.arrival
+            host._generate, inputs, request_id, permit, host.settings.request_timeout_s, host.metrics, clock.arrival,
+            max_migrations=host.settings.max_migrations,
         )
-        await stream.start()
+        try:
+            await stream.start()
+        except BaseException:
+            if isinstance(permit, JointPermit):
+                permit.settle(0)
+            raise
         return stream
+
+
+def _check_size(request: Any, limit: int) -> None:
+    """The HTTP body cap for gRPC messages too (Serve's proxy accepts up to 2 GiB)."""
+    if request.ByteSize() > limit:
+        raise errors.APIError(
+            413, f"The request message is larger than {limit} bytes.", "invalid_request_error", None, "request_too_large"
+        )
+
+
+def _settle(stream: GenerationStream, used_tokens: int) -> None:
+    """Refunds the unused part of the request's token charge (router/auth.py)."""
+    permit = getattr(stream, "_permit", None)
+    if isinstance(permit, JointPermit):
+        permit.settle(used_tokens)
 
 
 async def _awaited(awaitable: Any) -> Any:

@@ -4,14 +4,17 @@ Each handler is thin: read and validate the body, convert it (router/openai_conv
 tokenized once, here), send the engine requests through the worker handle
 (router/generation.py), convert the outputs back. Limits, checked before any work:
 
+- no or a wrong API key (when keys are configured, router/auth.py) -> 401
 - body over `max_body_bytes`                    -> 413 (Content-Length, then while reading)
 - malformed JSON, unknown field, bad value       -> 400
 - unknown model                                  -> 404
 - prompt + max_tokens over max_model_len, n over max_n -> 400
 - more than `max_queued_requests` (weighted by n) in flight on this replica -> 429 at once
+- over the API key's concurrent requests or tokens per minute -> 429 at once
 - no result within `request_timeout_s`           -> 504
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics; the
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics; all but
+/health need the API key when keys are configured (/metrics too, unless metrics_public). The
 gRPC methods come from router/grpc_servicer.py's mixin (same helpers, same limits).
 
 No `from __future__ import annotations` here: Serve rebuilds the FastAPI routes of the
@@ -20,6 +23,7 @@ class, and FastAPI must then resolve the handlers' annotations (`Request`) at ru
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,7 +37,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import errors
 from router import openai_convert as convert
+from router.auth import ANONYMOUS, ApiKeys, JointPermit, KeyLimits, Principal, worst_case_tokens
 from router import openai_protocol as p
+from router.disagg import DisaggregatedGenerate
 from router.generation import GenerationStream, InFlightLimiter, Permit
 from router.metrics import CONTENT_TYPE, IngressMetrics
 from router.settings import IngressSettings
@@ -87,7 +93,25 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise errors.bad_request(f"The request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
+    if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(data):
+        # JSON may spell a lone UTF-16 surrogate ("\ud83d"); Python keeps it in the str,
+        # and the tokenizer and the response encoder then fail on it (a 500 before this).
+        raise errors.bad_request(
+            "The request body contains a lone UTF-16 surrogate escape (such as \\ud83d without its pair); "
+            "strings must be valid Unicode.", None, "invalid_json"
+        )
     return data
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def parse(model: type[M], data: dict[str, Any]) -> M:
@@ -123,6 +147,7 @@ async def _sse_events(
     prompt_lengths: list[int],
     include_usage: bool,
     continuous_usage: bool,
+    settle: Callable[[int], None] | None = None,  # tokens used, for the key's budget
 ) -> AsyncIterator[str]:
     """`data: {chunk}` events, an optional usage chunk, then `data: [DONE]`. An error
     after the first token can only be reported in the stream: an error event, then DONE."""
@@ -146,6 +171,8 @@ async def _sse_events(
         yield convert.sse(errors.internal(f"The request failed: {type(e).__name__}.").body())
     finally:
         stream.close()  # also on client disconnect (this generator is cancelled)
+        if settle is not None:
+            settle(convert.usage_of(list(states.values()), prompt_lengths).total_tokens)
     yield convert.SSE_DONE
 
 
@@ -153,31 +180,51 @@ async def _sse_events(
 # class uses must be defined above this line.
 @serve.ingress(app)
 class Ingress(GrpcServicerMixin):
-    def __init__(self, worker: Any, settings: IngressSettings) -> None:
+    def __init__(
+        self, worker: Any, settings: IngressSettings, prefill_worker: Any = None, max_waiting_for_decode: int = 256
+    ) -> None:
         self.settings = settings
-        self.worker = worker  # DeploymentHandle of the worker deployment
+        self.worker = worker  # DeploymentHandle of the worker deployment (the decode pool when disaggregated)
         self._generate = worker.options(stream=True)
+        if prefill_worker is not None:  # prefill/decode disaggregation (router/disagg.py)
+            self._generate = DisaggregatedGenerate(prefill_worker, worker, max_waiting_for_decode)
         self.tokenizer = load_tokenizer(settings.tokenizer_path, settings.trust_remote_code)
         self.texts = convert.TokenTexts(self.tokenizer)
         self.metrics = IngressMetrics(settings.served_model_name)
         self.limiter = InFlightLimiter(settings.max_queued_requests, self.metrics)
+        # Digests only (router/auth.py); a malformed entry fails the replica's start.
+        self.api_keys = ApiKeys.from_env(settings.api_keys_env)
+        self.api_keys.log_startup(settings.api_keys_env)
+        self.key_limits = KeyLimits(settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key)
         self._model_info: dict[str, Any] | None = None
 
     # -- OpenAI endpoints ------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
+        principal = self._authenticate(request)
         body = await read_json(request, self.settings.max_body_bytes)
         req = parse(p.CompletionRequest, body)
         self._check_model(req.model)
         convert.check_n(req.n, self.settings.max_n)
         num_prompts = 1 if isinstance(req.prompt, str) or all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
-        permit = self.limiter.acquire(req.n * num_prompts)
+        # A list of prompts multiplies the engine requests as n does: bounded the same way
+        # (by the in-flight bound, or max_n when that is larger), before any tokenizing.
+        max_choices = max(self.limiter.limit, self.settings.max_n)
+        if req.n * num_prompts > max_choices:
+            raise errors.bad_request(
+                f"This request asks for {req.n * num_prompts} completions ({num_prompts} prompts x n={req.n}); "
+                f"this server allows at most {max_choices} per request.",
+                "prompt",
+                "invalid_value",
+            )
+        permit = self.admit(principal, req.n * num_prompts)
         try:
             info = await self._info()
             inputs = await self._convert(
                 len(body), convert.completion_inputs, req, self.tokenizer, info["max_model_len"], self.settings.max_n
             )
+            self.charge(permit, inputs)
         except BaseException:
             permit.release()
             raise
@@ -188,16 +235,18 @@ class Ingress(GrpcServicerMixin):
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
+        principal = self._authenticate(request)
         body = await read_json(request, self.settings.max_body_bytes)
         req = parse(p.ChatCompletionRequest, body)
         self._check_model(req.model)
         convert.check_n(req.n, self.settings.max_n)
-        permit = self.limiter.acquire(req.n)
+        permit = self.admit(principal, req.n)
         try:
             info = await self._info()
             inputs = await self._convert(
                 len(body), convert.chat_inputs, req, self.tokenizer, info["max_model_len"], self.settings.max_n
             )
+            self.charge(permit, inputs)
         except BaseException:
             permit.release()
             raise
@@ -206,7 +255,8 @@ class Ingress(GrpcServicerMixin):
         return await self._respond(inputs, formatter, req, permit, arrival)
 
     @app.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
+        self._authenticate(request)
         info = await self._info()
         card = p.ModelCard(id=self.settings.served_model_name, root=self.settings.tokenizer_path, max_model_len=info["max_model_len"])
         return JSONResponse(p.ModelList(data=[card]).model_dump())
@@ -222,10 +272,43 @@ class Ingress(GrpcServicerMixin):
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        if not self.settings.metrics_public:
+            self._authenticate(request)
         return Response(self.metrics.render(await self._worker_stats()), media_type=CONTENT_TYPE)
 
+    # -- shutdown (cluster/cli.py, on SIGTERM) --------------------------------------------------
+    async def begin_drain(self) -> int:
+        """Refuse new requests with 503 from now on; running ones go on. Returns how many
+        (weighted by n) are still in flight."""
+        self.limiter.draining = True
+        return self.limiter.in_flight
+
+    async def num_in_flight(self) -> int:
+        return self.limiter.in_flight
+
     # -- plumbing ----------------------------------------------------------------------------
+    def _authenticate(self, request: Request) -> Principal:
+        return self.api_keys.authenticate(request.headers.get("authorization"))
+
+    def admit(self, principal: Principal, weight: int) -> JointPermit:
+        """The key's concurrency slot, then this replica's in-flight share (429 for either)."""
+        lease = None
+        if principal is not ANONYMOUS and self.key_limits.enabled:
+            lease = self.key_limits.acquire(principal)
+        try:
+            permit = self.limiter.acquire(weight)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        return JointPermit(permit, lease)
+
+    def charge(self, permit: JointPermit, inputs: list[convert.EngineInput]) -> None:
+        """Takes the request's worst case from its key's tokens-per-minute budget (429)."""
+        if permit.lease is not None:
+            permit.lease.charge(worst_case_tokens(inputs))
+
     def _check_model(self, model: str) -> None:
         if model != self.settings.served_model_name:
             raise errors.model_not_found(model)
@@ -263,20 +346,28 @@ class Ingress(GrpcServicerMixin):
         inputs: list[convert.EngineInput],
         formatter: convert.CompletionFormatter | convert.ChatFormatter,
         req: p.CompletionRequest | p.ChatCompletionRequest,
-        permit: Permit,
+        permit: JointPermit,
         arrival: float,
     ) -> Response:
         stream = GenerationStream(
-            self._generate, inputs, formatter.request_id, permit, self.settings.request_timeout_s, self.metrics, arrival
+            self._generate, inputs, formatter.request_id, permit, self.settings.request_timeout_s, self.metrics, arrival,
+            max_migrations=self.settings.max_migrations,
         )
-        await stream.start()  # errors before the first token become HTTP statuses
+        try:
+            await stream.start()  # errors before the first token become HTTP statuses
+        except BaseException:
+            permit.settle(0)
+            raise
         prompt_lengths = _prompt_lengths(inputs)
         if req.stream:
             continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
-            events = _sse_events(stream, formatter, prompt_lengths, req.include_usage, continuous)
+            events = _sse_events(stream, formatter, prompt_lengths, req.include_usage, continuous, permit.settle)
             return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         states = {inp.index: convert.ChoiceState(inp.index, inp.prompt_index) for inp in inputs}
-        async for event in stream:
-            states[event.index].add(event.output)
+        try:
+            async for event in stream:
+                states[event.index].add(event.output)
+        finally:
+            permit.settle(convert.usage_of(list(states.values()), prompt_lengths).total_tokens)
         usage = convert.usage_of(list(states.values()), prompt_lengths)
         return JSONResponse(formatter.response(list(states.values()), usage).model_dump())

@@ -43,6 +43,7 @@ class IngressMetrics:
         self.generation_tokens = Counter("kvserve:generation_tokens", "Generated tokens.", labels, registry=r)
         self.request_success = Counter("kvserve:request_success", "Finished engine requests.", labels + ["finished_reason"], registry=r)
         self.rejected = Counter("kvserve:requests_rejected", "HTTP requests refused (overload, limits).", labels + ["reason"], registry=r)
+        self.migrations = Counter("kvserve:request_migrations", "Engine requests resumed on another replica after theirs died.", labels, registry=r)
         self.in_flight = Gauge("kvserve:ingress_requests_in_flight", "Requests (weighted by n) held by this ingress replica.", labels, registry=r)
         self.workers = WorkerStatsCollector(model_name)
         r.register(self.workers)

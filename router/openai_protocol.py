@@ -27,6 +27,16 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+MAX_CHAT_TEMPLATE_KWARGS = 16
+# apply_chat_template's parameters (transformers 5) and the template's own inputs.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "bos_token", "eos_token", "raise_exception", "strftime_now",
+})
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
@@ -164,6 +174,25 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM extensions for the template.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Only plain template variables (`enable_thinking: false`): never
+        apply_chat_template's own arguments (a client's `chat_template` would be a template
+        of its choosing, run on the ingress: a nested loop stalls it), nor nested values."""
+        if not v:
+            return v
+        if len(v) > MAX_CHAT_TEMPLATE_KWARGS:
+            raise ValueError(f"at most {MAX_CHAT_TEMPLATE_KWARGS} chat_template_kwargs are allowed")
+        for key, value in v.items():
+            if key in _RESERVED_TEMPLATE_KWARGS or not key.isidentifier() or key.startswith("_"):
+                raise ValueError(f"{key[:40]!r} is not allowed in chat_template_kwargs")
+            if value is not None and not isinstance(value, (bool, int, float, str)):
+                raise ValueError("chat_template_kwargs values must be strings, numbers, booleans or null")
+            if isinstance(value, str) and len(value) > 1024:
+                raise ValueError("chat_template_kwargs strings may have at most 1024 characters")
+        return v
 
     @model_validator(mode="after")
     def _unsupported_chat(self) -> ChatCompletionRequest:

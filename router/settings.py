@@ -15,6 +15,17 @@ class IngressSettings:
     max_body_bytes: int = 4 * 1024**2  # beyond it: 413
     max_n: int = 16
     request_timeout_s: float = 600.0
+    # Times one engine request is resumed on another replica after its replica died
+    # (router/migration.py); 0 turns migration off.
+    max_migrations: int = 2
     trust_remote_code: bool = False
     # How long /metrics waits for the workers' stats before answering without them.
     stats_timeout_s: float = 2.0
+    # API keys (router/auth.py): the environment variable with the keys (plaintext or
+    # `sha256:<hex>`, comma-separated); unset or empty: authentication off.
+    api_keys_env: str | None = "KVSERVE_API_KEYS"
+    # Per API key, per ingress replica; None: no limit.
+    max_concurrent_requests_per_key: int | None = None
+    tokens_per_minute_per_key: int | None = None
+    # /metrics without an API key (e.g. for a Prometheus scraper) when keys are on.
+    metrics_public: bool = False

@@ -35,6 +35,13 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    export_kv: bool = False  # disaggregation, prefill side (Engine.add_request)
+    kv_import: Any = None  # disaggregation, decode side: a kv.transfer.KVExport
+
+
+@dataclass
+class _ReleaseKV:
+    request_id: str
 
 
 @dataclass
@@ -86,25 +93,48 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        num_resumed_tokens: int = 0,
+        export_kv: bool = False,
+        kv_import: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. Leaving the iteration early (the caller went away,
-        the task was cancelled) aborts the request; its blocks are freed within one step."""
+        the task was cancelled) aborts the request; its blocks are freed within one step.
+        `num_resumed_tokens`: the prompt's last tokens are output a client already has (a
+        migrated request); text deltas continue after them."""
         self._ensure_started()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.engine.validate(prompt_token_ids, params)  # reads config only: thread-safe
-        processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params)
+        if kv_import is not None:
+            # Disaggregation, decode side: the first token was streamed by the prefill
+            # replica; replay it so that text continues right after it.
+            processor = RequestOutputProcessor(
+                self.tokenizer, [*prompt_token_ids, kv_import.next_token_id], params, num_resumed_tokens + 1
+            )
+        else:
+            processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, num_resumed_tokens)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, export_kv, kv_import))
         finished = False
         try:
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                out = processor.process(item)
+                if export_kv and item.finish_reason == "length" and item.new_token_ids:
+                    # The prefill half of a disaggregated request: max_tokens=1 ended it
+                    # here, not the request. No final flush: the decode side continues
+                    # the text (held-back characters and stop-string prefixes included).
+                    item.finished, item.finish_reason = False, None
+                    out = processor.process(item)
+                    if not out.finished:  # else a stop string ended it: the normal path below
+                        finished = True  # the core has finished it; its KV stays pinned
+                        yield out
+                        return
+                else:
+                    out = processor.process(item)
                 if out.finished:
                     finished = True
                     if processor.stopped:
@@ -117,6 +147,10 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._inbox.put(_Abort(request_id, notify=False))
+
+    def release_kv(self, request_id: str) -> None:
+        """The decode side has this request's exported KV (or gave up): unpin its blocks."""
+        self._inbox.put(_ReleaseKV(request_id))
 
     def abort(self, request_id: str) -> None:
         """Abort from outside the stream; the stream then ends with finish_reason 'abort'."""
@@ -167,7 +201,10 @@ class AsyncEngine:
         """Apply queued adds/aborts; wait for one when idle. False means stop."""
         while True:
             try:
-                item = self._inbox.get(block=block)
+                # Pinned KV exports expire even when no request is running.
+                deadline = self.engine.next_pin_deadline() if block else None
+                timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0) + 0.01
+                item = self._inbox.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
             block = False
@@ -175,9 +212,14 @@ class AsyncEngine:
                 return False
             if isinstance(item, _Add):
                 try:
-                    self.engine.add_request(item.request_id, item.prompt_token_ids, item.params)
+                    self.engine.add_request(
+                        item.request_id, item.prompt_token_ids, item.params,
+                        export_kv=item.export_kv, kv_import=item.kv_import,
+                    )
                 except RequestError as e:
                     self._publish([e], request_ids=[item.request_id])
+            elif isinstance(item, _ReleaseKV):
+                self.engine.release_kv(item.request_id)
             elif isinstance(item, _Abort):
                 out = self.engine.abort_request(item.request_id)
                 if out is not None and item.notify:

@@ -42,6 +42,8 @@ class ModelConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     trust_remote_code: bool = False
+    # >1: rank 0 (this process) leads N-1 rank actors (worker/tp/); needs a running Ray.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)

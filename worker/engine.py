@@ -6,14 +6,18 @@ the scheduler, block pool and sequences are only ever touched from one thread.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
+from kv.block_hash import hash_full_blocks
+from kv.block_pool import Block
 from kv.cache_manager import KVCacheManager, cdiv
 from kv.stats import KVStats
+from kv.transfer import DEFAULT_PIN_TIMEOUT_S, KVExport, KVTransferError, dtype_name, gather_blocks, scatter_blocks
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from worker.outputs import RequestOutput
 from worker.sampling_params import SamplingParams
@@ -25,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A user-caused problem with a request (maps to HTTP 400 / gRPC INVALID_ARGUMENT)."""
+
+
+class KVImportError(RequestError):
+    """A KV export that this engine cannot import (layout mismatch, tokens that differ)."""
 
 
 class Runner(Protocol):
@@ -76,6 +84,18 @@ class Engine:
         self.step_time_s = 0.0
         self.forward_time_s = 0.0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
+        # Disaggregation (kv/transfer.py). Prefill side: requests whose KV is exported when
+        # their first token is sampled; the exported blocks stay pinned (an extra reference)
+        # until release_kv or their deadline. Decode side: imported
+        # requests waiting for blocks, admitted first thing in a step, FIFO.
+        self.pin_timeout_s = DEFAULT_PIN_TIMEOUT_S
+        self._export_ids: set[str] = set()
+        self._pinned: dict[str, tuple[list[Block], float]] = {}
+        self._next_deadline = float("inf")  # earliest pin deadline (inf: none)
+        self._pending_imports: deque[tuple[Sequence, KVExport]] = deque()
+        # Tests only (fault tests): the n-th executed step raises once, as a runner bug would.
+        self._fail_step = int(os.environ.get("KVSERVE_FAULT_INJECT_STEP_FAILURE", "0") or 0)
+        self._num_executed = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -88,7 +108,12 @@ class Engine:
         max_model_len = min(config.scheduler.max_model_len, hf_config.max_position_embeddings)
         scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         config = replace(config, model=replace(config.model, model=str(path)), scheduler=scheduler_config)
-        runner = ModelRunner(config, hf_config, max_model_len)
+        if config.model.tensor_parallel_size > 1:
+            from worker.tp.runner import TPModelRunner
+
+            runner = TPModelRunner(config, hf_config, max_model_len, config.model.tensor_parallel_size)
+        else:
+            runner = ModelRunner(config, hf_config, max_model_len)
         engine = cls(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config))
         engine.model_path = path
         return engine
@@ -125,37 +150,165 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        export_kv: bool = False,
+        kv_import: KVExport | None = None,
     ) -> None:
+        """`export_kv`: when the first token is sampled, attach a KVExport of the prompt to
+        that output (`extra["kv_export"]`) and pin its blocks until `release_kv`.
+        `kv_import`: the prompt's KV computed elsewhere; the request continues after the
+        export's first token (prompt + that token, the prompt already computed)."""
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        if kv_import is not None:
+            self._check_import(prompt_token_ids, params, kv_import)
+        if export_kv and (getattr(self.runner, "spec", None) is None or getattr(self.runner, "kv_caches", None) is None):
+            # e.g. a tensor-parallel runner: each rank holds its own heads (not exported yet)
+            raise KVImportError("this engine's runner cannot export its KV cache")
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        if export_kv:
+            self._export_ids.add(request_id)
+        if kv_import is not None:
+            assert kv_import.next_token_id is not None
+            seq.append_token(kv_import.next_token_id)
+            seq.num_cached_tokens = kv_import.num_cached_tokens
+            self._pending_imports.append((seq, kv_import))
+        else:
+            self.scheduler.add(seq)
+
+    # -- disaggregation: KV export (prefill side) and import (decode side) -----------------
+    def _check_import(self, prompt_token_ids: list[int], params: SamplingParams, export: KVExport) -> None:
+        spec = getattr(self.runner, "spec", None)
+        if spec is None or getattr(self.runner, "kv_caches", None) is None:
+            raise KVImportError("this engine's runner has no KV cache to import into")
+        try:
+            export.check_compatible(spec)
+        except KVTransferError as e:
+            raise KVImportError(str(e)) from None
+        if list(prompt_token_ids) != list(export.token_ids):
+            raise KVImportError(f"the KV export of {export.request_id!r} holds other tokens than the prompt")
+        if export.next_token_id is None or not 0 <= export.next_token_id < self.vocab_size:
+            raise KVImportError(f"the KV export of {export.request_id!r} has no valid first token")
+        if params.max_tokens < 2:
+            raise KVImportError("an imported request must still have tokens to generate (max_tokens >= 2)")
+
+    def _admit_imports(self) -> None:
+        """Give imported requests their own blocks, write their KV there, register the full
+        blocks in the prefix cache and put them straight into `running`."""
+        while self._pending_imports and self.scheduler.num_running < self.scheduler_config.max_num_seqs:
+            seq, export = self._pending_imports[0]
+            if not self.kv.can_allocate(seq.request_id, export.num_tokens):
+                break  # wait for blocks to free up (FIFO: a big import is not starved)
+            self._pending_imports.popleft()
+            block_ids = self.kv.allocate(seq.request_id, export.num_tokens)
+            scatter_blocks(self.runner.kv_caches, block_ids, export.kv)  # type: ignore[attr-defined]
+            seq.num_computed_tokens = export.num_tokens
+            self.kv.cache_computed(seq.request_id, seq.token_ids, export.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(seq)
+
+    def _export(self, seq: Sequence, blocks: list[Block]) -> KVExport:
+        n = seq.num_computed_tokens  # the prompt; the token just sampled is not computed
+        spec = self.runner.spec  # type: ignore[attr-defined]
+        block_ids = [b.block_id for b in blocks[: cdiv(n, self.kv.block_size)]]
+        return KVExport(
+            request_id=seq.request_id,
+            kv=gather_blocks(self.runner.kv_caches, block_ids),  # type: ignore[attr-defined]
+            token_ids=seq.token_ids[:n],
+            next_token_id=seq.token_ids[n] if n < seq.num_tokens else None,
+            block_size=self.kv.block_size,
+            dtype=dtype_name(spec.dtype),
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            block_hashes=hash_full_blocks(seq.token_ids[:n], self.kv.block_size),
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def release_kv(self, request_id: str) -> bool:
+        """The decode side has the request's KV (or gave up): unpin its blocks."""
+        pinned = self._pinned.pop(request_id, None)
+        if pinned is None:
+            return False
+        self.kv.unpin(pinned[0])
+        return True
+
+    def expire_pins(self, now: float | None = None) -> int:
+        """Unpin exports nobody acknowledged within pin_timeout_s. Returns how many."""
+        now = time.monotonic() if now is None else now
+        # A scan, but over the transfers in flight only (few), and only once one is due.
+        if self._next_deadline > now:
+            return 0
+        expired = [request_id for request_id, (_, deadline) in self._pinned.items() if deadline <= now]
+        for request_id in expired:
+            logger.warning("KV export of %s was not acknowledged within %.0f s; freeing it", request_id, self.pin_timeout_s)
+            self.release_kv(request_id)
+        self._next_deadline = min((d for _, d in self._pinned.values()), default=float("inf"))
+        return len(expired)
+
+    def next_pin_deadline(self) -> float | None:
+        return self._next_deadline if self._pinned else None
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(blocks) for blocks, _ in self._pinned.values())
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now; its blocks are free when this returns."""
+        """Stop a request now; its blocks (pinned exported ones too) are free when this returns."""
+        self.release_kv(request_id)
+        self._export_ids.discard(request_id)
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort")
+        pending = next((item for item in self._pending_imports if item[0] is seq), None)
+        if pending is not None:  # never admitted: it holds no blocks
+            self._pending_imports.remove(pending)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        else:
+            self.scheduler.finish(seq, "abort")
         return self._output(seq, [], None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending_imports)
 
     # -- the iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        if self._pinned:
+            self.expire_pins()
+        if self._pending_imports:
+            self._admit_imports()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         try:
+            self._num_executed += 1
+            if self._num_executed == self._fail_step:
+                raise RuntimeError(f"injected fault (KVSERVE_FAULT_INJECT_STEP_FAILURE={self._fail_step})")
             result = self.runner.execute(plan)
         except Exception as e:  # fail this step's requests, keep serving the rest
             logger.exception("engine step failed; failing %d requests", len(plan.seqs))
             return self._fail(plan, e)
+        # Exported requests sample their first token now; update() frees finished ones,
+        # so their blocks are pinned first (the KV is copied out below, after update).
+        exporting = (
+            [(seq, self.kv.pin(seq.request_id)) for i, seq in enumerate(plan.seqs)
+             if seq.request_id in self._export_ids and plan.samples(i)]
+            if self._export_ids else []
+        )
         changed = self.scheduler.update(plan, result.token_ids)
+        exports = {}
+        for seq, blocks in exporting:
+            self._export_ids.discard(seq.request_id)
+            if seq.num_computed_tokens < seq.num_tokens:  # it did get its token
+                exports[seq.request_id] = self._export(seq, blocks)
+                deadline = time.monotonic() + self.pin_timeout_s
+                self._pinned[seq.request_id] = (blocks, deadline)
+                self._next_deadline = min(self._next_deadline, deadline)
+            else:
+                self.kv.unpin(blocks)
         logprobs_of = {seq.request_id: lp for seq, lp in zip(plan.seqs, result.logprobs)}
         outputs = []
         now = time.monotonic()
@@ -166,6 +319,8 @@ class Engine:
                 del self.seqs[seq.request_id]
             lp = logprobs_of.get(seq.request_id)
             outputs.append(self._output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None))
+            if seq.request_id in exports:
+                outputs[-1].extra["kv_export"] = exports[seq.request_id]
         self._account(len(changed), time.perf_counter() - start, result.forward_s)
         return outputs
 

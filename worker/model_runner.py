@@ -17,6 +17,7 @@ from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo, select
 from worker.config import EngineConfig
 from worker.model.llama import LlamaArch
 from worker.model.loader import load_model, resolve_model_path
+from worker.model.parallel import SINGLE, TPContext, kv_head_range
 from worker.outputs import TokenLogprob
 from worker.sampler import Sampler
 from worker.scheduler import SchedulerOutput
@@ -51,8 +52,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config: object, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, hf_config: object, max_model_len: int, tp: TPContext = SINGLE
+    ) -> None:
+        """Under tensor parallelism every rank builds one of these (its shard of the model and
+        a KV cache of its own kv heads); only rank 0 samples."""
         self.config = config
+        self.tp = tp
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         if config.model.num_threads and self.device.type == "cpu":
@@ -62,17 +68,18 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.backend = select_backend(config.model.attention_backend, self.device)
         path = resolve_model_path(config.model.model)
-        self.model = load_model(path, hf_config, self.backend, max_model_len, self.dtype, self.device)
+        self.model = load_model(path, hf_config, self.backend, max_model_len, self.dtype, self.device, tp)
+        kv_lo, kv_hi = kv_head_range(self.arch.num_heads, self.arch.num_kv_heads, tp)
         self.spec = KVCacheSpec(
             num_layers=self.arch.num_layers,
-            num_kv_heads=self.arch.num_kv_heads,
+            num_kv_heads=kv_hi - kv_lo,
             head_dim=self.arch.head_dim,
             block_size=self.block_size,
             dtype=self.dtype,
         )
         self.num_blocks = self._num_blocks()
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
-        self.sampler = Sampler(self.arch.vocab_size, self.device)
+        self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -100,6 +107,8 @@ class ModelRunner:
         if sample_rows:
             logits = self.model.compute_logits(hidden[last_token_idx])
             forward_s = time.perf_counter() - start
+            if self.sampler is None:  # a TP rank other than 0: it only joined the collectives
+                return RunnerOutput(token_ids, logprobs, forward_s)
             sampled = self.sampler(logits, [plan.seqs[i] for i in sample_rows])
             for row, i in enumerate(sample_rows):
                 token_ids[i] = sampled.token_ids[row]

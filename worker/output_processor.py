@@ -13,11 +13,19 @@ from worker.sampling_params import SamplingParams
 class RequestOutputProcessor:
     """Per-request: incremental text, stop-string matching, final flush."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams, num_resumed_tokens: int = 0
+    ) -> None:
+        # A migrated request: its last `num_resumed_tokens` prompt tokens were output on
+        # another replica. Replaying them one per step, as they were produced, puts the
+        # detokenizer in the exact state the dead replica's was in (held-back partial
+        # characters and stop-string prefixes included); their text was already sent.
+        num_resumed = max(0, min(num_resumed_tokens, len(prompt_token_ids) - 1))
+        resumed = prompt_token_ids[len(prompt_token_ids) - num_resumed :] if num_resumed else []
         self.detokenizer = (
             IncrementalDetokenizer(
                 tokenizer,
-                prompt_token_ids,
+                prompt_token_ids[: len(prompt_token_ids) - num_resumed],
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
@@ -26,6 +34,9 @@ class RequestOutputProcessor:
             else None
         )
         self.stopped = False  # a stop string ended the request here (the core must abort it)
+        if self.detokenizer is not None:
+            for token_id in resumed:
+                self.detokenizer.update([token_id])
 
     def process(self, out: RequestOutput) -> RequestOutput:
         if self.detokenizer is None:

@@ -3,14 +3,25 @@
 cluster/ wraps this class with `serve.deployment(...)`; it stays free of HTTP, gRPC and
 Redis. Ray Serve calls `record_routing_stats` (the KV-headroom router reads it) and
 `record_autoscaling_stats` (the autoscaling policy reads it) periodically.
+
+Removal (scale-down, redeploy, shutdown), as Ray Serve 2.60 does it: the controller stops
+routing to the replica, which then waits, polling every graceful_shutdown_wait_loop_s, until
+its ongoing requests (streams included) have finished; then it rejects new handle calls
+(callers retry another replica), calls `__del__`, and the controller kills the actor. The
+controller kills it anyway after graceful_shutdown_timeout_s (cluster/: drain_timeout_s).
+`__del__` keeps the same order on its own: refuse new streams, let running ones finish,
+and only then stop the engine thread (stopping it first would strand their streams).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, replace
+from typing import Any
 
+from kv.transfer import KVHandle, KVTransport, make_transport
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
 from worker.outputs import RequestOutput
@@ -26,6 +37,9 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # A migrated request (router/migration.py): the last this-many prompt tokens are output
+    # the client already has; the detokenizer replays them so text continues seamlessly.
+    num_resumed_tokens: int = 0
 
 
 # Keys of the routing-stats dict (the contract with router/request_router.py).
@@ -42,17 +56,91 @@ ROUTING_STATS_KEYS = (
 )
 
 
+class ReplicaDrainingError(RuntimeError):
+    """This replica is being removed and takes no new requests; send it to another one."""
+
+
 class WorkerReplica:
-    def __init__(self, engine_config: EngineConfig) -> None:
-        self.engine = AsyncEngine.from_config(engine_config)
-        self.block_size = engine_config.cache.block_size
+    def __init__(self, engine_config: EngineConfig, drain_timeout_s: float = 60.0) -> None:
+        self._attach(AsyncEngine.from_config(engine_config), engine_config.cache.block_size, drain_timeout_s)
         logger.info("worker replica ready: %s", engine_config.model.model)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def _attach(self, engine: AsyncEngine, block_size: int, drain_timeout_s: float) -> None:
+        """Everything but building the engine (tests attach an engine with a fake runner)."""
+        self.engine = engine
+        self.block_size = block_size
+        self.drain_timeout_s = drain_timeout_s
+        self._draining = False
+        self._stopped = False
+        self._streams: dict[object, str] = {}  # open generate() streams -> request id
+        self._cut: set[object] = set()  # streams the drain timeout ended (handed back)
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
+
+    async def generate(self, request: GenerateRequest, kv_handle: KVHandle | None = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs as they are produced. If the caller goes away, Serve cancels this
         generator and the engine aborts the request (blocks freed within one step)."""
-        async for out in self.engine.generate(request.prompt_token_ids, request.params, request.request_id):
+        if self._draining:
+            raise ReplicaDrainingError("this worker replica is shutting down; retry on another replica")
+        key = object()  # not the request id: a duplicate id must not untrack the original
+        self._streams[key] = request.request_id
+        self._no_streams.clear()
+        try:
+            resumed = {"num_resumed_tokens": request.num_resumed_tokens} if request.num_resumed_tokens else {}
+            if kv_handle is not None:  # disaggregation: decode after a prefill replica's export
+                resumed["kv_import"] = await self._kv_transport().receive(kv_handle)
+            async for out in self.engine.generate(request.prompt_token_ids, request.params, request.request_id, **resumed):
+                if key in self._cut and out.finished and out.finish_reason == "abort":
+                    # Not "abort" to the client: a replica failure, which the ingress
+                    # resumes on another replica (router/migration.py).
+                    raise ReplicaDrainingError("this worker replica was removed before the request "
+                                               "finished; resume it on another replica")
+                yield out
+        finally:
+            del self._streams[key]
+            self._cut.discard(key)
+            if not self._streams:
+                self._no_streams.set()
+
+    # -- prefill/decode disaggregation (kv/transfer.py, router/disagg.py) -------------------
+    async def prefill(self, request: GenerateRequest) -> tuple[RequestOutput | None, KVHandle | None]:
+        """Compute the prompt's KV and first token; export the KV. Returns the first output
+        and a handle to the KV, or no handle when the request ends with that token (then
+        the output is final). The exported blocks stay pinned until `release_kv` (the
+        decode side has them) or the engine's pin timeout."""
+        params, prompt = request.params, request.prompt_token_ids
+        if params.max_tokens == 1 or len(prompt) + 1 >= self.engine.engine.max_model_len:
+            last = None
+            async for out in self.generate(request):
+                last = out
+            return last, None
+        prefill_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        last = None
+        async for out in self.engine.generate(prompt, prefill_params, request.request_id, export_kv=True):
+            last = out
+        export = last.extra.pop("kv_export", None) if last is not None else None
+        if last is None or last.finished or export is None:
+            self.engine.release_kv(request.request_id)
+            return last, None
+        return last, self._kv_transport().send(export, _replica_id())
+
+    async def decode(self, request: GenerateRequest, kv_handle: KVHandle) -> AsyncIterator[RequestOutput]:
+        """Continue a request a prefill replica started: import its KV, then stream the
+        tokens after the first one."""
+        async for out in self.generate(request, kv_handle=kv_handle):
             yield out
+
+    async def release_kv(self, request_id: str, replica_id: str = "") -> None:
+        """The decode side has the request's KV (or gave up on it): free the prefill copy.
+        `replica_id` is for the router (router/disagg.py sends it to that replica)."""
+        self.engine.release_kv(request_id)
+        self._kv_transport().release(request_id)
+
+    def _kv_transport(self) -> KVTransport:
+        transport = self.__dict__.get("kv_transport")
+        if transport is None:
+            transport = self.kv_transport = make_transport(_default_kv_transport())
+        return transport
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -93,12 +181,59 @@ class WorkerReplica:
     def check_health(self) -> None:
         if not self.engine.is_alive:
             raise RuntimeError("engine loop has stopped")
+        # A tensor-parallel runner with a dead rank cannot recover: Serve must replace us.
+        runner = getattr(getattr(self.engine, "engine", None), "runner", None)
+        if hasattr(runner, "check_health"):
+            runner.check_health()
 
-    def __del__(self) -> None:
+    def __del__(self) -> Coroutine[Any, Any, None] | None:
+        """Serve calls this once when it removes the replica, after its own drain, and awaits
+        a coroutine it returns (ray/serve/_private/replica.py: call_destructor ->
+        _call_func_or_gen); garbage collection calls it too. So: refuse new streams; with
+        none open (the normal case), stop the engine thread now; otherwise return a coroutine
+        that waits for them, up to drain_timeout_s, hands the rest back (they end with
+        ReplicaDrainingError, which the ingress resumes elsewhere) and then stops it. Garbage
+        collection never meets an open stream: each one holds a reference to the replica."""
+        if "engine" not in self.__dict__ or self._stopped:  # constructor failed, or done
+            return None
+        self._draining = True
+        if self._streams:
+            return self._drain_then_stop()
+        self._stop_engine()
+        return None
+
+    async def _drain_then_stop(self) -> None:
         try:
-            self.engine.shutdown()
-        except Exception:
-            pass
+            if not await self._wait_for_streams(self.drain_timeout_s):
+                logger.warning("drain: %d streams still open after %.0f s; handing them back",
+                               len(self._streams), self.drain_timeout_s)
+                self._cut.update(self._streams)
+                for request_id in list(self._streams.values()):
+                    self.engine.abort(request_id)
+                await self._wait_for_streams(5.0)
+        finally:
+            await asyncio.to_thread(self._stop_engine)  # joins the step thread: off the loop
+
+    async def _wait_for_streams(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), timeout=timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def _stop_engine(self) -> None:
+        """Stop the step thread (it finishes at most the step it is in)."""
+        self._stopped = True
+        self.engine.shutdown()
+
+
+def _default_kv_transport() -> str:
+    try:
+        import ray
+
+        return "ray_object_store" if ray.is_initialized() else "local"
+    except ImportError:
+        return "local"
 
 
 def _replica_id() -> str:

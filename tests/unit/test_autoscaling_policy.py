@@ -205,17 +205,45 @@ def context(metrics: dict[str, dict[str, float]] | None, target: int, now: float
 def test_policy_adapter_reads_the_context() -> None:
     metrics = {"num_waiting": {"a": 10.0, "b": 10.0}, "kv_usage": {"a": 0.5, "b": 0.5},
                "num_running": {"a": 4.0, "b": 4.0}, "num_waiting_prompt_tokens": {"a": 0.0, "b": 0.0}}
-    replicas, state = queue_depth_policy(context(metrics, 2, now=100.0))
-    assert (replicas, state) == (2, {"direction": "up", "since": 100.0})
-    replicas, state = queue_depth_policy(context(metrics, 2, now=110.0, state=state))
-    assert (replicas, state) == (5, {})  # 20 waiting / 4 per replica
+    # Undelayed demand: Serve applies the delays to what the adapter returns.
+    assert queue_depth_policy(context(metrics, 2, now=100.0)) == (5, {})  # 20 waiting / 4 per replica
+    assert queue_depth_policy(context(metrics, 5, now=100.1)) == (5, {})
 
 
 def test_policy_class_takes_kwargs() -> None:
     policy = QueueDepthPolicy(role="prefill", target_waiting_prompt_tokens_per_replica=2048)
     metrics = {"num_waiting_prompt_tokens": {"a": 10_000.0}, "num_waiting": {"a": 3.0}}
-    assert policy(context(metrics, 1, now=0.0)) == (1, {"direction": "up", "since": 0.0})
-    assert policy(context(metrics, 1, now=10.0, state={"direction": "up", "since": 0.0})) == (5, {})
+    assert policy(context(metrics, 1, now=0.0)) == (5, {})
+
+
+def test_policy_under_serves_own_delay_wrapper() -> None:
+    """Serve 2.60 wraps every custom policy in `_apply_autoscaling_config` (delays, factors,
+    bounds). Composed with it, a sustained queue scales up exactly after upscale_delay_s and
+    a lull scales down after downscale_delay_s (a second timer inside the adapter made the
+    two reset each other: the pool never moved)."""
+    autoscaling_policy = pytest.importorskip("ray.serve.autoscaling_policy")
+    from unittest import mock
+
+    from ray.serve.config import AutoscalingConfig
+
+    config = AutoscalingConfig(min_replicas=1, max_replicas=8, upscale_delay_s=2.0, downscale_delay_s=4.0,
+                               look_back_period_s=30.0)
+    wrapped = autoscaling_policy._apply_autoscaling_config(QueueDepthPolicy(target_waiting_per_replica=4))
+    clock = [1000.0]
+    busy = {"num_waiting": {"a": 20.0}, "num_running": {"a": 2.0}, "kv_usage": {"a": 0.1}}
+    idle = {"num_waiting": {"a": 0.0}, "num_running": {"a": 0.0}, "kv_usage": {"a": 0.0}}
+    target, state, changes = 1, {}, []
+    with mock.patch.object(autoscaling_policy.time, "time", lambda: clock[0]):
+        for tick in range(200):  # 0.1 s control-loop ticks
+            ctx = SimpleNamespace(**{**vars(context(busy if tick < 100 else idle, target, clock[0], state)),
+                                     "config": config, "total_num_requests": 1.0,
+                                     "capacity_adjusted_max_replicas": 8})
+            new, state = wrapped(ctx)
+            if new != target:
+                changes.append((round(clock[0] - 1000.0, 1), target, new))
+                target = new
+            clock[0] += 0.1
+    assert changes == [(2.0, 1, 5), (14.0, 5, 1)]
 
 
 def test_policy_function_is_importable_by_serve_path() -> None:

@@ -35,9 +35,48 @@ def test_autoscaling_options() -> None:
     assert options["num_replicas"] == "auto"
     autoscaling = options["autoscaling_config"]
     assert isinstance(autoscaling, AutoscalingConfig) and autoscaling.max_replicas == 5
-    assert autoscaling.policy.policy_function == "cluster.autoscaling:queue_depth_policy"
+    # kvserve's policy runs as the class, which Serve instantiates with the typed targets.
+    assert autoscaling.policy.policy_function == "cluster.autoscaling:QueueDepthPolicy"
+    assert autoscaling.policy.policy_kwargs == {
+        "role": "mixed", "target_waiting_per_replica": 4.0, "target_waiting_prompt_tokens_per_replica": 8192.0,
+        "kv_usage_ceiling": 0.85, "scale_to_zero": False}
+    assert autoscaling.look_back_period_s == 30.0 and autoscaling.metrics_interval_s == 10.0
     builtin = worker_options(config(workers={"autoscaling": {"policy": "serve"}}))["autoscaling_config"]
-    assert builtin.policy.policy_function != "cluster.autoscaling:queue_depth_policy"
+    assert builtin.policy.is_default_policy_function()
+
+
+def test_autoscaling_policy_kwargs_reach_the_policy_class() -> None:
+    """What Serve's controller does with the config: deserialize the policy and, for a class,
+    instantiate it once with policy_kwargs (ray/serve/_private/autoscaling_state.py)."""
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+
+    from cluster.autoscaling import PoolTargets, QueueDepthPolicy
+
+    a = {"role": "prefill", "target_waiting_prompt_tokens_per_replica": 2048, "kv_usage_ceiling": 0.5,
+         "min_replicas": 0, "scale_to_zero": True, "upscale_delay_s": 1, "downscale_delay_s": 3,
+         "look_back_period_s": 2, "metrics_interval_s": 0.5}
+    autoscaling = worker_options(config(workers={"autoscaling": a}))["autoscaling_config"]
+    assert (autoscaling.min_replicas, autoscaling.upscale_delay_s, autoscaling.downscale_delay_s) == (0, 1, 3)
+    assert (autoscaling.look_back_period_s, autoscaling.metrics_interval_s) == (2, 0.5)
+    policy = _resolve_policy_callable(autoscaling.policy)
+    assert isinstance(policy, QueueDepthPolicy)
+    assert policy.targets == PoolTargets(role="prefill", target_waiting_prompt_tokens_per_replica=2048,
+                                         kv_usage_ceiling=0.5, scale_to_zero=True)
+    # The helm/default spelling (the function) runs as the class too, with the typed fields.
+    legacy = {"policy": "cluster.autoscaling:queue_depth_policy", "target_waiting_per_replica": 2}
+    legacy_policy = worker_options(config(workers={"autoscaling": legacy}))["autoscaling_config"].policy
+    assert legacy_policy.policy_function == "cluster.autoscaling:QueueDepthPolicy"
+    assert legacy_policy.policy_kwargs["target_waiting_per_replica"] == 2
+    custom = {"policy": "ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy",
+              "policy_kwargs": {"x": 1}}
+    custom_policy = worker_options(config(workers={"autoscaling": custom}))["autoscaling_config"].policy
+    assert (custom_policy.policy_function, custom_policy.policy_kwargs) == (custom["policy"], {"x": 1})
+
+
+def test_drain_options() -> None:
+    options = worker_options(config(workers={"drain_timeout_s": 90}))
+    assert options["graceful_shutdown_timeout_s"] == 90 and 0 < options["graceful_shutdown_wait_loop_s"] <= 1
+    assert worker_options(config())["graceful_shutdown_timeout_s"] == 60
 
 
 def test_router_selection() -> None:

@@ -128,7 +128,7 @@ def test_typo_in_file_names_the_file(tmp_path: Path) -> None:
         ({"engine": {"block_size": 12}}, "power of two"),
         ({"engine": {"dtype": "float8"}}, "engine.dtype"),
         ({"engine": {"gpu_memory_utilization": 1.5}}, "engine.gpu_memory_utilization"),
-        ({"workers": {"tensor_parallel_size": 2}}, "tensor_parallel_size must be 1"),
+        ({"workers": {"tensor_parallel_size": 0}}, "tensor_parallel_size must be >= 1"),
         ({"workers": {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}}, "min_replicas (5) > max_replicas (2)"),
         ({"routing": {"router": "random"}}, "routing.router"),
         ({"engine": {"kv_cache_bytes": "lots"}}, "not a byte size"),
@@ -171,3 +171,51 @@ def test_config_is_frozen() -> None:
     config = KVServeConfig()
     with pytest.raises(Exception):
         config.http.port = 1  # type: ignore[misc]
+
+
+def test_autoscaling_typed_policy_settings() -> None:
+    a = KVServeConfig.from_dict({"workers": {"autoscaling": {}}}).workers.autoscaling
+    assert a is not None and a.uses_kvserve_policy()
+    assert (a.role, a.target_waiting_per_replica, a.target_waiting_prompt_tokens_per_replica) == ("mixed", 4.0, 8192.0)
+    assert (a.kv_usage_ceiling, a.scale_to_zero, a.look_back_period_s, a.metrics_interval_s) == (0.85, False, 30.0, 10.0)
+    assert KVServeConfig.from_dict({}).workers.drain_timeout_s == 60.0
+    zero = {"min_replicas": 0, "scale_to_zero": True, "role": "prefill"}
+    a = KVServeConfig.from_dict({"workers": {"autoscaling": zero}}).workers.autoscaling
+    assert a is not None and a.kvserve_policy_kwargs()["scale_to_zero"] is True
+
+
+def test_policy_kwargs_of_kvserve_policy_become_typed_fields(tmp_path: Path) -> None:
+    """`policy_kwargs: {role: decode}` (FULL_YAML) is the same as `role: decode`, and survives
+    a round trip through with_overrides."""
+    config = KVServeConfig.from_yaml(write(tmp_path, FULL_YAML))
+    a = config.workers.autoscaling
+    assert a is not None and a.role == "decode" and a.policy_kwargs == {}
+    again = config.with_overrides({"workers.autoscaling.kv_usage_ceiling": 0.9}).workers.autoscaling
+    assert again is not None and (again.role, again.kv_usage_ceiling) == ("decode", 0.9)
+    custom = {"policy": "my.module:Policy", "policy_kwargs": {"role": "anything"}}
+    a = KVServeConfig.from_dict({"workers": {"autoscaling": custom}}).workers.autoscaling
+    assert a is not None and a.policy_kwargs == {"role": "anything"} and not a.uses_kvserve_policy()
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "fragment"),
+    [
+        ({"min_replicas": 0}, "min_replicas 0 needs scale_to_zero: true"),
+        ({"kv_usage_ceiling": 1.5}, "workers.autoscaling.kv_usage_ceiling"),
+        ({"kv_usage_ceiling": 0}, "workers.autoscaling.kv_usage_ceiling"),
+        ({"role": "encode"}, "workers.autoscaling.role"),
+        ({"target_waiting_per_replica": 0}, "workers.autoscaling.target_waiting_per_replica"),
+        ({"policy_kwargs": {"target": 3}}, "policy_kwargs ['target'] are not settings of kvserve's policy"),
+        ({"role": "decode", "policy_kwargs": {"role": "prefill"}}, "role is set twice"),
+        ({"metrics_interval_s": 0}, "workers.autoscaling.metrics_interval_s"),
+    ],
+)
+def test_bad_autoscaling_values_are_rejected(autoscaling: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        KVServeConfig.from_dict({"workers": {"autoscaling": autoscaling}})
+    assert fragment in str(info.value)
+
+
+def test_bad_drain_timeout_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="workers.drain_timeout_s"):
+        KVServeConfig.from_dict({"workers": {"drain_timeout_s": -1}})

@@ -134,3 +134,42 @@ def test_a_plain_grpc_server_gets_the_generated_registration() -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
     grpc_proxy.add_KVServeServicer_to_server(Mock(), server)  # no service_handler_factory: as generated
     server.stop(None)
+
+
+def test_undecodable_requests_become_a_marker_and_invalid_argument() -> None:
+    from protos.kvserve.v1 import kvserve_pb2 as pb
+
+    parse = grpc_proxy.tolerant_deserializer(pb.GenerateRequest.FromString)
+    assert parse(pb.GenerateRequest(prompt="hi").SerializeToString()).prompt == "hi"
+    for garbage in (b"\xff\xff\xff\xff", b"\x12\x05ab", b"\x12\x02\xc3\x28"):
+        marker = parse(garbage)
+        assert isinstance(marker, grpc_proxy.Undecodable) and "not a valid protobuf message" in marker.details
+
+    aborted: list[Any] = []
+
+    class Context:
+        async def abort(self, code: Any, details: str) -> None:
+            aborted.append((code, details))
+
+    async def handler(request: Any, context: Any) -> str:
+        return "handled"
+
+    import grpc
+
+    guarded = grpc_proxy.rejecting_undecodable(handler)
+    assert asyncio.run(guarded(pb.GenerateRequest(), Context())) == "handled"
+    asyncio.run(guarded(grpc_proxy.Undecodable("DecodeError"), Context()))
+    assert aborted and aborted[0][0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_the_serve_server_gets_tolerant_deserializers() -> None:
+    seen: dict[str, Any] = {}
+
+    class Server(FakeServeServer):
+        def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
+            seen.update(method_handlers)
+
+    server = Server()
+    grpc_proxy.add_KVServeServicer_to_server(Mock(), server)
+    assert isinstance(seen["Generate"].request_deserializer(b"\xff\xff"), grpc_proxy.Undecodable)
+    assert server.add_registered_method_handlers.__name__ == "add_registered_method_handlers"  # put back

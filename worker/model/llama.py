@@ -15,6 +15,10 @@ from torch import nn
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
 from worker.model.layers import RMSNorm, RotaryEmbedding
+from worker.model.parallel import (
+    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext,
+    VocabParallelEmbedding, kv_head_range, parallel_logits, shard_range, validate_tp,
+)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -73,13 +77,25 @@ class LlamaArch:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: LlamaArch, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    """Under TP this rank computes its own q heads and kv heads (see worker/model/parallel.py);
+    num_heads / num_kv_heads here are the LOCAL counts."""
+
+    def __init__(
+        self, arch: LlamaArch, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPContext = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        d = arch.head_dim
+        q_lo, q_hi = shard_range(arch.num_heads, tp)
+        kv_lo, kv_hi = kv_head_range(arch.num_heads, arch.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = q_hi - q_lo, kv_hi - kv_lo, d
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        # parts of the fused qkv projection, as row ranges of the HF q_proj / k_proj / v_proj
+        kv_rows = (kv_lo * d, kv_hi * d)
+        self.qkv_proj = ColumnParallelLinear(
+            arch.hidden_size, [(q_lo * d, q_hi * d), kv_rows, kv_rows], bias=arch.qkv_bias, tp=tp
+        )
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, tp)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rope = rope
@@ -102,11 +118,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: LlamaArch, tp: TPContext = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        lo, hi = shard_range(arch.intermediate_size, tp)
+        self.intermediate_size = hi - lo  # local
+        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, [(lo, hi), (lo, hi)], bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -114,12 +131,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, rope: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self, arch: LlamaArch, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPContext = SINGLE
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, rope, backend)
+        self.self_attn = Attention(arch, rope, backend, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, tp)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -130,17 +149,24 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, arch: LlamaArch, hf_config: object, backend: AttentionBackend, max_positions: int
+        self,
+        arch: LlamaArch,
+        hf_config: object,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp: TPContext = SINGLE,
     ) -> None:
         super().__init__()
+        validate_tp(arch.num_heads, arch.num_kv_heads, tp.size, arch.intermediate_size)
         self.arch = arch
+        self.tp = tp
         rope = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, rope, backend) for _ in range(arch.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(arch, rope, backend, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rope = rope
         if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -157,4 +183,5 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        """(T, V) fp32 logits; under TP a collective every rank must join."""
+        return parallel_logits(hidden, self.lm_head_weight, self.arch.vocab_size, self.tp)

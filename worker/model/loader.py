@@ -5,6 +5,8 @@ on the target device, then every tensor is copied once from safetensors into pla
 Fused projections receive the HF tensors into their row ranges:
     qkv_proj rows:     [0, q) <- q_proj   [q, q+kv) <- k_proj   [q+kv, q+2kv) <- v_proj
     gate_up_proj rows: [0, I) <- gate_proj  [I, 2I) <- up_proj
+Under tensor parallelism q, kv, I are this rank's local sizes and each rank reads only
+its rows (column-parallel) or cols (row-parallel) of each tensor (worker/model/parallel.py).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,6 +22,9 @@ from safetensors import safe_open
 
 from worker.attention.base import AttentionBackend
 from worker.model.llama import LlamaArch, LlamaForCausalLM
+from worker.model.parallel import (
+    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +61,14 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+@dataclass
+class LoadStats:
+    """What loading materialised on this rank (a TP rank must read only its shard)."""
+
+    num_tensors: int = 0
+    num_bytes: int = 0
+
+
 def load_model(
     path: Path,
     hf_config: object,
@@ -62,71 +76,98 @@ def load_model(
     max_positions: int,
     dtype: torch.dtype,
     device: torch.device,
+    tp: TPContext = SINGLE,
 ) -> LlamaForCausalLM:
+    """Build the model for rank `tp.rank` and fill it from safetensors. Each sharded tensor
+    is read through `get_slice` for just this rank's rows / cols (never the whole tensor);
+    `model.load_stats` records what was read."""
     arch = LlamaArch.from_hf_config(hf_config)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, hf_config, backend, max_positions)
+        model = LlamaForCausalLM(arch, hf_config, backend, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     model.rope.reset_tables()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    stats = LoadStats()
     for file in safetensors_files(path):
         with safe_open(os.fspath(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 target = _map_name(name, arch)
                 if target is None:
                     continue
-                dest_name, row_start = target
-                dest = params[dest_name]
-                tensor = f.get_tensor(name)
-                with torch.no_grad():
-                    dest[row_start : row_start + tensor.shape[0]].copy_(tensor)
-                loaded.add(f"{dest_name}@{row_start}")
-    _check_complete(params, loaded, arch)
+                module_name, kind, part = target
+                module = model.get_submodule(module_name)
+                dest = params[f"{module_name}.{kind}"]
+                tensor = _read_shard(f, name, module, kind, part, dest)
+                stats.num_tensors += 1
+                stats.num_bytes += tensor.numel() * tensor.element_size()
+                loaded.add(f"{module_name}.{kind}@{part}")
+    _check_complete(model, params, loaded)
+    model.load_stats = stats
     model.eval()
     return model
 
 
-def _map_name(name: str, arch: LlamaArch) -> tuple[str, int] | None:
-    """HF tensor name -> (our parameter name, first row it fills). None = not ours."""
-    q, kv, inter = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
+def _read_shard(
+    f: object, name: str, module: torch.nn.Module, kind: str, part: int, dest: torch.nn.Parameter
+) -> torch.Tensor:
+    """Read this rank's piece of checkpoint tensor `name` and copy it into `dest`."""
+    with torch.no_grad():
+        if isinstance(module, ColumnParallelLinear):
+            lo, hi = module.part_ranges[part]
+            tensor = f.get_slice(name)[lo:hi]
+            offset = module.part_offsets[part]
+            dest[offset : offset + hi - lo].copy_(tensor)
+        elif isinstance(module, RowParallelLinear):
+            lo, hi = module.col_range
+            tensor = f.get_slice(name)[:, lo:hi]
+            dest.copy_(tensor)
+        elif isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
+            lo, hi = module.row_range
+            tensor = f.get_slice(name)[lo:hi]
+            dest[: hi - lo].copy_(tensor)
+            dest[hi - lo :].zero_()  # pad rows of the last shard
+        else:  # replicated (norms)
+            tensor = f.get_tensor(name)
+            dest.copy_(tensor)
+    return tensor
+
+
+def _map_name(name: str, arch: LlamaArch) -> tuple[str, str, int] | None:
+    """HF tensor name -> (our module, "weight" | "bias", part of a fused projection).
+    None = not ours. Parts: qkv_proj 0/1/2 = q/k/v_proj, gate_up_proj 0/1 = gate/up_proj."""
     if name == "model.embed_tokens.weight":
-        return "embed_tokens.weight", 0
+        return "embed_tokens", "weight", 0
     if name == "model.norm.weight":
-        return "norm.weight", 0
+        return "norm", "weight", 0
     if name == "lm_head.weight":
-        return None if arch.tie_word_embeddings else ("lm_head.weight", 0)
+        return None if arch.tie_word_embeddings else ("lm_head", "weight", 0)
     m = _LAYER.match(name)
     if m is None:
         return None
     prefix, rest = f"layers.{m.group(1)}.", m.group(2)
     fused = {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", q),
-        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
+        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
         "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
     }
     module, _, kind = rest.rpartition(".")
     if module in fused:
-        dest, row = fused[module]
-        return f"{prefix}{dest}.{kind}", row
+        dest, part = fused[module]
+        return prefix + dest, kind, part
     if "rotary_emb" in rest:
         return None
-    return prefix + rest, 0
+    return prefix + module, kind, 0
 
 
-def _check_complete(params: dict[str, torch.nn.Parameter], loaded: set[str], arch: LlamaArch) -> None:
+def _check_complete(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], loaded: set[str]) -> None:
     missing = []
     for name in params:
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-            q = arch.num_heads * arch.head_dim
-            kv = arch.num_kv_heads * arch.head_dim
-            parts = [0, q, q + kv]
-        elif name.endswith("gate_up_proj.weight"):
-            parts = [0, arch.intermediate_size]
-        else:
-            parts = [0]
-        missing += [f"{name}@{p}" for p in parts if f"{name}@{p}" not in loaded]
+        module_name, _, _ = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        num_parts = len(module.part_ranges) if isinstance(module, ColumnParallelLinear) else 1
+        missing += [f"{name}@{p}" for p in range(num_parts) if f"{name}@{p}" not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

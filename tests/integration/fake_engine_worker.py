@@ -1,0 +1,76 @@
+"""The real worker replica over the real engine core, with a model-free runner.
+
+`FakeEngineWorker` is worker/replica.py's `WorkerReplica` unchanged (generate, the stats Serve
+reads for routing and autoscaling, the drain on removal) over the real `Engine` and
+`AsyncEngine` (scheduler, KV block pool, waiting queue, step thread). Only the model runner
+is fake: every step sleeps `step_s` and samples token `TOKEN` for each row that reaches its
+end, so a request with `max_tokens` k and no EOS runs exactly k decode steps. With a small
+`max_num_seqs` the waiting queue grows under load exactly as a real engine's does.
+
+No Ray at import: unit tests build one directly (`make_fake_engine`, `FakeEngineWorker`);
+integration tests wrap `FakeEngineWorker` with `serve.deployment`. Each streamed output
+carries `extra["replica_id"]`, so a test knows which replica served a request.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from worker.async_engine import AsyncEngine
+from worker.config import CacheConfig, SchedulerConfig
+from worker.engine import Engine
+from worker.outputs import RequestOutput
+from worker.replica import GenerateRequest, WorkerReplica, _replica_id
+from worker.scheduler import SchedulerOutput
+
+VOCAB = 64
+TOKEN = 7  # every sampled token (never an EOS: the engine gets no EOS ids)
+
+
+@dataclass
+class _RunnerOutput:
+    token_ids: list[int | None]
+    logprobs: list[None]
+    forward_s: float
+
+
+class SleepRunner:
+    """A model runner that takes `step_s` per step and computes nothing."""
+
+    def __init__(self, num_blocks: int, step_s: float) -> None:
+        self.num_blocks = num_blocks
+        self.step_s = step_s
+
+    def execute(self, plan: SchedulerOutput) -> _RunnerOutput:
+        time.sleep(self.step_s)
+        token_ids = [TOKEN if plan.samples(i) else None for i in range(len(plan.seqs))]
+        return _RunnerOutput(token_ids, [None] * len(token_ids), self.step_s)
+
+
+def make_fake_engine(
+    max_num_seqs: int = 2,
+    step_s: float = 0.02,
+    num_blocks: int = 256,
+    block_size: int = 16,
+    max_model_len: int = 1024,
+) -> AsyncEngine:
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_model_len,
+                                max_model_len=max_model_len)
+    cache = CacheConfig(block_size=block_size, num_blocks_override=num_blocks)
+    engine = Engine(scheduler, cache, SleepRunner(num_blocks, step_s), VOCAB)
+    return AsyncEngine(engine, tokenizer=None)  # no tokenizer: outputs carry token ids only
+
+
+class FakeEngineWorker(WorkerReplica):
+    def __init__(self, max_num_seqs: int = 2, step_s: float = 0.02, num_blocks: int = 256,
+                 block_size: int = 16, drain_timeout_s: float = 60.0) -> None:
+        engine = make_fake_engine(max_num_seqs=max_num_seqs, step_s=step_s, num_blocks=num_blocks,
+                                  block_size=block_size)
+        self._attach(engine, block_size, drain_timeout_s)
+        self.replica_id = _replica_id()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        async for out in super().generate(request):
+            out.extra["replica_id"] = self.replica_id
+            yield out

@@ -1,0 +1,177 @@
+"""Tensor-parallel (Megatron-style) layers for the Llama family.
+
+With `tp.size == 1` every layer is the plain single-device layer (same parameters, same
+matmuls, no collective), so the single-device path costs nothing extra.
+
+Sharding over N ranks (rank r):
+
+    ColumnParallelLinear  weight rows = the output features; a fused projection is a list
+                          of *parts* (q, k, v or gate, up) and rank r holds its row range
+                          of every part, concatenated:  [q_r ; k_r ; v_r]  /  [gate_r ; up_r].
+                          Output stays sharded (no collective).
+    RowParallelLinear     weight cols = the input features; rank r holds cols
+                          [r*in/N, (r+1)*in/N); partial outputs are summed (one all_reduce).
+    VocabParallelEmbedding rank r holds vocab rows [r*S, min(V, (r+1)*S)), S = ceil(V/N);
+                          ids outside the shard look up zeros; one all_reduce.
+    ParallelLMHead        the same vocab shard; local logits are all_gathered (every rank
+                          gets the full (T, V) logits; rank 0 samples).
+
+KV heads: with Hkv >= N each rank holds Hkv/N of them; with Hkv < N (N % Hkv == 0) each
+rank holds the ONE kv head that its Hq/N query heads attend with (replicated N/Hkv times).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """Where this process sits in its tensor-parallel group. `group` is a
+    torch.distributed process group (None = the default group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.size > 1
+
+
+SINGLE = TPContext()
+
+
+def validate_tp(num_heads: int, num_kv_heads: int, size: int, intermediate_size: int | None = None) -> None:
+    """Raise ValueError (clear message) when the model cannot be split over `size` ranks."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if num_heads % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's {num_heads} attention heads; "
+            f"choose a size that divides {num_heads}"
+        )
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={size} and the model's {num_kv_heads} KV heads: one must divide "
+            f"the other (KV heads are split across ranks, or replicated when fewer than ranks)"
+        )
+    if intermediate_size is not None and intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's intermediate_size {intermediate_size}"
+        )
+
+
+def shard_range(total: int, tp: TPContext) -> tuple[int, int]:
+    """Even split of `total` (divisible by tp.size) -> this rank's [lo, hi)."""
+    per = total // tp.size
+    return tp.rank * per, (tp.rank + 1) * per
+
+
+def kv_head_range(num_heads: int, num_kv_heads: int, tp: TPContext) -> tuple[int, int]:
+    """The kv heads this rank holds, [lo, hi)."""
+    if num_kv_heads >= tp.size:
+        return shard_range(num_kv_heads, tp)
+    # Replicated: rank r's first q head is r*Hq/N; its kv head is that // (Hq/Hkv).
+    head = (tp.rank * (num_heads // tp.size)) // (num_heads // num_kv_heads)
+    return head, head + 1
+
+
+def vocab_range(vocab_size: int, tp: TPContext) -> tuple[int, int, int]:
+    """(lo, hi, padded shard rows) of this rank's vocab shard."""
+    per = -(-vocab_size // tp.size)
+    lo = min(vocab_size, tp.rank * per)
+    return lo, min(vocab_size, lo + per), per
+
+
+def all_reduce(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    if tp.size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=tp.group)
+    return x
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x @ W_local^T (+ b_local). `part_ranges[j]` = the rows [lo, hi) of part j
+    (of the full, unsharded checkpoint tensor) this rank holds; the loader reads exactly
+    those rows."""
+
+    def __init__(
+        self, in_features: int, part_ranges: list[tuple[int, int]], bias: bool, tp: TPContext = SINGLE
+    ) -> None:
+        super().__init__()
+        self.part_ranges = part_ranges
+        self.part_offsets = []  # first local row of each part
+        n = 0
+        for lo, hi in part_ranges:
+            self.part_offsets.append(n)
+            n += hi - lo
+        self.weight = nn.Parameter(torch.empty(n, in_features))
+        self.bias = nn.Parameter(torch.empty(n)) if bias else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local @ W[:, lo:hi]^T); x arrives already sharded on its last dim."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPContext = SINGLE) -> None:
+        super().__init__()
+        self.col_range = shard_range(in_features, tp)
+        self.weight = nn.Parameter(torch.empty(out_features, self.col_range[1] - self.col_range[0]))
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(F.linear(x, self.weight), self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext = SINGLE) -> None:
+        super().__init__()
+        lo, hi, per = vocab_range(vocab_size, tp) if tp.is_parallel else (0, vocab_size, vocab_size)
+        self.vocab_size = vocab_size
+        self.row_range = (lo, hi)
+        # Padded to `per` rows on every rank so the LM head's all_gather has equal shapes;
+        # pad rows are zero (loader) and their logits are cut off after the gather.
+        self.weight = nn.Parameter(torch.empty(per, hidden_size))
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.is_parallel:
+            return F.embedding(input_ids, self.weight)
+        lo, hi = self.row_range
+        outside = (input_ids < lo) | (input_ids >= hi)
+        local = (input_ids - lo).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return all_reduce(out, self.tp)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-sharded output projection; `weight` may be the embedding's (tied)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext = SINGLE) -> None:
+        super().__init__()
+        lo, hi, per = vocab_range(vocab_size, tp) if tp.is_parallel else (0, vocab_size, vocab_size)
+        self.vocab_size = vocab_size
+        self.row_range = (lo, hi)
+        self.weight = nn.Parameter(torch.empty(per, hidden_size))
+        self.tp = tp
+
+
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPContext) -> torch.Tensor:
+    """Full (T, V) fp32 logits on every rank from a vocab-sharded weight."""
+    local = F.linear(hidden, weight).float()
+    if not tp.is_parallel:
+        return local
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local) for _ in range(tp.size)]
+    dist.all_gather(parts, local.contiguous(), group=tp.group)
+    return torch.cat(parts, dim=-1)[:, :vocab_size]

@@ -1,0 +1,144 @@
+"""The per-step plan, as rank 0 sends it to the other tensor-parallel ranks.
+
+Compact and pickle-free: one flat int64 tensor, broadcast (length first, then payload)
+over the group's CPU (gloo) process group. Rank 0 keeps what each rank already knows
+about a request, so a running request costs a few ints per step (a diff), and only a new
+(or preempted, then re-admitted) request carries its whole token list.
+
+    payload = [op, num_dropped, num_entries, dropped keys..., entries...]
+    entry   = [key, num_computed, num_new, tokens_from, num_tokens_sent, blocks_from,
+               num_blocks_sent, token ids (num_tokens_sent)..., block ids (num_blocks_sent)...]
+
+A receiving rank sets  tokens[key] = tokens[key][:tokens_from] + sent tokens  (same for
+blocks), so tokens_from = blocks_from = 0 means "in full".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from worker.scheduler import SchedulerOutput
+from worker.sequence import Sequence, SequenceStatus
+
+OP_STEP = 1
+OP_STOP = 2
+_HEADER = 3
+_ENTRY = 7
+
+
+@dataclass
+class _Sent:
+    key: int
+    seq: Sequence
+    num_tokens: int = 0
+    num_blocks: int = 0
+    last_block: int = -1
+    num_preemptions: int = 0
+
+
+class PlanEncoder:
+    """Rank 0 side: SchedulerOutput -> int64 tensor."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, _Sent] = {}
+        self._next_key = 0
+
+    @property
+    def num_known(self) -> int:
+        return len(self._sent)
+
+    def encode(self, plan: SchedulerOutput) -> torch.Tensor:
+        dropped: list[int] = []
+        # Forget requests that ended or were preempted (their blocks are gone); O(running).
+        for request_id, sent in list(self._sent.items()):
+            if sent.seq.status is not SequenceStatus.RUNNING:
+                dropped.append(sent.key)
+                del self._sent[request_id]
+        body: list[int] = []
+        for seq, num_new, block_ids in zip(plan.seqs, plan.num_new_tokens, plan.block_ids):
+            sent = self._sent.get(seq.request_id)
+            if sent is not None and sent.seq is not seq:  # request id reused
+                dropped.append(sent.key)
+                sent = None
+            if sent is None:
+                sent = _Sent(self._next_key, seq)
+                self._next_key += 1
+                self._sent[seq.request_id] = sent
+            tokens_from = sent.num_tokens
+            new_tokens = seq.token_ids[tokens_from:]
+            blocks_from = sent.num_blocks
+            # A block table only grows while a request runs; check its last known entry.
+            # (A preemption frees them all, even when the empty plan of that step was never sent.)
+            if blocks_from and (
+                seq.num_preemptions != sent.num_preemptions
+                or len(block_ids) < blocks_from
+                or block_ids[blocks_from - 1] != sent.last_block
+            ):
+                blocks_from = 0
+            new_blocks = block_ids[blocks_from:]
+            body += [sent.key, seq.num_computed_tokens, num_new, tokens_from, len(new_tokens),
+                     blocks_from, len(new_blocks)]
+            body += new_tokens
+            body += new_blocks
+            sent.num_tokens = seq.num_tokens
+            sent.num_blocks = len(block_ids)
+            sent.last_block = block_ids[-1] if block_ids else -1
+            sent.num_preemptions = seq.num_preemptions
+        return torch.tensor([OP_STEP, len(dropped), len(plan.seqs), *dropped, *body], dtype=torch.long)
+
+
+@dataclass
+class MirrorSeq:
+    """What a non-zero rank knows of a request: enough for ModelRunner._prepare."""
+
+    token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class PlanDecoder:
+    """Other ranks: int64 tensor -> a SchedulerOutput over MirrorSeq objects (None = stop)."""
+
+    def __init__(self) -> None:
+        self.mirror: dict[int, MirrorSeq] = {}
+
+    def decode(self, payload: torch.Tensor) -> SchedulerOutput | None:
+        data = payload.tolist()
+        op, num_dropped, num_entries = data[0], data[1], data[2]
+        if op == OP_STOP:
+            return None
+        if op != OP_STEP:
+            raise ValueError(f"unknown tensor-parallel op {op}")
+        pos = _HEADER
+        for key in data[pos : pos + num_dropped]:
+            self.mirror.pop(key, None)
+        pos += num_dropped
+        plan = SchedulerOutput()
+        for _ in range(num_entries):
+            key, computed, num_new, tokens_from, num_tok, blocks_from, num_blk = data[pos : pos + _ENTRY]
+            pos += _ENTRY
+            seq = self.mirror.get(key)
+            if seq is None:
+                seq = self.mirror[key] = MirrorSeq()
+            del seq.token_ids[tokens_from:]
+            seq.token_ids += data[pos : pos + num_tok]
+            pos += num_tok
+            del seq.block_ids[blocks_from:]
+            seq.block_ids += data[pos : pos + num_blk]
+            pos += num_blk
+            seq.num_computed_tokens = computed
+            plan.seqs.append(seq)  # type: ignore[arg-type]  # duck-typed for the runner
+            plan.num_new_tokens.append(num_new)
+            plan.block_ids.append(seq.block_ids)
+        if pos != len(data):
+            raise ValueError(f"malformed tensor-parallel plan: {len(data) - pos} trailing ints")
+        return plan
+
+
+def stop_message() -> torch.Tensor:
+    return torch.tensor([OP_STOP, 0, 0], dtype=torch.long)

@@ -1,0 +1,77 @@
+"""A tensor-parallel rank other than 0, as a Ray actor: it holds its model shard and KV
+cache and executes every plan rank 0 broadcasts; it never schedules or samples."""
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from worker.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(max_concurrency=2)  # `run` blocks in its loop; `ping` must still answer
+class TPRankWorker:
+    def __init__(self, config: EngineConfig, max_model_len: int, rank: int, size: int, host: str, port: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.rank, self.size, self.host, self.port = rank, size, host, port
+        self.runner = None
+        self.plan_group = None
+
+    def setup(self) -> int:
+        """Join the group, load this rank's shard, allocate its KV cache (the block count all
+        ranks agree on, which this returns)."""
+        from pathlib import Path
+
+        from worker.model_config import load_hf_config
+        from worker.model_runner import ModelRunner, resolve_device
+        from worker.tp.group import agree_num_blocks, init_tp_group
+
+        device = resolve_device(self.config.model.device)
+        if device.type == "cuda":
+            import torch
+
+            device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to this rank's GPU
+        tp, self.plan_group = init_tp_group(self.rank, self.size, self.host, self.port, device)
+        hf_config = load_hf_config(Path(self.config.model.model))
+        self.runner = ModelRunner(self.config, hf_config, self.max_model_len, tp)
+        num_blocks = agree_num_blocks(self.runner.num_blocks, self.plan_group)  # collective
+        _shrink_kv(self.runner, num_blocks)
+        return num_blocks
+
+    def load_stats(self) -> dict[str, int]:
+        stats = self.runner.model.load_stats
+        return {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes}
+
+    def run(self) -> int:
+        """Execute broadcast plans until rank 0 says stop; returns the steps executed."""
+        from worker.tp.group import leave_tp_group, recv_plan
+        from worker.tp.plan_codec import PlanDecoder
+
+        decoder = PlanDecoder()
+        num_steps = 0
+        try:
+            while True:
+                plan = decoder.decode(recv_plan(self.plan_group))
+                if plan is None:
+                    return num_steps
+                self.runner.execute(plan)
+                num_steps += 1
+        finally:
+            leave_tp_group()
+
+    def ping(self) -> bool:
+        return True
+
+
+def _shrink_kv(runner: object, num_blocks: int) -> None:
+    """Re-allocate a rank's KV cache with the group's common (smaller) block count."""
+    from kv.kv_cache import allocate_kv_cache
+
+    if num_blocks < runner.num_blocks:
+        device = runner.kv_caches.device
+        runner.kv_caches = None  # free first: the budget was sized for one cache
+        runner.num_blocks = num_blocks
+        runner.kv_caches = allocate_kv_cache(runner.spec, num_blocks, device)

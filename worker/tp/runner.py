@@ -1,0 +1,153 @@
+"""Rank 0 of a tensor-parallel group: the runner the Engine drives (same protocol as
+ModelRunner: `num_blocks`, `execute(plan)`), so the engine, scheduler and sampler do not
+know about tensor parallelism.
+
+    replica process (rank 0)                       TPRankWorker actors (ranks 1..N-1)
+    Engine -> scheduler -> plan                    (same placement group, STRICT_PACK)
+      TPModelRunner.execute(plan)
+        encode plan (diff) --broadcast (gloo)--->  decode, ModelRunner.execute (no sampling)
+        ModelRunner.execute   <-- all_reduce / all_gather inside every layer -->
+        sample on rank 0
+
+A dead rank: the next step raises a clear error (the engine fails that step's requests)
+and `check_health` fails from then on, so Serve replaces the replica.
+"""
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from worker.config import EngineConfig
+from worker.model_runner import ModelRunner, RunnerOutput, resolve_device
+from worker.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group is broken (a rank died or a collective failed)."""
+
+
+def rank_bundles(size: int, device_type: str, num_cpus: float = 1.0) -> list[dict[str, float]]:
+    """Placement-group bundles of a TP group: one per rank (bundle 0 = rank 0, the replica)."""
+    bundle: dict[str, float] = {"CPU": num_cpus}
+    if device_type == "cuda":
+        bundle["GPU"] = 1.0
+    return [dict(bundle) for _ in range(size)]
+
+
+class TPModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: object,
+        max_model_len: int,
+        tensor_parallel_size: int,
+        rank_num_cpus: float = 1.0,
+    ) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from worker.model.llama import LlamaArch
+        from worker.model.parallel import validate_tp
+        from worker.tp.group import agree_num_blocks, free_port, init_tp_group
+        from worker.tp.plan_codec import PlanEncoder
+        from worker.tp.rank_worker import TPRankWorker, _shrink_kv
+
+        size = tensor_parallel_size
+        arch = LlamaArch.from_hf_config(hf_config)
+        validate_tp(arch.num_heads, arch.num_kv_heads, size, arch.intermediate_size)  # fail before spawning
+        device = resolve_device(config.model.device)
+        host = ray.util.get_node_ip_address()
+        port = free_port(host)
+        # Inside a Serve replica with placement_group_bundles the replica holds bundle 0 and
+        # its children land in the same group; standalone, make a group for ranks 1..N-1.
+        pg = ray.util.get_current_placement_group()
+        first_bundle = 1
+        self._own_pg = None
+        if pg is None:
+            pg = self._own_pg = placement_group(
+                rank_bundles(size - 1, device.type, rank_num_cpus), strategy="STRICT_PACK"
+            )
+            ray.get(pg.ready())
+            first_bundle = 0
+        specs = pg.bundle_specs  # a rank takes its whole bundle
+        self.workers = [
+            TPRankWorker.options(
+                num_cpus=specs[first_bundle + rank - 1].get("CPU", 0),
+                num_gpus=specs[first_bundle + rank - 1].get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=first_bundle + rank - 1
+                ),
+            ).remote(config, max_model_len, rank, size, host, port)
+            for rank in range(1, size)
+        ]
+        setup_refs = [w.setup.remote() for w in self.workers]
+        self.tp, self.plan_group = init_tp_group(0, size, host, port, device)
+        self.runner = ModelRunner(config, hf_config, max_model_len, self.tp)
+        num_blocks = agree_num_blocks(self.runner.num_blocks, self.plan_group)  # collective
+        _shrink_kv(self.runner, num_blocks)
+        if ray.get(setup_refs) != [num_blocks] * (size - 1):
+            raise TensorParallelError("tensor-parallel ranks disagree on the KV block count")
+        self.num_blocks = num_blocks
+        self._encoder = PlanEncoder()
+        self._loop_refs = [w.run.remote() for w in self.workers]
+        self._broken: str | None = None
+        logger.info("tensor-parallel group of %d ranks ready (%d KV blocks)", size, num_blocks)
+
+    @property
+    def sampler(self) -> object:
+        return self.runner.sampler
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        from worker.tp.group import send_plan
+
+        self._check_ranks()
+        try:
+            send_plan(self._encoder.encode(plan), self.plan_group)
+            return self.runner.execute(plan)
+        except Exception as e:
+            self._broken = f"tensor-parallel step failed: {type(e).__name__}: {e}"
+            self._check_ranks()  # prefer "rank i died" when that is the cause
+            raise TensorParallelError(self._broken) from e
+
+    def _check_ranks(self) -> None:
+        """Raise when a rank's loop has ended (it died, or failed); cheap (no round trip)."""
+        done, _ = ray.wait(self._loop_refs, num_returns=len(self._loop_refs), timeout=0)
+        for ref in done:
+            rank = self._loop_refs.index(ref) + 1
+            try:
+                ray.get(ref)
+                why = "exited"
+            except Exception as e:  # RayActorError when the process died
+                why = f"died ({type(e).__name__})"
+            self._broken = f"tensor-parallel rank {rank} of {self.tp.size} {why}; this replica must be replaced"
+            raise TensorParallelError(self._broken)
+        if self._broken is not None:
+            raise TensorParallelError(self._broken)
+
+    def check_health(self) -> None:
+        self._check_ranks()
+
+    def load_stats(self) -> list[dict[str, int]]:
+        """Bytes and tensors each rank read from the checkpoint (rank 0 first)."""
+        stats = self.runner.model.load_stats
+        own = {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes}
+        return [own, *ray.get([w.load_stats.remote() for w in self.workers])]
+
+    def shutdown(self) -> None:
+        from worker.tp.group import leave_tp_group, send_plan
+        from worker.tp.plan_codec import stop_message
+
+        if self._broken is None:
+            try:
+                send_plan(stop_message(), self.plan_group)
+                ray.get(self._loop_refs, timeout=30)
+            except Exception:
+                logger.exception("tensor-parallel shutdown")
+        leave_tp_group()
+        for w in self.workers:
+            ray.kill(w)
+        if self._own_pg is not None:
+            ray.util.remove_placement_group(self._own_pg)
