@@ -322,7 +322,10 @@ async def test_overload_is_429_and_server_recovers(api: Api) -> None:
 async def test_client_disconnect_aborts_and_frees_blocks(api: Api) -> None:
     before = await asyncio.to_thread(api.worker_stats)
     total = before["total_blocks"]
-    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    # As many tokens as the context allows: the tiny model is fast, and the stream must
+    # still be running when the client goes away (checked below by the token count).
+    max_tokens = 480
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(base_url=api.root, timeout=60) as ac:
         async with ac.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -331,9 +334,9 @@ async def test_client_disconnect_aborts_and_frees_blocks(api: Api) -> None:
                 received += bool(line)
                 if received == 3:
                     break
-            during = await asyncio.to_thread(api.worker_stats)
-            assert during["num_running"] == 1 and during["free_blocks"] < total
-        # Leaving the block closed the connection mid-stream.
+        # Leaving the block closed the connection mid-stream (at once: no stats call
+        # in between, which on an idle machine let the request run to its end).
+    assert received == 3
     deadline = time.monotonic() + 20
     while True:
         stats = await asyncio.to_thread(api.worker_stats)
@@ -341,8 +344,8 @@ async def test_client_disconnect_aborts_and_frees_blocks(api: Api) -> None:
             break
         assert time.monotonic() < deadline, f"blocks not freed after disconnect: {stats}"
         await asyncio.sleep(0.1)
-    # Aborted, not run to completion: far fewer than 400 tokens were generated.
-    assert stats["num_generated_tokens"] - before["num_generated_tokens"] < 400
+    # Aborted, not run to completion.
+    assert stats["num_generated_tokens"] - before["num_generated_tokens"] < max_tokens
     async with openai.AsyncOpenAI(base_url=api.base_url, api_key="unused", max_retries=0, timeout=60) as aclient:
         out = await aclient.completions.create(model=MODEL, prompt="Still there?", max_tokens=3, extra_body=EXACT)
     assert out.usage.completion_tokens == 3
