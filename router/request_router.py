@@ -59,12 +59,12 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from router.reservations import ReservationLedger
 from router.headroom import (
     HeadroomParams,
     ReplicaReport,
     ReplicaView,
     RequestProfile,
-    ReservationLedger,
     rank_replicas,
 )
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import pytest
 
 from kv.block_hash import hash_full_blocks
+from router.reservations import ReservationLedger
 from router.headroom import (
     MODE_HEADROOM,
     MODE_LOAD_GATE,
@@ -17,7 +18,6 @@ from router.headroom import (
     ReplicaReport,
     ReplicaView,
     RequestProfile,
-    ReservationLedger,
     load_gate_tripped,
     rank_replicas,
     score_replica,
