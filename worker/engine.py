@@ -17,7 +17,7 @@ from kv.block_hash import hash_full_blocks
 from kv.block_pool import Block
 from kv.cache_manager import KVCacheManager, cdiv
 from kv.stats import KVStats
-from kv.transfer import DEFAULT_PIN_TIMEOUT_S, KVExport, KVTransferError, dtype_name, gather_blocks, scatter_blocks
+from kv.transfer import DEFAULT_PIN_TIMEOUT_S, KVExport, KVTransferError, dtype_name
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from worker.outputs import RequestOutput
 from worker.sampling_params import SamplingParams
@@ -42,6 +42,11 @@ class Runner(Protocol):
 
     def execute(self, plan: SchedulerOutput) -> object: ...  # -> RunnerOutput
 
+    # For disaggregation, a runner also offers (ModelRunner and TPModelRunner do):
+    #   kv_spec: KVCacheSpec                  the layout of an export (all KV heads)
+    #   export_kv(block_ids) -> Tensor        (layers, 2, len(block_ids) * bs, Hkv, D)
+    #   import_kv(block_ids, kv) -> None      the inverse, into this runner's own blocks
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -54,6 +59,7 @@ class EngineStats:
     num_steps: int
     tokens_per_s: float  # generated tokens per second over the last few seconds
     forward_share: float  # share of step time spent in the model forward (cumulative)
+    scheduler_share: float = 0.0  # share of step time in schedule + update (cumulative)
 
     def to_dict(self) -> dict[str, float]:
         d = {k: v for k, v in self.__dict__.items() if k != "kv"}
@@ -83,6 +89,7 @@ class Engine:
         self.num_generated_tokens = 0
         self.step_time_s = 0.0
         self.forward_time_s = 0.0
+        self.schedule_time_s = 0.0  # in Scheduler.schedule + Scheduler.update (CPU work)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
         # Disaggregation (kv/transfer.py). Prefill side: requests whose KV is exported when
         # their first token is sampled; the exported blocks stay pinned (an extra reference)
@@ -162,8 +169,7 @@ class Engine:
         self.validate(prompt_token_ids, params)
         if kv_import is not None:
             self._check_import(prompt_token_ids, params, kv_import)
-        if export_kv and (getattr(self.runner, "spec", None) is None or getattr(self.runner, "kv_caches", None) is None):
-            # e.g. a tensor-parallel runner: each rank holds its own heads (not exported yet)
+        if export_kv and getattr(self.runner, "kv_spec", None) is None:
             raise KVImportError("this engine's runner cannot export its KV cache")
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         self.seqs[request_id] = seq
@@ -179,8 +185,8 @@ class Engine:
 
     # -- disaggregation: KV export (prefill side) and import (decode side) -----------------
     def _check_import(self, prompt_token_ids: list[int], params: SamplingParams, export: KVExport) -> None:
-        spec = getattr(self.runner, "spec", None)
-        if spec is None or getattr(self.runner, "kv_caches", None) is None:
+        spec = getattr(self.runner, "kv_spec", None)
+        if spec is None:
             raise KVImportError("this engine's runner has no KV cache to import into")
         try:
             export.check_compatible(spec)
@@ -193,28 +199,38 @@ class Engine:
         if params.max_tokens < 2:
             raise KVImportError("an imported request must still have tokens to generate (max_tokens >= 2)")
 
-    def _admit_imports(self) -> None:
+    def _admit_imports(self) -> list[RequestOutput]:
         """Give imported requests their own blocks, write their KV there, register the full
-        blocks in the prefix cache and put them straight into `running`."""
+        blocks in the prefix cache and put them straight into `running`. Returns the
+        outputs of imports that failed (their blocks are free again)."""
+        failed: list[RequestOutput] = []
         while self._pending_imports and self.scheduler.num_running < self.scheduler_config.max_num_seqs:
             seq, export = self._pending_imports[0]
             if not self.kv.can_allocate(seq.request_id, export.num_tokens):
                 break  # wait for blocks to free up (FIFO: a big import is not starved)
             self._pending_imports.popleft()
             block_ids = self.kv.allocate(seq.request_id, export.num_tokens)
-            scatter_blocks(self.runner.kv_caches, block_ids, export.kv)  # type: ignore[attr-defined]
+            try:
+                self.runner.import_kv(block_ids, export.kv)  # type: ignore[attr-defined]
+            except Exception as e:  # e.g. a dead tensor-parallel rank
+                logger.exception("KV import of %s failed", seq.request_id)
+                self.kv.free(seq.request_id)  # not in waiting or running yet: end it here
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+                failed.append(self._fail_one(seq, f"KV import failed: {type(e).__name__}: {e}"))
+                continue
             seq.num_computed_tokens = export.num_tokens
             self.kv.cache_computed(seq.request_id, seq.token_ids, export.num_tokens)
             seq.status = SequenceStatus.RUNNING
             self.scheduler.running.append(seq)
+        return failed
 
     def _export(self, seq: Sequence, blocks: list[Block]) -> KVExport:
         n = seq.num_computed_tokens  # the prompt; the token just sampled is not computed
-        spec = self.runner.spec  # type: ignore[attr-defined]
+        spec = self.runner.kv_spec  # type: ignore[attr-defined]  # all heads, under TP too
         block_ids = [b.block_id for b in blocks[: cdiv(n, self.kv.block_size)]]
         return KVExport(
             request_id=seq.request_id,
-            kv=gather_blocks(self.runner.kv_caches, block_ids),  # type: ignore[attr-defined]
+            kv=self.runner.export_kv(block_ids),  # type: ignore[attr-defined]
             token_ids=seq.token_ids[:n],
             next_token_id=seq.token_ids[n] if n < seq.num_tokens else None,
             block_size=self.kv.block_size,
@@ -278,11 +294,12 @@ class Engine:
         start = time.perf_counter()
         if self._pinned:
             self.expire_pins()
-        if self._pending_imports:
-            self._admit_imports()
+        failed = self._admit_imports() if self._pending_imports else []
+        t = time.perf_counter()
         plan = self.scheduler.schedule()
+        self.schedule_time_s += time.perf_counter() - t
         if plan.is_empty:
-            return []
+            return failed
         try:
             self._num_executed += 1
             if self._num_executed == self._fail_step:
@@ -290,7 +307,7 @@ class Engine:
             result = self.runner.execute(plan)
         except Exception as e:  # fail this step's requests, keep serving the rest
             logger.exception("engine step failed; failing %d requests", len(plan.seqs))
-            return self._fail(plan, e)
+            return failed + self._fail(plan, e)
         # Exported requests sample their first token now; update() frees finished ones,
         # so their blocks are pinned first (the KV is copied out below, after update).
         exporting = (
@@ -298,19 +315,28 @@ class Engine:
              if seq.request_id in self._export_ids and plan.samples(i)]
             if self._export_ids else []
         )
+        t = time.perf_counter()
         changed = self.scheduler.update(plan, result.token_ids)
-        exports = {}
+        self.schedule_time_s += time.perf_counter() - t
+        exports: dict[str, KVExport] = {}
+        export_errors: dict[str, str] = {}
         for seq, blocks in exporting:
             self._export_ids.discard(seq.request_id)
             if seq.num_computed_tokens < seq.num_tokens:  # it did get its token
-                exports[seq.request_id] = self._export(seq, blocks)
+                try:
+                    exports[seq.request_id] = self._export(seq, blocks)
+                except Exception as e:  # e.g. a dead tensor-parallel rank
+                    logger.exception("KV export of %s failed", seq.request_id)
+                    self.kv.unpin(blocks)
+                    export_errors[seq.request_id] = f"KV export failed: {type(e).__name__}: {e}"
+                    continue
                 deadline = time.monotonic() + self.pin_timeout_s
                 self._pinned[seq.request_id] = (blocks, deadline)
                 self._next_deadline = min(self._next_deadline, deadline)
             else:
                 self.kv.unpin(blocks)
         logprobs_of = {seq.request_id: lp for seq, lp in zip(plan.seqs, result.logprobs)}
-        outputs = []
+        outputs = failed
         now = time.monotonic()
         for seq in changed:
             if seq.first_token_time is None:
@@ -321,21 +347,23 @@ class Engine:
             outputs.append(self._output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None))
             if seq.request_id in exports:
                 outputs[-1].extra["kv_export"] = exports[seq.request_id]
+            elif seq.request_id in export_errors:
+                outputs[-1] = self._fail_one(seq, export_errors[seq.request_id])
         self._account(len(changed), time.perf_counter() - start, result.forward_s)
         return outputs
 
     def _fail(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
-        outputs = []
         message = f"engine step failed: {type(error).__name__}: {error}"
-        for seq in plan.seqs:
-            if seq.status is SequenceStatus.FINISHED:
-                continue
+        return [self._fail_one(seq, message) for seq in plan.seqs if seq.status is not SequenceStatus.FINISHED]
+
+    def _fail_one(self, seq: Sequence, message: str) -> RequestOutput:
+        """End one request with an error; its blocks are free when this returns."""
+        if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq, "error")
-            self.seqs.pop(seq.request_id, None)
-            out = self._output(seq, [], None)
-            out.error = message
-            outputs.append(out)
-        return outputs
+        self.seqs.pop(seq.request_id, None)
+        out = self._output(seq, [], None)
+        out.error = message
+        return out
 
     def _account(self, num_tokens: int, step_s: float, forward_s: float) -> None:
         self.num_steps += 1
@@ -377,4 +405,5 @@ class Engine:
             num_steps=self.num_steps,
             tokens_per_s=tokens_per_s,
             forward_share=self.forward_time_s / self.step_time_s if self.step_time_s else 0.0,
+            scheduler_share=self.schedule_time_s / self.step_time_s if self.step_time_s else 0.0,
         )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kv.transfer import KVExport
 from tests.conftest import run_engine
 from tests.tiny_models import make_tiny_model
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -56,6 +57,37 @@ def _run_workload(engine: Engine) -> tuple[dict[str, list[int]], dict[str, float
     return {**first, **second}, engine.stats().to_dict()
 
 
+def _prefill_exports(engine: Engine, prompts: list[list[int]]) -> list[KVExport]:
+    """Prefill each prompt alone (the first token), keep its KV export, free the blocks."""
+    exports = []
+    for i, prompt in enumerate(prompts):
+        rid = f"p{i}"
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), export_kv=True)
+        outs = [out for _ in range(100) if engine.has_unfinished() for out in engine.step()]
+        (out,) = [o for o in outs if o.request_id == rid]
+        assert out.error is None, out.error
+        exports.append(out.extra["kv_export"])
+        assert engine.release_kv(rid)
+    assert engine.num_pinned_blocks == 0 and engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    return exports
+
+
+def _decode_imports(engine: Engine, prompts: list[list[int]], max_tokens: list[int],
+                    exports: list[KVExport]) -> dict[str, list[int]]:
+    """Import every export and decode to the end; the first token is the export's."""
+    tokens: dict[str, list[int]] = {}
+    for i, (prompt, n, export) in enumerate(zip(prompts, max_tokens, exports)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                           kv_import=export)
+        tokens[str(i)] = [export.next_token_id]
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    return tokens
+
+
 @ray.remote(num_cpus=1)
 class TPEngineHost:
     """Rank 0: the engine, its scheduler and sampler, and the TPModelRunner."""
@@ -68,6 +100,13 @@ class TPEngineHost:
 
     def run_workload(self) -> tuple[dict[str, list[int]], dict[str, float]]:
         return _run_workload(self.engine)
+
+    def prefill_exports(self, prompts: list[list[int]]) -> list[KVExport]:
+        return _prefill_exports(self.engine, prompts)
+
+    def decode_imports(self, prompts: list[list[int]], max_tokens: list[int],
+                       exports: list[KVExport]) -> dict[str, list[int]]:
+        return _decode_imports(self.engine, prompts, max_tokens, exports)
 
     def load_stats(self) -> list[dict[str, int]]:
         return self.engine.runner.load_stats()
@@ -126,6 +165,35 @@ def test_tp2_greedy_matches_single_device(serve_cluster: object, tiny_llama_dir:
         assert "tensor-parallel rank 1 of 2 died" in health
     finally:
         ray.kill(host)
+
+
+def test_kv_moves_between_tp2_and_single_device_engines(
+    serve_cluster: object, tiny_llama_dir: Path, single_device_result: tuple
+) -> None:
+    """Disaggregation across TP sizes: a TP=2 prefill engine's exports carry all KV heads
+    (gathered from both ranks) and a single-device engine decodes them; a single-device
+    export is split over a TP=2 decode engine's ranks. Greedy tokens equal one engine's."""
+    import torch
+
+    expected, _ = single_device_result
+    prompts, max_tokens = _workload()
+    threads = torch.get_num_threads()
+    host = TPEngineHost.remote(_config(tiny_llama_dir, 2))
+    try:
+        exports = ray.get(host.prefill_exports.remote(prompts), timeout=600)
+        assert all(e.num_kv_heads == exports[0].num_kv_heads and e.kv.shape[3] == e.num_kv_heads for e in exports)
+        single = Engine.from_config(_config(tiny_llama_dir, 1))
+        assert _decode_imports(single, prompts, max_tokens, exports) == expected  # TP=2 -> TP=1
+
+        local_exports = _prefill_exports(single, prompts)
+        for mine, theirs in zip(local_exports, exports):  # the same KV, whichever side computed it
+            n = mine.num_tokens  # rows past the prompt are the last block's unused slots
+            torch.testing.assert_close(mine.kv[:, :, :n], theirs.kv[:, :, :n], rtol=1e-4, atol=1e-5)
+        tokens = ray.get(host.decode_imports.remote(prompts, max_tokens, local_exports), timeout=600)
+        assert tokens == expected  # TP=1 -> TP=2
+    finally:
+        ray.kill(host)
+        torch.set_num_threads(threads)
 
 
 def test_indivisible_heads_rejected(tiny_llama_dir: Path) -> None:

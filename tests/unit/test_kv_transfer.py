@@ -43,6 +43,17 @@ class KVWritingRunner:
         self.spec = SPEC
         self.kv_caches = torch.zeros(SPEC.num_layers, 2, num_blocks, BLOCK, SPEC.num_kv_heads, SPEC.head_dim)
 
+    # The engine's KV hooks (as worker/model_runner.py implements them).
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        return self.spec
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        return gather_blocks(self.kv_caches, block_ids)
+
+    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        scatter_blocks(self.kv_caches, block_ids, kv)
+
     def execute(self, plan) -> _Out:  # noqa: ANN001 - a SchedulerOutput
         sampled: list[int | None] = []
         flat = self.kv_caches.view(SPEC.num_layers, 2, -1, SPEC.num_kv_heads, SPEC.head_dim)

@@ -65,8 +65,7 @@ def _model_logits(model_dir: str, tp: TPContext) -> tuple[list[torch.Tensor], di
         order = list(range(len(seqs)))
         order.sort(key=lambda i: num_new[i] != 1)
         with torch.inference_mode():
-            input_ids, positions, meta, _, _ = runner._prepare(plan, order)
-            hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
+            hidden = runner._forward(runner._host_batch(plan, order))
             outs.append(runner.model.compute_logits(hidden))
     stats = runner.model.load_stats
     return outs, {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes}

@@ -23,6 +23,9 @@ from worker.sequence import Sequence, SequenceStatus
 
 OP_STEP = 1
 OP_STOP = 2
+# Disaggregation (worker/tp/kv_exchange.py): move the KV of these blocks to / from rank 0.
+OP_EXPORT_KV = 3
+OP_IMPORT_KV = 4
 _HEADER = 3
 _ENTRY = 7
 
@@ -35,6 +38,19 @@ class _Sent:
     num_blocks: int = 0
     last_block: int = -1
     num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class KVOp:
+    """A KV exchange every rank joins: `op` OP_EXPORT_KV or OP_IMPORT_KV, on these blocks."""
+
+    op: int
+    block_ids: list[int]
+
+
+def kv_message(op: int, block_ids: list[int]) -> torch.Tensor:
+    """[op, num_blocks, 0, block ids...] (the plan header's shape)."""
+    return torch.tensor([op, len(block_ids), 0, *block_ids], dtype=torch.long)
 
 
 class PlanEncoder:
@@ -90,7 +106,7 @@ class PlanEncoder:
 
 @dataclass
 class MirrorSeq:
-    """What a non-zero rank knows of a request: enough for ModelRunner._prepare."""
+    """What a non-zero rank knows of a request: enough for ModelRunner._host_batch."""
 
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
@@ -107,11 +123,15 @@ class PlanDecoder:
     def __init__(self) -> None:
         self.mirror: dict[int, MirrorSeq] = {}
 
-    def decode(self, payload: torch.Tensor) -> SchedulerOutput | None:
+    def decode(self, payload: torch.Tensor) -> SchedulerOutput | KVOp | None:
         data = payload.tolist()
         op, num_dropped, num_entries = data[0], data[1], data[2]
         if op == OP_STOP:
             return None
+        if op in (OP_EXPORT_KV, OP_IMPORT_KV):
+            if len(data) != _HEADER + num_dropped:
+                raise ValueError("malformed tensor-parallel KV message")
+            return KVOp(op, data[_HEADER:])
         if op != OP_STEP:
             raise ValueError(f"unknown tensor-parallel op {op}")
         pos = _HEADER

@@ -50,6 +50,8 @@ class TPRankWorker:
         from worker.tp.group import leave_tp_group, recv_plan
         from worker.tp.plan_codec import PlanDecoder
 
+        from worker.tp.plan_codec import KVOp
+
         decoder = PlanDecoder()
         num_steps = 0
         try:
@@ -57,10 +59,27 @@ class TPRankWorker:
                 plan = decoder.decode(recv_plan(self.plan_group))
                 if plan is None:
                     return num_steps
+                if isinstance(plan, KVOp):
+                    self._exchange_kv(plan)
+                    continue
                 self.runner.execute(plan)
                 num_steps += 1
         finally:
             leave_tp_group()
+
+    def _exchange_kv(self, op: object) -> None:
+        """This rank's side of rank 0's export_kv / import_kv (worker/tp/kv_exchange.py)."""
+        from kv.transfer import gather_blocks, scatter_blocks
+        from worker.tp.kv_exchange import gather_to_rank0, local_shape, scatter_from_rank0
+        from worker.tp.plan_codec import OP_EXPORT_KV
+
+        runner = self.runner
+        if op.op == OP_EXPORT_KV:
+            gather_to_rank0(gather_blocks(runner.kv_caches, op.block_ids), self.rank, self.size, self.plan_group)
+        else:
+            shape = local_shape(runner.spec, len(op.block_ids))
+            local = scatter_from_rank0(None, shape, runner.spec.dtype, self.rank, self.plan_group)
+            scatter_blocks(runner.kv_caches, op.block_ids, local)
 
     def ping(self) -> bool:
         return True

@@ -15,14 +15,20 @@ and `check_health` fails from then on, so Serve replaces the replica.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TypeVar
 
 import ray
+import torch
 
 from worker.config import EngineConfig
 from worker.model_runner import ModelRunner, RunnerOutput, resolve_device
 from worker.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class TensorParallelError(RuntimeError):
@@ -35,6 +41,13 @@ def rank_bundles(size: int, device_type: str, num_cpus: float = 1.0) -> list[dic
     if device_type == "cuda":
         bundle["GPU"] = 1.0
     return [dict(bundle) for _ in range(size)]
+
+
+def rank_actor_name(rank: int) -> str:
+    """`kvserve-tp-rank<r>-<actor id of rank 0>`: ranks are findable (`ray list actors`,
+    fault tests) and tied to their replica by name; unique per group."""
+    owner = ray.get_runtime_context().get_actor_id() or ray.get_runtime_context().get_job_id()
+    return f"kvserve-tp-rank{rank}-{owner}"
 
 
 class TPModelRunner:
@@ -52,6 +65,7 @@ class TPModelRunner:
         from worker.model.llama import LlamaArch
         from worker.model.parallel import validate_tp
         from worker.tp.group import agree_num_blocks, free_port, init_tp_group
+        from worker.tp.kv_exchange import head_ranges
         from worker.tp.plan_codec import PlanEncoder
         from worker.tp.rank_worker import TPRankWorker, _shrink_kv
 
@@ -75,6 +89,7 @@ class TPModelRunner:
         specs = pg.bundle_specs  # a rank takes its whole bundle
         self.workers = [
             TPRankWorker.options(
+                name=rank_actor_name(rank),
                 num_cpus=specs[first_bundle + rank - 1].get("CPU", 0),
                 num_gpus=specs[first_bundle + rank - 1].get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -91,6 +106,9 @@ class TPModelRunner:
         if ray.get(setup_refs) != [num_blocks] * (size - 1):
             raise TensorParallelError("tensor-parallel ranks disagree on the KV block count")
         self.num_blocks = num_blocks
+        # An export carries all of the model's KV heads (any decode pool can import it).
+        self.kv_spec = replace(self.runner.spec, num_kv_heads=arch.num_kv_heads)
+        self._head_ranges = head_ranges(arch.num_heads, arch.num_kv_heads, size)
         self._encoder = PlanEncoder()
         self._loop_refs = [w.run.remote() for w in self.workers]
         self._broken: str | None = None
@@ -103,12 +121,51 @@ class TPModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         from worker.tp.group import send_plan
 
-        self._check_ranks()
-        try:
+        def step() -> RunnerOutput:
             send_plan(self._encoder.encode(plan), self.plan_group)
             return self.runner.execute(plan)
+
+        return self._collective("step", step)
+
+    # -- disaggregation (worker/tp/kv_exchange.py) --------------------------------------------
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """All ranks' heads of these blocks, as one (layers, 2, T, Hkv, D) CPU tensor."""
+        from kv.transfer import gather_blocks
+        from worker.tp.group import send_plan
+        from worker.tp.kv_exchange import assemble_heads, gather_to_rank0
+        from worker.tp.plan_codec import OP_EXPORT_KV, kv_message
+
+        def export() -> torch.Tensor:
+            send_plan(kv_message(OP_EXPORT_KV, block_ids), self.plan_group)
+            local = gather_blocks(self.runner.kv_caches, block_ids)
+            parts = gather_to_rank0(local, 0, self.tp.size, self.plan_group)
+            return assemble_heads(parts, self._head_ranges, self.kv_spec.num_kv_heads)
+
+        return self._collective("KV export", export)
+
+    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        from kv.transfer import scatter_blocks
+        from worker.tp.group import send_plan
+        from worker.tp.kv_exchange import local_shape, scatter_from_rank0, split_heads
+        from worker.tp.plan_codec import OP_IMPORT_KV, kv_message
+
+        def import_() -> None:
+            send_plan(kv_message(OP_IMPORT_KV, block_ids), self.plan_group)
+            parts = split_heads(kv.to("cpu", self.kv_spec.dtype), self._head_ranges)
+            shape = local_shape(self.runner.spec, len(block_ids))
+            local = scatter_from_rank0(parts, shape, self.runner.spec.dtype, 0, self.plan_group)
+            scatter_blocks(self.runner.kv_caches, block_ids, local)
+
+        self._collective("KV import", import_)
+
+    def _collective(self, what: str, fn: Callable[[], T]) -> T:
+        """Run a group-wide operation; any failure breaks the group for good (a rank may be
+        mid-collective), and the error names a dead rank when that is the cause."""
+        self._check_ranks()
+        try:
+            return fn()
         except Exception as e:
-            self._broken = f"tensor-parallel step failed: {type(e).__name__}: {e}"
+            self._broken = f"tensor-parallel {what} failed: {type(e).__name__}: {e}"
             self._check_ranks()  # prefer "rank i died" when that is the cause
             raise TensorParallelError(self._broken) from e
 
