@@ -24,6 +24,9 @@ Concurrency 32, all requests submitted at t = 0 (no arrival process):
   each request with its own limit: no wasted tokens. `--hf-cb-api generate_batch` runs
   `generate_batch` itself with the workload's max and counts only useful tokens.
 
+The transformers peers are benchmarks/hf_peers.py (reusable on their own); this module
+runs them and kvserve on the workload and reports.
+
 Timed region: from submitting the first request to the last token of the last request;
 model loading, KV allocation and a short warm-up are outside it.
 
@@ -63,6 +66,14 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.hf_peers import (
+    PeerRun,
+    cb_num_blocks,
+    continuous_batching_generate,
+    load_hf_model,
+    reference_generate,
+    static_generate,
+)
 from benchmarks.workload import Request, WorkloadSpec, describe, make_workload
 
 ALL_SYSTEMS = ("kvserve", "hf_static", "hf_cb")
@@ -201,185 +212,43 @@ def overhead_at_full_batch(records: list[StepRecord]) -> tuple[float, int, float
 
 
 # ----------------------------------------------------------------------------- transformers
+# The peers themselves are benchmarks/hf_peers.py; these wrap them for the report
+# (fp32 on CPU, the workload's Requests, the same concurrency and token budget).
 
 
-def load_hf_model(model_dir: Path, attn_implementation: str):  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation=attn_implementation
-    )
-    model.eval()
-    return model
-
-
-def pad_id_of(model) -> int:  # type: ignore[no-untyped-def]
-    for value in (model.config.pad_token_id, model.generation_config.pad_token_id):
-        if isinstance(value, int):
-            return value
-    return 0
+def _peer_result(name: str, requests: list[Request], run: PeerRun, notes: list[str]) -> SystemResult:
+    outputs = {r.request_id: tokens for r, tokens in zip(requests, run.tokens)}
+    useful = sum(r.max_tokens for r in requests)
+    return SystemResult(name, run.wall_s, run.cpu_s, useful, run.generated_tokens, outputs, notes)
 
 
 def run_hf_static(model_dir: Path, requests: list[Request]) -> SystemResult:
-    from transformers import GenerationConfig
-
     model = load_hf_model(model_dir, "sdpa")
-    pad = pad_id_of(model)
-    # No EOS at all: `generate` then never marks a row finished, so every group runs
-    # to its longest request (what ignore_eos does in the engine). Passing
-    # eos_token_id=None to generate() would be refilled from the model's defaults.
-    model.generation_config.eos_token_id = None
-    model.config.eos_token_id = None
-
-    def generate(group: list[Request], max_new: int) -> torch.Tensor:
-        width = max(len(r.prompt_token_ids) for r in group)
-        ids = torch.full((len(group), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        for row, r in enumerate(group):  # left padding
-            n = len(r.prompt_token_ids)
-            ids[row, width - n:] = torch.tensor(r.prompt_token_ids)
-            mask[row, width - n:] = 1
-        config = GenerationConfig(max_new_tokens=max_new, min_new_tokens=0, do_sample=False,
-                                  pad_token_id=pad, eos_token_id=None)
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, generation_config=config)
-        new = out[:, width:]
-        if new.shape[1] != max_new:
-            raise RuntimeError(f"hf_static stopped after {new.shape[1]} of {max_new} tokens")
-        return new
-
-    generate([Request(f"warmup-{i}", p, 4) for i, p in enumerate(WARMUP_PROMPTS)], 4)  # warm-up, untimed
-
-    outputs: dict[str, list[int]] = {}
-    generated = 0
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for g in range(0, len(requests), CONCURRENCY):
-        group = requests[g: g + CONCURRENCY]
-        max_new = max(r.max_tokens for r in group)
-        new = generate(group, max_new)
-        generated += new.numel()
-        for row, r in enumerate(group):
-            outputs[r.request_id] = new[row, : r.max_tokens].tolist()
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    useful = sum(r.max_tokens for r in requests)
-    result = SystemResult("hf_static", wall, cpu, useful, generated, outputs)
-    result.notes.append(
-        f"hf_static: {math.ceil(len(requests) / CONCURRENCY)} groups of {CONCURRENCY}; computed {generated} "
-        f"tokens, {useful} useful ({1 - useful / generated:.0%} discarded past a request's max_tokens)"
-    )
-    return result
+    run = static_generate(model, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests],
+                          CONCURRENCY, WARMUP_PROMPTS)
+    return _peer_result("hf_static", requests, run, [f"hf_static: {run.note}"])
 
 
 def run_hf_cb(model_dir: Path, requests: list[Request], attn: str, api: str,
               max_model_len: int, page_size: int = 16) -> SystemResult:
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
     model = load_hf_model(model_dir, attn)
-    pad = pad_id_of(model)
-    max_new_all = max(r.max_tokens for r in requests)
     # The same KV capacity as kvserve's default 256 MiB pool for this model shape is far
-    # more than 32 in-flight requests need; size it for them (x2 headroom above the
-    # 15% safety margin HF's FIFO scheduler keeps free).
-    num_blocks = 2 * CONCURRENCY * math.ceil(max_model_len / page_size)
-    cb_config = ContinuousBatchingConfig(
-        page_size=page_size,
-        num_blocks=num_blocks,
-        max_batch_tokens=MAX_BATCHED_TOKENS,
-        max_requests_per_batch=CONCURRENCY,
-        use_cuda_graph=False,
-        use_async_batching=False,
-        auto_switch_to_flash=False,
+    # more than 32 in-flight requests need; size it for them.
+    num_blocks = cb_num_blocks(CONCURRENCY, max_model_len, page_size)
+    run = continuous_batching_generate(
+        model, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests],
+        max_requests_per_batch=CONCURRENCY, max_batch_tokens=MAX_BATCHED_TOKENS, num_blocks=num_blocks,
+        page_size=page_size, api=api, warmup_prompts=WARMUP_PROMPTS,
     )
-    # eos_token_id=-1 disables stopping on EOS (HF's own convention for "no EOS").
-    gen_config = GenerationConfig(max_new_tokens=max_new_all, do_sample=False, pad_token_id=pad,
-                                  eos_token_id=-1)
-    outputs: dict[str, list[int]] = {}
-    notes: list[str] = []
-
-    if api == "generate_batch":
-        inputs = [r.prompt_token_ids for r in requests]
-        model.generate_batch(inputs=[list(p) for p in WARMUP_PROMPTS], generation_config=GenerationConfig(
-            max_new_tokens=4, do_sample=False, pad_token_id=pad, eos_token_id=-1),
-            continuous_batching_config=cb_config)  # warm-up, untimed
-        start, cpu_start = time.perf_counter(), time.process_time()
-        results = model.generate_batch(inputs=inputs, generation_config=gen_config,
-                                       continuous_batching_config=cb_config)
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        ordered = list(results.values())
-        if len(ordered) != len(requests):
-            raise RuntimeError(f"hf_cb returned {len(ordered)} of {len(requests)} results")
-        generated = 0
-        for r, res in zip(requests, ordered):
-            if res.error:
-                raise RuntimeError(f"hf_cb failed a request: {res.error}")
-            generated += len(res.generated_tokens)
-            outputs[r.request_id] = list(res.generated_tokens[: r.max_tokens])
-        notes.append(
-            f"hf_cb: generate_batch with one max_new_tokens={max_new_all} for all requests (it takes no "
-            f"per-request limit); computed {generated} tokens, counted only the useful ones"
-        )
-    else:
-        hints = WorkloadHints(max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
-                              max_generated_length=max_new_all, num_requests=len(requests))
-        with model.continuous_batching_context_manager(
-            generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=30,
-            warmup=False, workload_hints=hints,
-        ) as manager:
-            def drain(ids: set[str]) -> dict[str, object]:
-                done: dict[str, object] = {}
-                while len(done) < len(ids):
-                    res = manager.get_result(timeout=1)
-                    if res is None:
-                        if not manager.is_running():
-                            raise RuntimeError("hf_cb generation thread stopped")
-                        continue
-                    if res.is_finished() and res.request_id in ids:
-                        done[res.request_id] = res
-                return done
-
-            warm = {manager.add_request(list(p), request_id=f"warmup-{i}", max_new_tokens=4, eos_token_id=-1)
-                    for i, p in enumerate(WARMUP_PROMPTS)}
-            drain(warm)  # warm-up, untimed
-            start, cpu_start = time.perf_counter(), time.process_time()
-            for r in requests:
-                manager.add_request(r.prompt_token_ids, request_id=r.request_id,
-                                    max_new_tokens=r.max_tokens, eos_token_id=-1)
-            results = drain({r.request_id for r in requests})
-            wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        generated = 0
-        for r in requests:
-            res = results[r.request_id]
-            if res.error:
-                raise RuntimeError(f"hf_cb failed {r.request_id}: {res.error}")
-            generated += len(res.generated_tokens)
-            outputs[r.request_id] = list(res.generated_tokens)
-            if len(res.generated_tokens) != r.max_tokens:
-                raise RuntimeError(f"hf_cb gave {len(res.generated_tokens)} tokens for {r.request_id}, "
-                                   f"expected {r.max_tokens}")
-        notes.append(
-            "hf_cb: per-request max_new_tokens through the manager generate_batch uses "
-            "(generate_batch itself takes one max_new_tokens for all)"
-        )
-    notes[-1] += f"; attention {attn!r}, page_size {page_size}, {num_blocks} blocks"
-    useful = sum(r.max_tokens for r in requests)
-    return SystemResult("hf_cb", wall, cpu, useful, generated, outputs, notes)
+    note = f"hf_cb: {run.note}; attention {attn!r}, page_size {page_size}, {num_blocks} blocks"
+    return _peer_result("hf_cb", requests, run, [note])
 
 
 def hf_reference(model_dir: Path, requests: list[Request]) -> dict[str, list[int]]:
     """Per-request greedy `generate` (no padding): the reference when hf_static is not run."""
     model = load_hf_model(model_dir, "sdpa")
-    pad = pad_id_of(model)
-    model.generation_config.eos_token_id = None
-    model.config.eos_token_id = None
-    outs = {}
-    for r in requests:
-        ids = torch.tensor([r.prompt_token_ids])
-        with torch.inference_mode():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=r.max_tokens,
-                                 do_sample=False, pad_token_id=pad)
-        outs[r.request_id] = gen[0, ids.shape[1]:].tolist()
-    return outs
+    tokens = reference_generate(model, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests])
+    return {r.request_id: t for r, t in zip(requests, tokens)}
 
 
 def count_mismatches(a: dict[str, list[int]], b: dict[str, list[int]], ids: list[str]) -> tuple[int, str]:

@@ -43,18 +43,11 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
     return int(num_blocks)
 
 
-def gpu_kv_budget(device: torch.device, utilization: float) -> int:
-    """Bytes for the KV cache on a GPU: the share of total memory we may use, minus what
-    is already taken (weights, activations measured by a warm-up pass)."""
+def gpu_kv_budget(device: torch.device, utilization: float, activation_peak_bytes: int = 0) -> int:
+    """Bytes for the KV cache on a GPU (see kv_budget_from_memory): call it after loading
+    the weights and after a profile forward whose memory has been returned (empty_cache)."""
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    budget = int(total * utilization) - used
-    if budget <= 0:
-        raise ValueError(
-            f"gpu_memory_utilization={utilization} leaves no memory for the KV cache "
-            f"({used / 2**30:.1f} GiB already used of {total / 2**30:.1f} GiB)"
-        )
-    return budget
+    return kv_budget_from_memory(total, free, utilization, activation_peak_bytes)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -66,3 +59,25 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     # zeros, not empty: padded decode slots read block 0, and garbage there could be NaN
     # (masked, but NaN * 0 is still NaN in a matmul).
     return torch.zeros(shape, dtype=spec.dtype, device=device)
+
+
+def kv_budget_from_memory(
+    total_bytes: int, free_bytes: int, utilization: float, activation_peak_bytes: int = 0
+) -> int:
+    """The KV budget on a GPU, from its memory figures (pure arithmetic, unit-tested):
+
+        budget = total * utilization - (total - free) - activation_peak
+
+    measured AFTER the weights are loaded and a profile forward of the largest batch ran
+    and its memory was released: `total - free` then counts the weights, the CUDA context
+    and anything else on the device (other processes too), and `activation_peak` is the
+    most the forward held on top of that, which it will need again at every big step."""
+    used = total_bytes - free_bytes
+    budget = int(total_bytes * utilization) - used - activation_peak_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no memory for the KV cache "
+            f"({used / 2**30:.1f} GiB in use + {activation_peak_bytes / 2**30:.1f} GiB activation peak "
+            f"of {total_bytes / 2**30:.1f} GiB)"
+        )
+    return budget

@@ -38,7 +38,9 @@ class ModelConfig:
     model: str  # local directory or Hub id
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
-    attention_backend: str = "auto"  # auto | torch | flash
+    attention_backend: str = "auto"  # auto | torch | flash | triton
+    # CUDA only: replay decode-only steps as CUDA graphs (worker/cuda_graphs.py); ignored on CPU.
+    enable_cuda_graphs: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default
     trust_remote_code: bool = False

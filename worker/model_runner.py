@@ -7,14 +7,17 @@ last token of each sequence that samples, and sample the whole batch at once.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
 from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_blocks_for_budget
+from kv.transfer import gather_blocks, scatter_blocks
 from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo, select_backend
 from worker.config import EngineConfig
+from worker.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
+from worker.forward_timer import ForwardTimer
+from worker.memory_profile import activation_peak_bytes
 from worker.model.llama import LlamaArch
 from worker.model.loader import load_model, resolve_model_path
 from worker.model.parallel import SINGLE, TPContext, kv_head_range
@@ -32,6 +35,24 @@ class RunnerOutput:
     token_ids: list[int | None]  # aligned with plan.seqs; None where the seq did not sample
     logprobs: list[TokenLogprob | None]
     forward_s: float  # time in the model forward + logits (for the overhead figure)
+
+
+@dataclass
+class HostBatch:
+    """One step's flat inputs, built on the host (CPU tensors), rows in execution order
+    (decodes first, shortest context first; then prefill chunks)."""
+
+    input_ids: torch.Tensor  # (T,) long
+    positions: torch.Tensor  # (T,) long
+    slot_mapping: torch.Tensor  # (T,) long
+    block_table: torch.Tensor  # (S, max_blocks) long, rows padded with block 0
+    context_lens: torch.Tensor  # (S,) long: cached + this step's tokens
+    starts: list[int]  # first position computed this step, per row
+    lens: list[int]  # tokens this step, per row
+    query_start: list[int]  # first flat token, per row
+    num_decodes: int
+    sample_rows: list[int]  # plan indices of the seqs that sample this step
+    last_token_idx: list[int]  # flat token whose logits each of them samples from
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,19 +98,71 @@ class ModelRunner:
             block_size=self.block_size,
             dtype=self.dtype,
         )
-        self.num_blocks = self._num_blocks()
-        self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks, self.device)
+        self.num_blocks = self._num_blocks(max_model_len)
+        use_graphs = self._use_cuda_graphs()
+        # With graphs, one scratch block past the pool's num_blocks takes the padded rows'
+        # K/V (worker/cuda_graphs.py); the block pool never hands it out.
+        self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks + int(use_graphs), self.device)
         self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
+        self.timer = ForwardTimer(self.device)
+        self.graphs = self._capture_graphs(max_model_len) if use_graphs else None
 
-    def _num_blocks(self) -> int:
+    # -- disaggregation: the engine moves a request's KV through these, never kv_caches --
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        """The layout an export of this engine has (all of the model's KV heads)."""
+        return self.spec
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        return gather_blocks(self.kv_caches, block_ids)
+
+    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        scatter_blocks(self.kv_caches, block_ids, kv)
+
+    def _num_blocks(self, max_model_len: int) -> int:
         cache = self.config.cache
         if cache.num_blocks_override is not None:
             return cache.num_blocks_override
-        if self.device.type == "cuda":
-            budget = gpu_kv_budget(self.device, cache.gpu_memory_utilization)
-        else:
-            budget = cache.kv_cache_bytes
+        if self.device.type != "cuda":
+            return num_blocks_for_budget(self.spec, cache.kv_cache_bytes)
+        sched = self.config.scheduler
+        peak = activation_peak_bytes(
+            self.model, self.spec, sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len,
+            self.device, self.backend.varlen,
+        )
+        budget = gpu_kv_budget(self.device, cache.gpu_memory_utilization, peak)
+        logger.info("KV budget %.2f GiB (profile forward peak %.2f GiB, gpu_memory_utilization %.2f)",
+                    budget / 2**30, peak / 2**30, cache.gpu_memory_utilization)
         return num_blocks_for_budget(self.spec, budget)
+
+    def _use_cuda_graphs(self) -> bool:
+        """Graphs need CUDA, a shape-static attention path (varlen backends) and a single
+        rank (NCCL collectives inside a captured graph are not attempted). Logged once."""
+        why_not = None
+        if not self.config.model.enable_cuda_graphs:
+            why_not = "enable_cuda_graphs is off"
+        elif self.device.type != "cuda":
+            why_not = f"device is {self.device.type}"
+        elif not self.backend.varlen:
+            why_not = f"the {self.backend.name} attention backend is not shape-static per batch size"
+        elif self.tp.size > 1:
+            why_not = "tensor parallelism"
+        if why_not is not None:
+            logger.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
+        return why_not is None
+
+    def _capture_graphs(self, max_model_len: int) -> DecodeGraphs:
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
+        buffers = DecodeBuffers.allocate(sizes[-1], max_blocks_per_seq, self.num_blocks, self.block_size, self.device)
+        kv_caches = self.kv_caches
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            return self.model(input_ids, positions, kv_caches, meta)
+
+        graphs = DecodeGraphs(forward, buffers, sizes, max_model_len)
+        graphs.capture()
+        return graphs
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -99,27 +172,44 @@ class ModelRunner:
             range(len(seqs)),
             key=lambda i: (num_new[i] != 1, seqs[i].num_computed_tokens if num_new[i] == 1 else 0),
         )
-        input_ids, positions, meta, last_token_idx, sample_rows = self._prepare(plan, order)
-        start = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        batch = self._host_batch(plan, order)
+        dev = self.device
+        last_token_idx = torch.tensor(batch.last_token_idx, dtype=torch.long).to(dev, non_blocking=True)
+        hidden = self._forward(batch)
         token_ids: list[int | None] = [None] * len(plan.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(plan.seqs)
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[last_token_idx])
-            forward_s = time.perf_counter() - start
-            if self.sampler is None:  # a TP rank other than 0: it only joined the collectives
-                return RunnerOutput(token_ids, logprobs, forward_s)
-            sampled = self.sampler(logits, [plan.seqs[i] for i in sample_rows])
-            for row, i in enumerate(sample_rows):
-                token_ids[i] = sampled.token_ids[row]
-                logprobs[i] = sampled.logprobs[row]
-        else:
-            forward_s = time.perf_counter() - start
-        return RunnerOutput(token_ids, logprobs, forward_s)
+        sample_rows = batch.sample_rows
+        if not sample_rows or self.sampler is None:
+            if sample_rows:  # a TP rank other than 0: it only joins the collectives
+                self.model.compute_logits(hidden[last_token_idx])
+            self.timer.stop()
+            return RunnerOutput(token_ids, logprobs, self.timer.elapsed_s())
+        logits = self.model.compute_logits(hidden[last_token_idx])
+        self.timer.stop()
+        # The step's one host sync: the sampled ids (the timer's events complete before it).
+        sampled = self.sampler(logits, [plan.seqs[i] for i in sample_rows])
+        for row, i in enumerate(sample_rows):
+            token_ids[i] = sampled.token_ids[row]
+            logprobs[i] = sampled.logprobs[row]
+        return RunnerOutput(token_ids, logprobs, self.timer.elapsed_s())
 
-    def _prepare(
-        self, plan: SchedulerOutput, order: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[int]]:
+    def _forward(self, batch: HostBatch) -> torch.Tensor:
+        """Hidden states of every flat token: a graph replay for a decode-only step that
+        fits a captured bucket, the eager model otherwise. Starts the forward timer (the
+        metadata built before it is host work, not forward time)."""
+        num_seqs = len(batch.lens)
+        if self.graphs is not None and batch.num_decodes == num_seqs and self.graphs.bucket(num_seqs) is not None:
+            self.timer.start()
+            return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
+                                   batch.block_table, batch.context_lens)
+        dev = self.device
+        meta = self._metadata(batch)
+        input_ids = batch.input_ids.to(dev, non_blocking=True)
+        positions = batch.positions.to(dev, non_blocking=True)
+        self.timer.start()
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _host_batch(self, plan: SchedulerOutput, order: list[int]) -> HostBatch:
         bs = self.block_size
         seqs, num_new = plan.seqs, plan.num_new_tokens
         flat_ids: list[int] = []
@@ -145,42 +235,7 @@ class ModelRunner:
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lens_t)
         positions = torch.arange(len(flat_ids)) + (starts_t - query_start)[seq_of_token]
         slots = table[seq_of_token, positions // bs] * bs + positions % bs
-        context_lens = starts_t + lens_t
-
-        num_decodes = sum(1 for n in lens if n == 1)
-        dev = self.device
-        groups = []
-        for lo, hi in _decode_group_bounds(starts[:num_decodes]):
-            max_ctx = starts[hi - 1] + 1  # sorted ascending: the last is the longest
-            groups.append(
-                DecodeGroup(
-                    lo, hi,
-                    table[lo:hi, : -(-max_ctx // bs)].to(dev, non_blocking=True),
-                    context_lens[lo:hi].to(dev, non_blocking=True),
-                    max_ctx,
-                )
-            )
-        prefills = []
         qs = query_start.tolist()
-        for row in range(num_decodes, num_seqs):
-            ctx = starts[row] + lens[row]
-            prefills.append(
-                PrefillInfo(qs[row], lens[row], ctx, table[row, : -(-ctx // bs)].to(dev, non_blocking=True))
-            )
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True),
-            num_decode_tokens=num_decodes,
-            decode_groups=groups,
-            prefills=prefills,
-        )
-        if self.backend.name == "flash":
-            cu = torch.zeros(num_seqs + 1, dtype=torch.int32)
-            cu[1:] = torch.cumsum(lens_t, 0)
-            meta.cu_seqlens_q = cu.to(dev, non_blocking=True)
-            meta.seqused_k = context_lens.to(torch.int32).to(dev, non_blocking=True)
-            meta.block_table = table.to(torch.int32).to(dev, non_blocking=True)
-            meta.max_query_len = max(lens)
-            meta.max_context_len = int(context_lens.max())
         # Sample where a seq reaches its last token; its logits come from that token.
         sample_rows: list[int] = []
         last_idx: list[int] = []
@@ -188,14 +243,55 @@ class ModelRunner:
             if starts[row] + lens[row] == seqs[i].num_tokens:
                 sample_rows.append(i)
                 last_idx.append(qs[row] + lens[row] - 1)
-        input_ids = torch.tensor(flat_ids, dtype=torch.long).to(dev, non_blocking=True)
-        return (
-            input_ids,
-            positions.to(dev, non_blocking=True),
-            meta,
-            torch.tensor(last_idx, dtype=torch.long).to(dev, non_blocking=True),
-            sample_rows,
+        return HostBatch(
+            input_ids=torch.tensor(flat_ids, dtype=torch.long),
+            positions=positions,
+            slot_mapping=slots,
+            block_table=table,
+            context_lens=starts_t + lens_t,
+            starts=starts,
+            lens=lens,
+            query_start=qs,
+            num_decodes=sum(1 for n in lens if n == 1),
+            sample_rows=sample_rows,
+            last_token_idx=last_idx,
         )
+
+    def _metadata(self, batch: HostBatch) -> AttentionMetadata:
+        """The attention metadata on the device: decode groups and prefill infos for the
+        torch backend, the varlen fields for the flash and triton backends."""
+        bs, dev = self.block_size, self.device
+        starts, lens, table, context_lens = batch.starts, batch.lens, batch.block_table, batch.context_lens
+        num_decodes = batch.num_decodes
+        meta = AttentionMetadata(
+            slot_mapping=batch.slot_mapping.to(dev, non_blocking=True), num_decode_tokens=num_decodes
+        )
+        if self.backend.varlen:
+            lens_t = torch.tensor(lens, dtype=torch.int32)
+            cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+            cu[1:] = torch.cumsum(lens_t, 0)
+            meta.cu_seqlens_q = cu.to(dev, non_blocking=True)
+            meta.seqused_k = context_lens.to(torch.int32).to(dev, non_blocking=True)
+            meta.block_table = table.to(torch.int32).to(dev, non_blocking=True)
+            meta.max_query_len = max(lens)
+            meta.max_context_len = int(context_lens.max())
+            return meta
+        for lo, hi in _decode_group_bounds(starts[:num_decodes]):
+            max_ctx = starts[hi - 1] + 1  # sorted ascending: the last is the longest
+            meta.decode_groups.append(
+                DecodeGroup(
+                    lo, hi,
+                    table[lo:hi, : -(-max_ctx // bs)].to(dev, non_blocking=True),
+                    context_lens[lo:hi].to(dev, non_blocking=True),
+                    max_ctx,
+                )
+            )
+        for row in range(num_decodes, len(lens)):
+            ctx = starts[row] + lens[row]
+            meta.prefills.append(
+                PrefillInfo(batch.query_start[row], lens[row], ctx, table[row, : -(-ctx // bs)].to(dev, non_blocking=True))
+            )
+        return meta
 
 
 def _decode_group_bounds(sorted_starts: list[int], min_group: int = 8) -> list[tuple[int, int]]:

@@ -1,4 +1,5 @@
-"""Attention backends: `torch` (default, everywhere) and `flash` (CUDA, when it loads)."""
+"""Attention backends: `torch` (default, everywhere), `flash` (CUDA, when a flash-attention
+package loads and matches torch) and `triton` (CUDA, the project's own kernel)."""
 from __future__ import annotations
 
 import logging
@@ -12,20 +13,45 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "DecodeGroup", "PrefillInfo", "select_backend"]
 
+BACKENDS = ("auto", "torch", "flash", "triton")
+
+
+def _load(name: str, device: torch.device) -> tuple[AttentionBackend | None, str]:
+    # Imported lazily: triton_paged imports triton, which a CPU-only install may lack.
+    if name == "flash":
+        from worker.attention.flash import load_flash_backend
+
+        return load_flash_backend(device)
+    from worker.attention.triton_paged import load_triton_backend
+
+    return load_triton_backend(device)
+
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` takes flash when it loads on this device, torch otherwise; `flash` insists."""
-    if name not in ("auto", "torch", "flash"):
-        raise ValueError(f"unknown attention backend {name!r} (auto, torch, flash)")
+    """`auto`: flash if it loads on this device, else triton if it loads, else torch (on CPU
+    always torch); the choice is logged once, with why the faster ones were not used.
+    `flash` / `triton` insist: a clear error when they cannot be used."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} ({', '.join(BACKENDS)})")
     if name == "torch":
         return TorchPagedAttention()
-    from worker.attention.flash import load_flash_backend
-
-    backend, why = load_flash_backend(device)
-    if backend is not None:
-        logger.info("attention backend: flash (%s)", why)
+    if name in ("flash", "triton"):
+        backend, why = _load(name, device)
+        if backend is None:
+            raise RuntimeError(f"attention_backend={name} was asked for but cannot be used: {why}")
+        logger.info("attention backend: %s (%s)", name, why)
         return backend
-    if name == "flash":
-        raise RuntimeError(f"attention_backend=flash was asked for but cannot be used: {why}")
-    logger.info("attention backend: torch (flash not used: %s)", why)
+    if device.type != "cuda":
+        logger.info("attention backend: torch (flash not used: flash attention needs CUDA; "
+                    "triton not used: the triton kernel needs CUDA; device is %s)", device.type)
+        return TorchPagedAttention()
+    reasons = []
+    for candidate in ("flash", "triton"):
+        backend, why = _load(candidate, device)
+        if backend is not None:
+            suffix = f"; {'; '.join(reasons)}" if reasons else ""
+            logger.info("attention backend: %s (%s%s)", candidate, why, suffix)
+            return backend
+        reasons.append(f"{candidate} not used: {why}")
+    logger.info("attention backend: torch (%s)", "; ".join(reasons))
     return TorchPagedAttention()

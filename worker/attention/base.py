@@ -45,7 +45,7 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillInfo] = field(default_factory=list)
-    # Varlen form of the whole batch (flash backends): int32 tensors.
+    # Varlen form of the whole batch (flash and triton backends): int32 tensors.
     cu_seqlens_q: torch.Tensor | None = None
     seqused_k: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
@@ -55,6 +55,9 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     name: str
+    # True: the backend reads the varlen fields (cu_seqlens_q, seqused_k, block_table), so
+    # the runner fills them; False: it reads decode_groups / prefills.
+    varlen: bool
 
     def forward(
         self,

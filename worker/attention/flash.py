@@ -25,6 +25,7 @@ def _import_varlen() -> tuple[Callable[..., Any] | None, str]:
 
 class FlashAttention:
     name = "flash"
+    varlen = True  # reads cu_seqlens_q / seqused_k / block_table
 
     def __init__(self, varlen_func: Callable[..., Any]) -> None:
         self._varlen = varlen_func

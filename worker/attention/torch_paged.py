@@ -15,6 +15,7 @@ from worker.attention.base import AttentionMetadata, DecodeGroup
 
 class TorchPagedAttention:
     name = "torch"
+    varlen = False  # reads decode_groups / prefills, not the varlen fields
 
     def forward(
         self,

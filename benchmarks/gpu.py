@@ -1,0 +1,295 @@
+"""kvserve on a GPU: decode throughput against the HBM roofline, and side by side with
+transformers' static (`generate`) and continuous (`generate_batch`) batching.
+
+    python -m benchmarks.gpu [--tiny] [--hbm-gbps 4800] [--requests N] [--concurrency C]
+
+Model: Llama-3-8B-shaped (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate
+14336, vocab 128256), random bf16 weights built on the device with transformers (no
+download), saved once as safetensors so that kvserve loads it through its own loader and
+both systems run the SAME weights; the transformers model stays in memory for the peers.
+`--tiny` (automatic without CUDA) shrinks the model, batches, context and workload so the
+whole script runs end to end on a CPU in a minute or two; its numbers only show the
+script works (the roofline of a CPU is not the H200's).
+
+Reported, in one run:
+1. decode tokens/s at batch 1, 64, 256 with ~1k context (timed over decode-only steps of
+   the engine), against the roofline of benchmarks/roofline.py, as a percentage;
+2. TTFT of a 512-token prompt on an idle engine (median of a few);
+3. one seeded mixed workload (benchmarks/workload.py) through kvserve and through the
+   peers (benchmarks/hf_peers.py, the same code benchmarks/engine.py uses): useful output
+   tokens/s and kvserve/peer ratios;
+4. the scheduler's share of kvserve step time over that workload: time in
+   Scheduler.schedule + Scheduler.update over the engine's step time (both counted by
+   the engine itself: Engine.schedule_time_s, Engine.step_time_s).
+The LAST line: RESULT roofline_pct_b256=<p> vs_hf_static=<x> vs_hf_cb=<y> sched_pct=<s>
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.hf_peers import PeerRun, cb_num_blocks, continuous_batching_generate, static_generate
+from benchmarks.roofline import H200_HBM_BYTES_PER_S, ModelShape, decode_floor_s, roofline_pct
+from benchmarks.workload import Request, WorkloadSpec, describe, make_workload
+
+LLAMA3_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+)
+TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0,
+)
+COMMON = dict(rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@dataclass(frozen=True)
+class Settings:
+    shape: dict[str, Any]
+    device: str
+    dtype: torch.dtype
+    decode_batches: tuple[int, ...]
+    context_len: int
+    decode_steps: int
+    ttft_prompt_len: int
+    workload: WorkloadSpec
+    concurrency: int
+    max_num_batched_tokens: int
+
+
+def settings(tiny: bool, requests: int | None, concurrency: int | None, seed: int) -> Settings:
+    if tiny:
+        return Settings(
+            TINY | COMMON, "cuda" if torch.cuda.is_available() else "cpu", torch.float32,
+            decode_batches=(1, 4, 8), context_len=64, decode_steps=8, ttft_prompt_len=128,
+            workload=WorkloadSpec(num_requests=requests or 12, seed=seed, vocab_size=TINY["vocab_size"],
+                                  prompt_min=8, prompt_max=48, output_mean=12.0, output_cap=24),
+            concurrency=concurrency or 4, max_num_batched_tokens=256,
+        )
+    return Settings(
+        LLAMA3_8B | COMMON, "cuda", torch.bfloat16,
+        decode_batches=(1, 64, 256), context_len=1024, decode_steps=32, ttft_prompt_len=512,
+        workload=WorkloadSpec(num_requests=requests or 256, seed=seed, vocab_size=LLAMA3_8B["vocab_size"]),
+        concurrency=concurrency or 128, max_num_batched_tokens=8192,
+    )
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def build_checkpoint(cfg: Settings, out: Path) -> Any:
+    """A random Llama built on the device (default dtype set so no fp32 copy is made),
+    saved to `out` as safetensors; returns the transformers model (kept for the peers)."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(cfg.dtype)
+    try:
+        with torch.device(cfg.device):
+            model = LlamaForCausalLM(LlamaConfig(**cfg.shape, attn_implementation="sdpa"))
+    finally:
+        torch.set_default_dtype(previous)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(out, safe_serialization=True)
+    return model.eval()
+
+
+def model_shape(hf_model: Any, dtype: torch.dtype) -> ModelShape:
+    c = hf_model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return ModelShape(
+        num_params=sum(p.numel() for p in hf_model.parameters()),
+        embedding_params=0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size,
+        hidden_size=c.hidden_size, num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
+        head_dim=head_dim, dtype_bytes=elem, kv_dtype_bytes=elem,
+    )
+
+
+def make_engine(cfg: Settings, model_dir: Path, backend: str, max_model_len: int) -> Any:
+    from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from worker.engine import Engine
+
+    dtype = "bfloat16" if cfg.dtype == torch.bfloat16 else "float32"
+    return Engine.from_config(EngineConfig(
+        ModelConfig(model=str(model_dir), dtype=dtype, device=cfg.device, attention_backend=backend),
+        CacheConfig(kv_cache_bytes=64 * 1024**2),  # CPU budget; on CUDA sized from free memory
+        SchedulerConfig(max_num_seqs=max(max(cfg.decode_batches), cfg.concurrency),
+                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_model_len),
+    ))
+
+
+# ----------------------------------------------------------------------------- kvserve runs
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _drain(engine: Any) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error:
+                raise RuntimeError(f"kvserve failed {out.request_id}: {out.error}")
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return tokens
+
+
+def decode_tokens_per_s(engine: Any, cfg: Settings, batch: int, tag: str) -> float:
+    """Prefill `batch` prompts of context_len tokens, then time decode_steps decode-only steps."""
+    from worker.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=cfg.decode_steps + 2, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        prompt = torch.randint(3, cfg.shape["vocab_size"], (cfg.context_len,), generator=gen).tolist()
+        engine.add_request(f"{tag}-{i}", prompt, params)
+    # Prefill (and the first sampled token) until every sequence decodes.
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.seqs.values()):
+        engine.step()
+    engine.step()  # one untimed decode step (a graph bucket's first replay)
+    _sync(cfg.device)
+    start = time.perf_counter()
+    for _ in range(cfg.decode_steps):
+        engine.step()
+    _sync(cfg.device)
+    elapsed = time.perf_counter() - start
+    _drain(engine)
+    return batch * cfg.decode_steps / elapsed
+
+
+def ttft_s(engine: Any, cfg: Settings, repeats: int = 3) -> float:
+    from worker.sampling_params import SamplingParams
+
+    times = []
+    for r in range(repeats):
+        prompt = [3 + (r * 7919 + i * 31) % (cfg.shape["vocab_size"] - 3) for i in range(cfg.ttft_prompt_len)]
+        start = time.perf_counter()
+        engine.add_request(f"ttft-{r}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        while not any(out.new_token_ids for out in engine.step()):
+            pass
+        times.append(time.perf_counter() - start)
+        _drain(engine)
+    return statistics.median(times)
+
+
+def run_workload_kvserve(engine: Any, requests: list[Request], concurrency: int) -> tuple[PeerRun, float]:
+    """(the run, scheduler share of step time) over the mixed workload, all submitted at t=0."""
+    from worker.sampling_params import SamplingParams
+
+    # The same concurrency as the peers' batch (the engine was built with room for the
+    # largest decode batch); the scheduler reads its limits from this config every step.
+    engine.scheduler.config = replace(engine.scheduler.config, max_num_seqs=concurrency)
+    step0, sched0 = engine.step_time_s, engine.schedule_time_s  # the engine's own clocks
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for r in requests:
+        engine.add_request(r.request_id, r.prompt_token_ids,
+                           SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
+    tokens = _drain(engine)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    sched_share = (engine.schedule_time_s - sched0) / (engine.step_time_s - step0)
+    out = [tokens[r.request_id] for r in requests]
+    generated = sum(len(t) for t in out)
+    return PeerRun(out, generated, wall, cpu, f"max_num_seqs {concurrency}"), sched_share
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model and sizes (automatic without CUDA)")
+    parser.add_argument("--hbm-gbps", type=float, default=H200_HBM_BYTES_PER_S / 1e9,
+                        help="memory bandwidth for the roofline, GB/s (H200: 4800)")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--concurrency", type=int, default=None, help="kvserve max_num_seqs / peers' batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash", "triton"])
+    parser.add_argument("--hf-cb-api", default="manager", choices=["manager", "generate_batch"])
+    parser.add_argument("--model-dir", type=Path, default=None, help="where to save the random checkpoint")
+    args = parser.parse_args(argv)
+    tiny = args.tiny or not torch.cuda.is_available()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("transformers", "httpx"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    cfg = settings(tiny, args.requests, args.concurrency, args.seed)
+    bandwidth = args.hbm_gbps * 1e9
+    requests = make_workload(cfg.workload)
+    max_model_len = max(cfg.context_len + cfg.decode_steps + 8, cfg.workload.prompt_max + cfg.workload.output_cap + 16,
+                        cfg.ttft_prompt_len + 8)
+
+    tmp = tempfile.TemporaryDirectory(prefix="kvserve-gpu-bench-")
+    model_dir = args.model_dir or Path(tmp.name) / "model"
+    t0 = time.perf_counter()
+    hf_model = build_checkpoint(cfg, model_dir)
+    shape = model_shape(hf_model, cfg.dtype)
+    print(f"model: {'tiny' if tiny else 'Llama-3-8B-shaped'}, {shape.num_params / 1e6:.2f}M params, {cfg.dtype}, "
+          f"on {cfg.device}; built + saved in {time.perf_counter() - t0:.1f} s")
+    print(f"workload (seed {args.seed}): {describe(requests)}; concurrency {cfg.concurrency}")
+    sys.stdout.flush()
+
+    engine = make_engine(cfg, model_dir, args.attention_backend, max_model_len)
+    backend = engine.runner.backend.name
+    graphs = engine.runner.graphs is not None
+    decode = {b: decode_tokens_per_s(engine, cfg, b, f"decode{b}") for b in cfg.decode_batches}
+    ttft = ttft_s(engine, cfg)
+    kv_run, sched_share = run_workload_kvserve(engine, requests, cfg.concurrency)
+    del engine
+    gc.collect()
+    if cfg.device == "cuda":
+        torch.cuda.empty_cache()
+
+    prompts = [r.prompt_token_ids for r in requests]
+    max_tokens = [r.max_tokens for r in requests]
+    warm = [list(range(3, 35)), list(range(35, 67))]
+    static = static_generate(hf_model, prompts, max_tokens, cfg.concurrency, warm)
+    cb = continuous_batching_generate(
+        hf_model, prompts, max_tokens, cfg.concurrency, cfg.max_num_batched_tokens,
+        cb_num_blocks(cfg.concurrency, max_model_len, 16), api=args.hf_cb_api, warmup_prompts=warm,
+    )
+
+    print(f"\nattention backend {backend}, CUDA graphs {'on' if graphs else 'off'}, "
+          f"roofline bandwidth {args.hbm_gbps:.0f} GB/s")
+    print(f"{'batch':>6} {'context':>8} {'tok/s':>12} {'floor ms/step':>14} {'roofline tok/s':>15} {'% roofline':>11}")
+    pct: dict[int, float] = {}
+    for b, tps in decode.items():
+        floor = decode_floor_s(shape, b, cfg.context_len, bandwidth)
+        pct[b] = roofline_pct(tps, shape, b, cfg.context_len, bandwidth)
+        print(f"{b:>6} {cfg.context_len:>8} {tps:>12.1f} {1000 * floor:>14.3f} {b / floor:>15.1f} {pct[b]:>10.1f}%")
+    print(f"\nTTFT, {cfg.ttft_prompt_len}-token prompt, idle engine: {1000 * ttft:.1f} ms (median of 3)")
+    useful = sum(max_tokens)
+    print(f"\n{'system':<10} {'useful tok':>10} {'computed':>9} {'wall s':>8} {'useful tok/s':>13} {'kvserve/peer':>13}")
+    runs = {"kvserve": kv_run, "hf_static": static, "hf_cb": cb}
+    ratios = {}
+    for name, run in runs.items():
+        ratios[name] = (useful / kv_run.wall_s) / (useful / run.wall_s)
+        print(f"{name:<10} {useful:>10} {run.generated_tokens:>9} {run.wall_s:>8.2f} {useful / run.wall_s:>13.1f} "
+              f"{ratios[name]:>13.2f}")
+    for name, run in runs.items():
+        print(f"note: {name}: {run.note}")
+    mismatches = sum(a != b for a, b in zip(kv_run.tokens, static.tokens))
+    print(f"greedy tokens kvserve vs hf_static: {mismatches} of {len(requests)} requests differ "
+          f"({'bf16: small differences flip near-tied argmaxes' if cfg.dtype == torch.bfloat16 else 'fp32'})")
+    print(f"scheduler (schedule + update) share of kvserve step time: {100 * sched_share:.1f}%")
+    top = max(cfg.decode_batches)
+    print(f"RESULT roofline_pct_b{top}={pct[top]:.1f} vs_hf_static={ratios['hf_static']:.2f} "
+          f"vs_hf_cb={ratios['hf_cb']:.2f} sched_pct={100 * sched_share:.1f}")
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Paged attention in Triton (the project's own kernel), for the whole flat batch at once.
+
+Used on CUDA when no flash-attention package loads (Triton ships with CUDA torch builds);
+the kernel also runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which
+is how the unit tests check it against the torch backend.
+
+One launch per layer covers decodes and prefill chunks alike, from the varlen metadata
+(the same fields the flash backend reads):
+
+    cu_seqlens_q : (S + 1,) int32   seq s owns flat tokens [cu[s], cu[s+1])
+    seqused_k    : (S,) int32       context_len of seq s (cached + this step's tokens)
+    block_table  : (S, W) int32     logical block j of seq s -> physical block; only the
+                                    first cdiv(context_len, block_size) entries are read
+
+Query token t of seq s (0 <= t < query_len) sits at position
+    q_pos = context_len - query_len + t
+and sees keys 0 .. q_pos (causal over cached context + the chunk itself); a decode is the
+case query_len = 1.
+
+Grid: (S, num_q_tiles, Hkv). A program owns one KV head and BLOCK_Q query tokens of one
+sequence, with ALL query heads of that KV head packed into its rows (GQA: q head h reads
+kv head h // group), so each K/V tile is loaded once per group, not once per q head:
+
+    row r of the tile  ->  token  q_tile * BLOCK_Q + r // GROUP_PAD,
+                           q head kv_head * GROUP + r % GROUP_PAD   (rows with
+                           r % GROUP_PAD >= GROUP, or a token past the chunk, are padding)
+
+Programs whose tile starts past their chunk exit at once, so the grid is shape-static for a
+given (S, max_query_len): a decode-only batch has num_q_tiles = 1, which is what CUDA graph
+capture needs (worker/cuda_graphs.py). Softmax runs online in fp32 (exp2 with the scale
+folded into log2 units); the output is written for every valid row, nothing else.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from worker.attention.base import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+try:  # Triton is optional: absent on CPU-only installs, bundled with CUDA torch builds.
+    import triton
+    import triton.language as tl
+
+    TRITON_IMPORT_ERROR: str | None = None
+except Exception as e:  # ImportError, or a broken install raising at import
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    TRITON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
+        block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
+        scale_log2,
+        stride_q_tok, stride_q_head,
+        stride_o_tok, stride_o_head,
+        stride_k_block, stride_k_off, stride_k_head,
+        stride_v_block, stride_v_off, stride_v_head,
+        stride_bt_seq,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        q_tile = tl.program_id(1)
+        kv_head = tl.program_id(2)
+        BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD
+
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        query_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        first_tok = q_tile * BLOCK_Q
+        if first_tok < query_len:
+            context_len = tl.load(seqused_k_ptr + seq)
+            rows = tl.arange(0, BLOCK_M)
+            tok = first_tok + rows // GROUP_PAD
+            head_in_group = rows % GROUP_PAD
+            row_ok = (tok < query_len) & (head_in_group < GROUP)
+            head = kv_head * GROUP + head_in_group
+            q_pos = context_len - query_len + tok
+            d = tl.arange(0, HEAD_DIM_PAD)
+            d_ok = d < HEAD_DIM
+
+            q_offs = (q_start + tok)[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :]
+            q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+            acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, tl.float32)
+            # The tile's last real token bounds the keys any of its rows may see.
+            last_tok = tl.minimum(first_tok + BLOCK_Q, query_len) - 1
+            kv_end = context_len - query_len + last_tok + 1
+            for start_n in range(0, kv_end, BLOCK_N):
+                n = start_n + tl.arange(0, BLOCK_N)
+                n_ok = n < kv_end
+                block = tl.load(block_table_ptr + seq * stride_bt_seq + n // BLOCK_SIZE, mask=n_ok, other=0)
+                off = n % BLOCK_SIZE
+                k_offs = block[None, :] * stride_k_block + off[None, :] * stride_k_off + kv_head * stride_k_head
+                k = tl.load(key_cache_ptr + k_offs + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+                s = tl.dot(q, k) * scale_log2  # (M, N) fp32, in log2 units
+                visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+                s = tl.where(visible, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # Every valid row sees key 0 in the first tile, so m_new is finite for it;
+                # guard anyway so a fully masked (padding) row gives 0, never -inf - -inf.
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v_offs = block[:, None] * stride_v_block + off[:, None] * stride_v_off + kv_head * stride_v_head
+                v = tl.load(value_cache_ptr + v_offs + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+            out = acc / l_safe[:, None]
+            o_offs = (q_start + tok)[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :]
+            tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def tile_shape(group: int, max_query_len: int) -> tuple[int, int, int]:
+    """(BLOCK_M, GROUP_PAD, num_q_tiles) for a launch. Decodes (max_query_len 1) use the
+    smallest tile tl.dot accepts (16 rows) so a decode row wastes little; prefill chunks
+    use 64-row tiles. A decode-only batch always gets num_q_tiles = 1 (graph-static)."""
+    group_pad = _next_pow2(group)
+    block_m = max(16, group_pad) if max_query_len == 1 else max(64, group_pad)
+    block_q = block_m // group_pad
+    return block_m, group_pad, math.ceil(max_query_len / block_q)
+
+
+def paged_attention(
+    q: torch.Tensor,  # (T, Hq, D)
+    key_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of every query token in the flat batch through the block table."""
+    if triton is None:
+        raise RuntimeError(f"triton is not available ({TRITON_IMPORT_ERROR})")
+    assert meta.cu_seqlens_q is not None and meta.seqused_k is not None and meta.block_table is not None
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1 and q.stride(-1) == 1
+    block_m, group_pad, num_q_tiles = tile_shape(group, max(1, meta.max_query_len))
+    num_seqs = meta.seqused_k.shape[0]
+    grid = (num_seqs, num_q_tiles, num_kv_heads)
+    kwargs: dict[str, Any] = {}
+    if q.device.type == "cuda":
+        kwargs = {"num_warps": 4, "num_stages": 2}
+    _paged_attention_kernel[grid](
+        out, q, key_cache, value_cache,
+        meta.block_table, meta.cu_seqlens_q, meta.seqused_k,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        meta.block_table.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=max(16, min(64, 4 * block_size)) if block_size < 64 else block_size,
+        **kwargs,
+    )
+    return out
+
+
+class TritonPagedAttention:
+    """The AttentionBackend over `paged_attention`: writes this step's K/V into their slots,
+    then one kernel launch for the whole batch. Reads the varlen metadata fields."""
+
+    name = "triton"
+    varlen = True
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        return paged_attention(q.contiguous(), key_cache, value_cache, meta, scale)
+
+
+def load_triton_backend(device: torch.device) -> tuple[TritonPagedAttention | None, str]:
+    """The Triton backend, or None and why it cannot be used here."""
+    if device.type != "cuda":
+        return None, f"the triton kernel runs on CUDA (device is {device.type})"
+    if triton is None:
+        return None, f"triton does not import ({TRITON_IMPORT_ERROR})"
+    return TritonPagedAttention(), f"triton {triton.__version__}"
