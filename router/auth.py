@@ -10,13 +10,7 @@ A presented key is hashed and compared with every stored digest by
 any, matches, nor on how much of it matches). No keys configured: authentication is
 off (the local default), and the ingress logs that once at start-up.
 
-Per-key limits, per ingress replica (with N ingress replicas a key may get up to N
-times these cluster-wide):
-- concurrent requests: a request holds one slot from admission until its stream closes;
-- tokens per minute: a token bucket (capacity = the per-minute limit, refilled
-  continuously). A request is charged its worst case at admission (prompt tokens plus
-  max_tokens for each choice) and refunded what it did not use when it ends.
-Over a limit: 429 (RESOURCE_EXHAUSTED on gRPC) with a message that says which.
+Per-key limits (concurrent requests, tokens per minute): router/key_limits.py.
 
 Keys are identified in metrics and limits by `key_id`: the first 12 hex digits of the
 digest (never the key).
@@ -26,16 +20,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import math
 import os
 import re
-import threading
-import time
-from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
 
 from router import errors
+# The limits lived here before router/key_limits.py.
+from router.key_limits import JointPermit  # noqa: F401  (router/grpc_servicer.py imports it from here)
 
 logger = logging.getLogger(__name__)
 
@@ -157,186 +148,3 @@ def grpc_authorization(metadata: list[tuple[str, str | bytes]] | None) -> str | 
 
 def unauthenticated(message: str) -> errors.APIError:
     return errors.APIError(401, message, "invalid_request_error", None, "invalid_api_key")
-
-
-# -- per-key limits ------------------------------------------------------------------------
-class TokenBucket:
-    """`capacity` tokens, refilled at capacity/60 per second; `take` all or nothing."""
-
-    def __init__(self, tokens_per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.capacity = float(tokens_per_minute)
-        self.rate = tokens_per_minute / 60.0
-        self._clock = clock
-        self._tokens = self.capacity
-        self._stamp = clock()
-
-    @property
-    def tokens(self) -> float:
-        self._refill()
-        return self._tokens
-
-    def _refill(self) -> None:
-        now = self._clock()
-        if now > self._stamp:
-            self._tokens = min(self.capacity, self._tokens + (now - self._stamp) * self.rate)
-        self._stamp = now
-
-    def take(self, amount: int) -> float:
-        """Takes `amount` and returns 0.0, or takes nothing and returns the seconds until
-        `amount` will be there (inf when it never fits)."""
-        self._refill()
-        if amount <= self._tokens:
-            self._tokens -= amount
-            return 0.0
-        if amount > self.capacity:
-            return math.inf
-        return (amount - self._tokens) / self.rate
-
-    def give_back(self, amount: float) -> None:
-        self._refill()
-        self._tokens = min(self.capacity, self._tokens + max(amount, 0.0))
-
-
-class _KeyState:
-    __slots__ = ("in_flight", "bucket")
-
-    def __init__(self, bucket: TokenBucket | None) -> None:
-        self.in_flight = 0
-        self.bucket = bucket
-
-
-class KeyLimits:
-    """Per-key concurrency and tokens per minute on this ingress replica. None: no limit.
-    Thread-safe (tokenization of large bodies runs in a thread; the rest on the loop)."""
-
-    def __init__(
-        self,
-        max_concurrent_requests: int | None = None,
-        tokens_per_minute: int | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.max_concurrent_requests = max_concurrent_requests
-        self.tokens_per_minute = tokens_per_minute
-        self._clock = clock
-        self._keys: dict[str, _KeyState] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_concurrent_requests is not None or self.tokens_per_minute is not None
-
-    def _state(self, key_id: str) -> _KeyState:
-        state = self._keys.get(key_id)
-        if state is None:
-            bucket = TokenBucket(self.tokens_per_minute, self._clock) if self.tokens_per_minute is not None else None
-            state = self._keys[key_id] = _KeyState(bucket)
-        return state
-
-    def acquire(self, principal: Principal) -> KeyLease:
-        """A concurrency slot for this key, or APIError 429."""
-        with self._lock:
-            state = self._state(principal.key_id)
-            limit = self.max_concurrent_requests
-            if limit is not None and state.in_flight >= limit:
-                raise errors.APIError(
-                    429,
-                    f"This API key already has {state.in_flight} requests in flight, its limit is {limit}; "
-                    "retry when one finishes.",
-                    "rate_limit_error",
-                    None,
-                    "concurrency_limit_exceeded",
-                )
-            state.in_flight += 1
-        return KeyLease(self, state)
-
-    def in_flight(self, key_id: str) -> int:
-        with self._lock:
-            state = self._keys.get(key_id)
-            return 0 if state is None else state.in_flight
-
-    def tokens_left(self, key_id: str) -> float | None:
-        with self._lock:
-            bucket = self._state(key_id).bucket
-            return None if bucket is None else bucket.tokens
-
-
-class KeyLease:
-    """One request's share of its key's limits. `release()` frees the concurrency slot
-    (idempotent; a GenerationStream calls it when it closes); `charge()` takes tokens at
-    admission; `settle(used)` refunds what the request did not use (once)."""
-
-    def __init__(self, limits: KeyLimits, state: _KeyState) -> None:
-        self._limits = limits
-        self._state = state
-        self._held = True
-        self.charged = 0
-        self._settled = False
-
-    def charge(self, tokens: int) -> None:
-        bucket = self._state.bucket
-        if bucket is None or tokens <= 0:
-            return
-        with self._limits._lock:
-            wait_s = bucket.take(tokens)
-        if wait_s == 0.0:
-            self.charged += tokens
-            return
-        limit = self._limits.tokens_per_minute
-        if math.isinf(wait_s):
-            message = (f"This request may use {tokens} tokens (prompt + max_tokens for each choice), more than "
-                       f"this API key's limit of {limit} tokens per minute; lower max_tokens or the prompt.")
-        else:
-            message = (f"This API key's limit of {limit} tokens per minute is used up: this request may use "
-                       f"{tokens} tokens; retry in {math.ceil(wait_s)} s.")
-        raise errors.APIError(429, message, "rate_limit_error", None, "tokens_per_minute_exceeded")
-
-    def settle(self, used_tokens: int) -> None:
-        if self._settled:
-            return
-        self._settled = True
-        unused = self.charged - max(used_tokens, 0)
-        bucket = self._state.bucket
-        if bucket is not None and unused > 0:
-            with self._limits._lock:
-                bucket.give_back(unused)
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            with self._limits._lock:
-                self._state.in_flight -= 1
-
-    def __del__(self) -> None:  # a dropped lease must not hold its slot forever
-        try:
-            self.release()
-        except Exception:
-            pass
-
-
-class JointPermit:
-    """The in-flight permit and the key lease as one `release()` (what GenerationStream
-    takes); `settle` passes usage to the lease."""
-
-    def __init__(self, permit: object, lease: KeyLease | None) -> None:
-        self._permit = permit
-        self.lease = lease
-
-    def release(self) -> None:
-        try:
-            self._permit.release()  # type: ignore[attr-defined]
-        finally:
-            if self.lease is not None:
-                self.lease.release()
-
-    def settle(self, used_tokens: int) -> None:
-        if self.lease is not None:
-            self.lease.settle(used_tokens)
-
-
-def worst_case_tokens(inputs: list[Any]) -> int:
-    """What a request may use at most: each prompt once (its choices share it, as usage
-    counts it) plus max_tokens for each choice. `inputs`: openai_convert.EngineInput."""
-    prompts: dict[int, int] = {}
-    for inp in inputs:
-        prompts[inp.prompt_index] = len(inp.prompt_token_ids)
-    return sum(prompts.values()) + sum(int(inp.params.max_tokens) for inp in inputs)

@@ -37,7 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import errors
 from router import openai_convert as convert
-from router.auth import ANONYMOUS, ApiKeys, JointPermit, KeyLimits, Principal, worst_case_tokens
+from router.auth import ANONYMOUS, ApiKeys, Principal
+from router.key_limits import JointPermit, KeyLimits, worst_case_tokens
 from router import openai_protocol as p
 from router.disagg import DisaggregatedGenerate
 from router.generation import GenerationStream, InFlightLimiter, Permit
@@ -195,7 +196,9 @@ class Ingress(GrpcServicerMixin):
         # Digests only (router/auth.py); a malformed entry fails the replica's start.
         self.api_keys = ApiKeys.from_env(settings.api_keys_env)
         self.api_keys.log_startup(settings.api_keys_env)
-        self.key_limits = KeyLimits(settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key)
+        # Per-key limits: counted here, or cluster-wide in the shared store cluster/ injected.
+        store = settings.state_store.build() if settings.state_store is not None else None
+        self.key_limits = KeyLimits(settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key, store=store)
         self._model_info: dict[str, Any] | None = None
 
     # -- OpenAI endpoints ------------------------------------------------------------------
@@ -218,13 +221,13 @@ class Ingress(GrpcServicerMixin):
                 "prompt",
                 "invalid_value",
             )
-        permit = self.admit(principal, req.n * num_prompts)
+        permit = await self.admit(principal, req.n * num_prompts)
         try:
             info = await self._info()
             inputs = await self._convert(
                 len(body), convert.completion_inputs, req, self.tokenizer, info["max_model_len"], self.settings.max_n
             )
-            self.charge(permit, inputs)
+            await self.charge(permit, inputs)
         except BaseException:
             permit.release()
             raise
@@ -240,13 +243,13 @@ class Ingress(GrpcServicerMixin):
         req = parse(p.ChatCompletionRequest, body)
         self._check_model(req.model)
         convert.check_n(req.n, self.settings.max_n)
-        permit = self.admit(principal, req.n)
+        permit = await self.admit(principal, req.n)
         try:
             info = await self._info()
             inputs = await self._convert(
                 len(body), convert.chat_inputs, req, self.tokenizer, info["max_model_len"], self.settings.max_n
             )
-            self.charge(permit, inputs)
+            await self.charge(permit, inputs)
         except BaseException:
             permit.release()
             raise
@@ -291,11 +294,11 @@ class Ingress(GrpcServicerMixin):
     def _authenticate(self, request: Request) -> Principal:
         return self.api_keys.authenticate(request.headers.get("authorization"))
 
-    def admit(self, principal: Principal, weight: int) -> JointPermit:
+    async def admit(self, principal: Principal, weight: int) -> JointPermit:
         """The key's concurrency slot, then this replica's in-flight share (429 for either)."""
         lease = None
         if principal is not ANONYMOUS and self.key_limits.enabled:
-            lease = self.key_limits.acquire(principal)
+            lease = await self.key_limits.acquire(principal.key_id)
         try:
             permit = self.limiter.acquire(weight)
         except BaseException:
@@ -304,10 +307,10 @@ class Ingress(GrpcServicerMixin):
             raise
         return JointPermit(permit, lease)
 
-    def charge(self, permit: JointPermit, inputs: list[convert.EngineInput]) -> None:
+    async def charge(self, permit: JointPermit, inputs: list[convert.EngineInput]) -> None:
         """Takes the request's worst case from its key's tokens-per-minute budget (429)."""
         if permit.lease is not None:
-            permit.lease.charge(worst_case_tokens(inputs))
+            await permit.lease.charge(worst_case_tokens(inputs))
 
     def _check_model(self, model: str) -> None:
         if model != self.settings.served_model_name:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.key_limits import StateStoreFactory
+
 
 @dataclass(frozen=True)
 class IngressSettings:
@@ -24,8 +26,12 @@ class IngressSettings:
     # API keys (router/auth.py): the environment variable with the keys (plaintext or
     # `sha256:<hex>`, comma-separated); unset or empty: authentication off.
     api_keys_env: str | None = "KVSERVE_API_KEYS"
-    # Per API key, per ingress replica; None: no limit.
+    # Per API key; None: no limit. Counted per ingress replica, or cluster-wide when
+    # `state_store` is set.
     max_concurrent_requests_per_key: int | None = None
     tokens_per_minute_per_key: int | None = None
+    # Where the per-key limits are counted: None, this replica; else a factory built once
+    # per replica (cluster/state_store.py: Redis, with this replica as the fallback).
+    state_store: StateStoreFactory | None = None
     # /metrics without an API key (e.g. for a Prometheus scraper) when keys are on.
     metrics_public: bool = False

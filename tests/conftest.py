@@ -6,12 +6,13 @@ Nothing here starts Ray; integration tests bring their own fixtures.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.redis_server import REDIS_SERVER, RedisServer
 from worker.engine import Engine
 from worker.outputs import RequestOutput
 from worker.sampling_params import SamplingParams
@@ -130,3 +131,18 @@ def run_engine(
 def run_engine_fixture() -> Callable[..., dict[str, list[int]]]:
     """The `run_engine` helper, as a fixture (tests do not import conftest)."""
     return run_engine
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port for the whole session (tests/redis_server.py).
+    A test that stops it starts it again. Skipped only when the binary is missing (CI
+    installs it: scripts/test.sh)."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,18 +1,23 @@
-"""router/auth.py: key parsing and hashing, constant-time matching, the per-key token
-bucket and concurrency limit (no Ray)."""
+"""router/auth.py: key parsing and hashing, constant-time matching; router/key_limits.py:
+the per-key token bucket and concurrency limit counted in this process (no Ray)."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import math
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import pytest
 
 from router import auth
-from router.auth import ApiKeyConfigError, ApiKeys, KeyLimits, Principal, TokenBucket
+from router.auth import ApiKeyConfigError, ApiKeys, Principal
 from router.errors import APIError
+from router.key_limits import JointPermit, KeyLimits, LocalLimitStore, TokenBucket, worst_case_tokens
+
+T = TypeVar("T")
 
 
 def sha(key: str) -> str:
@@ -139,50 +144,58 @@ class _Input:
 
 def test_worst_case_counts_each_prompt_once_and_max_tokens_per_choice() -> None:
     inputs = [_Input(0, [1, 2, 3], _Params(10)), _Input(0, [1, 2, 3], _Params(10)), _Input(1, [4], _Params(5))]
-    assert auth.worst_case_tokens(inputs) == 3 + 1 + 10 + 10 + 5
+    assert worst_case_tokens(inputs) == 3 + 1 + 10 + 10 + 5
 
 
-# -- per-key limits -----------------------------------------------------------------------
+# -- per-key limits (router/key_limits.py, counted in this process) -------------------------
+def run(coro: Awaitable[T]) -> T:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def local(limits: KeyLimits) -> LocalLimitStore:
+    assert isinstance(limits.store, LocalLimitStore)
+    return limits.store
+
+
 def test_concurrency_limit_per_key() -> None:
     limits = KeyLimits(max_concurrent_requests=2)
-    a, b = Principal("a"), Principal("b")
-    first, second = limits.acquire(a), limits.acquire(a)
+    first, second = run(limits.acquire("a")), run(limits.acquire("a"))
     with pytest.raises(APIError) as e:
-        limits.acquire(a)
+        run(limits.acquire("a"))
     assert e.value.status == 429 and e.value.code == "concurrency_limit_exceeded" and "limit is 2" in e.value.message
-    limits.acquire(b).release()  # other keys are not affected
+    run(limits.acquire("b")).release()  # other keys are not affected
     first.release()
     first.release()  # idempotent
-    assert limits.in_flight("a") == 1
-    limits.acquire(a).release()
+    assert local(limits).in_flight("a") == 1
+    run(limits.acquire("a")).release()
     second.release()
-    assert limits.in_flight("a") == 0
+    assert local(limits).in_flight("a") == 0
 
 
 def test_tokens_per_minute_charge_and_refund() -> None:
     clock = Clock()
     limits = KeyLimits(tokens_per_minute=120, clock=clock)  # 2 tokens per second
-    key = Principal("k")
-    lease = limits.acquire(key)
-    lease.charge(100)
-    assert limits.tokens_left("k") == pytest.approx(20)
-    other = limits.acquire(key)
+    tokens_left = lambda: local(limits).tokens_left("k", 120)  # noqa: E731
+    lease = run(limits.acquire("k"))
+    run(lease.charge(100))
+    assert tokens_left() == pytest.approx(20)
+    other = run(limits.acquire("k"))
     with pytest.raises(APIError) as e:
-        other.charge(50)
+        run(other.charge(50))
     assert e.value.status == 429 and e.value.code == "tokens_per_minute_exceeded"
     assert "retry in 15 s" in e.value.message  # (50 - 20) / 2
-    assert limits.tokens_left("k") == pytest.approx(20)  # a refused charge takes nothing
+    assert tokens_left() == pytest.approx(20)  # a refused charge takes nothing
     lease.settle(30)  # used 30 of 100: 70 back
     lease.settle(0)  # once only
-    assert limits.tokens_left("k") == pytest.approx(90)
+    assert tokens_left() == pytest.approx(90)
     with pytest.raises(APIError) as e:
-        other.charge(121)
+        run(other.charge(121))
     assert "more than this API key's limit of 120 tokens per minute" in e.value.message
-    other.charge(90)
+    run(other.charge(90))
     other.settle(500)  # used more than charged: no refund, no debt
-    assert limits.tokens_left("k") == pytest.approx(0)
+    assert tokens_left() == pytest.approx(0)
     clock.now += 30
-    assert limits.tokens_left("k") == pytest.approx(60)
+    assert tokens_left() == pytest.approx(60)
 
 
 def test_joint_permit_releases_both() -> None:
@@ -193,13 +206,13 @@ def test_joint_permit_releases_both() -> None:
             released.append("in-flight")
 
     limits = KeyLimits(max_concurrent_requests=1, tokens_per_minute=60, clock=Clock())
-    lease = limits.acquire(Principal("k"))
-    lease.charge(10)
-    joint = auth.JointPermit(P(), lease)
+    lease = run(limits.acquire("k"))
+    run(lease.charge(10))
+    joint = JointPermit(P(), lease)
     joint.settle(4)
     joint.release()
-    assert released == ["in-flight"] and limits.in_flight("k") == 0
-    assert limits.tokens_left("k") == pytest.approx(56)
-    no_key = auth.JointPermit(P(), None)
+    assert released == ["in-flight"] and local(limits).in_flight("k") == 0
+    assert local(limits).tokens_left("k", 60) == pytest.approx(56)
+    no_key = JointPermit(P(), None)
     no_key.settle(3)
     no_key.release()

@@ -9,7 +9,8 @@ from typing import Any
 import grpc
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
-from router.auth import ApiKeys, KeyLimits
+from router.auth import ApiKeys
+from router.key_limits import KeyLimits
 from tests.unit.test_grpc_servicer import FakeContext, FakeIngress
 
 KEY = "unit-key-1"

@@ -1,0 +1,370 @@
+"""The ingress replicas' shared state in Redis: per-API-key concurrency slots and
+tokens-per-minute budgets, counted cluster-wide (router/key_limits.py's LimitStore).
+
+Keys (never an API key or a prompt: `key_id` is the first 12 hex digits of the key's SHA-256):
+
+    {prefix}:key:{key_id}:slots   sorted set: one member per request in flight,
+                                  "{replica_id}:{seq}", scored by its lease's expiry (ms)
+    {prefix}:key:{key_id}:tokens  hash {tokens, stamp}: the key's token bucket
+
+Every script reads Redis's own clock (TIME), so that replicas with skewed clocks agree.
+A replica renews the leases of its slots every lease_ttl_s/3; the slots of a replica
+that died expire after lease_ttl_s (acquire drops expired members before counting), and
+each key expires as a whole once nobody touches it (a bucket untouched for a minute is
+full again, so its expiry changes nothing).
+
+Redis down: every call answers at once from the fallback LocalLimitStore (this replica's
+counts), one warning is logged, and a background task pings with backoff; when Redis
+answers again one line says so, the slots held here (including those taken while it was
+down) are written back (it may have restarted empty), and Redis counts again. A call on
+a hung Redis waits at most 2 x socket_timeout_s, once: after that failure the store is
+down and the following calls do not wait. Giving back (release, refund) is fire-and-forget;
+the next acquire for the same key from this replica carries the removal of slots released
+here whose ZREM may not have landed yet (a client that sends its next request as soon as
+the last one ends must not meet its own released slot). A release that never lands leaves
+a slot that expires with its lease; a lost refund is gone (the budget refills within a
+minute).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import os
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+
+from router.key_limits import LocalLimitStore, SlotGrant, TokenGrant
+
+logger = logging.getLogger(__name__)
+
+_RECONNECT_MIN_S = 0.1
+_BUCKET_TTL_MS = 60_000
+
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS[1] slots; ARGV limit, member, ttl_ms, members this replica released whose ZREM may
+# still be on its way... -> {1 taken | 0 full, slots in flight}
+_ACQUIRE = _NOW_MS + """
+for i = 4, #ARGV do redis.call('ZREM', KEYS[1], ARGV[i]) end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local n = redis.call('ZCARD', KEYS[1])
+if n >= tonumber(ARGV[1]) then return {0, n} end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {1, n + 1}
+"""
+
+# KEYS[1] slots; ARGV ttl_ms, mode ('XX': renew existing only | 'ADD': write back), members...
+_RENEW = _NOW_MS + """
+local expiry = now + tonumber(ARGV[1])
+for i = 3, #ARGV do
+  if ARGV[2] == 'XX' then redis.call('ZADD', KEYS[1], 'XX', expiry, ARGV[i])
+  else redis.call('ZADD', KEYS[1], expiry, ARGV[i]) end
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+# The token bucket: capacity ARGV[2] tokens, refilled at capacity per 60 000 ms.
+_REFILL = _NOW_MS + """
+local capacity = tonumber(ARGV[2])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'stamp')
+local tokens = tonumber(state[1]) or capacity
+local stamp = tonumber(state[2]) or now
+if now > stamp then
+  tokens = math.min(capacity, tokens + (now - stamp) * capacity / 60000)
+  stamp = now
+end
+"""
+_SAVE = """
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'stamp', stamp)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+"""
+
+# KEYS[1] tokens; ARGV amount, capacity, ttl_ms -> 0 taken | ms until it fits | -1 never
+_TAKE = _REFILL + """
+local amount = tonumber(ARGV[1])
+local wait = 0
+if amount <= tokens then tokens = tokens - amount
+elseif amount > capacity then wait = -1
+else wait = math.max(1, math.ceil((amount - tokens) * 60000 / capacity)) end
+""" + _SAVE + """
+return wait
+"""
+
+# KEYS[1] tokens; ARGV amount, capacity, ttl_ms
+_GIVE_BACK = _REFILL + """
+tokens = math.min(capacity, tokens + tonumber(ARGV[1]))
+""" + _SAVE + """
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class RedisStoreSpec:
+    """What cluster/app.py puts in IngressSettings.state_store: plain data (it is pickled
+    to the ingress replicas), the password's variable name only, never the password."""
+
+    url: str
+    key_prefix: str
+    password_env: str | None = "KVSERVE_REDIS_PASSWORD"
+    socket_timeout_s: float = 0.2
+    lease_ttl_s: float = 30.0
+    reconnect_max_s: float = 2.0
+
+    def build(self) -> RedisLimitStore:
+        return RedisLimitStore(self)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    key_id: str
+    member: str
+    local: bool  # taken from the fallback while Redis was down
+
+
+@dataclass(frozen=True)
+class _Receipt:
+    key_id: str
+    tokens_per_minute: int
+
+
+_DOWN = object()
+
+
+class RedisLimitStore:
+    """A LimitStore in Redis, with `local` as the fallback. Used from one event loop
+    (the ingress replica's); release/refund may come from any thread (a lease's __del__)."""
+
+    def __init__(self, spec: RedisStoreSpec, local: LocalLimitStore | None = None) -> None:
+        self.spec = spec
+        self.local = local if local is not None else LocalLimitStore()
+        self.replica_id = uuid.uuid4().hex[:12]
+        self.up = True  # until a call fails
+        parts = urlsplit(spec.url)
+        self._where = f"{parts.hostname}:{parts.port or 6379}"  # for logs: no credentials
+        password = os.environ.get(spec.password_env) if spec.password_env else None
+        self._client = aioredis.Redis.from_url(
+            spec.url,
+            password=password or None,
+            socket_timeout=spec.socket_timeout_s,
+            socket_connect_timeout=spec.socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),  # no retries: a failed call falls back at once
+            health_check_interval=0,
+        )
+        self._acquire = self._client.register_script(_ACQUIRE)
+        self._renew = self._client.register_script(_RENEW)
+        self._take = self._client.register_script(_TAKE)
+        self._give_back = self._client.register_script(_GIVE_BACK)
+        self._seq = itertools.count()
+        self._held: dict[str, str] = {}  # member -> key_id: every slot this replica holds
+        # key_id -> members released here whose ZREM has not been seen to land: the next
+        # acquire for the key removes them first, so that a client that sends its next
+        # request as soon as the last one ends is not refused because of the release's lag.
+        self._releasing: dict[str, set[str]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._reconnecting: asyncio.Task[None] | None = None
+        self._reported_response_error = False
+
+    def _slots_key(self, key_id: str) -> str:
+        return f"{self.spec.key_prefix}:key:{key_id}:slots"
+
+    def _tokens_key(self, key_id: str) -> str:
+        return f"{self.spec.key_prefix}:key:{key_id}:tokens"
+
+    @property
+    def _ttl_ms(self) -> int:
+        return int(self.spec.lease_ttl_s * 1000)
+
+    # -- LimitStore -----------------------------------------------------------------------
+    async def acquire_slot(self, key_id: str, limit: int) -> SlotGrant:
+        self._start()
+        member = f"{self.replica_id}:{next(self._seq)}"
+        released = sorted(self._releasing.get(key_id, ()))
+        result = await self._call(
+            lambda: self._acquire(keys=[self._slots_key(key_id)], args=[limit, member, self._ttl_ms, *released])
+        )
+        if result is not _DOWN:
+            self._released_landed(key_id, released)
+        if result is _DOWN:
+            grant = self.local.try_acquire(key_id, limit)
+            if grant.slot is None:
+                return grant
+            slot, count = _Slot(key_id, member, local=True), grant.in_flight
+        else:
+            taken, count = int(result[0]), int(result[1])
+            if not taken:
+                return SlotGrant(None, count)
+            slot = _Slot(key_id, member, local=False)
+        self._held[member] = key_id
+        return SlotGrant(slot, count)
+
+    def release_slot(self, slot: Any) -> None:
+        assert isinstance(slot, _Slot)
+        self._held.pop(slot.member, None)
+        if slot.local:
+            self.local.release(slot.key_id)
+        if slot.local and not self.up:
+            return  # taken and given back during the outage: never written to Redis
+        # A local slot too: it was written back to Redis when Redis came back.
+        self._releasing.setdefault(slot.key_id, set()).add(slot.member)
+        if self.up:
+            self._spawn(lambda: self._remove_released(slot.key_id, [slot.member]))
+
+    async def take_tokens(self, key_id: str, amount: int, tokens_per_minute: int) -> TokenGrant:
+        self._start()
+        result = await self._call(
+            lambda: self._take(keys=[self._tokens_key(key_id)], args=[amount, tokens_per_minute, _BUCKET_TTL_MS])
+        )
+        if result is _DOWN:
+            return self.local.take(key_id, amount, tokens_per_minute)
+        wait_ms = int(result)
+        if wait_ms == 0:
+            return TokenGrant(0.0, _Receipt(key_id, tokens_per_minute))
+        return TokenGrant(math.inf if wait_ms < 0 else wait_ms / 1000.0)
+
+    def refund_tokens(self, receipt: Any, amount: int) -> None:
+        if not isinstance(receipt, _Receipt):  # taken from the fallback
+            self.local.refund_tokens(receipt, amount)
+            return
+        if self.up:
+            key, args = self._tokens_key(receipt.key_id), [amount, receipt.tokens_per_minute, _BUCKET_TTL_MS]
+            self._spawn(lambda: self._call(lambda: self._give_back(keys=[key], args=args)))
+
+    async def aclose(self) -> None:
+        """Stops the background tasks and closes the connections. Slots still held are not
+        released: they expire with their leases (as when the replica dies)."""
+        for task in [self._heartbeat, self._reconnecting, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in [self._heartbeat, self._reconnecting, *self._tasks] if t), return_exceptions=True)
+        await self._client.aclose()
+
+    # -- Redis calls, down and back -----------------------------------------------------------
+    async def _call(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """The call's result, or _DOWN at once when Redis is down or this call finds it so."""
+        if not self.up:
+            return _DOWN
+        try:
+            async with asyncio.timeout(2 * self.spec.socket_timeout_s):  # connect + answer
+                return await call()
+        except ResponseError as e:  # a bug or a foreign key of the wrong type: not an outage
+            if not self._reported_response_error:
+                self._reported_response_error = True
+                logger.error("Redis state store at %s refused a command (%s); using this replica's counts for it",
+                             self._where, e)
+            return _DOWN
+        except (RedisError, OSError, TimeoutError) as e:
+            self._went_down(e)
+            return _DOWN
+
+    def _went_down(self, error: BaseException) -> None:
+        if not self.up:
+            return
+        self.up = False
+        logger.warning("Redis state store at %s unreachable (%s); per-key limits are counted per ingress "
+                       "replica until it is back", self._where, type(error).__name__)
+        if self._loop is not None and (self._reconnecting is None or self._reconnecting.done()):
+            self._reconnecting = self._loop.create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        delay = _RECONNECT_MIN_S
+        while True:
+            await asyncio.sleep(delay)  # backoff between pings, not synchronisation
+            try:
+                async with asyncio.timeout(2 * self.spec.socket_timeout_s):
+                    await self._client.ping()
+            except (RedisError, OSError, TimeoutError):
+                delay = min(2 * delay, self.spec.reconnect_max_s)
+                continue
+            self.up = True
+            logger.warning("Redis state store at %s is back; per-key limits are cluster-wide again", self._where)
+            await self._write_back()
+            return
+
+    # -- leases -------------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.lease_ttl_s / 3)
+            if self.up:
+                await self._renew_held("XX")
+
+    async def _renew_held(self, mode: str) -> dict[str, str]:
+        """Renews (XX: only members still there) or writes back (ADD) the held slots;
+        returns the slots it covered (member -> key_id)."""
+        snapshot = dict(self._held)
+        for key_id, members in _by_key(snapshot).items():
+            key = self._slots_key(key_id)
+            if await self._call(lambda: self._renew(keys=[key], args=[self._ttl_ms, mode, *members])) is _DOWN:
+                break
+        return snapshot
+
+    async def _write_back(self) -> None:
+        """After an outage: Redis may have restarted empty, and slots taken meanwhile are
+        only counted here. A slot released while this ran may have been written back
+        after its release's ZREM: remove it again (a later release's ZREM comes after)."""
+        written = await self._renew_held("ADD")
+        for key_id, members in list(self._releasing.items()):
+            await self._remove_released(key_id, sorted(members))
+        gone = {member: key_id for member, key_id in written.items() if member not in self._held}
+        for key_id, members in _by_key(gone).items():
+            await self._remove_released(key_id, members)
+
+    async def _remove_released(self, key_id: str, members: list[str]) -> None:
+        if members and await self._call(lambda: self._client.zrem(self._slots_key(key_id), *members)) is not _DOWN:
+            self._released_landed(key_id, members)
+
+    def _released_landed(self, key_id: str, members: list[str]) -> None:
+        pending = self._releasing.get(key_id)
+        if pending is not None and members:
+            pending.difference_update(members)
+            if not pending:
+                self._releasing.pop(key_id, None)
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Binds the store to the running loop (the first call) and starts the heartbeat."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        if self._heartbeat is None:
+            self._heartbeat = self._loop.create_task(self._heartbeat_loop())
+
+    def _spawn(self, make: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        """Runs `make()` on the store's loop, from that loop or any other thread; dropped
+        when the loop is gone (the slot then expires with its lease)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            task = loop.create_task(make())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif loop.is_running():
+            asyncio.run_coroutine_threadsafe(make(), loop)
+
+
+def _by_key(slots: dict[str, str]) -> dict[str, list[str]]:
+    """member -> key_id, grouped: key_id -> members."""
+    grouped: dict[str, list[str]] = {}
+    for member, key_id in slots.items():
+        grouped.setdefault(key_id, []).append(member)
+    return grouped
