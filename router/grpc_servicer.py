@@ -8,9 +8,10 @@ ingress deployment's method named after the RPC (`Generate`, `GenerateStream`, .
 passing Serve's `RayServegRPCContext` as the keyword argument `grpc_context`; a streaming
 RPC is an async generator method. The methods here do what the HTTP handlers do, with
 the same helpers: validate through the OpenAI request models (one set of rules and
-messages for both APIs), tokenize here once (router/openai_convert.py), take a share of
-the in-flight bound, and stream the engine request through the worker handle
-(router/generation.py, so the KV-headroom router places it).
+messages for both APIs; the message conversions are router/grpc_convert.py), tokenize
+here once (router/openai_convert.py), take a share of the in-flight bound, and stream
+the engine request through the worker handle (router/generation.py, so the KV-headroom
+router places it).
 
 Errors. Each user-visible error is a router.errors.APIError, mapped to a gRPC status:
 400 -> INVALID_ARGUMENT, 401 -> UNAUTHENTICATED, 404 -> NOT_FOUND, 413 (a request over
@@ -47,59 +48,31 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import grpc
-from pydantic import BaseModel, ValidationError
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import errors
 from router import openai_convert as convert
-from router import openai_protocol as p
 from router.auth import ANONYMOUS, JointPermit, Principal, grpc_authorization
 from router.generation import GenerationStream, InFlightLimiter, api_error_of
+from router.grpc_convert import Clock, engine_inputs, replica_stats, set_finish, status_code_of, token_logprobs, tokenize
 from router.metrics import IngressMetrics
 from router.settings import IngressSettings
-from worker.outputs import RequestOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from ray.serve.grpc_util import RayServegRPCContext
 
 logger = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 # Requests above this many bytes are tokenized off the event loop (as the HTTP path does).
 _LARGE_REQUEST_BYTES = 64 * 1024
 _HEALTH_TIMEOUT_S = 10.0
 MAX_REQUEST_ID_CHARS = 128
-
-STATUS_CODES: dict[int, grpc.StatusCode] = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    404: grpc.StatusCode.NOT_FOUND,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    500: grpc.StatusCode.INTERNAL,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
-
-FINISH_REASONS: dict[str | None, int] = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-}
-
-# GenerateRequest fields that are `optional` in the proto: sent only when set, so that
-# the OpenAI models' defaults (temperature 1, top_p 1, ...) apply otherwise.
-_OPTIONAL_SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "seed",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
-)
-_FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"})
 
 
 class IngressHost(Protocol):
@@ -133,10 +106,6 @@ class GrpcStatusError(Exception):
         return type(self), (self.code, self.details)
 
 
-def status_code_of(error: errors.APIError) -> grpc.StatusCode:
-    return STATUS_CODES.get(error.status, grpc.StatusCode.UNKNOWN)
-
-
 def _fail(grpc_context: RayServegRPCContext | None, error: errors.APIError) -> GrpcStatusError:
     """Sets the error's status on the call; returns the exception for a stream to raise."""
     code = status_code_of(error)
@@ -146,128 +115,6 @@ def _fail(grpc_context: RayServegRPCContext | None, error: errors.APIError) -> G
         grpc_context.set_code(code)
         grpc_context.set_details(error.message)
     return GrpcStatusError(code, error.message)
-
-
-def _parse(model: type[M], data: dict[str, Any]) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise errors.from_validation_error(e) from None
-
-
-def _proto_float(value: float) -> float:
-    """A proto `float` arrives as float32 (0.7 -> 0.699999988...): back to its decimal."""
-    return float(f"{value:.7g}")
-
-
-def _messages(messages: Any) -> list[dict[str, Any]]:
-    return [{"role": m.role, "content": m.content} | ({"name": m.name} if m.name else {}) for m in messages]
-
-
-def sampling_body(request: pb.GenerateRequest) -> dict[str, Any]:
-    """The sampling fields of a GenerateRequest as an OpenAI request body's fields."""
-    body: dict[str, Any] = {}
-    for name in _OPTIONAL_SAMPLING_FIELDS:
-        if request.HasField(name):
-            value = getattr(request, name)
-            body[name] = _proto_float(value) if name in _FLOAT_FIELDS else value
-    if request.stop:
-        body["stop"] = list(request.stop)
-    if request.stop_token_ids:
-        body["stop_token_ids"] = list(request.stop_token_ids)
-    body["ignore_eos"] = request.ignore_eos
-    body["min_tokens"] = request.min_tokens
-    body["include_stop_str_in_output"] = request.include_stop_str_in_output
-    return body
-
-
-def engine_inputs(
-    request: pb.GenerateRequest, model: str, tokenizer: Any, max_model_len: int
-) -> list[convert.EngineInput]:
-    """One EngineInput (token ids + SamplingParams) for a GenerateRequest, validated with the
-    OpenAI request models, so that both APIs accept and reject the same values with the
-    same messages. Raises APIError (400) for anything invalid or too long."""
-    given = [name for name, present in (
-        ("prompt", bool(request.prompt)),
-        ("prompt_token_ids", len(request.prompt_token_ids) > 0),
-        ("messages", len(request.messages) > 0),
-    ) if present]
-    if len(given) != 1:
-        which = "none was" if not given else f"got {', '.join(given)}"
-        raise errors.bad_request(f"Set exactly one of prompt, prompt_token_ids and messages ({which}).", "prompt")
-    max_tokens = request.max_tokens if request.HasField("max_tokens") else None
-    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, **sampling_body(request)}
-    logprobs = request.logprobs if request.HasField("logprobs") else None
-    if request.messages:
-        body["messages"] = _messages(request.messages)
-        if logprobs is not None:
-            body.update(logprobs=True, top_logprobs=logprobs)
-        if request.HasField("add_generation_prompt"):
-            body["add_generation_prompt"] = request.add_generation_prompt
-        return convert.chat_inputs(_parse(p.ChatCompletionRequest, body), tokenizer, max_model_len, 1)
-    body["prompt"] = request.prompt or list(request.prompt_token_ids)
-    body["logprobs"] = logprobs
-    return convert.completion_inputs(_parse(p.CompletionRequest, body), tokenizer, max_model_len, 1)
-
-
-def tokenize(request: pb.TokenizeRequest, model: str, tokenizer: Any) -> list[int]:
-    """A TokenizeRequest's token ids, as generation would compute them."""
-    if bool(request.prompt) == bool(request.messages):
-        raise errors.bad_request("Set exactly one of prompt and messages.", "prompt")
-    if request.messages:
-        body: dict[str, Any] = {"model": model, "messages": _messages(request.messages)}
-        if request.HasField("add_generation_prompt"):
-            body["add_generation_prompt"] = request.add_generation_prompt
-        return list(convert.encode_chat(tokenizer, _parse(p.ChatCompletionRequest, body)))
-    add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-    return list(tokenizer(request.prompt, add_special_tokens=add_special).input_ids)
-
-
-def token_logprobs(entries: list[TokenLogprob] | None, texts: Callable[[int], str]) -> list[pb.TokenLogprob]:
-    return [
-        pb.TokenLogprob(
-            token_id=e.token_id,
-            token=texts(e.token_id),
-            logprob=e.logprob,
-            top_logprobs=[pb.TopLogprob(token_id=t, token=texts(t), logprob=lp) for t, lp in e.top],
-        )
-        for e in entries or ()
-    ]
-
-
-def _set_finish(message: pb.GenerateResponse | pb.GenerateStreamResponse, out: RequestOutput) -> None:
-    message.finish_reason = FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)  # type: ignore[assignment]
-    if isinstance(out.stop_reason, str):
-        message.stop_string = out.stop_reason
-    elif isinstance(out.stop_reason, int):
-        message.stop_token_id = out.stop_reason
-    message.usage.CopyFrom(
-        pb.Usage(
-            prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens,
-            cached_prompt_tokens=out.num_cached_tokens,
-        )
-    )
-
-
-class _Clock:
-    """Latencies of one request at the ingress."""
-
-    def __init__(self) -> None:
-        self.arrival = time.monotonic()
-        self.arrival_unix = time.time()
-        self.first_token_s = 0.0
-
-    def observe(self, out: RequestOutput) -> None:
-        if out.new_token_ids and not self.first_token_s:
-            self.first_token_s = time.monotonic() - self.arrival
-
-    def timing(self) -> pb.Timing:
-        return pb.Timing(
-            arrival_time=self.arrival_unix,
-            time_to_first_token_s=self.first_token_s,
-            elapsed_s=time.monotonic() - self.arrival,
-        )
 
 
 async def _off_loop_if_large(num_bytes: int, fn: Callable[..., T], *args: Any) -> T:
@@ -283,7 +130,7 @@ class GrpcServicerMixin:
     async def Generate(
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext | None = None
     ) -> pb.GenerateResponse:
-        clock = _Clock()
+        clock = Clock()
         try:
             stream = await self._grpc_start(request, clock, self._grpc_authenticate(grpc_context))
             response = pb.GenerateResponse(request_id=stream.request_id, model=self._grpc_host.settings.served_model_name)
@@ -296,7 +143,7 @@ class GrpcServicerMixin:
                     response.token_ids.extend(out.new_token_ids)
                     response.logprobs.extend(token_logprobs(out.logprobs, texts))
                     if out.finished:
-                        _set_finish(response, out)
+                        set_finish(response, out)
             finally:
                 stream.close()  # also when the client cancels (CancelledError here)
                 _settle(stream, response.usage.prompt_tokens + response.usage.completion_tokens)
@@ -311,7 +158,7 @@ class GrpcServicerMixin:
     async def GenerateStream(
         self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext | None = None
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        clock = _Clock()
+        clock = Clock()
         try:
             stream = await self._grpc_start(request, clock, self._grpc_authenticate(grpc_context))
         except errors.APIError as e:
@@ -334,7 +181,7 @@ class GrpcServicerMixin:
                 num_prompt = max(num_prompt, out.num_prompt_tokens)
                 used = num_prompt + out.num_output_tokens
                 if out.finished:
-                    _set_finish(message, out)
+                    set_finish(message, out)
                 message.timing.CopyFrom(clock.timing())
                 yield message
         except errors.APIError as e:  # after the first token: a worker died, a timeout
@@ -466,7 +313,7 @@ class GrpcServicerMixin:
             raise api_error_of(e) from None
 
     async def _grpc_start(
-        self, request: pb.GenerateRequest, clock: _Clock, principal: Principal = ANONYMOUS
+        self, request: pb.GenerateRequest, clock: Clock, principal: Principal = ANONYMOUS
     ) -> GenerationStream:
         """Validates, takes a share of the in-flight bound, sends the engine request and
         waits for its first output (so that errors before any token have their status)."""
@@ -479,14 +326,14 @@ class GrpcServicerMixin:
                 f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters.", "request_id", "invalid_value"
             )
         admit = getattr(self, "admit", None)  # the ingress's: the key's limits + in-flight share
-        permit = admit(principal, 1) if admit is not None else host.limiter.acquire(1)
+        permit = await admit(principal, 1) if admit is not None else host.limiter.acquire(1)
         try:
             info = await self._grpc_info()
             inputs = await _off_loop_if_large(
                 request.ByteSize(), engine_inputs, request, model, host.tokenizer, info["max_model_len"]
             )
             if isinstance(permit, JointPermit):
-                self.charge(permit, inputs)  # type: ignore[attr-defined]
+                await self.charge(permit, inputs)  # type: ignore[attr-defined]
         except BaseException:
             permit.release()
             raise
@@ -522,23 +369,3 @@ def _settle(stream: GenerationStream, used_tokens: int) -> None:
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
-
-def replica_stats(stats: Mapping[str, Any]) -> pb.ReplicaStats:
-    """A worker's `stats()` dict (engine + KV stats) as a ReplicaStats message."""
-    queries = float(stats.get("prefix_cache_queries", 0) or 0)
-    hits = float(stats.get("prefix_cache_hits", 0) or 0)
-    return pb.ReplicaStats(
-        replica_id=str(stats.get("replica_id", "")),
-        free_blocks=int(stats.get("free_blocks", 0)),
-        total_blocks=int(stats.get("total_blocks", 0)),
-        block_size=int(stats.get("block_size", 0)),
-        kv_usage=float(stats.get("kv_usage", 0.0)),
-        num_running=int(stats.get("num_running", 0)),
-        num_waiting=int(stats.get("num_waiting", 0)),
-        num_waiting_prompt_tokens=int(stats.get("num_waiting_prompt_tokens", 0)),
-        num_preemptions=int(stats.get("num_preemptions", 0)),
-        num_generated_tokens=int(stats.get("num_generated_tokens", 0)),
-        tokens_per_s=float(stats.get("tokens_per_s", 0.0)),
-        prefix_cache_hit_rate=hits / queries if queries else 0.0,
-        num_cached_blocks=int(stats.get("num_cached_blocks", 0)),
-    )

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -34,6 +34,7 @@ from ray import serve  # noqa: E402
 from cluster.app import worker_options  # noqa: E402
 from cluster.config import KVServeConfig  # noqa: E402
 from tests.integration.fake_engine_worker import TOKEN, FakeEngineWorker  # noqa: E402
+from tests.integration.waiting import wait_until  # noqa: E402
 from worker.replica import GenerateRequest  # noqa: E402
 from worker.sampling_params import SamplingParams  # noqa: E402
 
@@ -62,21 +63,12 @@ BURST, BURST_TOKENS = 16, 20  # ~1 s each: 14 waiting on one replica, demand for
 # drains in ~7 s, then look-back and the downscale delay). Two fit the two free slots of
 # whichever new replicas they land on, so neither waits in a queue.
 LONG, LONG_TOKENS = 2, 300
-WAIT_S = 90.0
+WAIT_S = 90.0  # the default wait (tests/integration/waiting.py)
+POLL_S = 0.1
 
-T = TypeVar("T")
-
-
-def wait_for(condition: Callable[[], T], what: str, timeout_s: float = WAIT_S, period_s: float = 0.1) -> T:
-    """Poll `condition` until it returns something truthy (bounded; never a fixed sleep)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}; {serve.status()}")
-        time.sleep(period_s)
+def with_status(what: str) -> Callable[[], str]:
+    """A wait's message with serve.status() as it is when the wait times out."""
+    return lambda: f"{what}; {serve.status()}"
 
 
 @dataclass
@@ -167,8 +159,8 @@ def test_queue_depth_scales_up_then_down_without_dropping_requests(serve_cluster
         # 1. Burst: everything lands on the one replica; its queue grows past the target.
         t_burst = time.monotonic()
         burst = send(BURST, BURST_TOKENS)
-        wait_for(lambda: live(replica_states(app_name)) == MAX_REPLICAS,
-                 f"Serve to decide on {MAX_REPLICAS} replicas", timeout_s=UPSCALE_DELAY_S + UPSCALE_SLACK_S + 5)
+        wait_until(lambda: live(replica_states(app_name)) == MAX_REPLICAS, UPSCALE_DELAY_S + UPSCALE_SLACK_S + 5,
+                   POLL_S, message=with_status(f"Serve to decide on {MAX_REPLICAS} replicas"))
         upscale_s = time.monotonic() - t_burst
         assert upscale_s <= UPSCALE_DELAY_S + UPSCALE_SLACK_S, f"scale-up took {upscale_s:.1f}s"
         assert upscale_s >= UPSCALE_DELAY_S * 0.9, f"scale-up after {upscale_s:.1f}s: the delay was not applied"
@@ -182,7 +174,7 @@ def test_queue_depth_scales_up_then_down_without_dropping_requests(serve_cluster
             return False
 
         # Generous: a new replica is a new Ray worker process, slow to start on a loaded box.
-        wait_for(all_running, f"{MAX_REPLICAS} replicas to run", timeout_s=150.0)
+        wait_until(all_running, 150.0, POLL_S, message=with_status(f"{MAX_REPLICAS} replicas to run"))
         t_running = time.monotonic()
 
         # 2. Long requests: the router sends them to the idle new replicas.
@@ -193,11 +185,10 @@ def test_queue_depth_scales_up_then_down_without_dropping_requests(serve_cluster
             states = replica_states(app_name)
             return states.get("STOPPING", 0) > 0 or live(states) < MAX_REPLICAS
 
-        wait_for(removing, "Serve to start removing replicas", period_s=0.05)
+        wait_until(removing, WAIT_S, 0.05, message=with_status("Serve to start removing replicas"))
         t_stopping = time.monotonic()  # at or after the first removal began
-        wait_for(lambda: replica_states(app_name) == {"RUNNING": 1},
-                 "the pool to settle at one replica (removed ones drained and gone)",
-                 timeout_s=LONG_TOKENS * STEP_S * 3 + DRAIN_TIMEOUT_S)
+        wait_until(lambda: replica_states(app_name) == {"RUNNING": 1}, LONG_TOKENS * STEP_S * 3 + DRAIN_TIMEOUT_S,
+                   POLL_S, message=with_status("the pool to settle at one replica (removed ones drained and gone)"))
         t_settled = time.monotonic()
 
         results = [f.result(timeout=WAIT_S) for f in burst + long]

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -31,6 +31,7 @@ from router.client import KVServeClient, KVServeError  # noqa: E402
 from router.grpc_proxy import GRPC_SERVICER  # noqa: E402
 from router.grpc_servicer import GrpcServicerMixin  # noqa: E402
 from router.ingress import Ingress  # noqa: E402
+from tests.integration.waiting import wait_until  # noqa: E402
 from worker.async_engine import EngineDeadError  # noqa: E402
 from worker.replica import GenerateRequest  # noqa: E402
 
@@ -45,20 +46,7 @@ NUM_BLOCKS = 128
 BLOCK_SIZE = 16
 MAX_IN_FLIGHT = 2  # the ingress bound (max_queued_requests); small, to test overload
 RPC_TIMEOUT_S = 60.0
-WAIT_S = 60.0
-
-T = TypeVar("T")
-
-def wait_for(condition: Callable[[], T], what: str, timeout_s: float = WAIT_S) -> T:
-    """Poll `condition` until it returns something truthy (bounded; never a fixed sleep)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.05)
+WAIT_S = 60.0  # every wait below (tests/integration/waiting.py), polled every 0.05 s
 
 
 @dataclass
@@ -89,7 +77,7 @@ class GrpcApp:
             done = s["num_running"] == 0 and s["num_waiting"] == 0 and s["free_blocks"] == s["total_blocks"]
             return s if done else None
 
-        return wait_for(idle, "the worker to be idle with all KV blocks free")
+        return wait_until(idle, WAIT_S, message="the worker to be idle with all KV blocks free")
 
     def ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text).input_ids)
@@ -146,7 +134,7 @@ def app(serve_cluster: Any, served_model_dir: Path) -> Iterator[GrpcApp]:
         except grpc.RpcError:
             return False
 
-    wait_for(routed, "the gRPC proxy to route to the application")
+    wait_until(routed, WAIT_S, message="the gRPC proxy to route to the application")
     try:
         yield grpc_app
     finally:
@@ -319,9 +307,10 @@ def test_cancelling_a_stream_aborts_it_and_frees_its_kv_blocks(app: GrpcApp, num
     for _ in range(num_messages):
         message = next(stream)
         assert message.token_ids
-    busy = wait_for(
+    busy = wait_until(
         lambda: (s := app.worker_stats())["num_running"] == 1 and s["free_blocks"] < s["total_blocks"] and s,
-        "the request to run on the worker",
+        WAIT_S,
+        message="the request to run on the worker",
     )
     assert busy["num_generated_tokens"] - idle["num_generated_tokens"] < request.max_tokens
     stream.cancel()
@@ -337,7 +326,7 @@ def test_cancelling_a_unary_call_aborts_it(app: GrpcApp) -> None:
     idle = app.wait_idle()
     request = long_request(app)
     future = app.stub.Generate.future(request, metadata=app.metadata, timeout=RPC_TIMEOUT_S)
-    wait_for(lambda: app.worker_stats()["num_running"] == 1, "the request to run on the worker")
+    wait_until(lambda: app.worker_stats()["num_running"] == 1, WAIT_S, message="the request to run on the worker")
     assert future.cancel()
     after = app.wait_idle()
     assert after["num_generated_tokens"] - idle["num_generated_tokens"] < request.max_tokens, "it ran to completion"
@@ -364,9 +353,10 @@ def test_cancelling_a_stream_the_client_stopped_reading_aborts_it(app: GrpcApp) 
         request = long_request(app)
         stream = pb_grpc.KVServeStub(channel).GenerateStream(request, metadata=app.metadata, timeout=RPC_TIMEOUT_S)
         next(stream)
-        wait_for(
+        wait_until(
             lambda: app.worker_stats()["num_generated_tokens"] - idle["num_generated_tokens"] > 200,
-            "far more output than the window holds",
+            WAIT_S,
+            message="far more output than the window holds",
         )
         stream.cancel()
         after = app.wait_idle()
@@ -453,7 +443,7 @@ def test_dead_engine_is_unavailable(serve_cluster: Any, served_model_dir: Path) 
             raise AssertionError("a dead engine generated")
 
         for method in ("Generate", "GenerateStream"):
-            error = wait_for(lambda: generate(method), "the gRPC proxy to route to the application")
+            error = wait_until(lambda: generate(method), WAIT_S, message="the gRPC proxy to route to the application")
             assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
             assert "No worker is available: EngineDeadError." in error.details()
         if len(serve.status().applications) > 1:

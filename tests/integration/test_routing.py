@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -22,6 +22,7 @@ from ray.serve.config import RequestRouterConfig  # noqa: E402
 
 from kv.block_hash import hash_full_blocks  # noqa: E402
 from tests.integration.fake_worker import CONTROL_NAMESPACE, FakeControl, FakeWorker  # noqa: E402
+from tests.integration.waiting import wait_until  # noqa: E402
 from worker.replica import GenerateRequest  # noqa: E402
 from worker.sampling_params import SamplingParams  # noqa: E402
 
@@ -31,22 +32,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 ROUTER_CLASS = "router.request_router:KVHeadroomRouter"
 STATS_PERIOD_S = 0.5
 BLOCK_SIZE = 16
-WAIT_S = 60.0
-
-T = TypeVar("T")
-
-
-def wait_for(condition: Callable[[], T], what: str, timeout_s: float = WAIT_S) -> T:
-    """Poll `condition` until it returns something truthy (bounded; never a fixed sleep)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.02)
-
+WAIT_S = 60.0  # every wait below (tests/integration/waiting.py)
+POLL_S = 0.02  # the router's view changes within a stats period (0.5 s): poll often
 
 @dataclass
 class Fleet:
@@ -79,11 +66,16 @@ class Fleet:
                 return view
             return None
 
-        return wait_for(seen, f"the router to see state version {version} from {self.num_replicas} replicas")
+        return wait_until(
+            seen, WAIT_S, POLL_S, message=f"the router to see state version {version} from {self.num_replicas} replicas"
+        )
 
     def wait_idle(self) -> None:
         """Until this router has no outstanding request (every completion hook fired)."""
-        wait_for(lambda: all(v["outstanding"] == 0 for v in self.view().values()), "all requests to complete")
+        wait_until(
+            lambda: all(v["outstanding"] == 0 for v in self.view().values()), WAIT_S, POLL_S,
+            message="all requests to complete",
+        )
 
     def reset(self) -> None:
         ray.get(self.control.release.remote())
@@ -91,7 +83,10 @@ class Fleet:
         version = 0
         for ordinal in range(self.num_replicas):
             version = self.set_state(ordinal, free_blocks=1000, prefix_hashes=[], num_waiting=0, freeze_stats=False)
-        wait_for(lambda: not ray.get(self.control.frozen.remote()), "replicas to unfreeze their stats")
+        wait_until(
+            lambda: not ray.get(self.control.frozen.remote()), WAIT_S, POLL_S,
+            message="replicas to unfreeze their stats",
+        )
         self.wait_seen(version)
 
     def start(self, request: GenerateRequest) -> Any:
@@ -136,7 +131,10 @@ def deploy(app_name: str, num_replicas: int, **router_kwargs: Any) -> Fleet:
     )
     fleet = Fleet(app_name, handle, control, num_replicas)
     handle.stats.remote().result(timeout_s=WAIT_S)  # initialises the handle's router here
-    wait_for(lambda: len(ray.get(control.replica_ids.remote())) == num_replicas, "replicas to register")
+    wait_until(
+        lambda: len(ray.get(control.replica_ids.remote())) == num_replicas, WAIT_S, POLL_S,
+        message="replicas to register",
+    )
     fleet.wait_seen(0)
     return fleet
 
@@ -194,13 +192,15 @@ def test_burst_spreads_in_proportion_to_headroom(clean_fleet: Fleet) -> None:
     version = 0
     for ordinal in headroom:
         version = fleet.set_state(ordinal, freeze_stats=True)
-    frozen = wait_for(
-        lambda: (f := ray.get(fleet.control.frozen.remote())) and len(f) == 3 and f, "replicas to freeze stats"
+    frozen = wait_until(
+        lambda: (f := ray.get(fleet.control.frozen.remote())) and len(f) == 3 and f, WAIT_S, POLL_S,
+        message="replicas to freeze stats",
     )
     ordinal_of = fleet.ordinal_of()
-    wait_for(
+    wait_until(
         lambda: all(v["stats"]["timestamp"] == frozen[ordinal_of[rid]] for rid, v in fleet.view().items()),
-        "the router to hold the frozen reports",
+        WAIT_S, POLL_S,
+        message="the router to hold the frozen reports",
     )
     router = fleet.router
     routed_before = router.num_hook_calls["routed"]
@@ -312,12 +312,15 @@ def test_killed_replica_stops_being_chosen(serve_cluster: Any) -> None:
         assert all(r[0]["ordinal"] != 0 for r in results)
 
         # The router drops it (on the failed call or the controller's update) ...
-        wait_for(lambda: victim_id not in fleet.view(), "the router to drop the killed replica")
+        wait_until(
+            lambda: victim_id not in fleet.view(), WAIT_S, POLL_S, message="the router to drop the killed replica"
+        )
         # ... and Serve replaces it; once the replacement has reported (until then it
         # ranks after every fresh replica with headroom), it gets traffic.
-        wait_for(
+        wait_until(
             lambda: len(v := fleet.view()) == 2 and all("timestamp" in x["stats"] for x in v.values()),
-            "a replacement replica with stats",
+            WAIT_S, POLL_S,
+            message="a replacement replica with stats",
         )
         streams = [fleet.start(make_request([6] * 8, hold=True)) for _ in range(20)]
         landed = Counter(item["ordinal"] for item in first_items(streams))

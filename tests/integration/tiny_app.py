@@ -3,10 +3,11 @@ tiny model (optionally with environment variables for the ingress replica, e.g. 
 keys), poll without sleeping blindly, and scan Ray's log files."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+
+from tests.integration.waiting import wait_until
 
 T = TypeVar("T")
 
@@ -61,15 +62,9 @@ def worker_stats(app_name: str) -> dict[str, Any]:
 
 
 def wait_for(condition: Callable[[], T], what: str, timeout_s: float = 60.0) -> T:
-    """Poll `condition` until it returns something truthy (bounded; never a fixed sleep)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.05)
+    """Poll `condition` until it returns something truthy (bounded; never a fixed sleep).
+    The name and signature other test modules import; the loop is waiting.wait_until."""
+    return wait_until(condition, timeout_s, interval_s=0.05, message=what)
 
 
 def all_blocks_free(app_name: str) -> bool:

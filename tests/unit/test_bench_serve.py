@@ -1,6 +1,7 @@
-"""cluster/bench_serve.py without Ray: metric computation on hand-made timings, seeded
-Poisson arrivals, workload structure, and whole runs against a small fake OpenAI SSE
-server (starlette on uvicorn, 127.0.0.1, a port of its own, in the test's event loop)."""
+"""`kvserve bench serve` (cluster/bench_serve.py, cluster/bench/) without Ray: metric
+computation on hand-made timings, seeded Poisson arrivals, workload structure, and whole
+runs against a small fake OpenAI SSE server (starlette on uvicorn, 127.0.0.1, a port of
+its own, in the test's event loop)."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from cluster import bench_serve as bs
+from cluster import bench_serve
+from cluster.bench import report, run, stream, workload
 
 pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
@@ -30,32 +32,32 @@ from starlette.routing import Route  # noqa: E402
 # -- metrics -------------------------------------------------------------------------------
 def test_percentile_is_linear_interpolation() -> None:
     xs = [10.0, 20.0, 30.0, 40.0]
-    assert bs.percentile(xs, 0) == 10.0
-    assert bs.percentile(xs, 100) == 40.0
-    assert bs.percentile(xs, 50) == 25.0  # position 1.5
-    assert bs.percentile(xs, 90) == pytest.approx(37.0)  # position 2.7
-    assert bs.percentile([3.0, 1.0, 2.0], 50) == 2.0  # sorts
-    assert bs.percentile([7.0], 99) == 7.0
+    assert report.percentile(xs, 0) == 10.0
+    assert report.percentile(xs, 100) == 40.0
+    assert report.percentile(xs, 50) == 25.0  # position 1.5
+    assert report.percentile(xs, 90) == pytest.approx(37.0)  # position 2.7
+    assert report.percentile([3.0, 1.0, 2.0], 50) == 2.0  # sorts
+    assert report.percentile([7.0], 99) == 7.0
     with pytest.raises(ValueError):
-        bs.percentile([], 50)
+        report.percentile([], 50)
 
 
-def _done(index: int, ttft: float, e2e: float, out: int, itl: list[float], prompt: int | None, max_tokens: int | None = None) -> bs.RequestResult:
-    return bs.RequestResult(
+def _done(index: int, ttft: float, e2e: float, out: int, itl: list[float], prompt: int | None, max_tokens: int | None = None) -> stream.RequestResult:
+    return stream.RequestResult(
         index=index, success=True, status=200, prompt_len=50, max_tokens=out if max_tokens is None else max_tokens,
         prompt_tokens=prompt, output_tokens=out, ttft_s=ttft, e2e_s=e2e, itl_s=itl, num_chunks=len(itl) + 1,
     )
 
 
-def hand_made() -> list[bs.RequestResult]:
+def hand_made() -> list[stream.RequestResult]:
     # Dyadic times, so that every expected value below is exact in binary floating point.
     return [
         _done(0, 0.25, 1.25, 5, [0.25] * 4, 100),  # TPOT (1.25 - 0.25) / 4 = 0.25
         _done(1, 0.5, 2.5, 9, [0.25] * 8, 200),  # TPOT 2.0 / 8 = 0.25
         _done(2, 0.75, 0.75, 1, [], None),  # one token: no TPOT; no usage -> prompt_len 50
         _done(3, 1.0, 3.0, 3, [0.5, 1.5], 300, max_tokens=4),  # TPOT 2.0 / 2 = 1.0; one short
-        bs.RequestResult(index=4, error="HTTP 429", error_detail="server_overloaded: at the limit", status=429),
-        bs.RequestResult(index=5, error="ReadTimeout"),
+        stream.RequestResult(index=4, error="HTTP 429", error_detail="server_overloaded: at the limit", status=429),
+        stream.RequestResult(index=5, error="ReadTimeout"),
     ]
 
 
@@ -65,7 +67,7 @@ def test_tpot_of_a_request() -> None:
 
 
 def test_summarize_hand_made_timings() -> None:
-    s = bs.summarize(hand_made(), duration_s=2.0)
+    s = report.summarize(hand_made(), duration_s=2.0)
     assert s["completed"] == 4 and s["failed"] == 2
     assert s["total_input_tokens"] == 100 + 200 + 50 + 300
     assert s["total_output_tokens"] == 5 + 9 + 1 + 3
@@ -115,24 +117,24 @@ def test_summarize_hand_made_timings() -> None:
     ],
 )
 def test_goodput(slo_ttft_ms: float | None, slo_tpot_ms: float | None, good: int) -> None:
-    s = bs.summarize(hand_made(), duration_s=2.0, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+    s = report.summarize(hand_made(), duration_s=2.0, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
     assert s["good_requests"] == good
     assert s["goodput"] == good / 2.0  # failed requests never count
 
 
 def test_summarize_custom_percentiles_and_nothing_done() -> None:
-    s = bs.summarize(hand_made(), 2.0, percentiles=[25, 99.9])
+    s = report.summarize(hand_made(), 2.0, percentiles=[25, 99.9])
     assert set(s["ttft_ms"]) == {"mean", "std", "max", "p25", "p99_9"}
     assert s["ttft_ms"]["p25"] == 437.5
-    empty = bs.summarize([bs.RequestResult(index=0, error="ConnectError")], 0.5)
+    empty = report.summarize([stream.RequestResult(index=0, error="ConnectError")], 0.5)
     assert empty["completed"] == 0 and empty["request_throughput"] == 0.0
     assert empty["ttft_ms"]["p50"] is None and empty["mean_prompt_tokens"] is None
-    text = bs.format_summary(empty)
+    text = report.format_summary(empty)
     assert "ConnectError:" in text and "n/a" in text
 
 
 def test_format_summary_lines() -> None:
-    text = bs.format_summary(bs.summarize(hand_made(), 2.0, slo_ttft_ms=750, slo_tpot_ms=250))
+    text = report.format_summary(report.summarize(hand_made(), 2.0, slo_ttft_ms=750, slo_tpot_ms=250))
     assert "Successful requests:" in text and "Failed requests:" in text
     assert "Goodput (req/s, TTFT<=750ms TPOT<=250ms):" in text
     for label in ("Mean TTFT (ms):", "P50 TTFT (ms):", "P90 TPOT (ms):", "P99 ITL (ms):", "P99 E2E (ms):"):
@@ -143,9 +145,9 @@ def test_format_summary_lines() -> None:
 
 # -- arrivals ------------------------------------------------------------------------------
 def test_poisson_arrivals_seeded_with_the_right_rate() -> None:
-    a = bs.arrival_times(20000, request_rate=50.0, seed=3)
-    assert a == bs.arrival_times(20000, request_rate=50.0, seed=3)
-    assert a != bs.arrival_times(20000, request_rate=50.0, seed=4)
+    a = workload.arrival_times(20000, request_rate=50.0, seed=3)
+    assert a == workload.arrival_times(20000, request_rate=50.0, seed=3)
+    assert a != workload.arrival_times(20000, request_rate=50.0, seed=4)
     assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:]))
     gaps = [y - x for x, y in zip(a, a[1:])]
     mean_gap = sum(gaps) / len(gaps)
@@ -157,46 +159,46 @@ def test_poisson_arrivals_seeded_with_the_right_rate() -> None:
 
 
 def test_arrivals_inf_and_burstiness() -> None:
-    assert bs.arrival_times(5, math.inf) == [0.0] * 5
-    assert bs.arrival_times(0, 10.0) == []
-    bursty = bs.arrival_times(20000, request_rate=10.0, seed=0, burstiness=0.5)
+    assert workload.arrival_times(5, math.inf) == [0.0] * 5
+    assert workload.arrival_times(0, 10.0) == []
+    bursty = workload.arrival_times(20000, request_rate=10.0, seed=0, burstiness=0.5)
     gaps = [y - x for x, y in zip(bursty, bursty[1:])]
     mean_gap = sum(gaps) / len(gaps)
     assert mean_gap == pytest.approx(0.1, rel=0.05)  # same mean rate
     std = math.sqrt(sum((g - mean_gap) ** 2 for g in gaps) / len(gaps))
     assert std > 1.2 * mean_gap  # gamma(0.5): cv = sqrt(2)
     with pytest.raises(ValueError):
-        bs.arrival_times(3, 0.0)
+        workload.arrival_times(3, 0.0)
 
 
 # -- workloads -----------------------------------------------------------------------------
 def test_random_workload_is_seeded_and_sized() -> None:
-    w = bs.generate_workload("random", num_prompts=50, seed=1, input_len=100, output_len=20, range_ratio=0.5)
-    assert w == bs.generate_workload("random", num_prompts=50, seed=1, input_len=100, output_len=20, range_ratio=0.5)
-    assert w != bs.generate_workload("random", num_prompts=50, seed=2, input_len=100, output_len=20, range_ratio=0.5)
+    w = workload.generate_workload("random", num_prompts=50, seed=1, input_len=100, output_len=20, range_ratio=0.5)
+    assert w == workload.generate_workload("random", num_prompts=50, seed=1, input_len=100, output_len=20, range_ratio=0.5)
+    assert w != workload.generate_workload("random", num_prompts=50, seed=2, input_len=100, output_len=20, range_ratio=0.5)
     assert [r.index for r in w] == list(range(50))
     assert all(50 <= r.prompt_len <= 150 and 10 <= r.max_tokens <= 30 for r in w)
     assert len({r.prompt_len for r in w}) > 10  # really random
     # one word per token by default
     assert all(len(r.prompt.split()) == r.prompt_len for r in w)
-    assert all(word in bs.WORDS for r in w for word in r.prompt.split())
-    fixed = bs.generate_workload("random", num_prompts=5, input_len=64, output_len=8)
+    assert all(word in workload.WORDS for r in w for word in r.prompt.split())
+    fixed = workload.generate_workload("random", num_prompts=5, input_len=64, output_len=8)
     assert {(r.prompt_len, r.max_tokens) for r in fixed} == {(64, 8)}
 
 
 def test_workload_uses_the_calibration() -> None:
-    cal = bs.PromptCalibration(tokens_per_word=2.0, overhead_tokens=4.0)
-    w = bs.generate_workload("random", num_prompts=3, input_len=104, output_len=8, calibration=cal)
+    cal = workload.PromptCalibration(tokens_per_word=2.0, overhead_tokens=4.0)
+    w = workload.generate_workload("random", num_prompts=3, input_len=104, output_len=8, calibration=cal)
     assert all(len(r.prompt.split()) == 50 and r.prompt_len == 104 for r in w)  # 4 + 2 * 50
 
 
 def test_shared_prefix_workload_structure() -> None:
     groups, n, prefix_len, suffix_len = 4, 40, 30, 10
-    w = bs.generate_workload(
+    w = workload.generate_workload(
         "shared-prefix", num_prompts=n, seed=7, num_prefix_groups=groups, prefix_len=prefix_len,
         suffix_len=suffix_len, output_len=16, range_ratio=0.3,
     )
-    assert w == bs.generate_workload(
+    assert w == workload.generate_workload(
         "shared-prefix", num_prompts=n, seed=7, num_prefix_groups=groups, prefix_len=prefix_len,
         suffix_len=suffix_len, output_len=16, range_ratio=0.3,
     )
@@ -218,25 +220,25 @@ def test_shared_prefix_workload_structure() -> None:
 
 def test_workload_errors() -> None:
     with pytest.raises(ValueError, match="unknown dataset"):
-        bs.generate_workload("sharegpt", num_prompts=1)
+        workload.generate_workload("sharegpt", num_prompts=1)
     with pytest.raises(ValueError, match="range_ratio"):
-        bs.generate_workload("random", num_prompts=1, range_ratio=1.0)
+        workload.generate_workload("random", num_prompts=1, range_ratio=1.0)
     with pytest.raises(ValueError):
-        bs.generate_workload("shared-prefix", num_prompts=1, num_prefix_groups=0)
+        workload.generate_workload("shared-prefix", num_prompts=1, num_prefix_groups=0)
 
 
 def test_request_body() -> None:
-    r = bs.BenchRequest(0, "hello world", 2, 7)
-    body = bs.request_body(r, "m", "completions")
+    r = workload.BenchRequest(0, "hello world", 2, 7)
+    body = stream.request_body(r, "m", "completions")
     assert body == {
         "model": "m", "stream": True, "stream_options": {"include_usage": True}, "prompt": "hello world",
         "max_tokens": 7, "ignore_eos": True, "temperature": 0.0,
     }
-    chat = bs.request_body(r, "m", "chat", temperature=None, extra_body={"top_k": 5})
+    chat = stream.request_body(r, "m", "chat", temperature=None, extra_body={"top_k": 5})
     assert chat["messages"] == [{"role": "user", "content": "hello world"}]
     assert chat["max_completion_tokens"] == 7 and chat["top_k"] == 5 and "temperature" not in chat
-    assert bs.completions_url("http://h:1/", "chat") == "http://h:1/v1/chat/completions"
-    assert bs.completions_url("http://h:1/app/v1", "completions") == "http://h:1/app/v1/completions"
+    assert stream.completions_url("http://h:1/", "chat") == "http://h:1/v1/chat/completions"
+    assert stream.completions_url("http://h:1/app/v1", "completions") == "http://h:1/app/v1/completions"
 
 
 # -- a fake OpenAI server --------------------------------------------------------------------
@@ -343,9 +345,9 @@ async def serving(fake: FakeOpenAI) -> AsyncIterator[str]:
 # -- end to end ---------------------------------------------------------------------------
 async def test_run_against_fake_server_counts_usage_and_429s() -> None:
     fake = FakeOpenAI(first_token_s=0.05, token_s=0.002, reject=frozenset({1, 4}), api_key="sk-test")
-    requests = bs.generate_workload("random", num_prompts=8, seed=0, input_len=20, output_len=6)
+    requests = workload.generate_workload("random", num_prompts=8, seed=0, input_len=20, output_len=6)
     async with serving(fake) as url:
-        result = await bs.run_benchmark(requests, base_url=url, model=fake.MODEL, api_key="sk-test", request_rate=math.inf)
+        result = await run.run_benchmark(requests, base_url=url, model=fake.MODEL, api_key="sk-test", request_rate=math.inf)
     assert len(result.requests) == 8 and [r.index for r in result.requests] == list(range(8))
     ok = [r for r in result.requests if r.success]
     failed = [r for r in result.requests if not r.success]
@@ -376,9 +378,9 @@ async def test_run_against_fake_server_counts_usage_and_429s() -> None:
 
 async def test_chat_stream_error_and_max_concurrency() -> None:
     fake = FakeOpenAI(first_token_s=0.02, token_s=0.001, stream_error=frozenset({2}))
-    requests = bs.generate_workload("shared-prefix", num_prompts=6, seed=0, num_prefix_groups=2, prefix_len=8, suffix_len=4, output_len=4)
+    requests = workload.generate_workload("shared-prefix", num_prompts=6, seed=0, num_prefix_groups=2, prefix_len=8, suffix_len=4, output_len=4)
     async with serving(fake) as url:
-        result = await bs.run_benchmark(requests, base_url=url + "/v1", model=fake.MODEL, endpoint="chat", max_concurrency=2)
+        result = await run.run_benchmark(requests, base_url=url + "/v1", model=fake.MODEL, endpoint="chat", max_concurrency=2)
     assert fake.peak_in_flight <= 2 and result.peak_concurrency == 2
     assert all("messages" in b and b["max_completion_tokens"] == 4 for b in fake.bodies)
     failed = [r for r in result.requests if not r.success]
@@ -395,11 +397,11 @@ async def test_chat_stream_error_and_max_concurrency() -> None:
 
 async def test_poisson_run_sends_at_the_arrival_times() -> None:
     fake = FakeOpenAI(first_token_s=0.0, token_s=0.0)
-    requests = bs.generate_workload("random", num_prompts=5, input_len=4, output_len=2)
+    requests = workload.generate_workload("random", num_prompts=5, input_len=4, output_len=2)
     rate, seed = 20.0, 5
     async with serving(fake) as url:
-        result = await bs.run_benchmark(requests, base_url=url, model=fake.MODEL, request_rate=rate, seed=seed)
-    planned = bs.arrival_times(5, rate, seed)
+        result = await run.run_benchmark(requests, base_url=url, model=fake.MODEL, request_rate=rate, seed=seed)
+    planned = workload.arrival_times(5, rate, seed)
     assert all(r.success for r in result.requests)
     for r, at in zip(result.requests, planned):
         assert r.start_s >= at - 0.005  # never early (the loop's clock granularity aside)
@@ -410,10 +412,10 @@ async def test_connection_refused_is_a_failure_with_a_reason() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: connections are refused
-        requests = bs.generate_workload("random", num_prompts=2, input_len=4, output_len=2)
-        result = await bs.run_benchmark(requests, base_url=f"http://127.0.0.1:{port}", model="m")
+        requests = workload.generate_workload("random", num_prompts=2, input_len=4, output_len=2)
+        result = await run.run_benchmark(requests, base_url=f"http://127.0.0.1:{port}", model="m")
     assert [r.error for r in result.requests] == ["ConnectError", "ConnectError"]
-    assert bs.summarize(result.requests, result.duration_s)["errors"] == {"ConnectError": 2}
+    assert report.summarize(result.requests, result.duration_s)["errors"] == {"ConnectError": 2}
 
 
 async def test_cli_end_to_end_with_calibration_and_json(tmp_path: Any) -> None:
@@ -427,14 +429,14 @@ async def test_cli_end_to_end_with_calibration_and_json(tmp_path: Any) -> None:
             "--slo-ttft-ms", "10000", "--slo-tpot-ms", "10000", "--json", str(out_file), "--seed", "1",
         ])
         stdout, stderr = io.StringIO(), io.StringIO()
-        rc = await bs.bench_serve(args, stdout=stdout, stderr=stderr)
+        rc = await bench_serve.bench_serve(args, stdout=stdout, stderr=stderr)
     assert rc == 0
     # Calibration first (not streamed, one token each: the word pool in chunks, one chunk
     # twice), then the 6, of which the fake rejects one (number 8 overall).
     calibration = [b for b in fake.bodies if "stream" not in b]
-    assert fake.bodies[: len(calibration)] == calibration and len(calibration) == math.ceil(len(bs.WORDS) / 68) + 1
+    assert fake.bodies[: len(calibration)] == calibration and len(calibration) == math.ceil(len(workload.WORDS) / 68) + 1
     assert all(b["max_tokens"] == 1 for b in calibration)
-    assert sorted(w for b in calibration[:-1] for w in b["prompt"].split()) == sorted(bs.WORDS)
+    assert sorted(w for b in calibration[:-1] for w in b["prompt"].split()) == sorted(workload.WORDS)
     assert "calibrated prompts on the server: 2.00 tokens/word + 1 tokens overhead" in stderr.getvalue()
     assert "6/6 requests, 1 failed" in stderr.getvalue()  # the progress bar's last line
     text = stdout.getvalue()
@@ -458,5 +460,5 @@ async def test_cli_without_a_server_fails_cleanly() -> None:
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
         args = build_parser().parse_args(["bench", "serve", "--base-url", url, "--num-prompts", "1"])
         stderr = io.StringIO()
-        assert await bs.bench_serve(args, stdout=io.StringIO(), stderr=stderr) == 1
+        assert await bench_serve.bench_serve(args, stdout=io.StringIO(), stderr=stderr) == 1
     assert "cannot list models" in stderr.getvalue()

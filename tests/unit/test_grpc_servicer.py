@@ -13,7 +13,8 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import openai_convert as convert
 from router.client import build_generate_request
 from router.generation import InFlightLimiter
-from router.grpc_servicer import GrpcServicerMixin, GrpcStatusError, engine_inputs, replica_stats
+from router.grpc_convert import engine_inputs, replica_stats
+from router.grpc_servicer import GrpcServicerMixin, GrpcStatusError
 from router.metrics import IngressMetrics
 from router.settings import IngressSettings
 from worker.outputs import RequestOutput, TokenLogprob
