@@ -1,0 +1,142 @@
+"""The seeded workload and the metrics of `python -m benchmarks.disagg` (no Ray, no HTTP:
+unit-testable).
+
+One round of the workload, the same for both sides (mixed pool, disaggregated pools):
+
+    t=0        decode-heavy streams start, staggered: `num_decode_streams` slots, each one
+               sending a short prompt with a long output, then the next, back to back
+               (a closed loop: a steady population of decoding sequences);
+    t=ramp_s   long prompts (long prompt, short output) start arriving, one every
+               `long_period_s` (+- `long_jitter` of it, seeded);
+    end        once every long prompt is answered the slots send nothing new; the streams
+               in flight finish.
+
+What disaggregation is meant to protect is the decode streams' inter-token latency while
+prompts are being prefilled, so ITL is taken over the decode streams' gaps that END inside
+the interference window (from the first long prompt sent to the last one answered); the
+long prompts' own number is their time to first token.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from cluster.bench.report import percentile
+from cluster.bench.stream import RequestResult
+from cluster.bench.workload import BenchRequest, PromptCalibration, generate_workload, random_text, sample_lengths
+
+
+@dataclass(frozen=True)
+class DisaggSpec:
+    """Sizes of the run; the CLI exposes every field as a flag (--num-decode-streams ...)."""
+
+    seed: int = 0
+    num_rounds: int = 2  # per side; sides alternate mixed, disagg, mixed, disagg, ...
+    num_decode_streams: int = 12
+    decode_prompt_len: int = 32
+    decode_output_len: int = 96
+    num_long_prompts: int = 6  # per round
+    long_prompt_len: int = 1536
+    long_output_len: int = 8
+    long_period_s: float = 2.0
+    long_jitter: float = 0.25  # fraction of the period
+    ramp_s: float = 2.0  # decode population first, then long prompts
+    stream_stagger_s: float = 0.1  # between the decode slots' first requests
+    range_ratio: float = 0.25  # decode-heavy lengths uniform within +- this of the mean
+    max_num_batched_tokens: int = 2048  # the engine's token budget per step (both sides)
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+
+
+QUICK = {"num_rounds": 1, "num_decode_streams": 8, "num_long_prompts": 3, "decode_output_len": 64, "long_prompt_len": 1024}
+
+
+def round_seed(spec: DisaggSpec, round_index: int) -> int:
+    """Each round draws fresh prompts (no prefix-cache hit carries over from the previous
+    round on the same app); both sides get the same prompts in round r."""
+    return spec.seed * 1000 + round_index
+
+
+def decode_stream_requests(
+    spec: DisaggSpec, seed: int, slot: int, calibration: PromptCalibration = PromptCalibration()
+) -> Iterator[BenchRequest]:
+    """The endless, seeded sequence of decode-heavy requests one slot sends (the slot stops
+    drawing when the round ends). Indices are slot * 1_000_000 + k, unique in a round."""
+    rng = random.Random(f"kvserve-disagg-decode:{seed}:{slot}")
+    k = 0
+    while True:
+        prompt_len = sample_lengths(rng, 1, spec.decode_prompt_len, spec.range_ratio)[0]
+        output_len = sample_lengths(rng, 1, spec.decode_output_len, spec.range_ratio, minimum=2)[0]
+        text = random_text(rng, calibration.words_for(prompt_len - calibration.overhead_tokens))
+        yield BenchRequest(slot * 1_000_000 + k, text, prompt_len, output_len)
+        k += 1
+
+
+def long_requests(spec: DisaggSpec, seed: int, calibration: PromptCalibration = PromptCalibration()) -> list[BenchRequest]:
+    """The round's long prompts (exact lengths asked: no range)."""
+    return generate_workload(
+        "random",
+        num_prompts=spec.num_long_prompts,
+        seed=seed,
+        input_len=spec.long_prompt_len,
+        output_len=spec.long_output_len,
+        calibration=calibration,
+    )
+
+
+def long_arrivals(spec: DisaggSpec, seed: int) -> list[float]:
+    """Seconds from the round's start at which each long prompt is sent: periodic after
+    the ramp, each moved by a seeded jitter; increasing and never before the ramp."""
+    if not 0.0 <= spec.long_jitter < 0.5:
+        raise ValueError("long_jitter must be in [0, 0.5) so that arrivals stay in order")
+    rng = random.Random(f"kvserve-disagg-long:{seed}")
+    jitter = spec.long_jitter * spec.long_period_s
+    return [
+        spec.ramp_s + i * spec.long_period_s + (rng.uniform(0.0, jitter) if i == 0 else rng.uniform(-jitter, jitter))
+        for i in range(spec.num_long_prompts)
+    ]
+
+
+def token_times(result: RequestResult) -> list[float]:
+    """Arrival times (from the round's start) of a result's content chunks."""
+    if result.ttft_s is None:
+        return []
+    t = result.start_s + result.ttft_s
+    times = [t]
+    for gap in result.itl_s:
+        t += gap
+        times.append(t)
+    return times
+
+
+def gaps_in_window(results: Sequence[RequestResult], start_s: float, end_s: float) -> list[float]:
+    """Inter-token gaps of successful results whose later chunk arrived in [start_s, end_s]."""
+    gaps = []
+    for r in results:
+        if not r.success:
+            continue
+        times = token_times(r)
+        gaps += [gap for gap, t in zip(r.itl_s, times[1:]) if start_s <= t <= end_s]
+    return gaps
+
+
+def interference_window(long_results: Sequence[RequestResult]) -> tuple[float, float] | None:
+    """From the first long prompt sent to the last one answered (None: none answered)."""
+    done = [r for r in long_results if r.success and r.e2e_s is not None]
+    if not done:
+        return None
+    return min(r.start_s for r in long_results), max(r.start_s + (r.e2e_s or 0.0) for r in done)
+
+
+def percentile_ms(values: Sequence[float], q: float) -> float:
+    """The q-th percentile in ms (nan for no values: printed, never hidden)."""
+    return percentile(values, q) * 1000.0 if values else math.nan
+
+
+def ratio(mixed: float, disagg: float) -> float:
+    """mixed / disagg: > 1 means the disaggregated pools did better on a latency."""
+    if not (math.isfinite(mixed) and math.isfinite(disagg)) or disagg <= 0:
+        return math.nan
+    return mixed / disagg
