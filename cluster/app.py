@@ -21,6 +21,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from cluster.config import KVSERVE_POLICY, AutoscalingSection, KVServeConfig
+from cluster.state_store import RedisStoreSpec
 from router.ingress import Ingress
 from router.settings import IngressSettings
 from worker.replica import WorkerReplica
@@ -95,7 +96,23 @@ def ingress_settings(config: KVServeConfig) -> IngressSettings:
         api_keys_env=i.api_keys_env,
         max_concurrent_requests_per_key=i.max_concurrent_requests_per_key,
         tokens_per_minute_per_key=i.tokens_per_minute_per_key,
+        state_store=state_store_spec(config),
         metrics_public=i.metrics_public,
+    )
+
+
+def state_store_spec(config: KVServeConfig) -> RedisStoreSpec | None:
+    """Where the ingress replicas count per-key limits: Redis when `state.redis_url` is
+    set (cluster/state_store.py), else None (each replica on its own)."""
+    s = config.state
+    if s.redis_url is None:
+        return None
+    return RedisStoreSpec(
+        url=s.redis_url,
+        key_prefix=s.key_prefix or f"kvserve:{config.app_name}",
+        password_env=s.redis_password_env,
+        socket_timeout_s=s.socket_timeout_s,
+        lease_ttl_s=s.lease_ttl_s,
     )
 
 
@@ -133,14 +150,27 @@ def worker_options(config: KVServeConfig) -> dict[str, Any]:
     if router is not None:
         options["request_router_config"] = router
     if w.tensor_parallel_size > 1:
-        # One bundle per TP rank on one node: the replica (rank 0) takes bundle 0 and its
-        # rank actors the others, each its whole bundle (worker/tp/runner.py).
-        bundle = {"CPU": options["ray_actor_options"]["num_cpus"]}
-        if options["ray_actor_options"].get("num_gpus"):
-            bundle["GPU"] = options["ray_actor_options"]["num_gpus"]
-        options["placement_group_bundles"] = [dict(bundle) for _ in range(w.tensor_parallel_size)]
-        options["placement_group_strategy"] = "STRICT_PACK"
+        options.update(tensor_parallel_placement(options["ray_actor_options"], w.tensor_parallel_size))
     return options
+
+
+def tensor_parallel_placement(replica: dict[str, Any], size: int) -> dict[str, Any]:
+    """A TP replica's resources (num_cpus / num_gpus for the whole group) split into one
+    bundle per rank, all on one node (STRICT_PACK). The replica actor is rank 0 and takes
+    bundle 0; its rank actors take the others, each its whole bundle (worker/tp/runner.py).
+    Custom resources are per rank (a pool's `kvserve_pool_<role>` counts GPUs)."""
+    rank: dict[str, Any] = {"num_cpus": replica["num_cpus"] / size}
+    bundle: dict[str, float] = {"CPU": rank["num_cpus"]}
+    if replica.get("num_gpus"):
+        rank["num_gpus"] = bundle["GPU"] = replica["num_gpus"] / size
+    if replica.get("resources"):
+        rank["resources"] = dict(replica["resources"])
+        bundle.update(replica["resources"])
+    return {
+        "ray_actor_options": rank,
+        "placement_group_bundles": [dict(bundle) for _ in range(size)],
+        "placement_group_strategy": "STRICT_PACK",
+    }
 
 
 def autoscaling_config(a: AutoscalingSection) -> AutoscalingConfig:
@@ -171,17 +201,21 @@ def autoscaling_config(a: AutoscalingSection) -> AutoscalingConfig:
 
 
 def worker_resources(config: KVServeConfig) -> dict[str, Any]:
-    """Per replica: explicit values win; otherwise one GPU when the engine runs on CUDA
-    (device 'cuda', or 'auto' on a cluster that has GPUs) and one CPU."""
+    """Per replica (a whole tensor-parallel group): explicit values win; otherwise one GPU
+    per rank when the engine runs on CUDA (device 'cuda', or 'auto' on a cluster that has
+    GPUs) and one CPU per rank."""
     w = config.workers
+    ranks = float(w.tensor_parallel_size)
     num_gpus = w.num_gpus
     if num_gpus is None:
         device = config.engine.device
-        num_gpus = 1.0 if device == "cuda" or (device == "auto" and _cluster_has_gpus()) else 0.0
-    num_cpus = w.num_cpus if w.num_cpus is not None else 1.0
+        num_gpus = ranks if device == "cuda" or (device == "auto" and _cluster_has_gpus()) else 0.0
+    num_cpus = w.num_cpus if w.num_cpus is not None else ranks
     resources: dict[str, Any] = {"num_cpus": num_cpus}
     if num_gpus:
         resources["num_gpus"] = num_gpus
+    if w.resources:
+        resources["resources"] = dict(w.resources)
     return resources
 
 

@@ -3,6 +3,7 @@
     kvserve serve                       # local Ray + the whole app on the embedded model
     kvserve serve --model DIR --num-workers 2 --port 8001
     kvserve serve --config kvserve.yaml # the same schema as serve deploy / Helm
+    kvserve serve --tensor-parallel-size 2 --disaggregate --prefill-workers 1 --decode-workers 2
     kvserve config [--config FILE]      # print the effective configuration as YAML
 
 Subcommands live in a table of "module:function" registrars, imported lazily; each adds
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
-import logging
 import os
 import signal
 import sys
@@ -69,17 +69,48 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
     parser.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
+    parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                        help="ranks (devices) per worker replica; every pool when disaggregated")
+    parser.add_argument("--disaggregate", action="store_true",
+                        help="separate prefill and decode worker pools (each starts as a copy of `workers`)")
+    parser.add_argument("--prefill-workers", type=int, metavar="N", help="prefill pool replicas (implies --disaggregate)")
+    parser.add_argument("--decode-workers", type=int, metavar="N", help="decode pool replicas (implies --disaggregate)")
 
 
 def config_from_args(args: argparse.Namespace) -> KVServeConfig:
     config = KVServeConfig.from_yaml(args.config) if args.config else KVServeConfig()
-    overrides = {
+    overrides: dict[str, Any] = {
         "model.path": args.model,
         "model.served_model_name": args.served_model_name,
         "workers.num_replicas": args.num_workers,
+        "workers.tensor_parallel_size": args.tensor_parallel_size,
         "http.host": args.host,
         "http.port": args.port,
         "grpc.port": args.grpc_port,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides:
+        config = config.with_overrides(overrides)
+    disaggregate = args.disaggregate or args.prefill_workers is not None or args.decode_workers is not None
+    return with_disaggregation(config, args) if disaggregate else config
+
+
+def with_disaggregation(config: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:
+    """Declare prefill and decode pools (copies of `workers`, each autoscaling on its own
+    role's signal) unless the config file already does; then apply the pool flags."""
+    if config.disaggregation is None:
+        pools = {}
+        for role in ("prefill", "decode"):
+            pool = config.workers.model_dump()
+            if pool["autoscaling"] is not None:
+                pool["autoscaling"]["role"] = role
+            pools[role] = pool
+        config = config.with_overrides({"disaggregation": pools})
+    overrides = {
+        "disaggregation.prefill.num_replicas": args.prefill_workers,
+        "disaggregation.decode.num_replicas": args.decode_workers,
+        "disaggregation.prefill.tensor_parallel_size": args.tensor_parallel_size,
+        "disaggregation.decode.tensor_parallel_size": args.tensor_parallel_size,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     return config.with_overrides(overrides) if overrides else config
@@ -141,9 +172,12 @@ def local_num_cpus(config: KVServeConfig) -> int:
     rather than wait forever for a CPU that does not exist)."""
     from cluster.app import worker_resources
 
-    workers = config.workers
-    replicas = workers.autoscaling.max_replicas if workers.autoscaling else workers.num_replicas
-    wanted = replicas * worker_resources(config)["num_cpus"] + config.ingress.num_replicas * config.ingress.num_cpus
+    d = config.disaggregation
+    pools = [config.workers] if d is None else [d.prefill, d.decode]
+    wanted = config.ingress.num_replicas * config.ingress.num_cpus
+    for pool in pools:
+        replicas = pool.autoscaling.max_replicas if pool.autoscaling else pool.num_replicas
+        wanted += replicas * worker_resources(config.model_copy(update={"workers": pool}))["num_cpus"]
     return max(os.cpu_count() or 1, math.ceil(wanted))
 
 

@@ -96,7 +96,8 @@ class EngineSection(_Section):
     enable_prefix_caching: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    attention_backend: Literal["auto", "torch", "flash", "triton"] = "auto"
+    enable_cuda_graphs: bool = True  # CUDA only: decode steps replayed as CUDA graphs
     num_threads: int | None = Field(None, ge=1)  # torch CPU threads per worker
 
     @field_validator("kv_cache_bytes", mode="before")
@@ -204,9 +205,14 @@ class WorkersSection(_Section):
     num_replicas: int = Field(1, ge=1)
     # A batching engine wants many requests at once (Serve's default of 5 starves it).
     max_ongoing_requests: int = Field(256, ge=1)
-    # Per replica resources. None: 1 CPU; 1 GPU when the engine runs on CUDA.
+    # Per replica resources; a tensor-parallel replica's total, split evenly over its ranks.
+    # None: 1 CPU per rank; 1 GPU per rank when the engine runs on CUDA.
     num_cpus: float | None = Field(None, ge=0)
     num_gpus: float | None = Field(None, ge=0)
+    # Custom Ray resources per rank (per replica without tensor parallelism), e.g.
+    # {kvserve_pool_decode: 1} to pin a pool to the nodes that advertise it (the Helm chart
+    # sets this from its pools' roles).
+    resources: dict[str, float] = Field(default_factory=dict)
     tensor_parallel_size: int = 1
     autoscaling: AutoscalingSection | None = None
     health_check_period_s: float = Field(10.0, gt=0)
@@ -216,6 +222,16 @@ class WorkersSection(_Section):
     # still running then are cut, and the ingress resumes them on another replica
     # (ingress.max_migrations). It also bounds how long a scale-down or shutdown takes.
     drain_timeout_s: float = Field(60.0, ge=0)
+
+    @field_validator("resources")
+    @classmethod
+    def _resources_are_custom(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, amount in v.items():
+            if name.upper() in ("CPU", "GPU", "MEMORY"):
+                raise ValueError(f"{name!r} is not a custom resource; use num_cpus / num_gpus")
+            if amount < 0:
+                raise ValueError(f"resource {name!r}: amount must be >= 0, got {amount}")
+        return v
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -243,8 +259,9 @@ class IngressSection(_Section):
     # kept). Unset or empty: authentication off. The Helm chart fills KVSERVE_API_KEYS
     # from a Secret.
     api_keys_env: str | None = "KVSERVE_API_KEYS"
-    # Per API key and ingress replica (429 beyond): requests in flight, and tokens per
-    # minute (prompt + max_tokens charged at admission, the unused part refunded).
+    # Per API key (429 beyond): requests in flight, and tokens per minute (prompt +
+    # max_tokens charged at admission, the unused part refunded). Counted per ingress
+    # replica, or cluster-wide with `state.redis_url`.
     max_concurrent_requests_per_key: int | None = Field(None, ge=1)
     tokens_per_minute_per_key: int | None = Field(None, ge=1)
     # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
@@ -254,6 +271,44 @@ class IngressSection(_Section):
     @classmethod
     def _bytes(cls, v: Any) -> Any:
         return parse_bytes(v)
+
+
+class StateSection(_Section):
+    """Shared state of the ingress replicas (cluster/state_store.py). With `redis_url` set,
+    the per-key limits (ingress.max_concurrent_requests_per_key, tokens_per_minute_per_key)
+    are counted cluster-wide in Redis instead of per ingress replica; while Redis is
+    unreachable each replica counts on its own and serving goes on."""
+
+    # redis://host:6379/0 or rediss:// (TLS). No password here: it would show in the
+    # Serve config; it is read from the environment variable below.
+    redis_url: str | None = None
+    redis_password_env: str | None = "KVSERVE_REDIS_PASSWORD"
+    # Prefix of every Redis key this app writes. Default: "kvserve:<app_name>".
+    key_prefix: str | None = Field(None, min_length=1, max_length=128)
+    # Each Redis call waits at most this long before the replica falls back to its own counts.
+    socket_timeout_s: float = Field(0.2, gt=0, le=10)
+    # A concurrency slot of an ingress replica that died frees itself after this long
+    # (live replicas renew theirs every third of it).
+    lease_ttl_s: float = Field(30.0, ge=1, le=3600)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from urllib.parse import urlsplit
+
+        try:
+            parts = urlsplit(v)
+            parts.port  # noqa: B018 -- raises on a port that is not a number
+        except ValueError as e:
+            raise ValueError(f"not a valid URL ({e})") from None
+        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            raise ValueError("must be redis://HOST[:PORT][/DB] or rediss://HOST[:PORT][/DB]")
+        if parts.password is not None:
+            # Never echo the URL back: it holds the password.
+            raise ValueError("must not contain a password; put it in the variable named by state.redis_password_env")
+        return v
 
 
 class HTTPSection(_Section):
@@ -296,6 +351,7 @@ class KVServeConfig(_Section):
     http: HTTPSection = HTTPSection()
     grpc: GRPCSection = GRPCSection()
     routing: RoutingSection = RoutingSection()
+    state: StateSection = StateSection()
     disaggregation: DisaggregationSection | None = None
 
     @field_validator("model", mode="before")
@@ -356,6 +412,7 @@ class KVServeConfig(_Section):
                 dtype=e.dtype,
                 device=e.device,
                 attention_backend=e.attention_backend,
+                enable_cuda_graphs=e.enable_cuda_graphs,
                 seed=self.model.seed,
                 num_threads=e.num_threads,
                 trust_remote_code=self.model.trust_remote_code,
@@ -376,6 +433,10 @@ class KVServeConfig(_Section):
         )
 
 
+# Fields whose bad value is not repeated in the error (a URL may carry a password).
+_UNECHOED_FIELDS = frozenset({"redis_url"})
+
+
 def format_validation_error(error: ValidationError, root: type[BaseModel]) -> str:
     """One line per problem: dotted path, what is wrong, and for a typo the closest key."""
     lines = []
@@ -391,6 +452,8 @@ def format_validation_error(error: ValidationError, root: type[BaseModel]) -> st
         else:
             message = item["msg"].removeprefix("Value error, ")
             got = repr(item.get("input"))
+            if loc and loc[-1] in _UNECHOED_FIELDS:  # may hold a secret
+                got = message
             lines.append(f"{path}: {message}" + ("" if got in message else f" (got {got})"))
     return "invalid kvserve configuration:\n  " + "\n  ".join(lines)
 

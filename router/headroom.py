@@ -89,6 +89,9 @@ ReplicaKey = Hashable
 MODE_HEADROOM = "headroom"
 MODE_LOAD_GATE = "load_gate"
 MODE_POW2 = "pow2"
+# Every candidate reported itself unhealthy: none is offered (Serve backs off and retries,
+# by which time the broken replica has been replaced).
+MODE_NONE_HEALTHY = "none_healthy"
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,10 @@ class ReplicaReport:
     reserved_blocks: int
     prefix_hashes: frozenset[int]
     timestamp: float
+    # False once the replica cannot serve (its engine loop stopped, a tensor-parallel rank
+    # died): the router stops choosing it at its next report, before Serve's health check
+    # replaces it.
+    healthy: bool = True
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, object] | None) -> ReplicaReport | None:
@@ -177,6 +184,7 @@ class ReplicaReport:
                 reserved_blocks=int(stats.get("reserved_blocks", 0)),  # type: ignore[arg-type]
                 prefix_hashes=frozenset(stats.get("prefix_hashes") or ()),  # type: ignore[arg-type]
                 timestamp=float(stats["timestamp"]),  # type: ignore[arg-type]
+                healthy=bool(stats.get("healthy", True)),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -330,7 +338,11 @@ def rank_replicas(
     now: float,
     rng: random.Random,
 ) -> Ranking:
-    """Rank the candidate replicas for one request (best first)."""
+    """Rank the candidate replicas for one request (best first). A replica whose last
+    report says it is unhealthy is never offered, however old that report."""
+    views = [v for v in views if v.report is None or v.report.healthy]
+    if not views:
+        return Ranking(order=(), mode=MODE_NONE_HEALTHY, need_blocks={}, scores={})
     fresh = [v for v in views if is_fresh(v.report, now, params)]
     stale = [v for v in views if not is_fresh(v.report, now, params)]
 

@@ -53,6 +53,7 @@ ROUTING_STATS_KEYS = (
     "reserved_blocks",  # blocks the waiting requests will need at admission
     "prefix_hashes",  # list[int]: cached full-block hashes (kv.block_hash chain)
     "timestamp",  # time.time() when taken
+    "healthy",  # False: the router stops choosing this replica (Serve will replace it)
 )
 
 
@@ -158,6 +159,7 @@ class WorkerReplica:
             "reserved_blocks": waiting_blocks,
             "prefix_hashes": self.engine.prefix_hashes(),
             "timestamp": time.time(),
+            "healthy": self._is_healthy(),
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -177,6 +179,13 @@ class WorkerReplica:
     async def model_info(self) -> dict:
         eng = self.engine.engine
         return {"max_model_len": eng.max_model_len, "vocab_size": eng.vocab_size, "block_size": self.block_size}
+
+    def _is_healthy(self) -> bool:
+        try:
+            self.check_health()
+            return True
+        except Exception:
+            return False
 
     def check_health(self) -> None:
         if not self.engine.is_alive:

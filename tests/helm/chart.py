@@ -98,10 +98,15 @@ def default_values() -> dict[str, Any]:
 SCENARIOS: dict[str, dict[str, Any]] = {
     "default": {},
     "disaggregated": {
+        "kvserve": {"disaggregation": {
+            "prefill": {"num_gpus": 1, "autoscaling": {"role": "prefill", "min_replicas": 1, "max_replicas": 2}},
+            "decode": {"num_gpus": 2, "tensor_parallel_size": 2,
+                       "autoscaling": {"role": "decode", "min_replicas": 1, "max_replicas": 6}},
+        }},
         "pools": [
             {"name": "prefill", "role": "prefill", "replicas": 1, "minReplicas": 1, "maxReplicas": 2, "gpusPerPod": 1,
              "resources": {"requests": {"cpu": "8", "memory": "48Gi"}}},
-            {"name": "decode", "role": "decode", "replicas": 2, "minReplicas": 1, "maxReplicas": 6, "gpusPerPod": 1,
+            {"name": "decode", "role": "decode", "replicas": 2, "minReplicas": 1, "maxReplicas": 6, "gpusPerPod": 2,
              "resources": {"requests": {"cpu": "8", "memory": "48Gi"}},
              "nodeSelector": {"gpu.example.com/class": "h100"}},
         ],
@@ -116,6 +121,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "redis": {
         "gcsFaultTolerance": {"enabled": True, "redisAddress": "redis-master.redis.svc.cluster.local:6379",
                               "redisPasswordSecret": {"name": "kvserve-redis", "key": "password"}},
+    },
+    "state_store": {
+        "kvserve": {"state": {"redis_url": "redis://redis-master.redis.svc.cluster.local:6379/1"},
+                    "ingress": {"max_concurrent_requests_per_key": 8, "tokens_per_minute_per_key": 100000}},
+        "stateStore": {"redisPasswordSecret": {"name": "kvserve-state-redis", "key": "redis-password"}},
     },
     "autoscaling_off": {
         "autoscaling": {"enabled": False},

@@ -42,6 +42,11 @@ SCHEMA_CASES = [
     ("bad Redis address", {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis"}},
      ["/gcsFaultTolerance/redisAddress"]),
     ("old Ray without token auth", {"rayVersion": "2.40.0"}, ["/rayVersion"]),
+    ("state store password in the URL", {"kvserve": {"state": {"redis_url": "redis://:hunter2@redis:6379/0"}}},
+     ["/kvserve/state/redis_url"]),
+    ("state store URL not redis", {"kvserve": {"state": {"redis_url": "http://redis:6379"}}},
+     ["/kvserve/state/redis_url"]),
+    ("state store password in values", {"stateStore": {"redisPassword": "hunter2"}}, ["/stateStore", "redisPassword"]),
     ("pool name not a DNS label", {"pools": [pool(name="GPU_Pool")]}, ["/pools/0/name"]),
 ]
 
@@ -56,6 +61,14 @@ FAIL_CASES = [
      ["a 'mixed' pool cannot be combined with 'prefill'/'decode' pools"]),
     ("prefill without decode", {"pools": [pool(name="p", role="prefill")]},
      ["disaggregated serving needs both a 'prefill' and a 'decode' pool"]),
+    ("disaggregated pools without the config", {"pools": [pool(name="p", role="prefill"), pool(name="d", role="decode")]},
+     ["'prefill'/'decode' pools need kvserve.disaggregation"]),
+    ("disaggregation config on a mixed pool", {"kvserve": {"disaggregation": {"prefill": {}, "decode": {}}}},
+     ["kvserve.disaggregation is set but pools has a 'mixed' pool"]),
+    ("decode TP not dividing its pool's GPUs",
+     {"kvserve": {"disaggregation": {"prefill": {}, "decode": {"tensor_parallel_size": 2, "num_gpus": 2}}},
+      "pools": [pool(name="p", role="prefill"), pool(name="d", role="decode", gpusPerPod=3)]},
+     ["pools[1] (d): gpusPerPod=3 is not a multiple of kvserve.disaggregation.decode.tensor_parallel_size=2"]),
     ("replica needs more GPUs than a pod has", {"kvserve": {"workers": {"num_gpus": 2}}},
      ["kvserve.workers.num_gpus=2 is more than any pool's gpusPerPod (1)"]),
     ("fewer GPUs than TP ranks",
@@ -70,6 +83,12 @@ FAIL_CASES = [
     ("hostPath without a path", {"modelSource": {"type": "hostPath"}}, ["modelSource.hostPath.path is empty"]),
     ("GCS FT without Redis", {"gcsFaultTolerance": {"enabled": True}}, ["gcsFaultTolerance.redisAddress is empty"]),
     ("token secret mode without a secret", {"rayAuth": {"mode": "secret"}}, ["rayAuth.existingSecret is empty"]),
+    ("state store password without a URL", {"stateStore": {"redisPasswordSecret": {"name": "redis-pw"}}},
+     ["stateStore.redisPasswordSecret.name is set but kvserve.state.redis_url is empty"]),
+    ("state store password with no variable",
+     {"stateStore": {"redisPasswordSecret": {"name": "redis-pw"}},
+      "kvserve": {"state": {"redis_url": "redis://redis:6379", "redis_password_env": None}}},
+     ["kvserve.state.redis_password_env is null"]),
 ]
 
 # The template `fail` for the rule the schema also states (TP vs GPUs per pod).
@@ -104,7 +123,13 @@ def test_good_values_next_to_the_bad_ones_render(render_errors: Any) -> None:
         {"kvserve": {"model": {"path": "/models/model/sub/dir"}}},
         {"kvserve": {"model": "/models/model"}},
         {"modelSource": {"type": "none"}, "kvserve": {"model": "meta-llama/Llama-3.2-1B"}},
-        {"pools": [pool(name="p", role="prefill"), pool(name="d", role="decode")]},
+        {"pools": [pool(name="p", role="prefill"), pool(name="d", role="decode")],
+         "kvserve": {"disaggregation": {"prefill": {}, "decode": {}}}},
+        {"pools": [pool(name="p", role="prefill"), pool(name="d", role="decode", gpusPerPod=4)],
+         "kvserve": {"disaggregation": {"prefill": {}, "decode": {"tensor_parallel_size": 4, "num_gpus": 4}}}},
         merge({}, {"gcsFaultTolerance": {"enabled": True, "redisAddress": "redis:6379"}}),
+        {"kvserve": {"state": {"redis_url": "rediss://default@redis.ns.svc:6380"}}},
+        {"kvserve": {"state": {"redis_url": "redis://[fd00::1]:6379/0", "redis_password_env": "REDIS_PW"}},
+         "stateStore": {"redisPasswordSecret": {"name": "redis-pw"}}},
     ]
     assert render_errors([(v, False) for v in good]) == [None] * len(good)

@@ -4,6 +4,7 @@ the Kubernetes schemas (RayService against the vendored KubeRay CRD schema), the
 config's args a valid KVServeConfig, and the security defaults in place."""
 from __future__ import annotations
 
+import copy
 import json
 import re
 from typing import Any
@@ -71,14 +72,9 @@ def test_serve_config_args_are_a_valid_kvserve_config(rendered: dict[str, Render
     ServeDeploySchema.model_validate(serve_config)  # raises on a bad document
     (app,) = serve_config["applications"]
     assert app["import_path"] == "cluster.app:app_builder"
-    kvserve_values = r.effective_values["kvserve"]
-    assert app["args"] == kvserve_values  # verbatim: one source of truth
-    try:
-        config = KVServeConfig.from_dict(app["args"])
-    except ConfigError as e:
-        if "tensor parallelism is not available yet" in str(e):
-            pytest.xfail("cluster.config does not accept tensor_parallel_size > 1 yet")
-        raise
+    # Verbatim (one source of truth), plus only each worker section's pool pinning.
+    assert app["args"] == with_pool_pinning(r.effective_values["kvserve"])
+    config = KVServeConfig.from_dict(app["args"])
     assert app["name"] == config.app_name
     assert app["route_prefix"] == config.route_prefix
     assert serve_config["http_options"] == {"host": "0.0.0.0", "port": config.http.port}
@@ -87,6 +83,19 @@ def test_serve_config_args_are_a_valid_kvserve_config(rendered: dict[str, Render
         assert serve_config["grpc_options"]["grpc_servicer_functions"] == [GRPC_SERVICER]
     else:
         assert "grpc_options" not in serve_config
+
+
+def with_pool_pinning(kvserve: dict[str, Any]) -> dict[str, Any]:
+    """What templates/_helpers.tpl (kvserve.appArgs) adds to the kvserve block: every
+    worker section without `resources` asks for its pool's resource, one unit per rank."""
+    args = copy.deepcopy(kvserve)
+    if args.get("disaggregation"):
+        sections = [(args["disaggregation"].setdefault(role, {}), role) for role in ("prefill", "decode")]
+    else:
+        sections = [(args.setdefault("workers", {}), "mixed")]
+    for section, role in sections:
+        section.setdefault("resources", {f"kvserve_pool_{role}": 1})
+    return args
 
 
 # The servicer function the chart names in grpc_options (templates/_helpers.tpl).
@@ -178,11 +187,25 @@ def test_disaggregated_pools(rendered: dict[str, Rendered]) -> None:
     groups = rendered["disaggregated"].rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert [g["groupName"] for g in groups] == ["prefill", "decode"]
     assert [json.loads(json.loads(g["rayStartParams"]["resources"])) for g in groups] == [
-        {"kvserve_pool_prefill": 1}, {"kvserve_pool_decode": 1}]
+        {"kvserve_pool_prefill": 1}, {"kvserve_pool_decode": 2}]  # one unit per GPU
     assert [g["template"]["metadata"]["labels"]["kvserve.io/pool-role"] for g in groups] == ["prefill", "decode"]
     assert [(g["minReplicas"], g["maxReplicas"]) for g in groups] == [(1, 2), (1, 6)]
     assert groups[1]["template"]["spec"]["nodeSelector"] == {"gpu.example.com/class": "h100"}
     assert "nodeSelector" not in groups[0]["template"]["spec"]
+    # The app runs a prefill and a decode deployment, each pinned to its pool's pods by the
+    # resource those pods advertise (one unit per rank); the decode pool is TP=2.
+    args = rendered["disaggregated"].serve_config["applications"][0]["args"]
+    d = args["disaggregation"]
+    assert d["prefill"]["resources"] == {"kvserve_pool_prefill": 1}
+    assert d["decode"]["resources"] == {"kvserve_pool_decode": 1}
+    assert d["decode"]["tensor_parallel_size"] == 2
+
+
+def test_worker_replicas_are_pinned_to_their_pool(rendered: dict[str, Rendered]) -> None:
+    for scenario in ("default", "tp2"):
+        args = rendered[scenario].serve_config["applications"][0]["args"]
+        assert args["workers"]["resources"] == {"kvserve_pool_mixed": 1}, scenario
+    assert "resources" not in rendered["default"].values.get("kvserve", {}).get("workers", {})
 
 
 def test_tensor_parallel_pool(rendered: dict[str, Rendered]) -> None:
@@ -202,6 +225,21 @@ def test_redis_gcs_fault_tolerance_uses_a_secret(rendered: dict[str, Rendered]) 
         "redisPassword": {"valueFrom": {"secretKeyRef": {"name": "kvserve-redis", "key": "password"}}},
     }
     assert "gcsFaultToleranceOptions" not in rendered["default"].rayservice["spec"]["rayClusterConfig"]
+
+
+def test_state_store_redis_url_in_the_config_password_from_a_secret(rendered: dict[str, Rendered]) -> None:
+    r = rendered["state_store"]
+    state = r.serve_config["applications"][0]["args"]["state"]
+    assert state == {"redis_url": "redis://redis-master.redis.svc.cluster.local:6379/1"}
+    for name, template in r.pod_templates():  # ingress replicas run on the head; any pod may host one
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["KVSERVE_REDIS_PASSWORD"] == {
+            "name": "KVSERVE_REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": "kvserve-state-redis", "key": "redis-password"}},
+        }, name
+    for _, template in rendered["default"].pod_templates():
+        assert "KVSERVE_REDIS_PASSWORD" not in {e["name"] for e in template["spec"]["containers"][0]["env"]}
+    assert "state" not in rendered["default"].serve_config["applications"][0]["args"]
 
 
 def test_autoscaling_off(rendered: dict[str, Rendered]) -> None:

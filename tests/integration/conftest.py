@@ -44,6 +44,10 @@ def serve_cluster() -> Iterator[ServeCluster]:
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ray.init(
         num_cpus=8,  # logical CPUs: replicas ask for fractions; 2 real cores do the work
+        # What a Helm chart pool's pods advertise (one unit per GPU there): the chart pins
+        # worker replicas to it, and tests/integration/test_helm_serveconfig.py deploys
+        # the chart's rendered config as it is.
+        resources={"kvserve_pool_mixed": 4},
         include_dashboard=False,
         runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}},
         log_to_driver=False,

@@ -46,7 +46,7 @@ APP_NAME = "faults-test"
 ROUTE_PREFIX = "/faults-test"
 MODEL = "kv-tiny-faults"
 MAX_QUEUED = 8
-OVERLOAD_S = float(os.environ.get("KVSERVE_OVERLOAD_SECONDS", "20"))
+OVERLOAD_S = float(os.environ.get("KVSERVE_OVERLOAD_SECONDS", "60"))  # the issue asks for 60 s
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 FAULT_COUNTS = {"replica_kills": 0, "step_failures": 0, "overload_periods": 0, "sigterms": 0, "requests_lost": 0, "migrations": 0}

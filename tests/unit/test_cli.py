@@ -45,3 +45,42 @@ def test_subcommands_are_listed(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["--help"])
     out = capsys.readouterr().out
     assert "serve" in out and "config" in out
+
+
+def test_tensor_parallel_and_disaggregation_flags() -> None:
+    args = cli.build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
+    config = cli.config_from_args(args)
+    assert config.workers.tensor_parallel_size == 2 and config.disaggregation is None
+    assert config.engine_config().model.tensor_parallel_size == 2
+
+    args = cli.build_parser().parse_args(
+        ["serve", "--disaggregate", "--tensor-parallel-size", "2", "--decode-workers", "3"]
+    )
+    d = cli.config_from_args(args).disaggregation
+    assert d is not None
+    assert (d.prefill.num_replicas, d.decode.num_replicas) == (1, 3)
+    assert d.prefill.tensor_parallel_size == d.decode.tensor_parallel_size == 2
+    # --prefill-workers alone implies --disaggregate
+    args = cli.build_parser().parse_args(["config", "--prefill-workers", "2"])
+    assert cli.config_from_args(args).disaggregation.prefill.num_replicas == 2
+
+
+def test_disaggregate_copies_workers_and_gives_each_pool_its_autoscaling_role(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("workers: {num_cpus: 2, autoscaling: {min_replicas: 1, max_replicas: 3}}\n")
+    args = cli.build_parser().parse_args(["serve", "--config", str(path), "--disaggregate"])
+    config = cli.config_from_args(args)
+    d = config.disaggregation
+    assert d.prefill.num_cpus == d.decode.num_cpus == 2
+    assert (d.prefill.autoscaling.role, d.decode.autoscaling.role) == ("prefill", "decode")
+    assert d.decode.autoscaling.max_replicas == 3
+    # a local cluster gets enough logical CPUs for both pools at their largest (+ ingress)
+    assert cli.local_num_cpus(config) >= 3 * 2 * 2
+    # a TP group's default is one CPU per rank
+    args = cli.build_parser().parse_args(["serve", "--tensor-parallel-size", "4", "--num-workers", "3"])
+    assert cli.local_num_cpus(cli.config_from_args(args)) >= 3 * 4
+
+
+def test_bad_tensor_parallel_size_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["config", "--tensor-parallel-size", "0"]) == 2
+    assert "tensor_parallel_size must be >= 1" in capsys.readouterr().err

@@ -30,6 +30,27 @@ def test_worker_options() -> None:
     assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
 
 
+def test_tensor_parallel_replica_gets_one_bundle_per_rank_on_one_node() -> None:
+    # num_cpus is the whole group's; GPUs default to one per rank; custom resources per rank.
+    options = worker_options(config(
+        engine={"device": "cuda"},
+        workers={"tensor_parallel_size": 2, "num_cpus": 4, "resources": {"kvserve_pool_decode": 1}},
+    ))
+    assert options["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1.0, "kvserve_pool_decode": 1}] * 2
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    # the replica actor (rank 0) takes bundle 0: exactly one bundle's worth
+    assert options["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 1.0, "resources": {"kvserve_pool_decode": 1}}
+    four = worker_options(config(engine={"device": "cpu"}, workers={"tensor_parallel_size": 4}))
+    assert four["placement_group_bundles"] == [{"CPU": 1.0}] * 4
+    single = worker_options(config(engine={"device": "cpu"}))
+    assert "placement_group_bundles" not in single
+
+
+def test_builtin_resources_are_not_custom_resources() -> None:
+    with pytest.raises(ConfigError, match="not a custom resource; use num_cpus"):
+        config(workers={"resources": {"GPU": 1}})
+
+
 def test_autoscaling_options() -> None:
     options = worker_options(config(workers={"autoscaling": {"min_replicas": 1, "max_replicas": 5}}))
     assert options["num_replicas"] == "auto"
@@ -97,3 +118,20 @@ def test_ingress_options_and_settings() -> None:
     assert options["num_replicas"] == 2 and options["max_ongoing_requests"] > 10
     settings = ingress_settings(c)
     assert (settings.served_model_name, settings.tokenizer_path, settings.max_queued_requests, settings.max_n) == ("x", "/models/x", 10, 3)
+
+
+def test_state_store_reaches_the_ingress_settings_without_the_password() -> None:
+    import pickle
+
+    from cluster.state_store import RedisStoreSpec
+
+    assert ingress_settings(config()).state_store is None  # no Redis: each replica counts alone
+    c = config(app_name="llm", state={"redis_url": "rediss://redis.ns.svc:6380/1", "socket_timeout_s": 0.5})
+    spec = ingress_settings(c).state_store
+    assert spec == RedisStoreSpec(
+        url="rediss://redis.ns.svc:6380/1", key_prefix="kvserve:llm", password_env="KVSERVE_REDIS_PASSWORD",
+        socket_timeout_s=0.5, lease_ttl_s=30.0,
+    )
+    assert pickle.loads(pickle.dumps(spec)) == spec  # what Serve sends to the replicas: no secret in it
+    custom = config(state={"redis_url": "redis://r:6379", "key_prefix": "team-a", "redis_password_env": None})
+    assert ingress_settings(custom).state_store.key_prefix == "team-a"  # type: ignore[union-attr]

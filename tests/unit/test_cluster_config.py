@@ -219,3 +219,29 @@ def test_bad_autoscaling_values_are_rejected(autoscaling: dict, fragment: str) -
 def test_bad_drain_timeout_is_rejected() -> None:
     with pytest.raises(ConfigError, match="workers.drain_timeout_s"):
         KVServeConfig.from_dict({"workers": {"drain_timeout_s": -1}})
+
+
+@pytest.mark.parametrize(
+    ("url", "fragment"),
+    [
+        ("http://redis:6379", "must be redis://HOST"),
+        ("redis://", "must be redis://HOST"),
+        ("redis://redis:port", "not a valid URL"),
+        ("redis://:hunter2-secret@redis:6379", "must not contain a password"),
+        ("redis://user:hunter2-secret@redis:6379", "must not contain a password"),
+    ],
+)
+def test_bad_redis_urls_are_rejected_without_echoing_them(url: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment) as e:
+        KVServeConfig.from_dict({"state": {"redis_url": url}})
+    assert "state.redis_url" in str(e.value) and "hunter2" not in str(e.value)
+
+
+def test_state_section() -> None:
+    assert KVServeConfig.from_dict({}).state.redis_url is None
+    state = KVServeConfig.from_dict({"state": {"redis_url": "rediss://r.ns.svc:6380/2", "lease_ttl_s": 10}}).state
+    assert (state.redis_url, state.redis_password_env, state.lease_ttl_s) == ("rediss://r.ns.svc:6380/2", "KVSERVE_REDIS_PASSWORD", 10)
+    with pytest.raises(ConfigError, match="did you mean 'redis_url'"):
+        KVServeConfig.from_dict({"state": {"redis_ur": "redis://r"}})
+    with pytest.raises(ConfigError, match="state.socket_timeout_s"):
+        KVServeConfig.from_dict({"state": {"socket_timeout_s": 0}})

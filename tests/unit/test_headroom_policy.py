@@ -12,6 +12,7 @@ from router.reservations import ReservationLedger
 from router.headroom import (
     MODE_HEADROOM,
     MODE_LOAD_GATE,
+    MODE_NONE_HEALTHY,
     MODE_POW2,
     HeadroomParams,
     Ranking,
@@ -37,6 +38,7 @@ def report(
     timestamp: float = NOW - 0.5,
     total_blocks: int = 1000,
     block_size: int = BS,
+    healthy: bool = True,
 ) -> ReplicaReport:
     stats = {
         "free_blocks": free_blocks,
@@ -48,6 +50,7 @@ def report(
         "reserved_blocks": reserved_blocks,
         "prefix_hashes": list(prefix_hashes),
         "timestamp": timestamp,
+        "healthy": healthy,
     }
     parsed = ReplicaReport.from_stats(stats)
     assert parsed is not None
@@ -180,6 +183,21 @@ def test_replica_with_no_headroom_gets_nothing_while_others_have_headroom() -> N
     }
     counts, _ = dispatch(reports, [small_request(i) for i in range(100)])
     assert counts == {"a": 50, "b": 50}
+
+
+def test_unhealthy_replica_is_never_chosen_even_with_the_most_headroom() -> None:
+    # e.g. a tensor-parallel rank died: the replica's next report says so, and it gets
+    # nothing from then on (also not as a stale or a not-fitting fallback).
+    reports = {"broken": report(900, healthy=False), "a": report(50), "old": report(60, timestamp=NOW - 100)}
+    counts, rankings = dispatch(reports, [small_request(i) for i in range(20)])
+    assert "broken" not in counts and sum(counts.values()) == 20
+    assert all("broken" not in r.order for r in rankings)
+
+
+def test_no_healthy_replica_offers_none() -> None:
+    ranking = rank_replicas(small_request(), views_for({"x": report(100, healthy=False)}, ReservationLedger()),
+                            PARAMS, NOW, random.Random(0))
+    assert ranking.order == () and ranking.mode == MODE_NONE_HEALTHY
 
 
 def test_replica_that_runs_out_mid_burst_stops_receiving() -> None:
@@ -433,6 +451,7 @@ def test_report_parsing() -> None:
         {"free_blocks": 5, "total_blocks": 9, "block_size": 16, "timestamp": 2.0, "prefix_hashes": [3, 4]}
     )
     assert rep is not None and rep.prefix_hashes == frozenset({3, 4}) and rep.num_waiting == 0
+    assert rep.healthy  # reports without the field (older replicas) count as healthy
 
 
 def test_params_from_kwargs() -> None:

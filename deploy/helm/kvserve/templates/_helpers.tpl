@@ -92,7 +92,32 @@ applications:
     route_prefix: {{ include "kvserve.routePrefix" . }}
     import_path: cluster.app:app_builder
     args:
-      {{- toYaml .Values.kvserve | nindent 6 }}
+      {{- include "kvserve.appArgs" . | nindent 6 }}
+{{- end -}}
+
+{{/* The kvserve block, plus one thing the chart knows and the app cannot: which pods
+belong to which pool. Each worker section (workers, or disaggregation.prefill / .decode)
+asks for one unit per tensor-parallel rank of the Ray resource its pool's pods advertise
+(`kvserve_pool_<role>`, one unit per GPU), unless it sets `resources` itself; so prefill
+replicas land on prefill pods and decode replicas on decode pods. */}}
+{{- define "kvserve.appArgs" -}}
+{{- $args := deepCopy .Values.kvserve -}}
+{{- if $args.disaggregation -}}
+  {{- range $role := list "prefill" "decode" -}}
+    {{- $section := get $args.disaggregation $role | default dict -}}
+    {{- if not (hasKey $section "resources") -}}
+      {{- $_ := set $section "resources" (dict (printf "kvserve_pool_%s" $role) 1) -}}
+    {{- end -}}
+    {{- $_ := set $args.disaggregation $role $section -}}
+  {{- end -}}
+{{- else -}}
+  {{- $workers := $args.workers | default dict -}}
+  {{- if not (hasKey $workers "resources") -}}
+    {{- $_ := set $workers "resources" (dict "kvserve_pool_mixed" 1) -}}
+  {{- end -}}
+  {{- $_ := set $args "workers" $workers -}}
+{{- end -}}
+{{- toYaml $args -}}
 {{- end -}}
 
 {{/* ---------------------------------------------------------------- validation */}}
@@ -130,6 +155,31 @@ runs it. */}}
   {{- end -}}
   {{- if not (and (hasKey $roles "prefill") (hasKey $roles "decode")) -}}
     {{- fail "pools: disaggregated serving needs both a 'prefill' and a 'decode' pool" -}}
+  {{- end -}}
+{{- end -}}
+{{- $disagg := .Values.kvserve.disaggregation -}}
+{{- if and (or (hasKey $roles "prefill") (hasKey $roles "decode")) (not $disagg) -}}
+  {{- fail "pools: 'prefill'/'decode' pools need kvserve.disaggregation (its prefill and decode sections configure the two worker deployments that run on them)" -}}
+{{- end -}}
+{{- if and $disagg (hasKey $roles "mixed") -}}
+  {{- fail "kvserve.disaggregation is set but pools has a 'mixed' pool: declare one 'prefill' and one 'decode' pool for the two worker deployments" -}}
+{{- end -}}
+{{- if $disagg -}}
+  {{- range $i, $pool := $.Values.pools -}}
+    {{- $section := get $disagg $pool.role | default dict -}}
+    {{- $ptp := $section.tensor_parallel_size | default 1 | int -}}
+    {{- if ne (mod ($pool.gpusPerPod | int) $ptp) 0 -}}
+      {{- fail (printf "pools[%d] (%s): gpusPerPod=%d is not a multiple of kvserve.disaggregation.%s.tensor_parallel_size=%d; a tensor-parallel group must not span pods" $i $pool.name ($pool.gpusPerPod | int) $pool.role $ptp) -}}
+    {{- end -}}
+  {{- end -}}
+{{- end -}}
+{{- $state := .Values.kvserve.state | default dict -}}
+{{- if .Values.stateStore.redisPasswordSecret.name -}}
+  {{- if not $state.redis_url -}}
+    {{- fail "stateStore.redisPasswordSecret.name is set but kvserve.state.redis_url is empty: nothing would use the password; set the URL (redis://HOST:PORT/DB) or drop the Secret" -}}
+  {{- end -}}
+  {{- if and (hasKey $state "redis_password_env") (not $state.redis_password_env) -}}
+    {{- fail "stateStore.redisPasswordSecret.name is set but kvserve.state.redis_password_env is null: the ingress would not read the password; leave it unset (KVSERVE_REDIS_PASSWORD) or name a variable" -}}
   {{- end -}}
 {{- end -}}
 {{- if not (kindIs "invalid" $workers.num_gpus) -}}
@@ -222,6 +272,20 @@ root filesystem can stay read-only. */}}
       name: {{ .Values.apiKeys.existingSecret }}
       key: {{ .Values.apiKeys.key }}
 {{- end }}
+{{- if .Values.stateStore.redisPasswordSecret.name }}
+- name: {{ include "kvserve.redisPasswordEnv" . }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.stateStore.redisPasswordSecret.name }}
+      key: {{ .Values.stateStore.redisPasswordSecret.key }}
+{{- end }}
+{{- end -}}
+
+{{/* The env var the ingress reads the state store's Redis password from
+(kvserve.state.redis_password_env, cluster/config.py's default otherwise). */}}
+{{- define "kvserve.redisPasswordEnv" -}}
+{{- $state := .Values.kvserve.state | default dict -}}
+{{- if hasKey $state "redis_password_env" -}}{{ $state.redis_password_env }}{{- else -}}KVSERVE_REDIS_PASSWORD{{- end -}}
 {{- end -}}
 
 {{- define "kvserve.volumeMounts" -}}
