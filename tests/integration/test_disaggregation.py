@@ -3,13 +3,12 @@
 (greedy), streams included; afterwards the prefill replica holds no pinned block."""
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.integration.tiny_app import tiny_config, wait_for
+from tests.integration.tiny_app import stream_text, tiny_config, wait_for
 
 httpx = pytest.importorskip("httpx")
 
@@ -51,17 +50,7 @@ def _complete(base: str, app: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _stream_text(base: str, app: str, body: dict[str, Any]) -> tuple[str, int]:
-    text, chunks = "", 0
-    with httpx.stream("POST", f"{base}/{app}/v1/completions",
-                      json={"model": MODEL, "temperature": 0, "stream": True, **body}, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                text += event["choices"][0]["text"]
-                chunks += 1
-    return text, chunks
+    return stream_text(f"{base}/{app}/v1/completions", {"model": MODEL, "temperature": 0, **body})
 
 
 def test_disaggregated_completions_equal_the_mixed_pool(apps: str) -> None:

@@ -11,13 +11,12 @@ bundles, rank 0 in the replica and rank 1 in a child actor in bundle 1.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.integration.tiny_app import tiny_config, wait_for
+from tests.integration.tiny_app import stream_text, tiny_config, wait_for
 
 httpx = pytest.importorskip("httpx")
 
@@ -66,16 +65,8 @@ def _text(base: str, app: str, prompt: str) -> str:
 
 
 def _stream_text(base: str, app: str, prompt: str) -> str:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
-    text = ""
-    with httpx.stream("POST", f"{base}/{app}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                text += event["choices"][0]["text"]
-    return text
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    return stream_text(f"{base}/{app}/v1/completions", body)[0]
 
 
 def test_tp2_replica_answers_as_tp1(apps: str) -> None:

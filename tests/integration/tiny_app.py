@@ -94,3 +94,22 @@ def files_containing(needles: list[str], files: list[Path] | None = None) -> dic
             if raw in data:
                 found.setdefault(needle, []).append(path.name)
     return found
+
+
+def stream_text(url: str, body: dict[str, Any]) -> tuple[str, int]:
+    """POST a streaming completion (SSE) to `url`: the text of every chunk joined, and the
+    number of chunks. Asserts a 200 and no error event."""
+    import json
+
+    import httpx
+
+    text, chunks = "", 0
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text += event["choices"][0]["text"]
+                chunks += 1
+    return text, chunks

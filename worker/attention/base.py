@@ -69,3 +69,14 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # (T, Hq, D)
         ...
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store this step's K/V (num_tokens, Hkv, D) at their slots (block * block_size +
+    offset) of one layer's paged cache (2, num_blocks, block_size, Hkv, D), before any
+    attention reads it. Returns the (key, value) caches."""
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    return key_cache, value_cache

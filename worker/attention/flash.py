@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from worker.attention.base import AttentionMetadata
+from worker.attention.base import AttentionMetadata, write_kv
 
 
 def _import_varlen() -> tuple[Callable[..., Any] | None, str]:
@@ -39,10 +39,7 @@ class FlashAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
         return self._varlen(
             q=q, k=key_cache, v=value_cache,
             cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_query_len,

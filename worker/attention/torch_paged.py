@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.attention.base import AttentionMetadata, DecodeGroup
+from worker.attention.base import AttentionMetadata, DecodeGroup, write_kv
 
 
 class TorchPagedAttention:
@@ -27,11 +27,7 @@ class TorchPagedAttention:
         scale: float,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
-        flat_values = value_cache.view(-1, num_kv_heads, head_dim)
-        flat_keys.index_copy_(0, meta.slot_mapping, k)
-        flat_values.index_copy_(0, meta.slot_mapping, v)
+        key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
 
         out = torch.empty_like(q)
         for group in meta.decode_groups:

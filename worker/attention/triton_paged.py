@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from worker.attention.base import AttentionMetadata
+from worker.attention.base import AttentionMetadata, write_kv
 
 _LOG2E = 1.4426950408889634
 
@@ -196,10 +196,7 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
         return paged_attention(q.contiguous(), key_cache, value_cache, meta, scale)
 
 
