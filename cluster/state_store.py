@@ -196,15 +196,23 @@ class RedisLimitStore:
         self._start()
         member = f"{self.replica_id}:{next(self._seq)}"
         released = sorted(self._releasing.get(key_id, ()))
-        result = await self._call(
-            lambda: self._acquire(keys=[self._slots_key(key_id)], args=[limit, member, self._ttl_ms, *released])
-        )
+        try:
+            result = await self._call(
+                lambda: self._acquire(keys=[self._slots_key(key_id)], args=[limit, member, self._ttl_ms, *released])
+            )
+        except BaseException:  # cancelled (the client left): the script may have run anyway
+            self._orphaned(key_id, member)
+            raise
         if result is not _DOWN:
             self._released_landed(key_id, released)
         if result is _DOWN:
+            # The script may have added the member before the call timed out: nobody would
+            # renew or remove it, and the key would look full for a lease's life.
+            self._orphaned(key_id, member)
             grant = self.local.try_acquire(key_id, limit)
             if grant.slot is None:
                 return grant
+            member = f"{self.replica_id}:{next(self._seq)}"  # not the orphan's name
             slot, count = _Slot(key_id, member, local=True), grant.in_flight
         else:
             taken, count = int(result[0]), int(result[1])
@@ -213,6 +221,11 @@ class RedisLimitStore:
             slot = _Slot(key_id, member, local=False)
         self._held[member] = key_id
         return SlotGrant(slot, count)
+
+    def _orphaned(self, key_id: str, member: str) -> None:
+        """A member this replica may have written without knowing: removed by the next
+        acquire for the key, or by the write-back after an outage."""
+        self._releasing.setdefault(key_id, set()).add(member)
 
     def release_slot(self, slot: Any) -> None:
         assert isinstance(slot, _Slot)
@@ -295,7 +308,11 @@ class RedisLimitStore:
             self.up = True
             logger.warning("Redis state store at %s is back; per-key limits are cluster-wide again", self._where)
             await self._write_back()
-            return
+            if self.up:
+                return
+            # It went down again during the write-back; _went_down saw this task still
+            # running and started none: keep trying from here.
+            delay = _RECONNECT_MIN_S
 
     # -- leases -------------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:

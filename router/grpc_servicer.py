@@ -135,10 +135,12 @@ class GrpcServicerMixin:
             stream = await self._grpc_start(request, clock, self._grpc_authenticate(grpc_context))
             response = pb.GenerateResponse(request_id=stream.request_id, model=self._grpc_host.settings.served_model_name)
             texts = self._grpc_host.texts
+            used = 0  # prompt + completion tokens so far (usage is only set at the end)
             try:
                 async for event in stream:
                     out = event.output
                     clock.observe(out)
+                    used = max(used, out.num_prompt_tokens + out.num_output_tokens)
                     response.text += out.text_delta
                     response.token_ids.extend(out.new_token_ids)
                     response.logprobs.extend(token_logprobs(out.logprobs, texts))
@@ -146,7 +148,7 @@ class GrpcServicerMixin:
                         set_finish(response, out)
             finally:
                 stream.close()  # also when the client cancels (CancelledError here)
-                _settle(stream, response.usage.prompt_tokens + response.usage.completion_tokens)
+                _settle(stream, used)  # a cancelled call is charged what it generated
         except errors.APIError as e:
             error = _fail(grpc_context, e)
             if grpc_context is None:

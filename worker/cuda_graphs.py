@@ -162,6 +162,10 @@ class DecodeGraphs:
     def bucket(self, num_seqs: int) -> int | None:
         return bucket_for(num_seqs, self.sizes)
 
+    def fits(self, num_seqs: int, table_width: int) -> bool:
+        """Whether a decode-only step of this shape can replay a graph (else: eager)."""
+        return self.bucket(num_seqs) is not None and table_width <= self.buffers.block_table.shape[1]
+
     def run(
         self,
         input_ids: torch.Tensor,

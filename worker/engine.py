@@ -360,6 +360,9 @@ class Engine:
         """End one request with an error; its blocks are free when this returns."""
         if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq, "error")
+        # A request can fail after it finished normally this step (a failed KV export of a
+        # max_tokens=1 prefill): the error must win, or the caller sees a clean "length".
+        seq.finish_reason = "error"
         self.seqs.pop(seq.request_id, None)
         out = self._output(seq, [], None)
         out.error = message

@@ -198,7 +198,7 @@ class ModelRunner:
         fits a captured bucket, the eager model otherwise. Starts the forward timer (the
         metadata built before it is host work, not forward time)."""
         num_seqs = len(batch.lens)
-        if self.graphs is not None and batch.num_decodes == num_seqs and self.graphs.bucket(num_seqs) is not None:
+        if self.graphs is not None and batch.num_decodes == num_seqs and self.graphs.fits(num_seqs, batch.block_table.shape[1]):
             self.timer.start()
             return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
                                    batch.block_table, batch.context_lens)

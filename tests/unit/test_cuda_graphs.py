@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.cuda_graphs import DecodeBuffers, bucket_for, graph_batch_sizes
+from worker.cuda_graphs import DecodeBuffers, DecodeGraphs, bucket_for, graph_batch_sizes
 
 BLOCK_SIZE = 4
 SCRATCH = 9  # the block past the pool's 9 blocks
@@ -51,6 +51,14 @@ def test_fill_refuses_rows_that_do_not_fit() -> None:
     one = torch.tensor([1])
     with pytest.raises(ValueError, match="do not fit"):
         buffers.fill(one, one, one, torch.zeros((1, 3), dtype=torch.long), one, bucket=1)
+
+
+def test_a_step_that_does_not_fit_the_buffers_runs_eagerly() -> None:
+    # The runner asks `fits` before replaying; a wider block table than the buffers (or
+    # more rows than the largest bucket) must take the eager path, not fail the step.
+    buffers = DecodeBuffers.allocate(4, 2, SCRATCH, BLOCK_SIZE, torch.device("cpu"))
+    graphs = DecodeGraphs(lambda ids, pos, meta: ids, buffers, [1, 2, 4], max_context_len=32)
+    assert graphs.fits(3, 2) and not graphs.fits(3, 3) and not graphs.fits(5, 1)
 
 
 @pytest.mark.gpu

@@ -275,3 +275,19 @@ def test_500_disaggregated_requests_with_aborts_leak_no_block() -> None:
     for engine in (prefill, decode):
         assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
         assert engine.num_pinned_blocks == 0 and not engine.seqs
+
+
+def test_failed_export_is_an_error_not_a_clean_finish_and_frees_the_blocks() -> None:
+    engine = _engine()
+
+    def broken(block_ids: list[int]) -> torch.Tensor:
+        raise RuntimeError("tensor-parallel KV export failed: rank 1 died")
+
+    engine.runner.export_kv = broken  # type: ignore[method-assign]
+    engine.add_request("r", list(range(5, 40)), SamplingParams(max_tokens=1, temperature=0.0), export_kv=True)
+    outs = [out for _ in range(10) if engine.has_unfinished() for out in engine.step()]
+    (out,) = [o for o in outs if o.request_id == "r"]
+    assert out.finished and out.finish_reason == "error" and "KV export failed" in out.error
+    assert "kv_export" not in out.extra
+    assert engine.num_pinned_blocks == 0 and engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    assert not engine.seqs

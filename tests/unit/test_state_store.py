@@ -257,3 +257,70 @@ def _no_secrets_in_redis(redis_server: RedisServer, prefix: str) -> Iterator[Non
     client = redis_server.client()
     for key in client.scan_iter(f"{prefix}:*"):
         assert key.startswith(f"{prefix}:key:") and key.rsplit(":", 1)[1] in ("slots", "tokens"), key
+
+
+def test_a_late_answer_leaves_no_orphan_slot(redis_server: RedisServer, prefix: str) -> None:
+    """The acquire script ran in Redis but its answer came after the call's deadline: the
+    store fell back locally, and the member it never learned about must not hold the key
+    full once Redis answers again."""
+
+    async def scenario() -> Any:
+        s = store(redis_server, prefix, socket_timeout_s=0.2)
+        real = s._acquire
+
+        async def late(keys: list[str], args: list[Any]) -> Any:
+            result = await real(keys=keys, args=args)  # the script runs in Redis ...
+            await asyncio.sleep(1.0)  # ... the answer arrives too late (slow network)
+            return result
+
+        s._acquire = late  # type: ignore[method-assign]
+        grant = await s.acquire_slot(KEY, 1)
+        assert grant.slot is not None and grant.slot.local and not s.up
+        s._acquire = real  # type: ignore[method-assign]
+        s.release_slot(grant.slot)
+        await eventually(lambda: s.up, "the store to reconnect")
+        again = await s.acquire_slot(KEY, 1)
+        members = redis_server.client().zrange(f"{prefix}:key:{KEY}:slots", 0, -1)
+        await close(s)
+        return again, members
+
+    again, members = run(scenario())
+    assert again.slot is not None and not again.slot.local, again  # limit 1, nothing in flight
+    assert len(members) == 1
+
+
+def test_reconnect_survives_an_outage_during_its_write_back(prefix: str) -> None:
+    """Redis flaps while the store writes its slots back: the store keeps trying and is up
+    once Redis answers again (it used to stop trying for good)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async def scenario() -> bool:
+        s = RedisStoreSpec(url="redis://127.0.0.1:1", key_prefix=prefix, socket_timeout_s=0.05,
+                           reconnect_max_s=0.1).build()
+        state = {"ping_ok": False, "flaps": 1}
+
+        async def ping() -> bool:
+            if not state["ping_ok"]:
+                raise RedisConnectionError("down")
+            return True
+
+        async def renew(keys: list[str], args: list[Any]) -> int:
+            if state["flaps"]:
+                state["flaps"] -= 1
+                state["ping_ok"] = False  # down again in the middle of the write-back
+                raise RedisConnectionError("flap")
+            return 0
+
+        s._client.ping = ping  # type: ignore[method-assign]
+        s._renew = renew  # type: ignore[method-assign]
+        grant = await s.acquire_slot(KEY, 5)  # nothing listens on port 1: local, down
+        assert grant.slot is not None and grant.slot.local and not s.up
+        state["ping_ok"] = True
+        await eventually(lambda: state["flaps"] == 0, "the write-back to meet the flap")
+        state["ping_ok"] = True
+        await eventually(lambda: s.up, "the store to come back after the flap", timeout_s=10)
+        up = s.up
+        await close(s)
+        return up
+
+    assert run(scenario())

@@ -104,6 +104,8 @@ if triton is not None:
                 n = start_n + tl.arange(0, BLOCK_N)
                 n_ok = n < kv_end
                 block = tl.load(block_table_ptr + seq * stride_bt_seq + n // BLOCK_SIZE, mask=n_ok, other=0)
+                # int64: block * stride reaches a layer's cache size, past 2**31 on big GPUs.
+                block = block.to(tl.int64)
                 off = n % BLOCK_SIZE
                 k_offs = block[None, :] * stride_k_block + off[None, :] * stride_k_off + kv_head * stride_k_head
                 k = tl.load(key_cache_ptr + k_offs + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)

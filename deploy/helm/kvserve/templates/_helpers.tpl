@@ -126,6 +126,7 @@ replicas land on prefill pods and decode replicas on decode pods. */}}
 Rendered (as nothing) at the top of rayservice.yaml, so every install/template/lint
 runs it. */}}
 {{- define "kvserve.validate" -}}
+{{- /* workers.tensor_parallel_size: the mixed pool; disaggregated pools are checked per role below */ -}}
 {{- $tp := include "kvserve.tensorParallelSize" . | int -}}
 {{- $workers := .Values.kvserve.workers | default dict -}}
 {{- $names := dict -}}
@@ -139,7 +140,7 @@ runs it. */}}
   {{- $_ := set $roles $pool.role true -}}
   {{- $gpus := $pool.gpusPerPod | int -}}
   {{- if gt $gpus $maxGpus -}}{{- $maxGpus = $gpus -}}{{- end -}}
-  {{- if ne (mod $gpus $tp) 0 -}}
+  {{- if and (not $.Values.kvserve.disaggregation) (ne (mod $gpus $tp) 0) -}}
     {{- fail (printf "pools[%d] (%s): gpusPerPod=%d is not a multiple of kvserve.workers.tensor_parallel_size=%d; a tensor-parallel group must not span pods" $i $pool.name $gpus $tp) -}}
   {{- end -}}
   {{- if gt ($pool.minReplicas | int) ($pool.maxReplicas | int) -}}
