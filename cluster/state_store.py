@@ -209,7 +209,10 @@ class RedisLimitStore:
             # The script may have added the member before the call timed out: nobody would
             # renew or remove it, and the key would look full for a lease's life.
             self._orphaned(key_id, member)
-            grant = self.local.try_acquire(key_id, limit)
+            # The slots this replica holds in Redis count too (else one replica could run
+            # up to twice the limit for a key while Redis is down).
+            held_in_redis = sum(1 for k in self._held.values() if k == key_id) - self.local.in_flight(key_id)
+            grant = self.local.try_acquire(key_id, max(limit - held_in_redis, 0))
             if grant.slot is None:
                 return grant
             member = f"{self.replica_id}:{next(self._seq)}"  # not the orphan's name
