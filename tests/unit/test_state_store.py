@@ -311,15 +311,23 @@ def test_reconnect_survives_an_outage_during_its_write_back(prefix: str) -> None
                 raise RedisConnectionError("flap")
             return 0
 
+        async def zrem(key: str, *members: str) -> int:  # the write-back removes the orphan
+            if not state["ping_ok"]:
+                raise RedisConnectionError("down")
+            return len(members)
+
+        # Nothing listens on port 1: every command the write-back sends is stubbed.
         s._client.ping = ping  # type: ignore[method-assign]
+        s._client.zrem = zrem  # type: ignore[method-assign]
         s._renew = renew  # type: ignore[method-assign]
         grant = await s.acquire_slot(KEY, 5)  # nothing listens on port 1: local, down
         assert grant.slot is not None and grant.slot.local and not s.up
         state["ping_ok"] = True
         await eventually(lambda: state["flaps"] == 0, "the write-back to meet the flap")
         state["ping_ok"] = True
-        await eventually(lambda: s.up, "the store to come back after the flap", timeout_s=10)
-        up = s.up
+        await eventually(lambda: s.up and s._reconnecting.done(), "the store to come back after the flap",
+                         timeout_s=10)
+        up = s.up  # and it stays up: the reconnect loop finished with Redis answering
         await close(s)
         return up
 
