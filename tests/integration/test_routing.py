@@ -150,7 +150,9 @@ def teardown(fleet: Fleet) -> None:
 @pytest.fixture(scope="module")
 def fleet(serve_cluster: Any) -> Iterator[Fleet]:
     # Stats stay "fresh" for 20 periods here: the burst test freezes reports on purpose.
-    f = deploy(f"routing-{uuid.uuid4().hex[:6]}", 3, stale_after_periods=20.0)
+    # A load gate of 16 (default 4): the affinity test sends a burst of 10 same-prefix
+    # requests that should all stick; the default's cap on such bursts is unit-tested.
+    f = deploy(f"routing-{uuid.uuid4().hex[:6]}", 3, stale_after_periods=20.0, load_gate_threshold=16.0)
     try:
         yield f
     finally:
