@@ -8,12 +8,13 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+
+from tests.waiting import wait_until
 
 REDIS_SERVER = shutil.which("redis-server")
 
@@ -51,17 +52,14 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         self._process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
         with self.client() as c:
-            while True:  # poll until it answers
-                try:
-                    if c.ping():
-                        return
-                except redis.ConnectionError:
-                    pass
-                if not self.running or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start")
-                time.sleep(0.02)
+            def answers() -> bool:
+                if not self.running:
+                    raise RuntimeError(f"redis-server on port {self.port} exited at start")
+                return bool(c.ping())
+
+            wait_until(answers, timeout_s, interval_s=0.02, message=f"redis-server on port {self.port}",
+                       retry_on=(redis.ConnectionError,))
 
     def stop(self) -> None:
         """Kills it (SIGKILL: an outage, not a shutdown); its data is gone."""

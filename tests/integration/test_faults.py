@@ -39,6 +39,7 @@ from benchmarks.soak import (
     worker_stats,
 )
 from tests.integration.conftest import free_port
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -143,14 +144,12 @@ def migrations_total(root: str) -> float:
 
 
 def wait_for_replicas(expected: int, excluded: set[str], timeout_s: float = 180.0) -> set[str]:
-    """Poll (bounded) until `expected` worker replicas answer, none of them in `excluded`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """Until `expected` worker replicas answer, none of them in `excluded` (bounded)."""
+    def replaced() -> set[str] | None:
         ids = worker_replica_ids()
-        if len(ids) == expected and not ids & excluded:
-            return ids
-        assert time.monotonic() < deadline, f"replicas {ids} after {timeout_s} s"
-        time.sleep(1.0)
+        return ids if len(ids) == expected and not ids & excluded else None
+
+    return wait_until(replaced, timeout_s, interval_s=1.0, message=f"{expected} replicas, none of {excluded}")
 
 
 async def run_streams(root: str, num_streams: int, max_tokens: int, on_progress: Any = None) -> list[StreamResult]:
@@ -301,16 +300,11 @@ def test_sigterm_drains_then_exits_zero(tmp_path: Path) -> None:
     )
     root = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
+        def healthy() -> bool:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{root}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvserve serve did not come up"
-            time.sleep(1.0)
+            return httpx.get(f"{root}/health", timeout=5).status_code == 200
+
+        wait_until(healthy, 240, interval_s=1.0, message="kvserve serve to come up", retry_on=(httpx.TransportError,))
         model = httpx.get(f"{root}/v1/models", timeout=30).json()["data"][0]["id"]
 
         async def scenario() -> tuple[StreamResult, list[int]]:

@@ -31,7 +31,7 @@ from router.client import KVServeClient, KVServeError  # noqa: E402
 from router.grpc_proxy import GRPC_SERVICER  # noqa: E402
 from router.grpc_servicer import GrpcServicerMixin  # noqa: E402
 from router.ingress import Ingress  # noqa: E402
-from tests.integration.waiting import wait_until  # noqa: E402
+from tests.waiting import wait_until  # noqa: E402
 from worker.async_engine import EngineDeadError  # noqa: E402
 from worker.replica import GenerateRequest  # noqa: E402
 

@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.integration.tiny_app import BLOCK_SIZE, NUM_BLOCKS, tiny_config  # 512 tokens of KV: the effective max_model_len
+
 pytestmark = pytest.mark.integration
 
 openai = pytest.importorskip("openai")
@@ -23,7 +25,6 @@ ROUTE_PREFIX = "/openai-api-test"
 MODEL = "kv-tiny-test"
 MAX_QUEUED = 4  # the ingress's in-flight bound (429 above it)
 MAX_N = 4
-NUM_BLOCKS, BLOCK_SIZE = 32, 16  # 512 tokens of KV: the effective max_model_len
 MAX_BODY_BYTES = 64 * 1024
 
 
@@ -48,29 +49,12 @@ def api(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     from transformers import AutoTokenizer
 
     from cluster.app import build_app
-    from cluster.config import KVServeConfig
     from tests.tiny_served_model import make_served_model
 
     model_dir = make_served_model(tmp_path_factory.mktemp("served") / "tiny")
-    config = KVServeConfig.from_dict(
-        {
-            "app_name": APP_NAME,
-            "route_prefix": ROUTE_PREFIX,
-            "model": {"path": str(model_dir), "served_model_name": MODEL},
-            "engine": {
-                "block_size": BLOCK_SIZE,
-                "num_blocks": NUM_BLOCKS,
-                "max_model_len": 1024,
-                "max_num_seqs": 16,
-                "device": "cpu",
-                "dtype": "float32",
-                "num_threads": 1,
-            },
-            "workers": {"num_replicas": 1, "num_cpus": 1},
-            "ingress": {"max_queued_requests": MAX_QUEUED, "max_n": MAX_N, "max_body_bytes": MAX_BODY_BYTES, "num_cpus": 0.5},
-            "routing": {"stats_period_s": 0.5},
-        }
-    )
+    config = tiny_config(APP_NAME, model_dir, MODEL, ingress={
+        "max_queued_requests": MAX_QUEUED, "max_n": MAX_N, "max_body_bytes": MAX_BODY_BYTES,
+    })
     serve.run(build_app(config), name=APP_NAME, route_prefix=ROUTE_PREFIX)
     try:
         yield Api(f"{serve_cluster.http_url}{ROUTE_PREFIX}", AutoTokenizer.from_pretrained(model_dir))

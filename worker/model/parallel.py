@@ -132,17 +132,21 @@ class RowParallelLinear(nn.Module):
         return all_reduce(F.linear(x, self.weight), self.tp)
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabShard(nn.Module):
+    """This rank's rows [lo, hi) of a (vocab, hidden) matrix. Padded to `per` rows on every
+    rank so the LM head's all_gather has equal shapes; pad rows are zero (loader) and their
+    logits are cut off after the gather."""
+
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext = SINGLE) -> None:
         super().__init__()
         lo, hi, per = vocab_range(vocab_size, tp) if tp.is_parallel else (0, vocab_size, vocab_size)
         self.vocab_size = vocab_size
         self.row_range = (lo, hi)
-        # Padded to `per` rows on every rank so the LM head's all_gather has equal shapes;
-        # pad rows are zero (loader) and their logits are cut off after the gather.
         self.weight = nn.Parameter(torch.empty(per, hidden_size))
         self.tp = tp
 
+
+class VocabParallelEmbedding(_VocabShard):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
             return F.embedding(input_ids, self.weight)
@@ -153,16 +157,9 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out, self.tp)
 
 
-class ParallelLMHead(nn.Module):
-    """Vocab-sharded output projection; `weight` may be the embedding's (tied)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext = SINGLE) -> None:
-        super().__init__()
-        lo, hi, per = vocab_range(vocab_size, tp) if tp.is_parallel else (0, vocab_size, vocab_size)
-        self.vocab_size = vocab_size
-        self.row_range = (lo, hi)
-        self.weight = nn.Parameter(torch.empty(per, hidden_size))
-        self.tp = tp
+class ParallelLMHead(_VocabShard):
+    """Vocab-sharded output projection (logits by parallel_logits); `weight` may be the
+    embedding's (tied)."""
 
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPContext) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Bounded polling for the integration tests: wait for a condition that another process
-(a Serve replica, the proxy, the router thread) makes true, instead of sleeping for a
+"""Bounded polling for tests: wait for a condition that another process (a Serve
+replica, the proxy, the router thread, a redis-server starting) makes true, instead of sleeping for a
 guessed time. The poll interval only spaces out the checks; the deadline bounds the wait.
 """
 from __future__ import annotations
