@@ -145,8 +145,7 @@ def _config(spec: BenchSpec, router: str) -> Any:
 
 
 async def _one(handle: Any, timed: TimedRequest, start: float, result: RunResult) -> None:
-    from worker.replica import GenerateRequest
-    from worker.sampling_params import SamplingParams
+    from worker.api import GenerateRequest, SamplingParams
 
     delay = start + timed.arrival_s - time.monotonic()
     if delay > 0:
@@ -207,8 +206,8 @@ def run_one(spec: BenchSpec, router: str, workload: list[TimedRequest]) -> RunRe
     from ray import serve
 
     from cluster.app import worker_options
-    from worker.replica import GenerateRequest, WorkerReplica
-    from worker.sampling_params import SamplingParams
+    from worker.replica import WorkerReplica
+    from worker.api import GenerateRequest, SamplingParams
 
     config = _config(spec, router)
     app_name = f"bench-router-{router}"

@@ -31,8 +31,7 @@ from typing import Any
 
 from router import errors
 from router.request_router import KVHeadroomRouter
-from worker.outputs import RequestOutput
-from worker.replica import GenerateRequest
+from worker.api import GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -28,10 +28,7 @@ from router import errors
 from router.metrics import IngressMetrics
 from router.migration import Migration, is_replica_failure
 from router.openai_convert import EngineInput
-from worker.engine import RequestError
-from worker.outputs import RequestOutput
-from worker.replica import GenerateRequest
-from worker.sampling_params import SamplingParamsError
+from worker.api import GenerateRequest, RequestError, RequestOutput, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import errors
 from router import openai_convert as convert
 from router import openai_protocol as p
-from worker.outputs import RequestOutput, TokenLogprob
+from worker.api import RequestOutput, TokenLogprob
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -156,7 +156,7 @@ class HeadroomParams:
 
 @dataclass(frozen=True)
 class ReplicaReport:
-    """One routing-stats report (worker.replica.ROUTING_STATS_KEYS), parsed once."""
+    """One routing-stats report (worker.api.RoutingStats), parsed once."""
 
     free_blocks: int
     total_blocks: int

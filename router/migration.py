@@ -32,8 +32,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from worker.outputs import RequestOutput
-from worker.replica import GenerateRequest
+from worker.api import GenerateRequest, RequestOutput
 
 # Matched by name, so that this module (and its unit tests) need not import Ray.
 REPLICA_FAILURE_ERRORS = frozenset(

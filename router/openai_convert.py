@@ -16,8 +16,7 @@ from typing import Any
 
 from router import openai_protocol as p
 from router.errors import bad_request
-from worker.outputs import RequestOutput, TokenLogprob
-from worker.sampling_params import SamplingParams, SamplingParamsError
+from worker.api import RequestOutput, SamplingParams, SamplingParamsError, TokenLogprob
 
 
 @dataclass(frozen=True)

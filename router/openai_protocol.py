@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from worker.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from worker.api import MAX_LOGPROBS, MAX_STOP_STRINGS
 
 
 class _Strict(BaseModel):

@@ -18,6 +18,7 @@ from kv.block_pool import Block
 from kv.cache_manager import KVCacheManager, cdiv
 from kv.stats import KVStats
 from kv.transfer import DEFAULT_PIN_TIMEOUT_S, KVExport, KVTransferError, dtype_name
+from worker.api import KVImportError, RequestError  # noqa: F401  (importers of worker.engine)
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from worker.outputs import RequestOutput
 from worker.sampling_params import SamplingParams
@@ -25,14 +26,6 @@ from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A user-caused problem with a request (maps to HTTP 400 / gRPC INVALID_ARGUMENT)."""
-
-
-class KVImportError(RequestError):
-    """A KV export that this engine cannot import (layout mismatch, tokens that differ)."""
 
 
 class Runner(Protocol):

@@ -13,6 +13,7 @@ import torch
 
 from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_blocks_for_budget
 from kv.transfer import gather_blocks, scatter_blocks
+from worker.api import RunnerOutput
 from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo, select_backend
 from worker.config import EngineConfig
 from worker.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
@@ -28,13 +29,6 @@ from worker.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class RunnerOutput:
-    token_ids: list[int | None]  # aligned with plan.seqs; None where the seq did not sample
-    logprobs: list[TokenLogprob | None]
-    forward_s: float  # time in the model forward + logits (for the overhead figure)
 
 
 @dataclass

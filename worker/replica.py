@@ -18,47 +18,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from kv.transfer import KVHandle, KVTransport, make_transport
+from worker.api import GenerateRequest, ReplicaDrainingError, RequestOutput, RoutingStats
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
-from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """What the ingress sends a worker: token ids, never text (workers never tokenize)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    # A migrated request (router/migration.py): the last this-many prompt tokens are output
-    # the client already has; the detokenizer replays them so text continues seamlessly.
-    num_resumed_tokens: int = 0
-
-
-# Keys of the routing-stats dict (the contract with router/request_router.py).
-ROUTING_STATS_KEYS = (
-    "free_blocks",  # free KV blocks, evictable cached ones included
-    "total_blocks",
-    "block_size",
-    "num_running",
-    "num_waiting",
-    "num_waiting_prompt_tokens",
-    "reserved_blocks",  # blocks the waiting requests will need at admission
-    "prefix_hashes",  # list[int]: cached full-block hashes (kv.block_hash chain)
-    "timestamp",  # time.time() when taken
-    "healthy",  # False: the router stops choosing this replica (Serve will replace it)
-)
-
-
-class ReplicaDrainingError(RuntimeError):
-    """This replica is being removed and takes no new requests; send it to another one."""
 
 
 class WorkerReplica:
@@ -149,18 +117,18 @@ class WorkerReplica:
     def record_routing_stats(self) -> dict:
         stats = self.engine.stats()
         waiting_blocks = -(-stats.num_waiting_prompt_tokens // self.block_size)
-        return {
-            "free_blocks": stats.kv.free_blocks,
-            "total_blocks": stats.kv.total_blocks,
-            "block_size": stats.kv.block_size,
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting,
-            "num_waiting_prompt_tokens": stats.num_waiting_prompt_tokens,
-            "reserved_blocks": waiting_blocks,
-            "prefix_hashes": self.engine.prefix_hashes(),
-            "timestamp": time.time(),
-            "healthy": self._is_healthy(),
-        }
+        return RoutingStats(
+            free_blocks=stats.kv.free_blocks,
+            total_blocks=stats.kv.total_blocks,
+            block_size=stats.kv.block_size,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
+            reserved_blocks=waiting_blocks,
+            prefix_hashes=self.engine.prefix_hashes(),
+            timestamp=time.time(),
+            healthy=self._is_healthy(),
+        ).to_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self.engine.stats()
@@ -237,12 +205,9 @@ class WorkerReplica:
 
 
 def _default_kv_transport() -> str:
-    try:
-        import ray
+    import ray  # a required dependency (not optional: no fallback)
 
-        return "ray_object_store" if ray.is_initialized() else "local"
-    except ImportError:
-        return "local"
+    return "ray_object_store" if ray.is_initialized() else "local"
 
 
 def _replica_id() -> str:

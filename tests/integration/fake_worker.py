@@ -30,7 +30,7 @@ import ray
 from ray import serve
 
 from kv.block_hash import hash_full_blocks
-from worker.replica import GenerateRequest
+from worker.api import GenerateRequest
 
 CONTROL_NAMESPACE = "kvserve-tests"
 

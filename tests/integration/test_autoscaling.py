@@ -35,8 +35,7 @@ from cluster.app import worker_options  # noqa: E402
 from cluster.config import KVServeConfig  # noqa: E402
 from tests.integration.fake_engine_worker import TOKEN, FakeEngineWorker  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
-from worker.replica import GenerateRequest  # noqa: E402
-from worker.sampling_params import SamplingParams  # noqa: E402
+from worker.api import GenerateRequest, SamplingParams  # noqa: E402
 
 pytestmark = [
     pytest.mark.integration,

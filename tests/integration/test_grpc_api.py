@@ -33,7 +33,7 @@ from router.grpc_servicer import GrpcServicerMixin  # noqa: E402
 from router.ingress import Ingress  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 from worker.async_engine import EngineDeadError  # noqa: E402
-from worker.replica import GenerateRequest  # noqa: E402
+from worker.api import GenerateRequest  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -23,8 +23,7 @@ from ray.serve.config import RequestRouterConfig  # noqa: E402
 from kv.block_hash import hash_full_blocks  # noqa: E402
 from tests.integration.fake_worker import CONTROL_NAMESPACE, FakeControl, FakeWorker  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
-from worker.replica import GenerateRequest  # noqa: E402
-from worker.sampling_params import SamplingParams  # noqa: E402
+from worker.api import GenerateRequest, SamplingParams  # noqa: E402
 
 # A test that hangs (a stream that never ends) fails on its own instead of eating the session.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -14,9 +14,7 @@ from cluster.config import ConfigError, KVServeConfig  # noqa: E402
 from kv.transfer import KVHandle  # noqa: E402
 from router import errors  # noqa: E402
 from router.disagg import DisaggregatedGenerate  # noqa: E402
-from worker.outputs import RequestOutput  # noqa: E402
-from worker.replica import GenerateRequest  # noqa: E402
-from worker.sampling_params import SamplingParams  # noqa: E402
+from worker.api import GenerateRequest, RequestOutput, SamplingParams  # noqa: E402
 
 
 class _Response:

@@ -17,8 +17,7 @@ from router.grpc_convert import engine_inputs, replica_stats
 from router.grpc_servicer import GrpcServicerMixin, GrpcStatusError
 from router.metrics import IngressMetrics
 from router.settings import IngressSettings
-from worker.outputs import RequestOutput, TokenLogprob
-from worker.replica import GenerateRequest
+from worker.api import GenerateRequest, RequestOutput, TokenLogprob
 
 MAX_MODEL_LEN = 64
 

@@ -17,9 +17,7 @@ from router.metrics import IngressMetrics
 from router.migration import Migration, is_replica_failure
 from router.openai_convert import EngineInput
 from worker.output_processor import RequestOutputProcessor
-from worker.outputs import RequestOutput
-from worker.replica import GenerateRequest
-from worker.sampling_params import SamplingParams
+from worker.api import GenerateRequest, RequestOutput, SamplingParams
 
 
 class ActorDiedError(RuntimeError):

@@ -13,8 +13,7 @@ from router import openai_convert as convert
 from router import openai_protocol as p
 from router.generation import InFlightLimiter, api_error_of
 from router.metrics import IngressMetrics
-from worker.engine import RequestError
-from worker.outputs import RequestOutput, TokenLogprob
+from worker.api import RequestError, RequestOutput, TokenLogprob
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,203 @@
+"""What other layers import from worker/: the request, output and error types, the
+sampling parameters, the runner's output and the routing-stats record.
+
+Torch-free and Ray-free by design: router/ imports only this module of worker/, so the
+ingress process never loads torch (tests/unit/test_layering.py asserts both). Everything
+here is plain data; the engine, runner and replica that produce or consume it live in
+their own modules and import it from here (worker/outputs.py and
+worker/sampling_params.py re-export it for worker/ internals).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+# -- sampling parameters ----------------------------------------------------------------
+
+# Bounds that keep one request from taking the whole engine down (unbounded `n` and
+# `top_logprobs` have crashed other servers).
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+class SamplingParamsError(ValueError):
+    """A user-caused problem with sampling parameters (maps to HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling parameters, validated once at the engine's door."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None = off; k >= 0 = chosen token + top-k
+    min_tokens: int = 0
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self) -> None:
+        def bad(msg: str) -> SamplingParamsError:
+            return SamplingParamsError(msg)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad(f"temperature must be in [0, 2], got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise bad(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop strings must be non-empty strings")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise bad(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative integers")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+
+
+# -- requests and their outputs ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What the ingress sends a worker: token ids, never text (workers never tokenize)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # A migrated request (router/migration.py): the last this-many prompt tokens are output
+    # the client already has; the detokenizer replays them so text continues seamlessly.
+    num_resumed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    # The top-n alternatives, best first: (token_id, logprob).
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass
+class RequestOutput:
+    """One streamed update for one request: the tokens produced since the last update."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str = ""
+    finished: bool = False
+    # "stop" (EOS, stop token, stop string), "length" (max_tokens / max_model_len),
+    # "abort" (caller went away or aborted), "error" (the step failed; see `error`).
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended the request, when one did.
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class RunnerOutput:
+    """What a model runner's `execute(plan)` returns, aligned with plan.seqs."""
+
+    token_ids: list[int | None]  # None where the seq did not sample
+    logprobs: list[TokenLogprob | None]
+    forward_s: float  # time in the model forward + logits (for the overhead figure)
+
+
+# -- errors a caller can see ------------------------------------------------------------
+
+
+class RequestError(ValueError):
+    """A user-caused problem with a request (maps to HTTP 400 / gRPC INVALID_ARGUMENT)."""
+
+
+class KVImportError(RequestError):
+    """A KV export that this engine cannot import (layout mismatch, tokens that differ)."""
+
+
+class ReplicaDrainingError(RuntimeError):
+    """This replica is being removed and takes no new requests; send it to another one."""
+
+
+# -- the routing-stats record -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """What a worker replica reports through Ray Serve's routing stats (its
+    `record_routing_stats`), and what the KV-headroom router reads (router/headroom.py's
+    ReplicaReport). Serve carries it as a dict: `to_dict()`."""
+
+    free_blocks: int  # free KV blocks, evictable cached ones included
+    total_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_waiting_prompt_tokens: int
+    reserved_blocks: int  # blocks the waiting requests will need at admission
+    prefix_hashes: list[int]  # cached full-block hashes (kv.block_hash chain)
+    timestamp: float  # time.time() when taken
+    healthy: bool  # False: the router stops choosing this replica (Serve will replace it)
+
+    def to_dict(self) -> dict[str, object]:
+        # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# Keys of the routing-stats dict (the contract with router/request_router.py).
+ROUTING_STATS_KEYS = tuple(f.name for f in fields(RoutingStats))
