@@ -179,14 +179,12 @@ def _replica_stats(handle: Any) -> list[dict[str, Any]]:
 def _wait_for_router_stats(handle: Any, num_replicas: int, timeout_s: float = 30.0) -> None:
     """Bounded wait until the KV-headroom router in this process holds a report from every
     replica (else its first choices would be power-of-two for lack of stats). Reads Serve
-    internals (handle -> router wrapper -> AsyncioRouter -> RequestRouter); a no-op for
-    the default router."""
+    internals (router/serve_internals.py); a no-op for the default router."""
+    from router.serve_internals import request_router_of
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            router = handle._router._asyncio_router.request_router
-        except AttributeError:
-            return
+        router = request_router_of(handle)
         view = getattr(router, "routing_view", None)
         if view is None:
             return

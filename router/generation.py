@@ -19,15 +19,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from router import errors
 from router.metrics import IngressMetrics
 from router.migration import Migration, is_replica_failure
 from router.openai_convert import EngineInput
+from router.serve_internals import use_child_request_id
 from worker.api import GenerateRequest, RequestError, RequestOutput, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,16 @@ class InFlightLimiter:
             self._metrics.in_flight.labels(self._metrics.model_name).set(self.in_flight)
 
 
+class StreamPermit(Protocol):
+    """What a GenerationStream holds while it runs (router/key_limits.py's JointPermit):
+    `settle(used)` refunds the unused part of the key's token charge, `release()` gives
+    back the in-flight share and the key's slot. Both idempotent."""
+
+    def settle(self, used_tokens: int) -> None: ...
+
+    def release(self) -> None: ...
+
+
 def api_error_of(error: BaseException) -> errors.APIError:
     """A worker-side or Serve exception as the API error a client should see."""
     cause = getattr(error, "cause", None) or error  # RayTaskError carries the original
@@ -96,27 +106,6 @@ def api_error_of(error: BaseException) -> errors.APIError:
         return errors.APIError(503, f"No worker is available: {name}.", "server_error", None, "service_unavailable")
     logger.error("request failed: %r", error)
     return errors.internal(f"The request failed: {name}.")
-
-
-def _use_child_request_id(index: int | str) -> None:
-    """Give this task's handle calls their own Serve internal request id.
-
-    Serve 2.60 gives every handle call made while serving one request that request's
-    internal id, and its request router indexes pending calls by that id: a second
-    concurrent call to the same deployment is then never fulfilled (with a custom
-    router it hung every n=2 request here). A child id per choice fixes that, and lets
-    routers that key their bookkeeping by the id (the KV-headroom ledger) tell the
-    choices apart. Serve then no longer links these calls to the HTTP request for
-    cancellation; GenerationStream cancels them itself.
-    """
-    try:
-        from ray.serve import context as serve_context
-
-        current = serve_context._get_serve_request_context()
-        parent = current._internal_request_id or uuid.uuid4().hex
-        serve_context._serve_request_context.set(replace(current, _internal_request_id=f"{parent}-{index}"))
-    except Exception:  # a Serve without this private API: keep the default behaviour
-        logger.debug("could not set a child request id", exc_info=True)
 
 
 @dataclass
@@ -146,7 +135,7 @@ class GenerationStream:
         generate_handle: Any,  # worker DeploymentHandle with options(stream=True)
         inputs: list[EngineInput],
         request_id: str,
-        permit: Permit,
+        permit: StreamPermit,
         timeout_s: float,
         metrics: IngressMetrics,
         arrival_time: float | None = None,  # time.monotonic() when the HTTP request came in
@@ -168,6 +157,16 @@ class GenerationStream:
         self._start_time = arrival_time if arrival_time is not None else time.monotonic()
         self._timing = {inp.index: _ChoiceTiming() for inp in inputs}
         self._closed = False
+        # Usage as the client is billed: each prompt once (its choices share it), counted
+        # from the first output on, plus every choice's output tokens.
+        self._prompt_tokens = sum({inp.prompt_index: len(inp.prompt_token_ids) for inp in inputs}.values())
+        self._output_tokens = {inp.index: 0 for inp in inputs}
+        self._started = False
+
+    @property
+    def used_tokens(self) -> int:
+        """Prompt + output tokens so far: what the key's token budget is settled with."""
+        return (self._prompt_tokens if self._started else 0) + sum(self._output_tokens.values())
 
     async def start(self) -> None:
         for inp in self.inputs:
@@ -180,7 +179,7 @@ class GenerationStream:
             raise
 
     async def _feed(self, index: int, request: GenerateRequest) -> None:
-        _use_child_request_id(index)  # this task's own context: the others are untouched
+        use_child_request_id(index)  # this task's own context: the others are untouched
         migration = Migration(request, self._max_migrations)
         while True:
             response = self._handle.generate.remote(migration.request)
@@ -206,7 +205,7 @@ class GenerationStream:
                 logger.warning("request %s: replica failed (%s); migrating with %d tokens (%d/%d)",
                                request.request_id, type(e).__name__, len(migration.generated_token_ids),
                                migration.num_migrations, migration.max_migrations)
-                _use_child_request_id(f"{index}-m{migration.num_migrations}")
+                use_child_request_id(f"{index}-m{migration.num_migrations}")
             finally:
                 if not finished:
                     response.cancel()  # the worker's generator is cancelled -> engine abort
@@ -227,6 +226,8 @@ class GenerationStream:
         return ChoiceEvent(index, item)
 
     def _observe(self, index: int, out: RequestOutput) -> None:
+        self._started = True
+        self._output_tokens[index] = max(self._output_tokens[index], out.num_output_tokens)
         now = time.monotonic()
         timing = self._timing[index]
         if out.new_token_ids:
@@ -250,15 +251,19 @@ class GenerationStream:
             self.close()
 
     def close(self) -> None:
-        """Cancel what is still running and give the permit back (sync: safe in finally
-        blocks of cancelled tasks)."""
+        """Cancel what is still running, settle the key's token charge with what was used
+        (a request that failed before its first output is refunded in full), and give the
+        permit back. Sync: safe in finally blocks of cancelled tasks."""
         if self._closed:
             return
         self._closed = True
         for task in self._tasks:
             if not task.done():
                 task.cancel()
-        self._permit.release()
+        try:
+            self._permit.settle(self.used_tokens)
+        finally:
+            self._permit.release()
 
     def __del__(self) -> None:
         try:

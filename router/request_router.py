@@ -60,6 +60,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router.reservations import ReservationLedger
+from router.serve_internals import cached_queue_len, router_now_s
 from router.headroom import (
     HeadroomParams,
     ReplicaReport,
@@ -128,7 +129,7 @@ class KVHeadroomRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        now = self._get_curr_time_s()
+        now = router_now_s(self)
         self._maybe_prune(now)
         if pending_request is not None:
             # Without this, Serve retries immediately (no backoff) when every rank refuses.
@@ -173,7 +174,7 @@ class KVHeadroomRouter(RequestRouter):
         replica_id = replica.replica_id
         report = self._report(replica)
         blocks, requests = self._ledger.unreflected(replica_id)
-        queue_len = self._replica_queue_len_cache.get(replica_id) if self._use_replica_queue_len_cache else None
+        queue_len = cached_queue_len(self, replica_id)
         if queue_len is None:
             queue_len = self._ledger.outstanding(replica_id)
         return ReplicaView(replica_id, report, blocks, requests, queue_len)
@@ -199,13 +200,13 @@ class KVHeadroomRouter(RequestRouter):
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._forget_gone_replicas(set(self._replicas))
+        self._forget_gone_replicas(set(self.curr_replicas))
 
     def _forget_gone_replicas(self, live: set[ReplicaID]) -> None:
         for replica_id in [r for r in self._reports if r not in live]:
             del self._reports[replica_id]
         self._ledger.prune(
-            self._get_curr_time_s(), live, self._params.unconfirmed_ttl_s, self._params.reservation_ttl_s
+            router_now_s(self), live, self._params.unconfirmed_ttl_s, self._params.reservation_ttl_s
         )
 
     def _maybe_prune(self, now: float) -> None:
@@ -223,7 +224,7 @@ class KVHeadroomRouter(RequestRouter):
         count) and this router's reservations. Safe to call from another thread (copies)."""
         for _ in range(3):
             try:
-                replicas: Sequence[RunningReplica] = list(self._replicas.values())
+                replicas: Sequence[RunningReplica] = list(self.curr_replicas.values())
                 out: dict[str, dict[str, Any]] = {}
                 for replica in replicas:
                     stats = dict(replica.routing_stats or {})

@@ -23,6 +23,7 @@ from ray.serve.config import RequestRouterConfig  # noqa: E402
 from kv.block_hash import hash_full_blocks  # noqa: E402
 from tests.integration.fake_worker import CONTROL_NAMESPACE, FakeControl, FakeWorker  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
+from router.serve_internals import request_router_of  # noqa: E402
 from worker.api import GenerateRequest, SamplingParams  # noqa: E402
 
 # A test that hangs (a stream that never ends) fails on its own instead of eating the session.
@@ -43,9 +44,9 @@ class Fleet:
 
     @property
     def router(self) -> Any:
-        # The handle's request router in this process (Serve internals: handle -> Router
-        # wrapper -> AsyncioRouter -> RequestRouter). Initialised by the handle's first call.
-        return self.handle._router._asyncio_router.request_router
+        # The handle's request router in this process (Serve internals, through their
+        # adapter). Initialised by the handle's first call.
+        return request_router_of(self.handle)
 
     def view(self) -> dict[str, dict[str, Any]]:
         return self.router.routing_view()

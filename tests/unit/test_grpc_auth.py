@@ -26,10 +26,7 @@ class Context(FakeContext):
 
 
 def ingress() -> FakeIngress:
-    host = FakeIngress()
-    host.api_keys = ApiKeys([hashlib.sha256(KEY.encode()).digest()])  # type: ignore[attr-defined]
-    host.key_limits = KeyLimits()  # type: ignore[attr-defined]
-    return host
+    return FakeIngress(api_keys=ApiKeys([hashlib.sha256(KEY.encode()).digest()]), key_limits=KeyLimits())
 
 
 def run(coro: Any) -> Any:
@@ -61,7 +58,7 @@ def test_health_is_open() -> None:
 
 
 def test_no_keys_no_check() -> None:
-    host = FakeIngress()  # no api_keys attribute at all: auth off
+    host = FakeIngress()  # no keys configured: auth off
     context = Context([])
     assert run(host.ListModels(pb.ListModelsRequest(), grpc_context=context)).models
     assert context.code() is None

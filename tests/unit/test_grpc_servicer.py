@@ -1,5 +1,6 @@
-"""GrpcServicerMixin without Ray: a fake worker handle and tokenizer behind the real
-GenerationStream / InFlightLimiter, called the way Serve calls it (keyword grpc_context)."""
+"""The gRPC front end without Ray: a fake worker handle and tokenizer behind the real
+request pipeline (router/pipeline.py: limits, GenerationStream), called through the
+ingress's GrpcMethods the way Serve calls it (keyword grpc_context)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,13 +11,16 @@ import grpc
 import pytest
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
-from router import openai_convert as convert
+from router.auth import ApiKeys
 from router.client import build_generate_request
 from router.generation import InFlightLimiter
 from router.grpc_convert import engine_inputs, replica_stats
-from router.grpc_servicer import GrpcServicerMixin, GrpcStatusError
+from router.grpc_servicer import GrpcMethods, GrpcServicer, GrpcStatusError
+from router.key_limits import KeyLimits
 from router.metrics import IngressMetrics
+from router.pipeline import RequestPipeline
 from router.settings import IngressSettings
+from router.workers import Workers
 from worker.api import GenerateRequest, RequestOutput, TokenLogprob
 
 MAX_MODEL_LEN = 64
@@ -104,29 +108,59 @@ class FakeWorker:
 
         self.generate = _Generate()
         self.check_health = _CheckHealth()
+        self.model_info = _Returning({"max_model_len": MAX_MODEL_LEN, "vocab_size": 256, "block_size": 16})
+        self.stats = _Returning({"total_blocks": 100})
+
+    def broadcast(self, method: str) -> Any:
+        assert method == "stats"
+
+        class _Results:
+            async def results_async(self, timeout_s: float, return_exceptions: bool) -> list[Any]:
+                return [
+                    {"replica_id": "b", "free_blocks": 10, "total_blocks": 20, "block_size": 16, "num_running": 1,
+                     "num_waiting": 2},
+                    {"replica_id": "a", "free_blocks": 5, "total_blocks": 20, "block_size": 16, "num_running": 0,
+                     "num_waiting": 1, "prefix_cache_queries": 4, "prefix_cache_hits": 1},
+                    RuntimeError("a replica that failed is left out"),
+                ]
+
+        return _Results()
 
 
-class FakeIngress(GrpcServicerMixin):
-    def __init__(self, max_queued_requests: int = 2) -> None:
-        self.settings = IngressSettings(
+class _Returning:
+    """A handle method whose `.remote()` returns `value` when awaited."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def remote(self) -> Any:
+        async def call() -> Any:
+            return self.value
+
+        return call()
+
+
+class FakeIngress(GrpcMethods):
+    """The ingress's gRPC side as router/ingress.py builds it, over a fake worker."""
+
+    def __init__(self, max_queued_requests: int = 2, api_keys: ApiKeys | None = None, key_limits: KeyLimits | None = None) -> None:
+        settings = IngressSettings(
             served_model_name="tiny", tokenizer_path="/models/tiny", max_queued_requests=max_queued_requests, request_timeout_s=30.0
         )
         self.worker = FakeWorker()
-        self._generate = self.worker
-        self.tokenizer = FakeTokenizer()
-        self.texts = convert.TokenTexts(self.tokenizer)
-        self.metrics = IngressMetrics("tiny")
-        self.limiter = InFlightLimiter(max_queued_requests, self.metrics)
+        self.pipeline = RequestPipeline(
+            settings, Workers(self.worker, self.worker, settings.stats_timeout_s), FakeTokenizer(), IngressMetrics("tiny"),
+            api_keys or ApiKeys([]), key_limits or KeyLimits(),
+        )
+        self.grpc = GrpcServicer(self.pipeline)
 
-    async def _info(self) -> dict[str, Any]:
-        return {"max_model_len": MAX_MODEL_LEN, "vocab_size": 256, "block_size": 16}
+    @property
+    def settings(self) -> IngressSettings:
+        return self.pipeline.settings
 
-    async def _worker_stats(self) -> list[dict[str, Any]]:
-        return [
-            {"replica_id": "b", "free_blocks": 10, "total_blocks": 20, "block_size": 16, "num_running": 1, "num_waiting": 2},
-            {"replica_id": "a", "free_blocks": 5, "total_blocks": 20, "block_size": 16, "num_running": 0, "num_waiting": 1,
-             "prefix_cache_queries": 4, "prefix_cache_hits": 1},
-        ]
+    @property
+    def limiter(self) -> InFlightLimiter:
+        return self.pipeline.limiter
 
 
 class FakeContext:

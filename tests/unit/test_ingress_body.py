@@ -21,7 +21,9 @@ class FakeRequest:
 
 
 def read(body: bytes, limit: int = 1000, declared: int | None = None) -> object:
-    return asyncio.run(read_json(FakeRequest(body, declared), limit))  # type: ignore[arg-type]
+    data, num_bytes = asyncio.run(read_json(FakeRequest(body, declared), limit))  # type: ignore[arg-type]
+    assert num_bytes == len(body)
+    return data
 
 
 def status(body: bytes, limit: int = 1000, declared: int | None = None) -> int:

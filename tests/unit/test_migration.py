@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from router import errors
 from router.generation import GenerationStream, InFlightLimiter, api_error_of
+from router.key_limits import JointPermit
 from router.metrics import IngressMetrics
 from router.migration import Migration, is_replica_failure
 from router.openai_convert import EngineInput
@@ -102,7 +103,7 @@ async def run_stream(handle: FakeHandle, max_tokens: int, max_migrations: int = 
     inputs = [EngineInput(index=0, prompt_index=0, prompt_token_ids=list(PROMPT), params=params)]
     limiter = InFlightLimiter(4)
     stream = GenerationStream(
-        handle, inputs, "cmpl-test", limiter.acquire(1), 30.0, IngressMetrics("m"), max_migrations=max_migrations
+        handle, inputs, "cmpl-test", JointPermit(limiter.acquire(1), None), 30.0, IngressMetrics("m"), max_migrations=max_migrations
     )
     await stream.start()
     outs = [event.output async for event in stream]
@@ -135,7 +136,7 @@ async def test_beyond_the_migration_limit_the_stream_fails_with_503() -> None:
     handle = FakeHandle([2, 2, 2])
     params = SamplingParams(max_tokens=12, temperature=0.0)
     inputs = [EngineInput(index=0, prompt_index=0, prompt_token_ids=list(PROMPT), params=params)]
-    stream = GenerationStream(handle, inputs, "cmpl-x", InFlightLimiter(4).acquire(1), 30.0, IngressMetrics("m"), max_migrations=2)
+    stream = GenerationStream(handle, inputs, "cmpl-x", JointPermit(InFlightLimiter(4).acquire(1), None), 30.0, IngressMetrics("m"), max_migrations=2)
     await stream.start()
     tokens: list[int] = []
     with pytest.raises(errors.APIError) as info:
@@ -155,7 +156,7 @@ async def test_migration_disabled_and_request_errors_are_not_migrated() -> None:
     handle = FakeHandle([2], error=ValueError("bad request"))
     params = SamplingParams(max_tokens=5, temperature=0.0)
     inputs = [EngineInput(index=0, prompt_index=0, prompt_token_ids=list(PROMPT), params=params)]
-    stream = GenerationStream(handle, inputs, "cmpl-y", InFlightLimiter(4).acquire(1), 30.0, IngressMetrics("m"))
+    stream = GenerationStream(handle, inputs, "cmpl-y", JointPermit(InFlightLimiter(4).acquire(1), None), 30.0, IngressMetrics("m"))
     await stream.start()
     with pytest.raises(errors.APIError) as info:
         async for _ in stream:

@@ -1,0 +1,112 @@
+"""One request pipeline for both front ends: admit -> convert -> charge -> stream -> settle.
+
+    HTTP handler (router/ingress.py)           gRPC method (router/grpc_servicer.py)
+      authenticate, read + validate the body     authenticate, validate the message
+                       \\                         /
+              RequestPipeline.start(principal, weight, ..., to_inputs, request_id)
+                admit    the key's concurrency slot (router/key_limits.py), then this
+                         replica's in-flight share (InFlightLimiter)        -> 429 / 503
+                convert  tokenize + sampling params, with the workers' max_model_len,
+                         off the event loop when the request is large      -> 400
+                charge   the worst case from the key's tokens-per-minute budget -> 429
+                stream   GenerationStream.start(): the engine requests go out through
+                         the worker handle (KV-headroom router) and the first output is
+                         awaited, so that errors before any token have their status
+              -> GenerationStream; the front end converts its events to its wire format
+                settle   when the stream closes (finished, failed, cancelled): the unused
+                         part of the charge is refunded, the slot and share released
+
+Each stage undoes what the earlier ones took when it fails, so a request refused at any
+point holds nothing. The front ends only convert: a body or message into `to_inputs`,
+events into chunks or messages, errors into statuses.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from router.auth import ANONYMOUS, ApiKeys, Principal
+from router.generation import GenerationStream, InFlightLimiter
+from router.key_limits import JointPermit, KeyLimits, worst_case_tokens
+from router.metrics import IngressMetrics
+from router.openai_convert import EngineInput, TokenTexts
+from router.settings import IngressSettings
+from router.workers import Workers
+
+# Requests above this many bytes are tokenized off the event loop (a long prompt takes
+# milliseconds).
+LARGE_REQUEST_BYTES = 64 * 1024
+
+# Builds a request's engine inputs given the longest sequence a worker holds.
+ToInputs = Callable[[int], list[EngineInput]]
+
+
+class RequestPipeline:
+    """What both front ends share: the collaborators and the request's stages."""
+
+    def __init__(
+        self,
+        settings: IngressSettings,
+        workers: Workers,
+        tokenizer: object,
+        metrics: IngressMetrics,
+        api_keys: ApiKeys,
+        key_limits: KeyLimits,
+    ) -> None:
+        self.settings = settings
+        self.workers = workers
+        self.tokenizer = tokenizer
+        self.texts = TokenTexts(tokenizer)
+        self.metrics = metrics
+        self.limiter = InFlightLimiter(settings.max_queued_requests, metrics)
+        self.api_keys = api_keys
+        self.key_limits = key_limits
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The caller of a request with this `Authorization` value (HTTP header or gRPC
+        metadata): ANONYMOUS when keys are off, else APIError 401 unless it is a key."""
+        return self.api_keys.authenticate(authorization)
+
+    async def admit(self, principal: Principal, weight: int) -> JointPermit:
+        """The key's concurrency slot, then this replica's in-flight share (429 for either)."""
+        lease = None
+        if principal is not ANONYMOUS and self.key_limits.enabled:
+            lease = await self.key_limits.acquire(principal.key_id)
+        try:
+            permit = self.limiter.acquire(weight)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        return JointPermit(permit, lease)
+
+    async def start(
+        self,
+        principal: Principal,
+        weight: int,  # engine requests it will send (n x prompts): its in-flight share
+        request_bytes: int,
+        to_inputs: ToInputs,
+        request_id: str,
+        arrival: float,  # time.monotonic() when the request came in
+    ) -> GenerationStream:
+        permit = await self.admit(principal, weight)
+        try:
+            info = await self.workers.model_info()
+            inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]))
+            if permit.lease is not None:
+                await permit.lease.charge(worst_case_tokens(inputs))
+        except BaseException:
+            permit.release()
+            raise
+        stream = GenerationStream(
+            self.workers.generate, inputs, request_id, permit, self.settings.request_timeout_s, self.metrics, arrival,
+            max_migrations=self.settings.max_migrations,
+        )
+        await stream.start()  # on failure the stream has closed: refunded, released
+        return stream
+
+    @staticmethod
+    async def _convert(request_bytes: int, to_inputs: ToInputs, max_model_len: int) -> list[EngineInput]:
+        if request_bytes > LARGE_REQUEST_BYTES:
+            return await asyncio.to_thread(to_inputs, max_model_len)
+        return to_inputs(max_model_len)

@@ -1,0 +1,149 @@
+"""Every private Ray Serve attribute kvserve uses, in one adapter (written against Ray 2.60).
+
+Each function below is the only place its private attribute is touched, and says which
+public API it stands in for (or that Serve has none). `PRIVATE_APIS` lists them all with
+a check that the attribute still exists; tests/unit/test_serve_internals.py runs those
+checks, so a Ray upgrade that moves one fails there, naming the Ray version and the
+attribute, instead of somewhere deep in a routing decision.
+
+Also private, but not an attribute read here: router/grpc_proxy.py wraps the handler
+factory of Serve's gRPC server (`gRPCGenericServer.service_handler_factory`); it is in
+`PRIVATE_APIS` too.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+# -- the request context --------------------------------------------------------------------
+def use_child_request_id(suffix: int | str) -> None:
+    """Give the handle calls this asyncio task makes from now on their own Serve internal
+    request id: `<the request's id>-<suffix>`.
+
+    Why: Serve 2.60 gives every handle call made while serving one request that request's
+    internal id, and its request router indexes pending calls by that id: a second
+    concurrent call to the same deployment is then never fulfilled (with a custom router it
+    hung every n=2 request). A child id per engine request fixes that, and lets routers
+    that key their bookkeeping by the id (the KV-headroom ledger) tell them apart. Serve
+    then no longer links these calls to the HTTP request for cancellation; the caller
+    (router/generation.py) cancels them itself.
+
+    Public API it stands in for: none (Serve has no option to set a handle call's request
+    id). Private: `ray.serve.context._serve_request_context` (a ContextVar),
+    `_get_serve_request_context()` and the `_RequestContext._internal_request_id` field.
+    Only this task's context changes (each asyncio task has its own copy).
+    """
+    from ray.serve import context as serve_context
+
+    current = serve_context._get_serve_request_context()
+    parent = current._internal_request_id or uuid.uuid4().hex
+    serve_context._serve_request_context.set(replace(current, _internal_request_id=f"{parent}-{suffix}"))
+
+
+# -- the request router's base class ----------------------------------------------------------
+def cached_queue_len(request_router: Any, replica_id: Any) -> int | None:
+    """The replica's queue length as Serve last probed it, when the deployment uses Serve's
+    queue-length cache; else None.
+
+    Public API: `RequestRouter.replica_queue_len_cache` (the cache itself). Private:
+    `_use_replica_queue_len_cache` (whether Serve keeps that cache up to date: without it
+    the entries are only what the last probe left, so they are not used).
+    """
+    if not request_router._use_replica_queue_len_cache:
+        return None
+    return request_router.replica_queue_len_cache.get(replica_id)
+
+
+def router_now_s(request_router: Any) -> float:
+    """The router's clock (time.time unless Serve injected another, as its tests do).
+
+    Public API it stands in for: none. Private: `RequestRouter._get_curr_time_s`.
+    """
+    return float(request_router._get_curr_time_s())
+
+
+# -- a handle's request router ----------------------------------------------------------------
+def request_router_of(handle: Any) -> Any:
+    """The RequestRouter instance behind a DeploymentHandle in this process (None until the
+    handle has routed a request), for benchmarks and tests that read its counters.
+
+    Public API it stands in for: none. Private: `DeploymentHandle._router` (the
+    SingletonThreadRouter), its `_asyncio_router` (AsyncioRouter) and that one's public
+    `request_router` property.
+    """
+    router = getattr(handle, "_router", None)
+    if router is None:
+        return None
+    return router._asyncio_router.request_router
+
+
+# -- the registry the unit test checks ------------------------------------------------------------
+@dataclass(frozen=True)
+class PrivateApi:
+    name: str  # where it lives in Ray, as in the docstrings above
+    used_by: str
+    exists: Callable[[], bool]
+
+
+def _context_api() -> bool:
+    from ray.serve import context as serve_context
+
+    context_fields = {f.name for f in fields(serve_context._RequestContext)}
+    return (
+        callable(getattr(serve_context, "_get_serve_request_context", None))
+        and hasattr(serve_context._serve_request_context, "set")
+        and "_internal_request_id" in context_fields
+    )
+
+
+def _router_instance_attribute(name: str) -> Callable[[], bool]:
+    def exists() -> bool:
+        from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+        from ray.serve.request_router import RequestRouter
+
+        class Probe(RequestRouter):
+            async def choose_replicas(self, candidate_replicas: Any, pending_request: Any = None) -> Any:
+                return [candidate_replicas]
+
+        probe = Probe(deployment_id=DeploymentID(name="probe", app_name="probe"), handle_source=DeploymentHandleSource.UNKNOWN)
+        return hasattr(probe, name)
+
+    return exists
+
+
+def _handle_router() -> bool:
+    from ray.serve._private.router import AsyncioRouter, SingletonThreadRouter
+    from ray.serve.handle import DeploymentHandle
+
+    handle_init = inspect.getsource(DeploymentHandle.__mro__[1].__init__)  # _DeploymentHandleBase
+    return (
+        "self._router" in handle_init
+        and "self._asyncio_router" in inspect.getsource(SingletonThreadRouter.__init__)
+        and isinstance(inspect.getattr_static(AsyncioRouter, "request_router"), property)
+    )
+
+
+def _grpc_handler_factory() -> bool:
+    from ray.serve._private import grpc_util
+
+    return "service_handler_factory" in inspect.getsource(grpc_util.gRPCGenericServer)
+
+
+PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    PrivateApi("ray.serve.context._serve_request_context / _RequestContext._internal_request_id",
+               "serve_internals.use_child_request_id", _context_api),
+    PrivateApi("RequestRouter._use_replica_queue_len_cache", "serve_internals.cached_queue_len",
+               _router_instance_attribute("_use_replica_queue_len_cache")),
+    PrivateApi("RequestRouter._get_curr_time_s", "serve_internals.router_now_s",
+               _router_instance_attribute("_get_curr_time_s")),
+    PrivateApi("DeploymentHandle._router._asyncio_router.request_router", "serve_internals.request_router_of",
+               _handle_router),
+    PrivateApi("gRPCGenericServer.service_handler_factory", "router/grpc_proxy.py", _grpc_handler_factory),
+)
