@@ -11,7 +11,6 @@ Entry points:
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import warnings
 from typing import Any
@@ -21,6 +20,7 @@ from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 
 from cluster.config import KVSERVE_POLICY, AutoscalingSection, KVServeConfig
+from cluster.deps import missing
 from cluster.state_store import RedisStoreSpec
 from router.ingress import Ingress
 from router.settings import IngressSettings
@@ -226,16 +226,10 @@ def _cluster_has_gpus() -> bool:
 
 
 def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
-    """KV-headroom routing when asked for and its module is importable; else Serve's
-    default power-of-two-choices (stats are still reported, for metrics and autoscaling)."""
+    """KV-headroom routing when asked for; else Serve's default power-of-two-choices
+    (stats are still reported, for metrics and autoscaling). The router class is part of
+    kvserve (router/request_router.py, imported with router.ingress above): no fallback."""
     if config.routing.router != "kv_headroom":
-        return None
-    module_name, class_name = KV_HEADROOM_ROUTER.split(":")
-    try:
-        module = importlib.import_module(module_name)
-        getattr(module, class_name)
-    except (ImportError, AttributeError) as e:
-        logger.warning("routing 'kv_headroom' unavailable (%s); using Serve's default router", e)
         return None
     return RequestRouterConfig(
         request_router_class=KV_HEADROOM_ROUTER,
@@ -250,17 +244,12 @@ def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
     )
 
 
-def grpc_servicer() -> str | None:
-    """The servicer function to give Serve's gRPC proxy (`gRPCOptions.grpc_servicer_functions`),
-    or None when the generated stubs are missing (HTTP only)."""
+def grpc_servicer() -> str:
+    """The servicer function to give Serve's gRPC proxy (`gRPCOptions.grpc_servicer_functions`):
+    the generated registration plus a cancel fix (router/grpc_proxy.py). Raises
+    MissingDependencyError, with what to install, when grpc or the stubs do not import."""
     try:
-        from router.grpc_proxy import GRPC_SERVICER  # the generated function plus a cancel fix
-
-        return GRPC_SERVICER
-    except ImportError:
-        pass
-    try:
-        importlib.import_module("protos.kvserve.v1.kvserve_pb2_grpc")
-    except ImportError:
-        return None
-    return "protos.kvserve.v1.kvserve_pb2_grpc.add_KVServeServicer_to_server"
+        from router.grpc_proxy import GRPC_SERVICER
+    except ImportError as e:
+        raise missing("the gRPC API (config grpc.enabled)", e) from e
+    return GRPC_SERVICER

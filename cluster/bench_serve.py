@@ -116,11 +116,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 async def bench_serve(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     out = stdout or sys.stdout
     err = stderr or sys.stderr
-    try:
-        import httpx
-    except ImportError:
-        print("kvserve bench: needs httpx (pip install httpx)", file=err)
-        return 2
+    import httpx  # a required dependency; imported here to keep `kvserve --help` quick
     if args.max_concurrency is not None and args.max_concurrency < 1:
         print("kvserve bench: --max-concurrency must be >= 1", file=err)
         return 2

@@ -8,8 +8,8 @@
 
 Subcommands live in a table of "module:function" registrars, imported lazily; each adds
 its own argparse subparser and sets `func`. Another command (e.g. `kvserve bench ...`,
-a gRPC client) is one more line in SUBCOMMANDS; a registrar whose module does not exist
-yet is skipped.
+a gRPC client) is one more line in SUBCOMMANDS. A command whose module does not import
+(a broken install) is still listed; running it says what failed and what to install.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ConfigError, KVServeConfig
+from cluster.deps import MissingDependencyError, missing
 
 # name -> "module:register_function"; register(subparsers) adds the parser, sets func.
 SUBCOMMANDS: dict[str, str] = {
@@ -41,11 +42,28 @@ def build_parser() -> argparse.ArgumentParser:
     for name, target in SUBCOMMANDS.items():
         module_name, function_name = target.split(":")
         try:
-            register = getattr(importlib.import_module(module_name), function_name)
-        except (ImportError, AttributeError):
-            continue  # a command whose code is not there (yet)
-        register(subparsers)
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            register_unavailable(subparsers, name, missing(f"`kvserve {name}`", e))
+            continue
+        getattr(module, function_name)(subparsers)
     return parser
+
+
+def register_unavailable(subparsers: Any, name: str, error: MissingDependencyError) -> None:
+    """A command that cannot run here: it takes any arguments and fails with `error`."""
+    # No option prefix: every argument, `--flag`s included, lands in `args` (argparse would
+    # otherwise reject the command's real flags before `fail` can explain).
+    parser = subparsers.add_parser(
+        name, help=f"(unavailable: {error.name or 'a module'} does not import)", add_help=False, prefix_chars="\0"
+    )
+    parser.add_argument("args", nargs="*")
+
+    def fail(args: argparse.Namespace) -> int:
+        print(f"kvserve: {error}", file=sys.stderr)
+        return 2
+
+    parser.set_defaults(func=fail)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
     except FileNotFoundError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 2
+    except MissingDependencyError as e:  # a feature the config asks for cannot run here
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
 
@@ -251,10 +272,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if grpc:
             # Serve's gRPC proxy has no host option: it listens on every interface.
             print(f"kvserve: gRPC on [::]:{config.grpc.port} (service kvserve.v1.KVServe)", flush=True)
-        elif not config.grpc.enabled:
-            print("kvserve: gRPC off", flush=True)
         else:
-            print("kvserve: gRPC not available (protos.kvserve.v1 stubs not found)", flush=True)
+            print("kvserve: gRPC off", flush=True)
         for line in listen_warnings(config):
             print(f"kvserve: WARNING: {line}", file=sys.stderr, flush=True)
         print("kvserve: Ctrl-C to stop", flush=True)

@@ -25,8 +25,6 @@ import re
 from dataclasses import dataclass
 
 from router import errors
-# The limits lived here before router/key_limits.py.
-from router.key_limits import JointPermit  # noqa: F401  (router/grpc_servicer.py imports it from here)
 
 logger = logging.getLogger(__name__)
 

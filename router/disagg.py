@@ -29,16 +29,13 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ray.serve.request_router import PendingRequest, RunningReplica
+
 from router import errors
 from router.request_router import KVHeadroomRouter
 from worker.api import GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
-
-try:  # Serve's router types, for the annotations only
-    from ray.serve.request_router import PendingRequest, RunningReplica
-except ImportError:  # pragma: no cover
-    PendingRequest = RunningReplica = Any  # type: ignore[misc,assignment]
 
 
 class PrefillPoolRouter(KVHeadroomRouter):

@@ -84,6 +84,23 @@ def request_router_of(handle: Any) -> Any:
     return router._asyncio_router.request_router
 
 
+# -- the controller's gRPC options --------------------------------------------------------------
+def grpc_servicer_functions() -> list[str]:
+    """The servicer functions ("module.function") the running Serve instance's gRPC proxy
+    was started with, for tests that need router/grpc_proxy.py's fix registered. Blocks
+    (ray.get): call it from synchronous code only.
+
+    Public API it stands in for: none (serve.status() does not show the gRPC options).
+    Private: `ray.serve.context._get_global_client()`, its `_controller` actor handle and
+    that actor's `get_grpc_config` method.
+    """
+    import ray
+    from ray.serve.context import _get_global_client
+
+    config = ray.get(_get_global_client()._controller.get_grpc_config.remote())
+    return list(config.grpc_servicer_functions)
+
+
 # -- the registry the unit test checks ------------------------------------------------------------
 @dataclass(frozen=True)
 class PrivateApi:
@@ -136,6 +153,18 @@ def _grpc_handler_factory() -> bool:
     return "service_handler_factory" in inspect.getsource(grpc_util.gRPCGenericServer)
 
 
+def _controller_grpc_config() -> bool:
+    from ray.serve import context as serve_context
+    from ray.serve._private.client import ServeControllerClient
+    from ray.serve._private.controller import ServeController
+
+    return (
+        callable(getattr(serve_context, "_get_global_client", None))
+        and "self._controller" in inspect.getsource(ServeControllerClient.__init__)
+        and callable(getattr(ServeController, "get_grpc_config", None))
+    )
+
+
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("ray.serve.context._serve_request_context / _RequestContext._internal_request_id",
                "serve_internals.use_child_request_id", _context_api),
@@ -146,4 +175,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("DeploymentHandle._router._asyncio_router.request_router", "serve_internals.request_router_of",
                _handle_router),
     PrivateApi("gRPCGenericServer.service_handler_factory", "router/grpc_proxy.py", _grpc_handler_factory),
+    PrivateApi("ray.serve.context._get_global_client()._controller.get_grpc_config",
+               "serve_internals.grpc_servicer_functions", _controller_grpc_config),
 )

@@ -52,14 +52,12 @@ def serve_cluster() -> Iterator[ServeCluster]:
         runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}},
         log_to_driver=False,
     )
-    # The gRPC servicer is included once its generated stubs exist (as `kvserve serve` does).
+    # The gRPC servicer function `kvserve serve` registers.
     from cluster.app import grpc_servicer
 
-    servicer = grpc_servicer()
-    servicers = [servicer] if servicer else []
     serve.start(
         http_options=HTTPOptions(host="127.0.0.1", port=http_port),
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=servicers),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[grpc_servicer()]),
     )
     try:
         yield ServeCluster(http_port, grpc_port)

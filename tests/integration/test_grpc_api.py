@@ -1,5 +1,5 @@
 """kvserve's gRPC API end to end: a real grpcio client -> Ray Serve's gRPC proxy -> the
-ingress (router.grpc_servicer.GrpcServicerMixin) -> a worker replica running a tiny model.
+ingress (router.grpc_servicer: GrpcMethods -> GrpcServicer) -> a worker replica running a tiny model.
 
 The app is cluster.app.build_app's, deployed on the session's Serve instance, whose
 proxy registers the KVServe service through router.grpc_proxy (tests/integration/conftest.py
@@ -29,7 +29,8 @@ from protos.kvserve.v1 import kvserve_pb2 as pb  # noqa: E402
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc  # noqa: E402
 from router.client import KVServeClient, KVServeError  # noqa: E402
 from router.grpc_proxy import GRPC_SERVICER  # noqa: E402
-from router.grpc_servicer import GrpcServicerMixin  # noqa: E402
+from router.grpc_servicer import GrpcMethods  # noqa: E402
+from router.serve_internals import grpc_servicer_functions  # noqa: E402
 from router.ingress import Ingress  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
 from worker.async_engine import EngineDeadError  # noqa: E402
@@ -165,7 +166,7 @@ def rpc_error(call: Callable[[], Any]) -> grpc.RpcError:
 
 # -- the happy paths ----------------------------------------------------------------------------
 def test_list_models_health_and_tokenize(app: GrpcApp) -> None:
-    assert issubclass(Ingress, GrpcServicerMixin)  # without it, the proxy finds no method
+    assert issubclass(Ingress, GrpcMethods)  # without it, the proxy finds no method
     [model] = app.call("ListModels", pb.ListModelsRequest()).models
     assert model.id == MODEL and model.max_model_len == MAX_MODEL_LEN
     assert model.vocab_size == len(app.tokenizer) and model.block_size == BLOCK_SIZE
@@ -334,9 +335,7 @@ def test_cancelling_a_unary_call_aborts_it(app: GrpcApp) -> None:
 
 def proxy_servicer_functions() -> list[str]:
     """The servicer functions the session's Serve gRPC proxy was started with."""
-    from ray.serve.context import _get_global_client
-
-    return list(ray.get(_get_global_client()._controller.get_grpc_config.remote()).grpc_servicer_functions)
+    return grpc_servicer_functions()
 
 
 def test_cancelling_a_stream_the_client_stopped_reading_aborts_it(app: GrpcApp) -> None:
@@ -344,8 +343,7 @@ def test_cancelling_a_stream_the_client_stopped_reading_aborts_it(app: GrpcApp) 
     the client, where the cancellation lands. Serve 2.60's proxy alone leaks the request
     then (it ran to max_tokens); router.grpc_proxy's servicer function fixes it."""
     registered = proxy_servicer_functions()
-    if GRPC_SERVICER not in registered:
-        pytest.skip(f"the proxy registers {registered}; only {GRPC_SERVICER} covers this case")
+    assert GRPC_SERVICER in registered, f"the proxy registers {registered}, without the fix in {GRPC_SERVICER}"
     idle = app.wait_idle()
     # No BDP probing and a 1 KiB stream window: the proxy's writes wait once ~1 KiB is unread.
     options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]

@@ -84,3 +84,30 @@ def test_disaggregate_copies_workers_and_gives_each_pool_its_autoscaling_role(tm
 def test_bad_tensor_parallel_size_is_a_config_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["config", "--tensor-parallel-size", "0"]) == 2
     assert "tensor_parallel_size must be >= 1" in capsys.readouterr().err
+
+
+def test_a_command_whose_module_does_not_import_fails_loudly_with_a_hint(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A broken install does not make a command vanish: it is listed, and running it says
+    what did not import and what to install; the other commands still work."""
+    # `None` in sys.modules makes importing that name raise ImportError (name set).
+    monkeypatch.setitem(__import__("sys").modules, "cluster.bench_serve", None)
+    parser = cli.build_parser()
+    assert "bench" in parser.format_help()
+    assert cli.main(["bench", "--num-prompts", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "`kvserve bench` is unavailable" in err and "cluster.bench_serve" in err and "pip install -e ." in err
+    assert cli.main(["config"]) == 0
+
+
+def test_install_hints_name_the_distribution() -> None:
+    from cluster.deps import install_hint, missing
+
+    assert install_hint(ImportError("x", name="grpc")) == "pip install grpcio"
+    assert install_hint(ImportError("x", name="yaml.loader")) == "pip install pyyaml"
+    assert install_hint(ImportError("x", name="httpx")) == "pip install httpx"
+    error = missing("the gRPC API", ModuleNotFoundError("No module named 'grpc'", name="grpc"))
+    assert isinstance(error, ImportError) and str(error) == (
+        "the gRPC API is unavailable: No module named 'grpc'. Install it: pip install grpcio"
+    )

@@ -103,11 +103,6 @@ def test_drain_options() -> None:
 def test_router_selection() -> None:
     assert "request_router_config" not in worker_options(config(routing={"router": "pow2"}))
     chosen = worker_options(config(routing={"router": "kv_headroom", "stats_period_s": 0.5})).get("request_router_config")
-    try:
-        import router.request_router  # noqa: F401
-    except ImportError:
-        assert chosen is None  # falls back to Serve's default until the module exists
-        return
     assert isinstance(chosen, RequestRouterConfig)
     assert chosen.request_router_class == KV_HEADROOM_ROUTER and chosen.request_routing_stats_period_s == 0.5
 
@@ -135,3 +130,16 @@ def test_state_store_reaches_the_ingress_settings_without_the_password() -> None
     assert pickle.loads(pickle.dumps(spec)) == spec  # what Serve sends to the replicas: no secret in it
     custom = config(state={"redis_url": "redis://r:6379", "key_prefix": "team-a", "redis_password_env": None})
     assert ingress_settings(custom).state_store.key_prefix == "team-a"  # type: ignore[union-attr]
+
+
+def test_grpc_servicer_is_the_cancel_safe_one_or_a_loud_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from cluster.app import grpc_servicer
+    from cluster.deps import MissingDependencyError
+    from router.grpc_proxy import GRPC_SERVICER
+
+    assert grpc_servicer() == GRPC_SERVICER
+    monkeypatch.setitem(sys.modules, "router.grpc_proxy", None)  # as if grpc or the stubs did not import
+    with pytest.raises(MissingDependencyError, match=r"gRPC API .* is unavailable: .*Install it: "):
+        grpc_servicer()

@@ -128,12 +128,33 @@ def test_only_the_kvserve_streaming_handlers_are_wrapped() -> None:
 
 
 def test_a_plain_grpc_server_gets_the_generated_registration() -> None:
+    """A server that is not Serve's (no service_handler_factory) gets exactly the generated
+    registration: the service answers over loopback, and an undecodable request gets
+    grpc's own INTERNAL (no tolerant deserializer was put in)."""
     import grpc
     from concurrent import futures
 
+    from protos.kvserve.v1 import kvserve_pb2 as pb
+    from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+
+    class Servicer(pb_grpc.KVServeServicer):
+        def Tokenize(self, request: Any, context: Any) -> Any:  # noqa: N802 (grpc's name)
+            return pb.TokenizeResponse(token_ids=[7, 8], count=2)
+
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
-    grpc_proxy.add_KVServeServicer_to_server(Mock(), server)  # no service_handler_factory: as generated
-    server.stop(None)
+    grpc_proxy.add_KVServeServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = pb_grpc.KVServeStub(channel).Tokenize(pb.TokenizeRequest(prompt="hi"), timeout=30)
+            assert list(reply.token_ids) == [7, 8] and reply.count == 2
+            raw = channel.unary_unary("/kvserve.v1.KVServe/Tokenize")  # bytes in, bytes out
+            with pytest.raises(grpc.RpcError) as info:
+                raw(b"\xff\xff\xff\xff", timeout=30)
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+    finally:
+        server.stop(None)
 
 
 def test_undecodable_requests_become_a_marker_and_invalid_argument() -> None:
