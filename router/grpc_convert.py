@@ -3,7 +3,7 @@ engine / OpenAI side: request messages -> OpenAI request bodies -> EngineInputs,
 outputs -> response fields, worker stats -> ReplicaStats, APIError -> gRPC status code.
 
 Pure functions and values, no RPC plumbing: the RPC methods that use them are
-router/grpc_servicer.py's GrpcServicerMixin. Requests are validated through the OpenAI
+router/grpc_servicer.py's GrpcServicer. Requests are validated through the OpenAI
 request models (router/openai_protocol.py), so both APIs accept and reject the same
 values with the same messages.
 """

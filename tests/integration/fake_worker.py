@@ -2,7 +2,7 @@
 
 `FakeWorker` speaks the worker contract the router relies on (worker/replica.py):
 `generate(GenerateRequest)` is an async generator, and `record_routing_stats()` returns the
-ROUTING_STATS_KEYS dict. Its state (free blocks, cached prefix hashes, waiting queue) is
+worker.api.RoutingStats dict. Its state (free blocks, cached prefix hashes, waiting queue) is
 set by the test through `FakeControl`, a named Ray actor every replica reads:
 
   * each replica registers with the control actor and gets an ordinal (0, 1, 2...) and
