@@ -328,3 +328,20 @@ def test_an_import_is_admitted_under_max_num_seqs_like_any_request() -> None:
     # The import waited (a WAITING sequence) until x's slot was free; x's 2 decode steps come first.
     assert order == ["x", "x", "r", "r"]
     assert decode.kv.num_free_blocks == decode.kv.num_total_blocks
+
+
+def test_a_runner_without_kv_transfer_refuses_exports_and_imports() -> None:
+    from worker.kv_connector import NullConnector
+
+    export = _prefill(_engine(), "r", list(range(5, 15)))
+    engine = Engine(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=BLOCK, num_blocks_override=16), FakeRunner(16), vocab_size=VOCAB,
+    )
+    assert isinstance(engine.connector, NullConnector)
+    with pytest.raises(KVImportError, match="cannot export"):
+        engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=1), export_kv=True)
+    with pytest.raises(KVImportError, match="no KV cache to import into"):
+        engine.add_request("r", list(range(5, 15)), SamplingParams(max_tokens=4), kv_import=export)
+    assert not engine.seqs and not engine.has_unfinished()
+
