@@ -1,44 +1,35 @@
-"""The engine core: schedule -> execute -> update, one iteration per `step()`.
+"""The engine core: schedule -> execute -> postprocess, one iteration per `step()`.
 
 Synchronous and single-threaded on purpose (the async wrapper runs it on its own thread):
 the scheduler, block pool and sequences are only ever touched from one thread.
+Disaggregation (KV export and import) is not in the step: the KV connector
+(worker/kv_connector.py) is called at fixed points of it.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import TypeVar
 
-from kv.block_hash import hash_full_blocks
-from kv.block_pool import Block
 from kv.cache_manager import KVCacheManager, cdiv
 from kv.stats import KVStats
-from kv.transfer import DEFAULT_PIN_TIMEOUT_S, KVExport, KVTransferError, dtype_name
+from kv.transfer import KVExport, KVTransferError
 from worker.api import KVImportError, RequestError  # noqa: F401  (importers of worker.engine)
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from worker.kv_connector import KVConnector, SavedKV, make_connector
 from worker.outputs import RequestOutput
+from worker.runner_protocols import Runner
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-
-class Runner(Protocol):
-    """What the engine needs from a model runner (the real one, or a fake in tests)."""
-
-    num_blocks: int
-
-    def execute(self, plan: SchedulerOutput) -> object: ...  # -> RunnerOutput
-
-    # For disaggregation, a runner also offers (ModelRunner and TPModelRunner do):
-    #   kv_spec: KVCacheSpec                  the layout of an export (all KV heads)
-    #   export_kv(block_ids) -> Tensor        (layers, 2, len(block_ids) * bs, Hkv, D)
-    #   import_kv(block_ids, kv) -> None      the inverse, into this runner's own blocks
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,6 +60,8 @@ class Engine:
         vocab_size: int,
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
+        if not isinstance(runner, Runner):
+            raise TypeError(f"{type(runner).__name__} is not a runner (needs num_blocks and execute(plan))")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.runner = runner
@@ -76,6 +69,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.kv = KVCacheManager(runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.connector: KVConnector = make_connector(runner, self.kv, vocab_size)
         self.seqs: dict[str, Sequence] = {}
         self.model_path: Path | None = None  # set when built from a model directory
         self.num_steps = 0
@@ -84,18 +78,6 @@ class Engine:
         self.forward_time_s = 0.0
         self.schedule_time_s = 0.0  # in Scheduler.schedule + Scheduler.update (CPU work)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
-        # Disaggregation (kv/transfer.py). Prefill side: requests whose KV is exported when
-        # their first token is sampled; the exported blocks stay pinned (an extra reference)
-        # until release_kv or their deadline. Decode side: imported
-        # requests waiting for blocks, admitted first thing in a step, FIFO.
-        self.pin_timeout_s = DEFAULT_PIN_TIMEOUT_S
-        self._export_ids: set[str] = set()
-        self._pinned: dict[str, tuple[list[Block], float]] = {}
-        self._next_deadline = float("inf")  # earliest pin deadline (inf: none)
-        self._pending_imports: deque[tuple[Sequence, KVExport]] = deque()
-        # Tests only (fault tests): the n-th executed step raises once, as a runner bug would.
-        self._fail_step = int(os.environ.get("KVSERVE_FAULT_INJECT_STEP_FAILURE", "0") or 0)
-        self._num_executed = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -108,6 +90,7 @@ class Engine:
         max_model_len = min(config.scheduler.max_model_len, hf_config.max_position_embeddings)
         scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         config = replace(config, model=replace(config.model, model=str(path)), scheduler=scheduler_config)
+        runner: Runner
         if config.model.tensor_parallel_size > 1:
             from worker.tp.runner import TPModelRunner
 
@@ -160,176 +143,83 @@ class Engine:
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
-        if kv_import is not None:
-            self._check_import(prompt_token_ids, params, kv_import)
-        if export_kv and getattr(self.runner, "kv_spec", None) is None:
-            raise KVImportError("this engine's runner cannot export its KV cache")
-        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
-        self.seqs[request_id] = seq
-        if export_kv:
-            self._export_ids.add(request_id)
-        if kv_import is not None:
-            assert kv_import.next_token_id is not None
-            seq.append_token(kv_import.next_token_id)
-            seq.num_cached_tokens = kv_import.num_cached_tokens
-            self._pending_imports.append((seq, kv_import))
-        else:
-            self.scheduler.add(seq)
-
-    # -- disaggregation: KV export (prefill side) and import (decode side) -----------------
-    def _check_import(self, prompt_token_ids: list[int], params: SamplingParams, export: KVExport) -> None:
-        spec = getattr(self.runner, "kv_spec", None)
-        if spec is None:
-            raise KVImportError("this engine's runner has no KV cache to import into")
         try:
-            export.check_compatible(spec)
+            self.connector.check_request(prompt_token_ids, params, export_kv, kv_import)
         except KVTransferError as e:
             raise KVImportError(str(e)) from None
-        if list(prompt_token_ids) != list(export.token_ids):
-            raise KVImportError(f"the KV export of {export.request_id!r} holds other tokens than the prompt")
-        if export.next_token_id is None or not 0 <= export.next_token_id < self.vocab_size:
-            raise KVImportError(f"the KV export of {export.request_id!r} has no valid first token")
-        if params.max_tokens < 2:
-            raise KVImportError("an imported request must still have tokens to generate (max_tokens >= 2)")
+        seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
+        self.connector.add_request(seq, export_kv, kv_import)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
 
-    def _admit_imports(self) -> list[RequestOutput]:
-        """Give imported requests their own blocks, write their KV there, register the full
-        blocks in the prefix cache and put them straight into `running`. Returns the
-        outputs of imports that failed (their blocks are free again)."""
-        failed: list[RequestOutput] = []
-        while self._pending_imports and self.scheduler.num_running < self.scheduler_config.max_num_seqs:
-            seq, export = self._pending_imports[0]
-            if not self.kv.can_allocate(seq.request_id, export.num_tokens):
-                break  # wait for blocks to free up (FIFO: a big import is not starved)
-            self._pending_imports.popleft()
-            block_ids = self.kv.allocate(seq.request_id, export.num_tokens)
-            try:
-                self.runner.import_kv(block_ids, export.kv)  # type: ignore[attr-defined]
-            except Exception as e:  # e.g. a dead tensor-parallel rank
-                logger.exception("KV import of %s failed", seq.request_id)
-                self.kv.free(seq.request_id)  # not in waiting or running yet: end it here
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
-                failed.append(self._fail_one(seq, f"KV import failed: {type(e).__name__}: {e}"))
-                continue
-            seq.num_computed_tokens = export.num_tokens
-            self.kv.cache_computed(seq.request_id, seq.token_ids, export.num_tokens)
-            seq.status = SequenceStatus.RUNNING
-            self.scheduler.running.append(seq)
-        return failed
-
-    def _export(self, seq: Sequence, blocks: list[Block]) -> KVExport:
-        n = seq.num_computed_tokens  # the prompt; the token just sampled is not computed
-        spec = self.runner.kv_spec  # type: ignore[attr-defined]  # all heads, under TP too
-        block_ids = [b.block_id for b in blocks[: cdiv(n, self.kv.block_size)]]
-        return KVExport(
-            request_id=seq.request_id,
-            kv=self.runner.export_kv(block_ids),  # type: ignore[attr-defined]
-            token_ids=seq.token_ids[:n],
-            next_token_id=seq.token_ids[n] if n < seq.num_tokens else None,
-            block_size=self.kv.block_size,
-            dtype=dtype_name(spec.dtype),
-            num_layers=spec.num_layers,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            block_hashes=hash_full_blocks(seq.token_ids[:n], self.kv.block_size),
-            num_cached_tokens=seq.num_cached_tokens,
-        )
-
+    # -- disaggregation: the connector's pins, as the async engine and replica see them -----
     def release_kv(self, request_id: str) -> bool:
         """The decode side has the request's KV (or gave up): unpin its blocks."""
-        pinned = self._pinned.pop(request_id, None)
-        if pinned is None:
-            return False
-        self.kv.unpin(pinned[0])
-        return True
-
-    def expire_pins(self, now: float | None = None) -> int:
-        """Unpin exports nobody acknowledged within pin_timeout_s. Returns how many."""
-        now = time.monotonic() if now is None else now
-        # A scan, but over the transfers in flight only (few), and only once one is due.
-        if self._next_deadline > now:
-            return 0
-        expired = [request_id for request_id, (_, deadline) in self._pinned.items() if deadline <= now]
-        for request_id in expired:
-            logger.warning("KV export of %s was not acknowledged within %.0f s; freeing it", request_id, self.pin_timeout_s)
-            self.release_kv(request_id)
-        self._next_deadline = min((d for _, d in self._pinned.values()), default=float("inf"))
-        return len(expired)
+        return self.connector.release_kv(request_id)
 
     def next_pin_deadline(self) -> float | None:
-        return self._next_deadline if self._pinned else None
+        return self.connector.next_pin_deadline()
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(blocks) for blocks, _ in self._pinned.values())
+        return self.connector.num_pinned_blocks
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks (pinned exported ones too) are free when this returns."""
-        self.release_kv(request_id)
-        self._export_ids.discard(request_id)
+        self.connector.request_finished(request_id)
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
-        pending = next((item for item in self._pending_imports if item[0] is seq), None)
-        if pending is not None:  # never admitted: it holds no blocks
-            self._pending_imports.remove(pending)
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "abort"
-        else:
-            self.scheduler.finish(seq, "abort")
+        self.scheduler.finish(seq, "abort")
         return self._output(seq, [], None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_imports)
+        return self.scheduler.has_unfinished()
 
     # -- the iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Plan, run, apply, publish."""
         start = time.perf_counter()
-        if self._pinned:
-            self.expire_pins()
-        failed = self._admit_imports() if self._pending_imports else []
-        t = time.perf_counter()
-        plan = self.scheduler.schedule()
-        self.schedule_time_s += time.perf_counter() - t
+        self.connector.expire_pins()
+        plan = self._timed(self.scheduler.schedule)
+        outputs = self._load_kv(plan)  # imports admitted this step: their KV into their blocks
         if plan.is_empty:
-            return failed
+            return outputs
         try:
-            self._num_executed += 1
-            if self._num_executed == self._fail_step:
-                raise RuntimeError(f"injected fault (KVSERVE_FAULT_INJECT_STEP_FAILURE={self._fail_step})")
             result = self.runner.execute(plan)
         except Exception as e:  # fail this step's requests, keep serving the rest
             logger.exception("engine step failed; failing %d requests", len(plan.seqs))
-            return failed + self._fail(plan, e)
-        # Exported requests sample their first token now; update() frees finished ones,
-        # so their blocks are pinned first (the KV is copied out below, after update).
-        exporting = (
-            [(seq, self.kv.pin(seq.request_id)) for i, seq in enumerate(plan.seqs)
-             if seq.request_id in self._export_ids and plan.samples(i)]
-            if self._export_ids else []
-        )
+            return outputs + self._fail(plan, e)
+        saved = self.connector.save_kv(plan, result.token_ids)  # before update frees blocks
+        changed = self._timed(self.scheduler.update, plan, result.token_ids)
+        outputs += self._postprocess(plan, result.logprobs, changed, saved)
+        self._account(len(changed), time.perf_counter() - start, result.forward_s)
+        return outputs
+
+    def _timed(self, fn: Callable[..., T], *args: object) -> T:
+        """Scheduler work, counted in scheduler_share."""
         t = time.perf_counter()
-        changed = self.scheduler.update(plan, result.token_ids)
-        self.schedule_time_s += time.perf_counter() - t
-        exports: dict[str, KVExport] = {}
-        export_errors: dict[str, str] = {}
-        for seq, blocks in exporting:
-            self._export_ids.discard(seq.request_id)
-            if seq.num_computed_tokens < seq.num_tokens:  # it did get its token
-                try:
-                    exports[seq.request_id] = self._export(seq, blocks)
-                except Exception as e:  # e.g. a dead tensor-parallel rank
-                    logger.exception("KV export of %s failed", seq.request_id)
-                    self.kv.unpin(blocks)
-                    export_errors[seq.request_id] = f"KV export failed: {type(e).__name__}: {e}"
-                    continue
-                deadline = time.monotonic() + self.pin_timeout_s
-                self._pinned[seq.request_id] = (blocks, deadline)
-                self._next_deadline = min(self._next_deadline, deadline)
-            else:
-                self.kv.unpin(blocks)
-        logprobs_of = {seq.request_id: lp for seq, lp in zip(plan.seqs, result.logprobs)}
-        outputs = failed
+        try:
+            return fn(*args)
+        finally:
+            self.schedule_time_s += time.perf_counter() - t
+
+    def _load_kv(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Let the connector write imported KV; a failed import leaves the plan and fails."""
+        if not plan.kv_imports:
+            return []
+        outputs = []
+        for seq, message in self.connector.load_kv(plan):
+            plan.remove(seq)
+            outputs.append(self._fail_one(seq, message))
+        return outputs
+
+    def _postprocess(
+        self, plan: SchedulerOutput, logprobs: list, changed: list[Sequence], saved: SavedKV
+    ) -> list[RequestOutput]:
+        """One output per sequence that got a token; an export rides on its first one."""
+        logprobs_of = {seq.request_id: lp for seq, lp in zip(plan.seqs, logprobs)}
+        outputs = []
         now = time.monotonic()
         for seq in changed:
             if seq.first_token_time is None:
@@ -337,12 +227,13 @@ class Engine:
             if seq.is_finished:
                 del self.seqs[seq.request_id]
             lp = logprobs_of.get(seq.request_id)
-            outputs.append(self._output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None))
-            if seq.request_id in exports:
-                outputs[-1].extra["kv_export"] = exports[seq.request_id]
-            elif seq.request_id in export_errors:
-                outputs[-1] = self._fail_one(seq, export_errors[seq.request_id])
-        self._account(len(changed), time.perf_counter() - start, result.forward_s)
+            out = self._output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None)
+            kv = saved.get(seq.request_id)
+            if isinstance(kv, str):  # its KV export failed: an error, not a clean finish
+                out = self._fail_one(seq, kv)
+            elif kv is not None:
+                out.extra["kv_export"] = kv
+            outputs.append(out)
         return outputs
 
     def _fail(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -351,6 +242,7 @@ class Engine:
 
     def _fail_one(self, seq: Sequence, message: str) -> RequestOutput:
         """End one request with an error; its blocks are free when this returns."""
+        self.connector.request_finished(seq.request_id)
         if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq, "error")
         # A request can fail after it finished normally this step (a failed KV export of a

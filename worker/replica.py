@@ -25,6 +25,7 @@ from kv.transfer import KVHandle, KVTransport, make_transport
 from worker.api import GenerateRequest, ReplicaDrainingError, RequestOutput, RoutingStats
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
+from worker.runner_protocols import HealthCheckedRunner
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +160,8 @@ class WorkerReplica:
         if not self.engine.is_alive:
             raise RuntimeError("engine loop has stopped")
         # A tensor-parallel runner with a dead rank cannot recover: Serve must replace us.
-        runner = getattr(getattr(self.engine, "engine", None), "runner", None)
-        if hasattr(runner, "check_health"):
+        runner = self.engine.engine.runner
+        if isinstance(runner, HealthCheckedRunner):
             runner.check_health()
 
     def __del__(self) -> Coroutine[Any, Any, None] | None:

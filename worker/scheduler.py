@@ -10,6 +10,9 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
 2. then waiting sequences in FIFO order fill what is left of the token budget with
    prompt chunks (chunked prefill), up to `max_num_seqs`, admitted only when their
    blocks fit. A blocked head of the queue blocks those behind it (no starvation).
+   A sequence carrying imported KV (`seq.kv_import`, disaggregation) is admitted by the
+   same rule; its prompt counts as computed (the KV connector writes the payload into
+   its blocks before the step executes), so it only schedules its first decode token.
 Torch-free on purpose: it is unit-tested on its own.
 """
 from __future__ import annotations
@@ -31,6 +34,8 @@ class SchedulerOutput:
     num_new_tokens: list[int] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Admitted this step with imported KV: the connector loads it before execute.
+    kv_imports: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -39,6 +44,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the plan before it executes (its KV import failed)."""
+        i = next(j for j, s in enumerate(self.seqs) if s is seq)
+        del self.seqs[i], self.num_new_tokens[i], self.block_ids[i]
 
     def samples(self, i: int) -> bool:
         """Does seqs[i] reach the end of its tokens this step (and so sample one)?"""
@@ -101,16 +111,21 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids)
-            num_hit_tokens = len(hits) * self.kv.block_size
-            num_new = min(seq.num_tokens - num_hit_tokens, budget)
-            if not self.kv.can_allocate(seq.request_id, num_hit_tokens + num_new, hits):
+            if seq.kv_import is not None:  # its prompt's KV arrives with it
+                hits, num_computed = [], seq.kv_import.num_tokens
+            else:
+                hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids)
+                num_computed = len(hits) * self.kv.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not self.kv.can_allocate(seq.request_id, num_computed + num_new, hits):
                 break
-            block_ids = self.kv.allocate(seq.request_id, num_hit_tokens + num_new, hits)
-            if seq.num_preemptions == 0:
-                self.kv.record_admission(seq.num_prompt_tokens, num_hit_tokens)
-                seq.num_cached_tokens = num_hit_tokens
-            seq.num_computed_tokens = num_hit_tokens
+            block_ids = self.kv.allocate(seq.request_id, num_computed + num_new, hits)
+            if seq.kv_import is not None:
+                out.kv_imports.append(seq)
+            elif seq.num_preemptions == 0:
+                self.kv.record_admission(seq.num_prompt_tokens, num_computed)
+                seq.num_cached_tokens = num_computed
+            seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)

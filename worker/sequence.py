@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kv.transfer import KVExport
 
 
 class SequenceStatus(enum.Enum):
@@ -41,6 +44,7 @@ class Sequence:
         "num_preemptions",
         "sampler_state",
         "eos_token_ids",
+        "kv_import",
     )
 
     def __init__(
@@ -66,6 +70,9 @@ class Sequence:
         # Opaque per-request state owned by the sampler (e.g. a seeded torch.Generator).
         self.sampler_state: Any = None
         self.eos_token_ids = eos_token_ids
+        # Disaggregation, decode side: the prompt's KV computed elsewhere, until admission
+        # writes it into this sequence's blocks (worker/kv_connector.py); then None.
+        self.kv_import: KVExport | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -3,8 +3,8 @@
 `FakeEngineWorker` is worker/replica.py's `WorkerReplica` unchanged (generate, the stats Serve
 reads for routing and autoscaling, the drain on removal) over the real `Engine` and
 `AsyncEngine` (scheduler, KV block pool, waiting queue, step thread). Only the model runner
-is fake: every step sleeps `step_s` and samples token `TOKEN` for each row that reaches its
-end, so a request with `max_tokens` k and no EOS runs exactly k decode steps. With a small
+is fake (tests/fake_runner.py): every step takes `step_s` and samples token `TOKEN` for each
+row that reaches its end, so a request with `max_tokens` k and no EOS runs exactly k decode steps. With a small
 `max_num_seqs` the waiting queue grows under load exactly as a real engine's does.
 
 No Ray at import: unit tests build one directly (`make_fake_engine`, `FakeEngineWorker`);
@@ -13,39 +13,16 @@ carries `extra["replica_id"]`, so a test knows which replica served a request.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
+from tests.fake_runner import TOKEN, VOCAB, FakeRunner
 from worker.async_engine import AsyncEngine
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
 from worker.outputs import RequestOutput
 from worker.replica import GenerateRequest, WorkerReplica, _replica_id
-from worker.scheduler import SchedulerOutput
 
-VOCAB = 64
-TOKEN = 7  # every sampled token (never an EOS: the engine gets no EOS ids)
-
-
-@dataclass
-class _RunnerOutput:
-    token_ids: list[int | None]
-    logprobs: list[None]
-    forward_s: float
-
-
-class SleepRunner:
-    """A model runner that takes `step_s` per step and computes nothing."""
-
-    def __init__(self, num_blocks: int, step_s: float) -> None:
-        self.num_blocks = num_blocks
-        self.step_s = step_s
-
-    def execute(self, plan: SchedulerOutput) -> _RunnerOutput:
-        time.sleep(self.step_s)
-        token_ids = [TOKEN if plan.samples(i) else None for i in range(len(plan.seqs))]
-        return _RunnerOutput(token_ids, [None] * len(token_ids), self.step_s)
+__all__ = ["TOKEN", "FakeEngineWorker", "make_fake_engine"]  # TOKEN: every sampled token (no EOS ids here)
 
 
 def make_fake_engine(
@@ -58,7 +35,7 @@ def make_fake_engine(
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_model_len,
                                 max_model_len=max_model_len)
     cache = CacheConfig(block_size=block_size, num_blocks_override=num_blocks)
-    engine = Engine(scheduler, cache, SleepRunner(num_blocks, step_s), VOCAB)
+    engine = Engine(scheduler, cache, FakeRunner(num_blocks, TOKEN, vocab_size=VOCAB, step_s=step_s), VOCAB)
     return AsyncEngine(engine, tokenizer=None)  # no tokenizer: outputs carry token ids only
 
 

@@ -3,8 +3,8 @@
 - a worker replica killed (ray.kill) while greedy streams run: every stream completes,
   token-identical to an undisturbed run (request migration); Serve replaces the replica;
   no KV block leaks on the survivors;
-- an engine step that raises (KVSERVE_FAULT_INJECT_STEP_FAILURE, test-only): only that
-  step's request fails, clearly; the next ones are served;
+- an engine step that raises (a worker whose runner is wrapped by tests/fault_runner.py,
+  test-only): only that step's request fails, clearly; the next ones are served;
 - overload well above capacity for OVERLOAD_S seconds: accepted requests complete, the
   excess gets 429, worker RSS stays flat, latency is back to normal afterwards;
 - SIGTERM to `kvserve serve` while a request streams: it finishes, new requests get 503
@@ -258,7 +258,7 @@ def test_engine_step_failure_fails_only_that_step(serve_cluster: Any, model_dir:
     from cluster.app import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, ingress_options, ingress_settings, worker_options
     from cluster.config import KVServeConfig
     from router.ingress import Ingress
-    from worker.replica import WorkerReplica
+    from tests.integration.failing_worker import FailingStepWorker
 
     name, prefix = "faults-step", "/faults-step"
     config = KVServeConfig.from_dict(
@@ -272,14 +272,16 @@ def test_engine_step_failure_fails_only_that_step(serve_cluster: Any, model_dir:
         }
     )
     options = worker_options(config)
-    # The test-only fault hook: the first engine step raises, once.
+    # The test-only fault hook: a worker whose runner raises on the first engine step, once
+    # (it imports tests/, so the replica gets the repository on its path).
     options["ray_actor_options"] = {
         **options["ray_actor_options"],
-        "runtime_env": {"env_vars": {"KVSERVE_FAULT_INJECT_STEP_FAILURE": "1", "PYTHONPATH": str(REPO_ROOT)}},
+        "runtime_env": {"env_vars": {"PYTHONPATH": str(REPO_ROOT)}},
     }
-    worker = serve.deployment(WorkerReplica, name=WORKER_DEPLOYMENT).options(**options)
+    worker = serve.deployment(FailingStepWorker, name=WORKER_DEPLOYMENT).options(**options)
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
-    serve.run(ingress.bind(worker.bind(config.engine_config()), ingress_settings(config)), name=name, route_prefix=prefix)
+    bound_worker = worker.bind(config.engine_config(), fail_on_step=1)
+    serve.run(ingress.bind(bound_worker, ingress_settings(config)), name=name, route_prefix=prefix)
     try:
         root = f"{serve_cluster.http_url}{prefix}"
         with httpx.Client(timeout=120.0) as client:

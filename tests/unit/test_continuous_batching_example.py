@@ -9,13 +9,12 @@ Eight requests with output lengths [5, 50, 8, 12, 40, 3, 30, 7] share four slots
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from fractions import Fraction
 
+from tests.fake_runner import FakeRunner
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
 from worker.sampling_params import SamplingParams
-from worker.scheduler import SchedulerOutput
 
 OUTPUT_LENS = [5, 50, 8, 12, 40, 3, 30, 7]
 NUM_SLOTS = 4
@@ -23,31 +22,11 @@ TOKEN = 7  # never EOS (and ignore_eos is set anyway)
 EOS = 2
 
 
-@dataclass
-class FakeRunnerOutput:
-    token_ids: list[int | None]
-    logprobs: list[None]
-    forward_s: float = 0.0
-
-
-class FakeRunner:
-    """Samples TOKEN for every row that reaches the end of its tokens; no model."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.num_calls = 0
-
-    def execute(self, plan: SchedulerOutput) -> FakeRunnerOutput:
-        self.num_calls += 1
-        token_ids = [TOKEN if plan.samples(i) else None for i in range(len(plan.seqs))]
-        return FakeRunnerOutput(token_ids, [None] * len(token_ids))
-
-
 def make_engine() -> Engine:
     return Engine(
         SchedulerConfig(max_num_seqs=NUM_SLOTS, max_num_batched_tokens=4096, max_model_len=256),
         CacheConfig(block_size=16),
-        FakeRunner(num_blocks=128),
+        FakeRunner(num_blocks=128, token=TOKEN),  # no model: samples TOKEN
         vocab_size=100,
         eos_token_ids=frozenset({EOS}),
     )

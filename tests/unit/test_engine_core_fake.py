@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
 
 import pytest
 
-from kv.cache_manager import cdiv
+from tests.fake_runner import EOS, VOCAB, FakeRunner
+from tests.fault_runner import install_failing_runner
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine, RequestError
 from worker.outputs import RequestOutput
@@ -19,63 +19,7 @@ from worker.sampling_params import (
     SamplingParams,
     SamplingParamsError,
 )
-from worker.scheduler import SchedulerOutput
 from worker.sequence import SequenceStatus
-
-VOCAB = 64
-EOS = 2
-
-
-@dataclass
-class FakeRunnerOutput:
-    token_ids: list[int | None]
-    logprobs: list[None]
-    forward_s: float = 0.0
-
-
-class FakeRunner:
-    """Samples a random token (EOS with probability `eos_prob`) for every row that reaches
-    the end of its tokens; checks the plan's invariants on the way."""
-
-    def __init__(self, num_blocks: int, seed: int = 0, eos_prob: float = 0.0, fixed: int | None = None) -> None:
-        self.num_blocks = num_blocks
-        self.rng = random.Random(seed)
-        self.eos_prob = eos_prob
-        self.fixed = fixed
-        self.num_calls = 0
-        self.fail_on_call: int | None = None  # raise on this call number (1-based)
-        self.block_size = 0
-        self.config: SchedulerConfig | None = None
-
-    def execute(self, plan: SchedulerOutput) -> FakeRunnerOutput:
-        self.num_calls += 1
-        if self.num_calls == self.fail_on_call:
-            raise RuntimeError("boom")
-        if self.config is not None:
-            self._check(plan)
-        token_ids: list[int | None] = []
-        for i in range(len(plan.seqs)):
-            if not plan.samples(i):
-                token_ids.append(None)
-            elif self.fixed is not None:
-                token_ids.append(self.fixed)
-            elif self.rng.random() < self.eos_prob:
-                token_ids.append(EOS)
-            else:
-                token_ids.append(self.rng.randrange(3, VOCAB))
-        return FakeRunnerOutput(token_ids, [None] * len(token_ids))
-
-    def _check(self, plan: SchedulerOutput) -> None:
-        assert self.config is not None
-        assert 0 < len(plan.seqs) <= self.config.max_num_seqs
-        assert plan.num_batched_tokens <= self.config.max_num_batched_tokens
-        assert len({s.request_id for s in plan.seqs}) == len(plan.seqs)
-        for seq, num_new, block_ids in zip(plan.seqs, plan.num_new_tokens, plan.block_ids):
-            assert seq.status is SequenceStatus.RUNNING
-            assert 1 <= num_new <= seq.num_uncomputed_tokens
-            assert len(block_ids) == cdiv(seq.num_computed_tokens + num_new, self.block_size)
-            assert all(0 <= b < self.num_blocks for b in block_ids)
-        assert not set(map(id, plan.preempted)) & set(map(id, plan.seqs))
 
 
 def make_engine(
@@ -86,12 +30,11 @@ def make_engine(
     max_model_len: int = 128,
     runner: FakeRunner | None = None,
 ) -> Engine:
-    runner = runner if runner is not None else FakeRunner(num_blocks, fixed=7)
+    runner = runner if runner is not None else FakeRunner(num_blocks, token=7)
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
     )
-    runner.block_size = block_size
-    runner.config = config
+    runner.check_plans(config, block_size)
     return Engine(config, CacheConfig(block_size=block_size), runner, VOCAB, frozenset({EOS}))
 
 
@@ -128,7 +71,7 @@ def run_random_load(
     num_requests: int, seed: int, num_blocks: int, max_model_len: int, max_num_batched_tokens: int
 ) -> Engine:
     rng = random.Random(seed)
-    runner = FakeRunner(num_blocks, seed=seed + 1, eos_prob=0.03)
+    runner = FakeRunner(num_blocks, token=None, seed=seed + 1, eos_prob=0.03)
     engine = make_engine(
         num_blocks=num_blocks,
         max_num_seqs=12,
@@ -315,8 +258,8 @@ def test_sampling_params_accepts_edges() -> None:
 
 
 def test_failing_step_fails_only_its_requests() -> None:
-    runner = FakeRunner(64, fixed=7)
-    engine = make_engine(num_blocks=64, max_num_seqs=2, runner=runner)
+    engine = make_engine(num_blocks=64, max_num_seqs=2, runner=FakeRunner(64, token=7))
+    runner = install_failing_runner(engine, fail_on_step=None, message="boom")
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     engine.add_request("a", [1, 2, 3, 4, 5], params)
     engine.add_request("b", [6, 7, 8], params)
@@ -325,7 +268,7 @@ def test_failing_step_fails_only_its_requests() -> None:
     assert [o.request_id for o in first] == ["a", "b"]
     assert engine.kv.num_free_blocks == 64 - 2 - 1
 
-    runner.fail_on_call = 2
+    runner.fail_on_step = 2
     failed = engine.step()
     assert [o.request_id for o in failed] == ["a", "b"]
     for o in failed:
@@ -355,9 +298,8 @@ def test_failing_step_fails_only_its_requests() -> None:
 
 
 def test_failing_first_step_of_a_chunked_prefill() -> None:
-    runner = FakeRunner(64, fixed=7)
-    engine = make_engine(num_blocks=64, max_num_batched_tokens=8, runner=runner)
-    runner.fail_on_call = 1
+    engine = make_engine(num_blocks=64, max_num_batched_tokens=8, runner=FakeRunner(64, token=7))
+    install_failing_runner(engine, fail_on_step=1, message="boom")
     engine.add_request("a", list(range(3, 23)), SamplingParams(max_tokens=3))  # 20 tokens: 3 chunks
     (out,) = engine.step()
     assert out.finish_reason == "error" and out.num_output_tokens == 0

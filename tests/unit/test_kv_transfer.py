@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,32 +18,28 @@ from kv.transfer import (
     make_transport,
     scatter_blocks,
 )
+from tests.fake_runner import FakeRunner, FakeRunnerOutput
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine, KVImportError
 from worker.sampling_params import SamplingParams
+from worker.scheduler import SchedulerOutput
+from worker.sequence import Sequence
 
 BLOCK = 4
 VOCAB = 64
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=3, block_size=BLOCK, dtype=torch.float32)
 
 
-@dataclass
-class _Out:
-    token_ids: list[int | None]
-    logprobs: list[None]
-    forward_s: float = 0.0
-
-
-class KVWritingRunner:
+class KVWritingRunner(FakeRunner):
     """Writes, for every token computed, K = token id + position/1000 and V = -K into its
     slot (all layers and heads), and samples (last token + 1) % VOCAB, avoiding EOS."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
+        super().__init__(num_blocks, vocab_size=VOCAB)
         self.spec = SPEC
         self.kv_caches = torch.zeros(SPEC.num_layers, 2, num_blocks, BLOCK, SPEC.num_kv_heads, SPEC.head_dim)
 
-    # The engine's KV hooks (as worker/model_runner.py implements them).
+    # The KV-transfer capability (worker/runner_protocols.py), as worker/model_runner.py has it.
     @property
     def kv_spec(self) -> KVCacheSpec:
         return self.spec
@@ -54,8 +50,7 @@ class KVWritingRunner:
     def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
         scatter_blocks(self.kv_caches, block_ids, kv)
 
-    def execute(self, plan) -> _Out:  # noqa: ANN001 - a SchedulerOutput
-        sampled: list[int | None] = []
+    def execute(self, plan: SchedulerOutput) -> FakeRunnerOutput:
         flat = self.kv_caches.view(SPEC.num_layers, 2, -1, SPEC.num_kv_heads, SPEC.head_dim)
         for i, seq in enumerate(plan.seqs):
             start = seq.num_computed_tokens
@@ -64,9 +59,11 @@ class KVWritingRunner:
                 value = seq.token_ids[pos] + pos / 1000
                 flat[:, 0, slot] = value
                 flat[:, 1, slot] = -value
-            sampled.append((seq.token_ids[-1] + 1) % VOCAB if plan.samples(i) else None)
-        sampled = [3 if t == 2 else t for t in sampled]
-        return _Out(sampled, [None] * len(plan.seqs))
+        return super().execute(plan)
+
+    def sample(self, seq: Sequence) -> int:
+        token_id = (seq.token_ids[-1] + 1) % VOCAB
+        return 3 if token_id == 2 else token_id
 
 
 def _engine(num_blocks: int = 16) -> Engine:
@@ -159,7 +156,7 @@ def test_exported_blocks_stay_pinned_until_release() -> None:
     assert engine.kv.num_free_blocks == 8 - 3 and engine.num_pinned_blocks == 3
     # Pressure: another request must not get the pinned blocks (their content stays intact).
     before = engine.runner.kv_caches.clone()
-    pinned_ids = [b.block_id for b in engine._pinned["r"][0]]
+    pinned_ids = engine.connector.pinned_block_ids("r")
     engine.add_request("other", list(range(20, 39)), SamplingParams(max_tokens=1))  # 5 blocks: all the rest
     while engine.has_unfinished():
         engine.step()
@@ -172,12 +169,12 @@ def test_exported_blocks_stay_pinned_until_release() -> None:
 def test_pins_expire_after_the_timeout() -> None:
     engine = _engine()
     _prefill(engine, "a", list(range(5, 15)))
-    engine.pin_timeout_s = 0.0
+    engine.connector.pin_timeout_s = 0.0
     _prefill(engine, "b", list(range(5, 9)))
     assert engine.num_pinned_blocks == 4
-    assert engine.expire_pins(now=time.monotonic() + 1.0) == 1  # b only: a is still in time
+    assert engine.connector.expire_pins(now=time.monotonic() + 1.0) == 1  # b only: a is still in time
     assert engine.num_pinned_blocks == 3
-    assert engine.expire_pins(now=time.monotonic() + 31.0) == 1
+    assert engine.connector.expire_pins(now=time.monotonic() + 31.0) == 1
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
 
@@ -271,7 +268,7 @@ def test_500_disaggregated_requests_with_aborts_leak_no_block() -> None:
             prefill.release_kv(out.request_id)
     while decode.has_unfinished():
         decode.step()
-    prefill.expire_pins(now=time.monotonic() + prefill.pin_timeout_s + 1)
+    prefill.connector.expire_pins(now=time.monotonic() + prefill.connector.pin_timeout_s + 1)
     for engine in (prefill, decode):
         assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
         assert engine.num_pinned_blocks == 0 and not engine.seqs
@@ -291,3 +288,60 @@ def test_failed_export_is_an_error_not_a_clean_finish_and_frees_the_blocks() -> 
     assert "kv_export" not in out.extra
     assert engine.num_pinned_blocks == 0 and engine.kv.num_free_blocks == engine.kv.num_total_blocks
     assert not engine.seqs
+
+
+def test_failed_import_is_an_error_and_frees_its_blocks() -> None:
+    export = _prefill(_engine(), "r", list(range(5, 15)))
+    decode = _engine()
+
+    def broken(block_ids: list[int], kv: torch.Tensor) -> None:
+        raise RuntimeError("tensor-parallel KV import failed: rank 1 died")
+
+    decode.runner.import_kv = broken  # type: ignore[method-assign]
+    decode.add_request("ok", [3, 4, 5], SamplingParams(max_tokens=2, temperature=0.0))
+    decode.add_request("r", list(range(5, 15)), SamplingParams(max_tokens=4), kv_import=export)
+    outs = decode.step()  # both admitted; the import fails before the step executes
+    (failed,) = [o for o in outs if o.request_id == "r"]
+    assert failed.finished and failed.finish_reason == "error" and "KV import failed" in failed.error
+    assert [o.request_id for o in outs if o.new_token_ids] == ["ok"]  # the rest of the step ran
+    while decode.has_unfinished():
+        decode.step()
+    assert decode.kv.num_free_blocks == decode.kv.num_total_blocks and not decode.seqs
+
+
+def test_an_import_is_admitted_under_max_num_seqs_like_any_request() -> None:
+    export = _prefill(_engine(), "r", list(range(5, 15)))
+    decode = Engine(
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=BLOCK, num_blocks_override=16),
+        KVWritingRunner(16),
+        vocab_size=VOCAB,
+        eos_token_ids=frozenset({2}),
+    )
+    decode.add_request("x", [30, 31, 32], SamplingParams(max_tokens=3, temperature=0.0))
+    decode.step()
+    decode.add_request("r", list(range(5, 15)), SamplingParams(max_tokens=3, temperature=0.0), kv_import=export)
+    order: list[str] = []
+    while decode.has_unfinished():
+        assert decode.scheduler.num_running <= 1
+        order += [o.request_id for o in decode.step() if o.new_token_ids]
+    # The import waited (a WAITING sequence) until x's slot was free; x's 2 decode steps come first.
+    assert order == ["x", "x", "r", "r"]
+    assert decode.kv.num_free_blocks == decode.kv.num_total_blocks
+
+
+def test_a_runner_without_kv_transfer_refuses_exports_and_imports() -> None:
+    from worker.kv_connector import NullConnector
+
+    export = _prefill(_engine(), "r", list(range(5, 15)))
+    engine = Engine(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+        CacheConfig(block_size=BLOCK, num_blocks_override=16), FakeRunner(16), vocab_size=VOCAB,
+    )
+    assert isinstance(engine.connector, NullConnector)
+    with pytest.raises(KVImportError, match="cannot export"):
+        engine.add_request("a", [3, 4, 5], SamplingParams(max_tokens=1), export_kv=True)
+    with pytest.raises(KVImportError, match="no KV cache to import into"):
+        engine.add_request("r", list(range(5, 15)), SamplingParams(max_tokens=4), kv_import=export)
+    assert not engine.seqs and not engine.has_unfinished()
+

@@ -4,6 +4,9 @@ Every linear layer sees all tokens of all sequences at once (selective batching)
 only attention is per sequence, through the block tables in AttentionMetadata.
 Fused projections: qkv_proj = [q; k; v] rows and gate_up_proj = [gate; up] rows, one
 matmul each; the loader writes the Hugging Face tensors into their row ranges.
+Tensor parallelism: the model picks a parallel layer class for each projection and gives
+it full sizes and the TPContext; the layer works out its shard (worker/model/parallel.py).
+No shard arithmetic here.
 """
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from torch import nn
 from worker.attention.base import AttentionBackend, AttentionMetadata
 from worker.model.layers import RMSNorm, RotaryEmbedding
 from worker.model.parallel import (
-    SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext,
-    VocabParallelEmbedding, kv_head_range, parallel_logits, shard_range, validate_tp,
+    SINGLE, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear, TPContext,
+    VocabParallelEmbedding,
 )
 
 SUPPORTED_ARCHITECTURES = {
@@ -77,25 +80,23 @@ class LlamaArch:
 
 
 class Attention(nn.Module):
-    """Under TP this rank computes its own q heads and kv heads (see worker/model/parallel.py);
-    num_heads / num_kv_heads here are the LOCAL counts."""
+    """Under TP this rank computes its own query heads and the kv heads they attend with;
+    the projection decides which (worker/model/parallel.py), so the head counts here are
+    the projection's (local) ones."""
 
     def __init__(
         self, arch: LlamaArch, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPContext = SINGLE
     ) -> None:
         super().__init__()
-        d = arch.head_dim
-        q_lo, q_hi = shard_range(arch.num_heads, tp)
-        kv_lo, kv_hi = kv_head_range(arch.num_heads, arch.num_kv_heads, tp)
-        self.num_heads, self.num_kv_heads, self.head_dim = q_hi - q_lo, kv_hi - kv_lo, d
-        self.q_size = self.num_heads * d
-        self.kv_size = self.num_kv_heads * d
-        # parts of the fused qkv projection, as row ranges of the HF q_proj / k_proj / v_proj
-        kv_rows = (kv_lo * d, kv_hi * d)
-        self.qkv_proj = ColumnParallelLinear(
-            arch.hidden_size, [(q_lo * d, q_hi * d), kv_rows, kv_rows], bias=arch.qkv_bias, tp=tp
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.qkv_bias, tp
         )
-        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, self.qkv_proj.head_dim
+        )
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, tp)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rope = rope
@@ -120,13 +121,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: LlamaArch, tp: TPContext = SINGLE) -> None:
         super().__init__()
-        lo, hi = shard_range(arch.intermediate_size, tp)
-        self.intermediate_size = hi - lo  # local
-        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, [(lo, hi), (lo, hi)], bias=False, tp=tp)
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, arch.intermediate_size, 2, False, tp)
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.part_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -157,9 +156,7 @@ class LlamaForCausalLM(nn.Module):
         tp: TPContext = SINGLE,
     ) -> None:
         super().__init__()
-        validate_tp(arch.num_heads, arch.num_kv_heads, tp.size, arch.intermediate_size)
         self.arch = arch
-        self.tp = tp
         rope = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(arch, rope, backend, tp) for _ in range(arch.num_layers))
@@ -168,9 +165,6 @@ class LlamaForCausalLM(nn.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, meta: AttentionMetadata
@@ -184,4 +178,5 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(T, V) fp32 logits; under TP a collective every rank must join."""
-        return parallel_logits(hidden, self.lm_head_weight, self.arch.vocab_size, self.tp)
+        head = self.embed_tokens if self.arch.tie_word_embeddings else self.lm_head
+        return head.logits(hidden)

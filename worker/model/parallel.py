@@ -8,7 +8,9 @@ Sharding over N ranks (rank r):
     ColumnParallelLinear  weight rows = the output features; a fused projection is a list
                           of *parts* (q, k, v or gate, up) and rank r holds its row range
                           of every part, concatenated:  [q_r ; k_r ; v_r]  /  [gate_r ; up_r].
-                          Output stays sharded (no collective).
+                          Output stays sharded (no collective). The model builds the two
+                          fused ones by their full sizes: QKVParallelLinear (by heads) and
+                          MergedColumnParallelLinear (even split), which work out the shard.
     RowParallelLinear     weight cols = the input features; rank r holds cols
                           [r*in/N, (r+1)*in/N); partial outputs are summed (one all_reduce).
     VocabParallelEmbedding rank r holds vocab rows [r*S, min(V, (r+1)*S)), S = ceil(V/N);
@@ -18,6 +20,9 @@ Sharding over N ranks (rank r):
 
 KV heads: with Hkv >= N each rank holds Hkv/N of them; with Hkv < N (N % Hkv == 0) each
 rank holds the ONE kv head that its Hq/N query heads attend with (replicated N/Hkv times).
+
+The model (worker/model/llama.py) gives these layers full, unsharded sizes and a TPContext;
+every shard computation lives here, so the model only chooses which layer class it builds.
 """
 from __future__ import annotations
 
@@ -119,6 +124,38 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class QKVParallelLinear(ColumnParallelLinear):
+    """The fused [q; k; v] projection, sharded by heads: this rank's query heads and the
+    kv heads they attend with. `num_heads` / `num_kv_heads` are this rank's counts."""
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+        tp: TPContext = SINGLE,
+    ) -> None:
+        validate_tp(num_heads, num_kv_heads, tp.size)
+        q_lo, q_hi = shard_range(num_heads, tp)
+        kv_lo, kv_hi = kv_head_range(num_heads, num_kv_heads, tp)
+        d = head_dim
+        kv_rows = (kv_lo * d, kv_hi * d)
+        super().__init__(hidden_size, [(q_lo * d, q_hi * d), kv_rows, kv_rows], bias, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = q_hi - q_lo, kv_hi - kv_lo, d
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Parts of equal size (gate, up), each split evenly; `part_size` is this rank's size
+    of one part."""
+
+    def __init__(
+        self, in_features: int, part_size: int, num_parts: int, bias: bool, tp: TPContext = SINGLE,
+        name: str = "intermediate_size",
+    ) -> None:
+        if part_size % tp.size:
+            raise ValueError(f"tensor_parallel_size={tp.size} does not divide the model's {name} {part_size}")
+        lo, hi = shard_range(part_size, tp)
+        super().__init__(in_features, [(lo, hi)] * num_parts, bias, tp)
+        self.part_size = hi - lo
+
+
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local @ W[:, lo:hi]^T); x arrives already sharded on its last dim."""
 
@@ -144,6 +181,11 @@ class _VocabShard(nn.Module):
         self.row_range = (lo, hi)
         self.weight = nn.Parameter(torch.empty(per, hidden_size))
         self.tp = tp
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full (T, V) fp32 logits on every rank, with this matrix as the output projection
+        (the LM head's, or the embedding's when they are tied)."""
+        return parallel_logits(hidden, self.weight, self.vocab_size, self.tp)
 
 
 class VocabParallelEmbedding(_VocabShard):

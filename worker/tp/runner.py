@@ -1,5 +1,6 @@
-"""Rank 0 of a tensor-parallel group: the runner the Engine drives (same protocol as
-ModelRunner: `num_blocks`, `execute(plan)`), so the engine, scheduler and sampler do not
+"""Rank 0 of a tensor-parallel group: the runner the Engine drives (the same capabilities
+as ModelRunner, worker/runner_protocols.py: Runner, KVTransferRunner, plus
+HealthCheckedRunner), so the engine, scheduler and sampler do not
 know about tensor parallelism.
 
     replica process (rank 0)                       TPRankWorker actors (ranks 1..N-1)
