@@ -31,6 +31,7 @@ from typing import Any
 
 from router import errors
 from router.request_router import KVHeadroomRouter
+from router.settings import MAX_WAITING_FOR_DECODE
 from worker.outputs import RequestOutput
 from worker.replica import GenerateRequest
 
@@ -90,7 +91,7 @@ class _Method:
 class DisaggregatedGenerate:
     """Stands in for `worker_handle.options(stream=True)` in GenerationStream."""
 
-    def __init__(self, prefill_handle: Any, decode_handle: Any, max_waiting_for_decode: int = 256) -> None:
+    def __init__(self, prefill_handle: Any, decode_handle: Any, max_waiting_for_decode: int = MAX_WAITING_FOR_DECODE) -> None:
         self.prefill = prefill_handle.options(stream=False)
         self.decode = decode_handle.options(stream=True)
         self.queue = DecodeQueue(max_waiting_for_decode)

@@ -43,7 +43,7 @@ from router import openai_protocol as p
 from router.disagg import DisaggregatedGenerate
 from router.generation import GenerationStream, InFlightLimiter, Permit
 from router.metrics import CONTENT_TYPE, IngressMetrics
-from router.settings import IngressSettings
+from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 
 try:  # the gRPC API (router/grpc_servicer.py), when grpc and the generated stubs import
     from router.grpc_servicer import GrpcServicerMixin
@@ -182,7 +182,8 @@ async def _sse_events(
 @serve.ingress(app)
 class Ingress(GrpcServicerMixin):
     def __init__(
-        self, worker: Any, settings: IngressSettings, prefill_worker: Any = None, max_waiting_for_decode: int = 256
+        self, worker: Any, settings: IngressSettings, prefill_worker: Any = None,
+        max_waiting_for_decode: int = MAX_WAITING_FOR_DECODE,
     ) -> None:
         self.settings = settings
         self.worker = worker  # DeploymentHandle of the worker deployment (the decode pool when disaggregated)
