@@ -7,8 +7,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("ray")
-
 from cluster.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, PREFILL_POOL_ROUTER, build_app  # noqa: E402
 from cluster.config import ConfigError, KVServeConfig  # noqa: E402
 from kv.transfer import KVHandle  # noqa: E402
@@ -147,10 +145,7 @@ def test_the_wait_queue_is_bounded_with_429_and_cancel_releases() -> None:
 def test_a_migrated_request_goes_to_the_decode_pool_as_a_plain_generate() -> None:
     prefill, decode = _pools(_out([11]), HANDLE, [_out([14], True, "length")])
     gen = DisaggregatedGenerate(prefill, decode)
-    try:
-        migrated = GenerateRequest("r-0", [5, 6, 7, 11], SamplingParams(max_tokens=2), num_resumed_tokens=1)
-    except TypeError:
-        pytest.skip("GenerateRequest has no num_resumed_tokens (request migration not present)")
+    migrated = GenerateRequest("r-0", [5, 6, 7, 11], SamplingParams(max_tokens=2), num_resumed_tokens=1)
     outs = asyncio.run(_collect(gen, migrated))
     assert [o.new_token_ids for o in outs] == [[14]] and not prefill.calls
     assert [c[0] for c in decode.calls] == ["generate"]
