@@ -13,7 +13,9 @@ python="${PYTHON:-.venv/bin/python}"
 {
     echo "command: $*"
     echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
-    echo "commit: $(git rev-parse HEAD)$(git diff --quiet HEAD -- . ':!benchmarks/results' || echo ' (with uncommitted changes)')"
+    echo "commit: $(git rev-parse HEAD)"
+    changed=$(git status --short --untracked-files=no -- . ':!benchmarks/results' | tr '\n' ' ')
+    echo "uncommitted changes: ${changed:-none}"
     echo "machine: nproc $(nproc), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $(free -g | awk '/Mem:/ {print $2 " GiB RAM"}')"
     echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "python: $($python --version 2>&1), torch $($python -c 'import torch; print(torch.__version__)' 2>/dev/null)"
