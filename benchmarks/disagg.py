@@ -5,19 +5,25 @@
 Starts a local Ray + Serve and deploys two kvserve apps (cluster.app.build_app) on the
 embedded default model with the same engine settings and the same number of worker
 replicas: "mixed" (2 worker replicas, each prefilling and decoding) and "disagg" (1 prefill
-+ 1 decode replica, KV handed over between them). Both are driven over streaming HTTP
++ 1 decode replica, KV handed over between them). The mixed pool is deployed once per
+chunked-prefill token budget (--mixed-budgets, default 256,512,2048: sides "mixed256",
+"mixed512", "mixed2048"), since a small budget is the standard answer to the interference
+disaggregation targets; the disaggregated pools keep --max-num-batched-tokens (2048). Both are driven over streaming HTTP
 (the `kvserve bench serve` client, cluster/bench/) with the workload of
 benchmarks/disagg_workload.py: a steady population of decode-heavy streams while long
-prompts arrive periodically. Rounds alternate between the sides (mixed first in even
-rounds, disagg first in odd ones) so that drift in the machine's load hits both alike.
+prompts arrive periodically. The order of the sides rotates by one each round so that
+drift in the machine's load hits every side alike.
 
 Reports, per side: TTFT p50/p99 over the long prompts, ITL p50/p99 over the decode-heavy
 streams' gaps inside the interference window (and over the whole run), decode
 throughput and errors; last line:
 
-    RESULT itl_p99_ratio=<mixed/disagg> ttft_p99_ratio=<mixed/disagg>
+    RESULT itl_p99_ratio=<mixed/disagg> ttft_p99_ratio=<mixed/disagg> best_mixed_budget=<b>
+           itl_p99_ratio_<b>=... ttft_p99_ratio_<b>=...   (one pair per mixed budget)
 
-(> 1: the disaggregated pools did better). A benchmark, not a test: nothing here asserts
+(> 1: the disaggregated pools did better). The first two ratios compare with the mixed
+budget that gave the lowest ITL p99 (the mixed pool at its best for the metric
+disaggregation targets); every budget's pair follows. A benchmark, not a test: nothing here asserts
 on timing. On a shared 2-core CPU box four engine replicas, two ingresses, the HTTP proxy
 and this client compete for two cores: the numbers say little about GPUs.
 """
@@ -52,10 +58,10 @@ from cluster.bench.run import make_client
 from cluster.bench.stream import RequestResult, completions_url, request_body, send_request
 from cluster.bench.workload import BenchRequest, PromptCalibration
 
-SIDES = ("mixed", "disagg")
+DISAGG = "disagg"
 CAVEAT = (
-    "caveat: measured on a shared CPU box (2 cores for 4 engine replicas, 2 ingresses, the proxy and "
-    "the client) with a tiny model; prefill/decode interference on a GPU differs in size and kind, "
+    "caveat: measured on a shared CPU box (2 cores for every side's 2 engine replicas and ingress, the proxy "
+    "and the client; the sides run one at a time) with a tiny model; prefill/decode interference on a GPU differs in size and kind, "
     "so these numbers say little about GPUs."
 )
 
@@ -93,35 +99,49 @@ def make_spec(overrides: dict[str, Any], quick: bool) -> DisaggSpec:
     return DisaggSpec(**{**(QUICK if quick else {}), **given})
 
 
+def mixed_side(budget: int) -> str:
+    return f"mixed{budget}"
+
+
+def sides(spec: DisaggSpec) -> tuple[str, ...]:
+    """The mixed pool at each token budget, then the disaggregated pools."""
+    if not spec.mixed_budgets or len(set(spec.mixed_budgets)) != len(spec.mixed_budgets):
+        raise ValueError(f"mixed_budgets must be distinct and non-empty, got {spec.mixed_budgets}")
+    return (*(mixed_side(b) for b in spec.mixed_budgets), DISAGG)
+
+
 def side_configs(spec: DisaggSpec) -> dict[str, dict[str, Any]]:
-    """KVServeConfig dicts of the two apps: one model, one engine section, two worker
-    replicas each (mixed: 2 doing both; disagg: 1 prefill + 1 decode)."""
-    engine = {
-        "device": "cpu",
-        "dtype": "float32",
-        "num_threads": 1,
-        "max_num_batched_tokens": spec.max_num_batched_tokens,
-        "max_num_seqs": spec.max_num_seqs,
-        "max_model_len": spec.max_model_len,
-    }
-    common: dict[str, Any] = {
-        "engine": engine,
+    """KVServeConfig dicts of the apps: one model, one engine section but for the token
+    budget, two worker replicas each (mixed: 2 doing both; disagg: 1 prefill + 1 decode)."""
+
+    def common(budget: int) -> dict[str, Any]:
+        engine = {
+            "device": "cpu",
+            "dtype": "float32",
+            "num_threads": 1,
+            "max_num_batched_tokens": budget,
+            "max_num_seqs": spec.max_num_seqs,
+            "max_model_len": spec.max_model_len,
+        }
         # No API keys, whatever $KVSERVE_API_KEYS holds in this shell: a private loopback cluster.
-        "ingress": {"num_cpus": 0.5, "api_keys_env": None},
-        "routing": {"stats_period_s": 0.5},
-    }
+        return {"engine": engine, "ingress": {"num_cpus": 0.5, "api_keys_env": None}, "routing": {"stats_period_s": 0.5}}
+
     pool = {"num_replicas": 1, "num_cpus": 1}
-    return {
-        "mixed": {**common, "app_name": "bench-disagg-mixed", "route_prefix": "/mixed",
-                  "workers": {"num_replicas": 2, "num_cpus": 1}},
-        "disagg": {**common, "app_name": "bench-disagg-pd", "route_prefix": "/pd",
-                   "disaggregation": {"prefill": pool, "decode": pool}},
+    configs = {
+        mixed_side(b): {**common(b), "app_name": f"bench-disagg-mixed-{b}", "route_prefix": f"/mixed{b}",
+                        "workers": {"num_replicas": 2, "num_cpus": 1}}
+        for b in spec.mixed_budgets
     }
+    configs[DISAGG] = {**common(spec.max_num_batched_tokens), "app_name": "bench-disagg-pd", "route_prefix": "/pd",
+                       "disaggregation": {"prefill": pool, "decode": pool}}
+    return configs
 
 
-def side_order(round_index: int) -> tuple[str, ...]:
-    """mixed first in even rounds, disagg first in odd ones (drift hits both sides alike)."""
-    return SIDES if round_index % 2 == 0 else SIDES[::-1]
+def side_order(round_index: int, all_sides: tuple[str, ...]) -> tuple[str, ...]:
+    """The sides rotated by one per round: over len(all_sides) rounds each side takes every
+    position once, so drift in the machine's load hits every side alike."""
+    k = round_index % len(all_sides)
+    return all_sides[k:] + all_sides[:k]
 
 
 # -- one round against one app ------------------------------------------------------------------
@@ -200,15 +220,16 @@ async def run_all(spec: DisaggSpec, base_urls: dict[str, str], log: Callable[[st
     client = make_client(timeout_s=600.0)
     try:
         models = {side: await wait_until_serving(client, url) for side, url in base_urls.items()}
-        # One calibration for both sides (one tokenizer), so that both get the same prompts.
-        calibration = await calibrate_prompt_tokens(client, base_urls["mixed"], models["mixed"])
+        # One calibration for every side (one tokenizer), so that all get the same prompts.
+        calibration = await calibrate_prompt_tokens(client, base_urls[DISAGG], models[DISAGG])
         log(f"calibrated: {calibration.tokens_per_word:.2f} tokens/word + {calibration.overhead_tokens:.0f} overhead")
-        for side in SIDES:
+        all_sides = sides(spec)
+        for side in all_sides:
             failed = await warm_up(client, base_urls[side], models[side], spec, calibration)
             log(f"warmed up {side}" + (f" ({failed} warm-up requests FAILED)" if failed else ""))
-        results = {side: SideResult(side) for side in SIDES}
+        results = {side: SideResult(side) for side in all_sides}
         for r in range(spec.num_rounds):
-            for side in side_order(r):
+            for side in side_order(r, all_sides):
                 log(f"round {r + 1}/{spec.num_rounds}: {side} ...")
                 await run_round(client, base_urls[side], models[side], spec, round_seed(spec, r), calibration, results[side])
         return results
@@ -218,33 +239,54 @@ async def run_all(spec: DisaggSpec, base_urls: dict[str, str], log: Callable[[st
 
 # -- the report ---------------------------------------------------------------------------------
 def format_report(spec: DisaggSpec, results: dict[str, SideResult], wall_s: float) -> list[str]:
-    header = (f"{'side':<7} {'ttft_p50_ms':>11} {'ttft_p99_ms':>11} {'itl_p50_ms':>10} {'itl_p99_ms':>10} "
+    header = (f"{'side':<10} {'ttft_p50_ms':>11} {'ttft_p99_ms':>11} {'itl_p50_ms':>10} {'itl_p99_ms':>10} "
               f"{'itl_p99_all':>11} {'decode_tok/s':>12} {'long':>5} {'decode':>6} {'gaps':>6} {'errors':>6}")
     lines = [
         f"ttft: over the long prompts (~{spec.long_prompt_len} tokens in, {spec.long_output_len} out); "
         f"itl: over the decode-heavy streams (~{spec.decode_prompt_len} in, ~{spec.decode_output_len} out, "
         f"{spec.num_decode_streams} at a time), gaps ending between the first long prompt sent and the last "
         "answered in each round; itl_p99_all: those streams' gaps over the whole run",
+        f"mixed<N>: the mixed pool at chunked-prefill token budget N; disagg: prefill + decode pools at "
+        f"budget {spec.max_num_batched_tokens}",
         header,
     ]
-    for side in SIDES:
+    for side in sides(spec):
         s, ms = results[side], percentile_ms
         lines.append(
-            f"{side:<7} {ms(s.long_ttft_s, 50):>11.1f} {ms(s.long_ttft_s, 99):>11.1f} {ms(s.itl_window_s, 50):>10.1f} "
+            f"{side:<10} {ms(s.long_ttft_s, 50):>11.1f} {ms(s.long_ttft_s, 99):>11.1f} {ms(s.itl_window_s, 50):>10.1f} "
             f"{ms(s.itl_window_s, 99):>10.1f} {ms(s.itl_all_s, 99):>11.1f} {s.decode_tokens_per_s:>12.1f} "
             f"{len(s.long):>5} {len(s.decode):>6} {len(s.itl_window_s):>6} {s.errors:>6}"
         )
-    lines.append(f"errors: mixed={results['mixed'].errors} disagg={results['disagg'].errors}")
+    lines.append("errors: " + " ".join(f"{side}={results[side].errors}" for side in sides(spec)))
     lines.append(f"wall time: {wall_s:.0f} s (cluster start, deployment, warm-up, {spec.num_rounds} round(s) per side)")
     lines.append(CAVEAT)
-    lines.append(result_line(results["mixed"], results["disagg"]))
+    lines.append(result_line(spec, results))
     return lines
 
 
-def result_line(mixed: SideResult, disagg: SideResult) -> str:
+def _ratios(mixed: SideResult, disagg: SideResult) -> tuple[float, float]:
+    """(ITL p99, TTFT p99) of mixed over disagg."""
     itl = ratio(percentile_ms(mixed.itl_window_s, 99), percentile_ms(disagg.itl_window_s, 99))
     ttft = ratio(percentile_ms(mixed.long_ttft_s, 99), percentile_ms(disagg.long_ttft_s, 99))
-    return f"RESULT itl_p99_ratio={itl:.3f} ttft_p99_ratio={ttft:.3f}"
+    return itl, ttft
+
+
+def best_mixed_budget(spec: DisaggSpec, results: dict[str, SideResult]) -> int | None:
+    """The budget whose mixed pool had the lowest ITL p99 in the window (None: no data)."""
+    measured = {b: percentile_ms(results[mixed_side(b)].itl_window_s, 99) for b in spec.mixed_budgets}
+    finite = {b: v for b, v in measured.items() if math.isfinite(v)}
+    return min(finite, key=lambda b: (finite[b], b)) if finite else None
+
+
+def result_line(spec: DisaggSpec, results: dict[str, SideResult]) -> str:
+    disagg = results[DISAGG]
+    best = best_mixed_budget(spec, results)
+    itl, ttft = _ratios(results[mixed_side(best)], disagg) if best is not None else (math.nan, math.nan)
+    parts = [f"RESULT itl_p99_ratio={itl:.3f} ttft_p99_ratio={ttft:.3f} best_mixed_budget={best}"]
+    for b in spec.mixed_budgets:
+        itl_b, ttft_b = _ratios(results[mixed_side(b)], disagg)
+        parts.append(f"itl_p99_ratio_{b}={itl_b:.3f} ttft_p99_ratio_{b}={ttft_b:.3f}")
+    return " ".join(parts)
 
 
 # -- the local cluster --------------------------------------------------------------------------
@@ -265,8 +307,8 @@ def run_on_local_cluster(spec: DisaggSpec, log: Callable[[str], None]) -> dict[s
     from cluster.config import KVServeConfig
 
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # Logical CPUs: 2 apps x (2 workers + 0.5 ingress) and the proxy fit; the cores are shared.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+    # Logical CPUs: every app's 2 workers + 0.5 ingress, and the proxy, fit; the cores are shared.
+    ray.init(address="local", num_cpus=math.ceil(2.5 * len(sides(spec))) + 2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}})
     port = _free_port()
     try:
@@ -288,7 +330,10 @@ def parse_args(argv: list[str] | None) -> tuple[DisaggSpec, argparse.Namespace]:
     parser.add_argument("--quick", action="store_true", help=f"a shorter run: {QUICK}")
     for f in dataclasses.fields(DisaggSpec):
         default = getattr(DisaggSpec(), f.name)
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=None, help=f"default {default}")
+        kind: Any = type(default)
+        if isinstance(default, tuple):  # --mixed-budgets 256,512
+            kind = lambda text: tuple(int(x) for x in text.split(",") if x.strip())  # noqa: E731
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=None, help=f"default {default}")
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(DisaggSpec)}
     return make_spec(overrides, args.quick), args

@@ -33,7 +33,7 @@ class DisaggSpec:
     """Sizes of the run; the CLI exposes every field as a flag (--num-decode-streams ...)."""
 
     seed: int = 0
-    num_rounds: int = 2  # per side; sides alternate mixed, disagg, mixed, disagg, ...
+    num_rounds: int = 2  # per side; each round the order of the sides rotates by one
     num_decode_streams: int = 12
     decode_prompt_len: int = 32
     decode_output_len: int = 96
@@ -45,7 +45,12 @@ class DisaggSpec:
     ramp_s: float = 2.0  # decode population first, then long prompts
     stream_stagger_s: float = 0.1  # between the decode slots' first requests
     range_ratio: float = 0.25  # decode-heavy lengths uniform within +- this of the mean
-    max_num_batched_tokens: int = 2048  # the engine's token budget per step (both sides)
+    # The disaggregated pools' token budget per step (their prefill pool wants it large).
+    max_num_batched_tokens: int = 2048
+    # The mixed pool runs once per chunked-prefill token budget here, each a side of its own:
+    # a small budget is the standard answer to the prefill/decode interference that
+    # disaggregation targets, so the mixed pool is measured at the budgets that tune it.
+    mixed_budgets: tuple[int, ...] = (256, 512, 2048)
     max_num_seqs: int = 64
     max_model_len: int = 2048
 

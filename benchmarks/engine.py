@@ -1,7 +1,7 @@
 """Side-by-side throughput: the kvserve engine vs transformers' static and continuous batching.
 
     python -m benchmarks.engine [--quick] [--requests N] [--seed S] [--model DIR]
-                                [--systems kvserve,hf_static,hf_cb] [--profile]
+                                [--systems kvserve,hf_static,hf_cb,hf_cb_matched] [--profile]
 
 One fixed, seeded workload (benchmarks/workload.py: 128 requests, --quick 64; prompts
 uniform 16-256 random token ids; outputs lognormal mean ~96, capped at 384) runs on the
@@ -16,8 +16,13 @@ Concurrency 32, all requests submitted at t = 0 (no arrival process):
 - hf_static: `generate` on groups of 32 in arrival order, left padding + attention mask,
   max_new_tokens = the group's longest request; EOS is disabled so every group runs to
   its longest request; tokens past a request's own max_tokens are discarded (not useful).
-- hf_cb: transformers' continuous batching (the manager behind `generate_batch`), with
-  max_requests_per_batch=32 and the same token budget. `generate_batch` itself takes ONE
+- hf_cb: transformers' continuous batching (the manager behind `generate_batch`) at its
+  own defaults (its page size, 256 in transformers 5.24; CUDA graphs / async batching / flash
+  switch as it decides:
+  benchmarks/hf_peers.py), with max_requests_per_batch=32 and the same token budget.
+- hf_cb_matched: the same at kvserve's KV layout (16-token pages), graphs, async batching
+  and the flash switch off. Both are reported: the peer at its best and like for like.
+  For both: `generate_batch` itself takes ONE
   max_new_tokens for all requests (it calls `manager.add_requests(max_new_tokens=...)`),
   but the manager's `add_request` takes one per request, so by default we drive the
   manager exactly as `generate_batch` does (`continuous_batching_context_manager`) and add
@@ -38,7 +43,7 @@ Correctness side effect: kvserve's greedy tokens for the first few requests must
 hf_static's (fp32, same weights); the mismatch count is printed.
 
 The LAST line is machine-readable:
-    RESULT engine_vs_hf_static=<x> engine_vs_hf_cb=<y> overhead_pct=<z>
+    RESULT engine_vs_hf_static=<x> engine_vs_hf_cb=<y> engine_vs_hf_cb_matched=<w> overhead_pct=<z>
 (ratios = kvserve useful tokens/s over the peer's; "nan" for a system not run).
 """
 from __future__ import annotations
@@ -52,203 +57,29 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import cProfile
-
-import io
 import json
 import logging
 import math
-import pstats
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from benchmarks.hf_peers import (
-    PeerRun,
-    cb_num_blocks,
-    continuous_batching_generate,
-    load_hf_model,
-    reference_generate,
-    static_generate,
+from benchmarks.engine_systems import (
+    CONCURRENCY,
+    MAX_BATCHED_TOKENS,
+    StepRecord,
+    SystemResult,
+    hf_reference,
+    overhead_at_full_batch,
+    run_hf_cb,
+    run_hf_static,
+    run_kvserve,
 )
-from benchmarks.workload import Request, WorkloadSpec, describe, make_workload
+from benchmarks.workload import WorkloadSpec, describe, make_workload
 
-ALL_SYSTEMS = ("kvserve", "hf_static", "hf_cb")
-CONCURRENCY = 32
-MAX_BATCHED_TOKENS = 2048
-# Warm-up prompts unlike any workload prompt, so that no prefix cache (kvserve's or
-# transformers') carries blocks from the warm-up into the timed run.
-WARMUP_PROMPTS = (list(range(3, 35)), list(range(35, 67)))
-
-
-@dataclass
-class SystemResult:
-    name: str
-    wall_s: float
-    cpu_s: float  # process CPU time over the timed region (all threads)
-    useful_tokens: int
-    generated_tokens: int  # tokens the system computed, discarded ones included
-    outputs: dict[str, list[int]]  # request id -> its useful output tokens
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.useful_tokens / self.wall_s if self.wall_s > 0 else float("nan")
-
-
-# ----------------------------------------------------------------------------- kvserve
-
-
-@dataclass
-class StepRecord:
-    num_seqs: int
-    num_tokens: int
-    all_decode: bool
-    step_s: float
-    forward_s: float
-
-
-def run_kvserve(
-    model_dir: Path, requests: list[Request], threads: int, profile: bool, max_model_len: int
-) -> tuple[SystemResult, list[StepRecord], str | None]:
-    from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from worker.engine import Engine
-    from worker.sampling_params import SamplingParams
-
-    engine = Engine.from_config(
-        EngineConfig(
-            ModelConfig(model=str(model_dir), num_threads=threads),
-            CacheConfig(),
-            SchedulerConfig(
-                max_num_seqs=CONCURRENCY,
-                max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                max_model_len=max_model_len,
-            ),
-        )
-    )
-    torch.set_num_threads(threads)
-
-    # Record each step's plan shape next to the engine's own step / forward timings.
-    plans: list[tuple[int, int, bool]] = []
-    execute = engine.runner.execute
-
-    def recording_execute(plan):  # type: ignore[no-untyped-def]
-        plans.append((len(plan.seqs), plan.num_batched_tokens, all(n == 1 for n in plan.num_new_tokens)))
-        return execute(plan)
-
-    engine.runner.execute = recording_execute  # type: ignore[method-assign]
-
-    # Warm-up (untimed): a couple of short requests through prefill and decode.
-    for i, prompt in enumerate(WARMUP_PROMPTS):
-        engine.add_request(f"warmup-{i}", prompt,
-                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    plans.clear()
-    steps_before = engine.num_steps
-
-    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    records: list[StepRecord] = []
-    profiler = cProfile.Profile() if profile else None
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for r in requests:
-        engine.add_request(r.request_id, r.prompt_token_ids,
-                           SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
-    if profiler:
-        profiler.enable()
-    while engine.has_unfinished():
-        step0, fwd0, n0 = engine.step_time_s, engine.forward_time_s, len(plans)
-        for out in engine.step():
-            if out.error:
-                raise RuntimeError(f"kvserve failed {out.request_id}: {out.error}")
-            outputs[out.request_id].extend(out.new_token_ids)
-        if len(plans) > n0:
-            num_seqs, num_tokens, all_decode = plans[-1]
-            records.append(StepRecord(num_seqs, num_tokens, all_decode,
-                                      engine.step_time_s - step0, engine.forward_time_s - fwd0))
-    if profiler:
-        profiler.disable()
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-
-    stats = engine.stats()
-    for r in requests:
-        if len(outputs[r.request_id]) != r.max_tokens:
-            raise RuntimeError(f"kvserve gave {len(outputs[r.request_id])} tokens for {r.request_id}, "
-                               f"expected {r.max_tokens}")
-    useful = sum(r.max_tokens for r in requests)
-    result = SystemResult("kvserve", wall, cpu, useful, useful, outputs)
-    result.notes.append(
-        f"kvserve: {stats.num_steps - steps_before} steps, {stats.num_preemptions} preemptions, "
-        f"forward share of step time {stats.forward_share:.1%} (all steps, warm-up included), "
-        f"step time / wall {sum(s.step_s for s in records) / wall:.1%}"
-    )
-    report = None
-    if profiler:
-        buf = io.StringIO()
-        pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(30)
-        buf.write("\n--- by own time ---\n")
-        pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(20)
-        report = buf.getvalue()
-    return result, records, report
-
-
-def overhead_at_full_batch(records: list[StepRecord]) -> tuple[float, int, float, str]:
-    """(overhead share, number of steps, mean step ms, which steps) over the decode-only
-    steps that ran a full batch of CONCURRENCY sequences; falls back to all decode-only
-    steps when none did (a workload smaller than the concurrency)."""
-    which = f"decode-only steps with {CONCURRENCY} running"
-    full = [s for s in records if s.all_decode and s.num_seqs >= CONCURRENCY]
-    if not full:
-        which = f"no step ran {CONCURRENCY} sequences; all decode-only steps"
-        full = [s for s in records if s.all_decode]
-    if not full:
-        return float("nan"), 0, float("nan"), "no decode-only steps"
-    step = sum(s.step_s for s in full)
-    fwd = sum(s.forward_s for s in full)
-    return (step - fwd) / step, len(full), 1000 * step / len(full), which
-
-
-# ----------------------------------------------------------------------------- transformers
-# The peers themselves are benchmarks/hf_peers.py; these wrap them for the report
-# (fp32 on CPU, the workload's Requests, the same concurrency and token budget).
-
-
-def _peer_result(name: str, requests: list[Request], run: PeerRun, notes: list[str]) -> SystemResult:
-    outputs = {r.request_id: tokens for r, tokens in zip(requests, run.tokens)}
-    useful = sum(r.max_tokens for r in requests)
-    return SystemResult(name, run.wall_s, run.cpu_s, useful, run.generated_tokens, outputs, notes)
-
-
-def run_hf_static(model_dir: Path, requests: list[Request]) -> SystemResult:
-    model = load_hf_model(model_dir, "sdpa")
-    run = static_generate(model, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests],
-                          CONCURRENCY, WARMUP_PROMPTS)
-    return _peer_result("hf_static", requests, run, [f"hf_static: {run.note}"])
-
-
-def run_hf_cb(model_dir: Path, requests: list[Request], attn: str, api: str,
-              max_model_len: int, page_size: int = 16) -> SystemResult:
-    model = load_hf_model(model_dir, attn)
-    # The same KV capacity as kvserve's default 256 MiB pool for this model shape is far
-    # more than 32 in-flight requests need; size it for them.
-    num_blocks = cb_num_blocks(CONCURRENCY, max_model_len, page_size)
-    run = continuous_batching_generate(
-        model, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests],
-        max_requests_per_batch=CONCURRENCY, max_batch_tokens=MAX_BATCHED_TOKENS, num_blocks=num_blocks,
-        page_size=page_size, api=api, warmup_prompts=WARMUP_PROMPTS,
-    )
-    note = f"hf_cb: {run.note}; attention {attn!r}, page_size {page_size}, {num_blocks} blocks"
-    return _peer_result("hf_cb", requests, run, [note])
-
-
-def hf_reference(model_dir: Path, requests: list[Request]) -> dict[str, list[int]]:
-    """Per-request greedy `generate` (no padding): the reference when hf_static is not run."""
-    model = load_hf_model(model_dir, "sdpa")
-    tokens = reference_generate(model, [r.prompt_token_ids for r in requests], [r.max_tokens for r in requests])
-    return {r.request_id: t for r, t in zip(requests, tokens)}
+ALL_SYSTEMS = ("kvserve", "hf_static", "hf_cb", "hf_cb_matched")
 
 
 def count_mismatches(a: dict[str, list[int]], b: dict[str, list[int]], ids: list[str]) -> tuple[int, str]:
@@ -299,8 +130,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="attention implementation for transformers' continuous batching")
     parser.add_argument("--hf-cb-api", default="manager", choices=["manager", "generate_batch"],
                         help="manager: per-request max_new_tokens; generate_batch: one limit for all")
-    parser.add_argument("--hf-cb-page-size", type=int, default=16,
-                        help="tokens per KV page in transformers' continuous batching (kvserve uses 16)")
     parser.add_argument("--profile", action="store_true", help="cProfile the kvserve steps and print the top")
     args = parser.parse_args(argv)
 
@@ -353,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "hf_static":
             results[name] = run_hf_static(model_dir, requests)
         else:
-            results[name] = run_hf_cb(model_dir, requests, args.hf_cb_attn, args.hf_cb_api, max_model_len,
-                                      args.hf_cb_page_size)
+            settings = "defaults" if name == "hf_cb" else name.removeprefix("hf_cb_")
+            results[name] = run_hf_cb(model_dir, requests, args.hf_cb_attn, args.hf_cb_api, max_model_len, settings)
         torch.set_num_threads(args.threads)
         res = results[name]
         print(f"  {name:<10} done: {res.wall_s:7.2f} s timed, {time.perf_counter() - t:7.2f} s with load/warm-up")
@@ -369,14 +198,12 @@ def main(argv: list[str] | None = None) -> int:
             ref, ref_name = hf_reference(model_dir, requests[: args.check]), "hf generate (per request)"
         n, detail = count_mismatches(results["kvserve"].outputs, ref, check_ids)
         print(f"correctness: kvserve vs {ref_name}, first {len(check_ids)} requests: {n} mismatches{detail}")
-    if "hf_cb" in results and "hf_static" in results:
-        all_ids = [r.request_id for r in requests]
-        n, detail = count_mismatches(results["hf_cb"].outputs, results["hf_static"].outputs, all_ids)
-        print(f"correctness: hf_cb vs hf_static, all {len(all_ids)} requests: {n} mismatches{detail}")
-    if "kvserve" in results and "hf_cb" in results:
-        all_ids = [r.request_id for r in requests]
-        n, detail = count_mismatches(results["kvserve"].outputs, results["hf_cb"].outputs, all_ids)
-        print(f"correctness: kvserve vs hf_cb, all {len(all_ids)} requests: {n} mismatches{detail}")
+    all_ids = [r.request_id for r in requests]
+    for cb in ("hf_cb", "hf_cb_matched"):
+        for other in ("hf_static", "kvserve"):
+            if cb in results and other in results:
+                n, detail = count_mismatches(results[other].outputs, results[cb].outputs, all_ids)
+                print(f"correctness: {other} vs {cb}, all {len(all_ids)} requests: {n} mismatches{detail}")
 
     print()
     print(f"{'system':<10} {'useful tok':>10} {'computed':>9} {'wall s':>8} {'cpu s':>8} {'useful tok/s':>13} "
@@ -416,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
     overhead_pct = "nan" if math.isnan(overhead) else f"{100 * overhead:.1f}"
     print(f"RESULT engine_vs_hf_static={fmt_ratio(ratio('hf_static'))} "
-          f"engine_vs_hf_cb={fmt_ratio(ratio('hf_cb'))} overhead_pct={overhead_pct}")
+          f"engine_vs_hf_cb={fmt_ratio(ratio('hf_cb'))} engine_vs_hf_cb_matched={fmt_ratio(ratio('hf_cb_matched'))} "
+          f"overhead_pct={overhead_pct}")
     return 0
 
 

@@ -21,7 +21,10 @@ Reported, in one run:
 4. the scheduler's share of kvserve step time over that workload: time in
    Scheduler.schedule + Scheduler.update over the engine's step time (both counted by
    the engine itself: Engine.schedule_time_s, Engine.step_time_s).
-The LAST line: RESULT roofline_pct_b256=<p> vs_hf_static=<x> vs_hf_cb=<y> sched_pct=<s>
+   hf_cb runs transformers' continuous batching at its own defaults (on CUDA it decides
+   CUDA graphs and async batching itself), hf_cb_matched at kvserve's 16-token pages
+   with both off; both are reported.
+The LAST line: RESULT roofline_pct_b256=<p> vs_hf_static=<x> vs_hf_cb=<y> vs_hf_cb_matched=<z> sched_pct=<s>
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.hf_peers import PeerRun, cb_num_blocks, continuous_batching_generate, static_generate
+from benchmarks.hf_peers import PeerRun, cb_num_blocks, cb_page_size, continuous_batching_generate, static_generate
 from benchmarks.roofline import H200_HBM_BYTES_PER_S, ModelShape, decode_floor_s, roofline_pct
 from benchmarks.workload import Request, WorkloadSpec, describe, make_workload
 
@@ -256,10 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = [r.max_tokens for r in requests]
     warm = [list(range(3, 35)), list(range(35, 67))]
     static = static_generate(hf_model, prompts, max_tokens, cfg.concurrency, warm)
-    cb = continuous_batching_generate(
-        hf_model, prompts, max_tokens, cfg.concurrency, cfg.max_num_batched_tokens,
-        cb_num_blocks(cfg.concurrency, max_model_len, 16), api=args.hf_cb_api, warmup_prompts=warm,
-    )
+    # transformers' continuous batching at its own defaults (page size, CUDA graphs, async
+    # batching, flash switch: its best settings) and at kvserve's page size without them.
+    cb_runs = {
+        name: continuous_batching_generate(
+            hf_model, prompts, max_tokens, cfg.concurrency, cfg.max_num_batched_tokens,
+            cb_num_blocks(cfg.concurrency, max_model_len, cb_page_size(settings)), settings=settings,
+            api=args.hf_cb_api, warmup_prompts=warm,
+        )
+        for name, settings in (("hf_cb", "defaults"), ("hf_cb_matched", "matched"))
+    }
 
     print(f"\nattention backend {backend}, CUDA graphs {'on' if graphs else 'off'}, "
           f"roofline bandwidth {args.hbm_gbps:.0f} GB/s")
@@ -272,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nTTFT, {cfg.ttft_prompt_len}-token prompt, idle engine: {1000 * ttft:.1f} ms (median of 3)")
     useful = sum(max_tokens)
     print(f"\n{'system':<10} {'useful tok':>10} {'computed':>9} {'wall s':>8} {'useful tok/s':>13} {'kvserve/peer':>13}")
-    runs = {"kvserve": kv_run, "hf_static": static, "hf_cb": cb}
+    runs = {"kvserve": kv_run, "hf_static": static, **cb_runs}
     ratios = {}
     for name, run in runs.items():
         ratios[name] = (useful / kv_run.wall_s) / (useful / run.wall_s)
@@ -286,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scheduler (schedule + update) share of kvserve step time: {100 * sched_share:.1f}%")
     top = max(cfg.decode_batches)
     print(f"RESULT roofline_pct_b{top}={pct[top]:.1f} vs_hf_static={ratios['hf_static']:.2f} "
-          f"vs_hf_cb={ratios['hf_cb']:.2f} sched_pct={100 * sched_share:.1f}")
+          f"vs_hf_cb={ratios['hf_cb']:.2f} vs_hf_cb_matched={ratios['hf_cb_matched']:.2f} "
+          f"sched_pct={100 * sched_share:.1f}")
     tmp.cleanup()
     return 0
 

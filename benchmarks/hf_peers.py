@@ -7,6 +7,12 @@ seconds. Decoding is greedy with EOS ignored, so every request produces exactly 
 max_tokens (what makes useful-token counts comparable across systems). A warm-up on
 `warmup_prompts` runs before the timed region, untimed.
 
+Continuous batching runs at one of two settings (CB_SETTINGS), and the benchmarks report
+both: "defaults" is transformers' own ContinuousBatchingConfig (page size, CUDA graphs,
+async batching and the switch to flash attention all as transformers chooses: its authors'
+best settings), "matched" is kvserve's KV layout (16-token pages) with graphs, async
+batching and the flash switch off, the attention as loaded.
+
 Used by benchmarks/engine.py (the CPU side-by-side report) and reusable on a GPU: load
 with `load_hf_model(..., device="cuda")`; inputs are moved to the model's device.
 """
@@ -20,6 +26,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+
+CB_SETTINGS = ("defaults", "matched")
+# What "matched" sets; "defaults" sets none of these (transformers decides).
+_MATCHED = {"page_size": 16, "use_cuda_graph": False, "use_async_batching": False, "auto_switch_to_flash": False}
+
+
+def cb_page_size(settings: str) -> int:
+    """Tokens per KV page of continuous batching at `settings` (transformers' default for
+    "defaults", read from its config class, never copied)."""
+    if settings == "matched":
+        return int(_MATCHED["page_size"])
+    from transformers import ContinuousBatchingConfig
+
+    return int(ContinuousBatchingConfig().page_size)
 
 
 @dataclass
@@ -127,32 +148,40 @@ def continuous_batching_generate(
     max_requests_per_batch: int,
     max_batch_tokens: int,
     num_blocks: int,
-    page_size: int = 16,
+    settings: str = "defaults",
     api: str = "manager",
     warmup_prompts: Sequence[Sequence[int]] = (),
 ) -> PeerRun:
-    """transformers' continuous batching. api "manager": the manager `generate_batch` uses
-    (`continuous_batching_context_manager`), each request added with its own max_new_tokens
-    (no wasted tokens); api "generate_batch": `generate_batch` itself, which takes ONE
-    max_new_tokens for all requests (the longest), counting only the useful tokens."""
+    """transformers' continuous batching at `settings` (CB_SETTINGS; the batch size, token
+    budget and page count are the benchmark's, the same for every system). api "manager":
+    the manager `generate_batch` uses (`continuous_batching_context_manager`), each request
+    added with its own max_new_tokens (no wasted tokens); api "generate_batch":
+    `generate_batch` itself, which takes ONE max_new_tokens for all requests (the longest),
+    counting only the useful tokens."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
+    if settings not in CB_SETTINGS:
+        raise ValueError(f"settings must be one of {CB_SETTINGS}, got {settings!r}")
     pad = pad_id_of(model)
     cb_config = ContinuousBatchingConfig(
-        page_size=page_size,
         num_blocks=num_blocks,
         max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_requests_per_batch,
-        use_cuda_graph=False,
-        use_async_batching=False,
-        auto_switch_to_flash=False,
+        **(_MATCHED if settings == "matched" else {}),
     )
     # eos_token_id=-1 disables stopping on EOS (HF's own convention for "no EOS").
     gen_config = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=False, pad_token_id=pad,
                                   eos_token_id=-1)
     if api == "generate_batch":
-        return _cb_generate_batch(model, prompts, max_tokens, gen_config, cb_config, pad, warmup_prompts)
-    return _cb_manager(model, prompts, max_tokens, gen_config, cb_config, warmup_prompts)
+        run = _cb_generate_batch(model, prompts, max_tokens, gen_config, cb_config, pad, warmup_prompts)
+    else:
+        run = _cb_manager(model, prompts, max_tokens, gen_config, cb_config, warmup_prompts)
+    def shown(value: Any) -> str:  # None: transformers decides at start (off without CUDA graphs)
+        return "auto" if value is None else str(value)
+
+    run.note += (f"; settings {settings}: page_size {cb_config.page_size}, CUDA graphs "
+                 f"{shown(cb_config.use_cuda_graph)}, async batching {shown(cb_config.use_async_batching)}")
+    return run
 
 
 def _cb_generate_batch(
@@ -211,6 +240,7 @@ def _cb_manager(
         warm = {manager.add_request(list(p), request_id=f"warmup-{i}", max_new_tokens=4, eos_token_id=-1)
                 for i, p in enumerate(warmup_prompts)}
         _drain(manager, warm)  # warm-up, untimed
+        attention = model.config._attn_implementation  # as switched by the manager (restored on exit)
         start, cpu_start = time.perf_counter(), time.process_time()
         for request_id, prompt, n in zip(request_ids, prompts, max_tokens):
             manager.add_request(list(prompt), request_id=request_id, max_new_tokens=n, eos_token_id=-1)
@@ -228,7 +258,7 @@ def _cb_manager(
             raise RuntimeError(f"hf_cb gave {len(res.generated_tokens)} tokens for {request_id}, expected {n}")
     note = (
         "per-request max_new_tokens through the manager generate_batch uses "
-        "(generate_batch itself takes one max_new_tokens for all)"
+        f"(generate_batch itself takes one max_new_tokens for all); attention {attention}"
     )
     return PeerRun(tokens, generated, wall, cpu, note)
 

@@ -1,12 +1,16 @@
 """KV-headroom routing vs Serve's default router, side by side on one seeded workload.
 
-    python -m benchmarks.router [--num-requests 96] [--rate 8] [--seed 0] ...
+    python -m benchmarks.router [--num-requests 96] [--rate 8] [--seed 0] [--repeats 3] ...
 
 Starts a local Ray + Serve, deploys 2 real-engine worker replicas (the default model,
 worker.replica.WorkerReplica, options from cluster/app.py's `worker_options`) once with
 the KV-headroom router and once with Serve's default power-of-two router, and replays the
 same workload against each through a DeploymentHandle from this process (the role the
-ingress plays in the real app; the router runs here).
+ingress plays in the real app; the router runs here). The pair of runs is repeated
+(--repeats, default 3), each run on a fresh deployment, and the order of the two sides
+alternates (headroom first in even repeats, default first in odd ones) so that drift in the
+machine's load and warm caches favour neither; the report gives every run, then the median
+and the spread (min-max) over the repeats.
 
 The workload is built to make routing matter on a small machine:
   * small KV pools (--num-blocks per replica), so a replica can run out of blocks and
@@ -17,9 +21,15 @@ The workload is built to make routing matter on a small machine:
   * open-loop Poisson arrivals at --rate requests/s (seeded).
 
 Prints p50/p99 TTFT, output tokens/s, preemptions, prefix-cache hit tokens and errors for
-both, and as the last line:
+every run, and as the last line (ratios per repeat, from the two runs of that repeat; then
+the median and the min and max over the repeats; preemptions: medians):
 
-    RESULT ttft_p99_ratio=<default/headroom> throughput_ratio=<headroom/default> preemptions_headroom=<n> preemptions_default=<m>
+    RESULT ttft_p99_ratio=<median default/headroom> ttft_p99_ratio_min=.. ttft_p99_ratio_max=..
+           throughput_ratio=<median headroom/default> throughput_ratio_min=.. throughput_ratio_max=..
+           preemptions_headroom=<n> preemptions_default=<m> repeats=<r>
+
+Whether routing can matter shows in the preemptions and TTFT: a run where neither side
+preempts and TTFT p50 is a few tens of ms was an idle system, where no router can help.
 
 Numbers on a shared 2-core CPU box are noisy; this is a benchmark, not a test (no
 assertions on timing).
@@ -58,6 +68,7 @@ class BenchSpec:
     max_num_seqs: int = 16
     stats_period_s: float = 0.5
     num_replicas: int = 2
+    repeats: int = 3  # pairs of runs; the order of the two sides alternates
 
 
 @dataclass
@@ -86,6 +97,40 @@ class RunResult:
             return math.nan
         xs = sorted(self.ttft_s)
         return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def run_order(repeat: int) -> tuple[str, ...]:
+    """kv_headroom first in even repeats, pow2 first in odd ones."""
+    return ROUTERS if repeat % 2 == 0 else ROUTERS[::-1]
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the finite values; nan for none."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan, math.nan
+    return statistics.median(finite), min(finite), max(finite)
+
+
+def pair_ratios(headroom: RunResult, default: RunResult) -> tuple[float, float]:
+    """(TTFT p99 default/headroom, throughput headroom/default) of one repeat: > 1 favours headroom."""
+    ttft = default.pct(0.99) / headroom.pct(0.99) if headroom.pct(0.99) > 0 else math.nan
+    tput = headroom.tokens_per_s / default.tokens_per_s if default.tokens_per_s > 0 else math.nan
+    return ttft, tput
+
+
+def result_line(runs: list[dict[str, RunResult]]) -> str:
+    """The RESULT line over the repeats (each a {router: RunResult} pair)."""
+    ratios = [pair_ratios(r["kv_headroom"], r["pow2"]) for r in runs]
+    ttft = spread([t for t, _ in ratios])
+    tput = spread([x for _, x in ratios])
+    pre_head = spread([float(r["kv_headroom"].num_preemptions) for r in runs])[0]
+    pre_default = spread([float(r["pow2"].num_preemptions) for r in runs])[0]
+    return (
+        f"RESULT ttft_p99_ratio={ttft[0]:.3f} ttft_p99_ratio_min={ttft[1]:.3f} ttft_p99_ratio_max={ttft[2]:.3f} "
+        f"throughput_ratio={tput[0]:.3f} throughput_ratio_min={tput[1]:.3f} throughput_ratio_max={tput[2]:.3f} "
+        f"preemptions_headroom={pre_head:g} preemptions_default={pre_default:g} repeats={len(runs)}"
+    )
 
 
 def make_bench_workload(spec: BenchSpec, vocab_size: int, special_ids: frozenset[int]) -> list[TimedRequest]:
@@ -134,12 +179,8 @@ def _config(spec: BenchSpec, router: str) -> Any:
                 "num_threads": 1,
             },
             "workers": {"num_replicas": spec.num_replicas, "num_cpus": 1, "max_ongoing_requests": 256},
-            "routing": {
-                "router": router,
-                "stats_period_s": spec.stats_period_s,
-                # cluster/app.py passes router_kwargs through; the period must match.
-                "router_kwargs": {"stats_period_s": spec.stats_period_s} if router == "kv_headroom" else {},
-            },
+            # One period for Serve's reports and the router's staleness (cluster/app.py derives both).
+            "routing": {"router": router, "stats_period_s": spec.stats_period_s},
         }
     )
 
@@ -200,7 +241,7 @@ async def _replay(handle: Any, workload: list[TimedRequest], result: RunResult) 
     result.wall_s = time.monotonic() - start
 
 
-def run_one(spec: BenchSpec, router: str, workload: list[TimedRequest]) -> RunResult:
+def run_one(spec: BenchSpec, router: str, workload: list[TimedRequest], repeat: int) -> RunResult:
     from ray import serve
 
     from cluster.app import worker_options
@@ -208,7 +249,7 @@ def run_one(spec: BenchSpec, router: str, workload: list[TimedRequest]) -> RunRe
     from worker.api import GenerateRequest, SamplingParams
 
     config = _config(spec, router)
-    app_name = f"bench-router-{router}"
+    app_name = f"bench-router-{router}-{repeat}"  # a fresh deployment per run: no warm caches
     deployment = serve.deployment(WorkerReplica, name="worker").options(**worker_options(config))
     handle = serve.run(deployment.bind(config.engine_config()), name=app_name, route_prefix=None)
     try:
@@ -280,34 +321,47 @@ def main(argv: list[str] | None = None) -> int:
         runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}},
     )
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=_free_port()))
-    results: dict[str, RunResult] = {}
+    runs: list[dict[str, RunResult]] = []
     try:
-        for router in ROUTERS:
-            print(f"running with router={router} ...", flush=True)
-            results[router] = run_one(spec, router, workload)
+        for repeat in range(spec.repeats):
+            pair: dict[str, RunResult] = {}
+            for router in run_order(repeat):
+                print(f"repeat {repeat + 1}/{spec.repeats}: router={router} ...", flush=True)
+                pair[router] = run_one(spec, router, workload, repeat)
+            runs.append(pair)
     finally:
         serve.shutdown()
         ray.shutdown()
-
-    print(f"{'router':<12} {'ttft_p50_ms':>11} {'ttft_p99_ms':>11} {'out_tok/s':>9} {'preempt':>7} {'prefix_hit_tok':>14} {'errors':>6}")
-    for router, r in results.items():
-        print(
-            f"{router:<12} {r.pct(0.5) * 1000:>11.1f} {r.pct(0.99) * 1000:>11.1f} {r.tokens_per_s:>9.1f} "
-            f"{r.num_preemptions:>7} {r.prefix_cache_hits:>14} {r.num_errors:>6}"
-        )
-        for rep in r.per_replica:
-            print(f"    replica {rep['replica']}: generated {rep['generated']} tokens, "
-                  f"{rep['preemptions']} preemptions, {rep['prefix_hits']} prefix-cache hit tokens")
-    head, default = results["kv_headroom"], results["pow2"]
-    ttft_ratio = default.pct(0.99) / head.pct(0.99) if head.pct(0.99) > 0 else math.nan
-    tput_ratio = head.tokens_per_s / default.tokens_per_s if default.tokens_per_s > 0 else math.nan
-    if head.ttft_s and default.ttft_s:
-        print(f"mean ttft: headroom {statistics.mean(head.ttft_s) * 1000:.1f} ms, default {statistics.mean(default.ttft_s) * 1000:.1f} ms")
-    print(
-        f"RESULT ttft_p99_ratio={ttft_ratio:.3f} throughput_ratio={tput_ratio:.3f} "
-        f"preemptions_headroom={head.num_preemptions} preemptions_default={default.num_preemptions}"
-    )
+    for line in report(runs):
+        print(line)
     return 0
+
+
+def report(runs: list[dict[str, RunResult]]) -> list[str]:
+    lines = [f"{'repeat':>6} {'router':<12} {'ttft_p50_ms':>11} {'ttft_p99_ms':>11} {'mean_ms':>8} {'out_tok/s':>9} "
+             f"{'preempt':>7} {'prefix_hit_tok':>14} {'errors':>6}"]
+    for repeat, pair in enumerate(runs):
+        for router in run_order(repeat):  # in the order they ran
+            r = pair[router]
+            mean = statistics.mean(r.ttft_s) * 1000 if r.ttft_s else math.nan
+            lines.append(
+                f"{repeat + 1:>6} {router:<12} {r.pct(0.5) * 1000:>11.1f} {r.pct(0.99) * 1000:>11.1f} {mean:>8.1f} "
+                f"{r.tokens_per_s:>9.1f} {r.num_preemptions:>7} {r.prefix_cache_hits:>14} {r.num_errors:>6}"
+            )
+            for rep in r.per_replica:
+                lines.append(f"{'':>6}     replica {rep['replica']}: generated {rep['generated']} tokens, "
+                             f"{rep['preemptions']} preemptions, {rep['prefix_hits']} prefix-cache hit tokens")
+    for router in ROUTERS:
+        p50 = spread([pair[router].pct(0.5) * 1000 for pair in runs])
+        p99 = spread([pair[router].pct(0.99) * 1000 for pair in runs])
+        tput = spread([pair[router].tokens_per_s for pair in runs])
+        lines.append(f"{router}: over {len(runs)} runs, median (min-max): TTFT p50 {p50[0]:.1f} ({p50[1]:.1f}-{p50[2]:.1f}) ms, "
+                     f"p99 {p99[0]:.1f} ({p99[1]:.1f}-{p99[2]:.1f}) ms, {tput[0]:.1f} ({tput[1]:.1f}-{tput[2]:.1f}) tok/s")
+    for repeat, pair in enumerate(runs):
+        ttft, tput = pair_ratios(pair["kv_headroom"], pair["pow2"])
+        lines.append(f"repeat {repeat + 1}: ttft_p99_ratio={ttft:.3f} throughput_ratio={tput:.3f}")
+    lines.append(result_line(runs))
+    return lines
 
 
 if __name__ == "__main__":

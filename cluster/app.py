@@ -36,8 +36,8 @@ KV_HEADROOM_ROUTER = "router.request_router:KVHeadroomRouter"
 _INGRESS_CONTROL_HEADROOM = 64
 # How often a replica being removed checks whether its last request has finished.
 _DRAIN_POLL_S = 0.5
-# AutoscalingConfig.metrics_interval_s's default (ray.serve.config.DEFAULT_METRICS_INTERVAL_S).
-_SERVE_METRICS_INTERVAL_S = 10.0
+# Serve's own default for AutoscalingConfig.metrics_interval_s (Serve warns on any explicit value).
+_SERVE_METRICS_INTERVAL_S = AutoscalingConfig.model_fields["metrics_interval_s"].default
 
 
 def build_app(config: KVServeConfig) -> Application:
@@ -83,37 +83,11 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def ingress_settings(config: KVServeConfig) -> IngressSettings:
-    i = config.ingress
-    return IngressSettings(
-        served_model_name=config.model.resolved_name(),
-        tokenizer_path=config.model.resolved_path(),
-        max_queued_requests=i.max_queued_requests,
-        max_body_bytes=i.max_body_bytes,
-        max_n=i.max_n,
-        request_timeout_s=i.request_timeout_s,
-        max_migrations=i.max_migrations,
-        trust_remote_code=config.model.trust_remote_code,
-        api_keys_env=i.api_keys_env,
-        max_concurrent_requests_per_key=i.max_concurrent_requests_per_key,
-        tokens_per_minute_per_key=i.tokens_per_minute_per_key,
-        state_store=state_store_spec(config),
-        metrics_public=i.metrics_public,
-    )
+    return config.ingress_settings(state_store=state_store_spec(config))
 
 
 def state_store_spec(config: KVServeConfig) -> RedisStoreSpec | None:
-    """Where the ingress replicas count per-key limits: Redis when `state.redis_url` is
-    set (cluster/state_store.py), else None (each replica on its own)."""
-    s = config.state
-    if s.redis_url is None:
-        return None
-    return RedisStoreSpec(
-        url=s.redis_url,
-        key_prefix=s.key_prefix or f"kvserve:{config.app_name}",
-        password_env=s.redis_password_env,
-        socket_timeout_s=s.socket_timeout_s,
-        lease_ttl_s=s.lease_ttl_s,
-    )
+    return config.redis_store_spec()
 
 
 def ingress_options(config: KVServeConfig) -> dict[str, Any]:
@@ -231,17 +205,10 @@ def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
     kvserve (router/request_router.py, imported with router.ingress above): no fallback."""
     if config.routing.router != "kv_headroom":
         return None
-    return RequestRouterConfig(
-        request_router_class=KV_HEADROOM_ROUTER,
-        # The router must know the real report period to judge staleness; with several
-        # ingress replicas each has a private view, so each may promise only its share.
-        request_router_kwargs={
-            "stats_period_s": config.routing.stats_period_s,
-            "headroom_share": 1.0 / config.ingress.num_replicas,
-            **config.routing.router_kwargs,
-        },
-        request_routing_stats_period_s=config.routing.stats_period_s,
-    )
+    # With several ingress replicas each router copy has a private view, so each may promise
+    # only its share; Serve's report period comes from the same params (one value).
+    params = config.routing.headroom_params(headroom_share=1.0 / config.ingress.num_replicas)
+    return RequestRouterConfig(request_router_class=KV_HEADROOM_ROUTER, **params.serve_router_config())
 
 
 def grpc_servicer() -> str:

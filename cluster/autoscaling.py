@@ -209,16 +209,9 @@ class QueueDepthPolicy:
     """Serve custom autoscaling policy (a class: Serve instantiates it once per deployment
     with `AutoscalingPolicy.policy_kwargs`, then calls it on every autoscaling tick)."""
 
-    def __init__(
-        self,
-        role: Role = "mixed",
-        target_waiting_per_replica: float = 4.0,
-        target_waiting_prompt_tokens_per_replica: float = 8192.0,
-        kv_usage_ceiling: float = 0.85,
-        scale_to_zero: bool = False,
-    ) -> None:
-        self.targets = PoolTargets(role, target_waiting_per_replica, target_waiting_prompt_tokens_per_replica,
-                                   kv_usage_ceiling, scale_to_zero)
+    def __init__(self, **targets: Any) -> None:
+        # PoolTargets' fields, with its defaults (written there once); a wrong name is a TypeError.
+        self.targets = PoolTargets(**targets)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         """ctx: ray.serve.config.AutoscalingContext."""

@@ -30,8 +30,10 @@ from cluster.bench.report import DEFAULT_PERCENTILES, format_summary, jsonable
 from cluster.bench.run import Progress, make_client, run_benchmark
 from cluster.bench.stream import ENDPOINTS
 from cluster.bench.workload import DATASETS, PromptCalibration, generate_workload
+from cluster.config import HTTPSection
 
-DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+# Where `kvserve serve` listens by default (the config schema's defaults).
+DEFAULT_BASE_URL = f"http://{HTTPSection().host}:{HTTPSection().port}"
 
 
 def register(subparsers: Any) -> None:

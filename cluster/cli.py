@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.config import ConfigError, KVServeConfig
+from cluster.config import ConfigError, GRPCSection, HTTPSection, KVServeConfig
 from cluster.deps import MissingDependencyError, missing
 
 # name -> "module:register_function"; register(subparsers) adds the parser, sets func.
@@ -87,9 +87,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH", help="model directory or Hub id (default: embedded kvserve-tiny)")
     parser.add_argument("--served-model-name", metavar="NAME", help="the model name clients send")
     parser.add_argument("--num-workers", type=int, metavar="N", help="worker replicas")
-    parser.add_argument("--host", help="HTTP host (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    parser.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
+    parser.add_argument("--host", help=f"HTTP host (default {HTTPSection().host})")
+    parser.add_argument("--port", type=int, help=f"HTTP port (default {HTTPSection().port})")
+    parser.add_argument("--grpc-port", type=int, help=f"gRPC port (default {GRPCSection().port})")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
                         help="ranks (devices) per worker replica; every pool when disaggregated")
     parser.add_argument("--disaggregate", action="store_true",

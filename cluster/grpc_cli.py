@@ -19,7 +19,10 @@ import os
 import sys
 from typing import Any, TextIO
 
-DEFAULT_TARGET = "127.0.0.1:9000"
+from cluster.config import GRPCSection, HTTPSection
+
+# Where `kvserve serve` listens by default (the config schema's defaults).
+DEFAULT_TARGET = f"{HTTPSection().host}:{GRPCSection().port}"
 
 
 def register(subparsers: Any) -> None:

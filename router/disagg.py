@@ -33,6 +33,7 @@ from ray.serve.request_router import PendingRequest, RunningReplica
 
 from router import errors
 from router.request_router import KVHeadroomRouter
+from router.settings import MAX_WAITING_FOR_DECODE
 from worker.api import GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class _Method:
 class DisaggregatedGenerate:
     """Stands in for `worker_handle.options(stream=True)` in GenerationStream."""
 
-    def __init__(self, prefill_handle: Any, decode_handle: Any, max_waiting_for_decode: int = 256) -> None:
+    def __init__(self, prefill_handle: Any, decode_handle: Any, max_waiting_for_decode: int = MAX_WAITING_FOR_DECODE) -> None:
         self.prefill = prefill_handle.options(stream=False)
         self.decode = decode_handle.options(stream=True)
         self.queue = DecodeQueue(max_waiting_for_decode)

@@ -80,7 +80,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from kv.block_hash import hash_full_blocks
 
@@ -109,8 +109,9 @@ class HeadroomParams:
     # headroom a mean TTFT 1.3-2x pow2's and throughput 0.96-0.98x in 4 of 4 runs; with 4:
     # mean TTFT 0.8-1.3x, throughput 1.006-1.057x, TTFT p99 ratio 0.83-1.99 in 3 runs.
     load_gate_threshold: float = 4.0
-    # Must match RequestRouterConfig.request_routing_stats_period_s (Serve's default: 10 s).
-    stats_period_s: float = 10.0
+    # The period at which replicas report (RequestRouterConfig.request_routing_stats_period_s):
+    # `serve_router_config()` sets Serve's period from this field, so the two cannot differ.
+    stats_period_s: float = 1.0
     # Stats older than stale_after_periods * stats_period_s are stale.
     stale_after_periods: float = 3.0
     # A report reflects a dispatch only when taken at least this long after it (transit
@@ -143,6 +144,11 @@ class HeadroomParams:
     @property
     def stale_after_s(self) -> float:
         return self.stale_after_periods * self.stats_period_s
+
+    def serve_router_config(self) -> dict[str, object]:
+        """RequestRouterConfig's fields for these parameters (besides the router class):
+        Serve's report period is derived from stats_period_s, never set beside it."""
+        return {"request_router_kwargs": asdict(self), "request_routing_stats_period_s": self.stats_period_s}
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, object]) -> HeadroomParams:

@@ -45,7 +45,7 @@ from router.grpc_servicer import GrpcMethods, GrpcServicer
 from router.key_limits import KeyLimits
 from router.metrics import CONTENT_TYPE, IngressMetrics
 from router.pipeline import RequestPipeline
-from router.settings import IngressSettings
+from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.workers import Workers
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,8 @@ async def _respond(
 @serve.ingress(app)
 class Ingress(GrpcMethods):
     def __init__(
-        self, worker: Any, settings: IngressSettings, prefill_worker: Any = None, max_waiting_for_decode: int = 256
+        self, worker: Any, settings: IngressSettings, prefill_worker: Any = None,
+        max_waiting_for_decode: int = MAX_WAITING_FOR_DECODE,
     ) -> None:
         self.settings = settings
         generate = worker.options(stream=True)

@@ -4,8 +4,9 @@ Use it on the worker deployment:
 
     RequestRouterConfig(
         request_router_class="router.request_router:KVHeadroomRouter",
-        request_router_kwargs={"stats_period_s": 1.0, ...},   # HeadroomParams fields
-        request_routing_stats_period_s=1.0,                  # keep equal to stats_period_s
+        # request_router_kwargs (HeadroomParams fields) and request_routing_stats_period_s,
+        # the latter derived from the params' stats_period_s:
+        **HeadroomParams(...).serve_router_config(),
     )
 
 How Serve 2.60 drives it (read from ray/serve/_private/router.py and request_router/):

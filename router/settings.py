@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.auth import DEFAULT_API_KEYS_ENV
 from router.key_limits import StateStoreFactory
+
+# Prefill/decode disaggregation (router/disagg.py): requests per ingress replica admitted
+# but not yet decoding (waiting for their prefill or for a decode replica); one more is
+# answered 429 before any work is done.
+MAX_WAITING_FOR_DECODE = 256
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,7 @@ class IngressSettings:
     stats_timeout_s: float = 2.0
     # API keys (router/auth.py): the environment variable with the keys (plaintext or
     # `sha256:<hex>`, comma-separated); unset or empty: authentication off.
-    api_keys_env: str | None = "KVSERVE_API_KEYS"
+    api_keys_env: str | None = DEFAULT_API_KEYS_ENV
     # Per API key; None: no limit. Counted per ingress replica, or cluster-wide when
     # `state_store` is set.
     max_concurrent_requests_per_key: int | None = None

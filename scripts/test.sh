@@ -13,5 +13,6 @@ fi
 bash scripts/install.sh test
 bash scripts/helm_tools.sh        # real Helm engine + kubernetes-validate, in .cache/helm-venv
 export KVSERVE_REQUIRE_HELM=1     # chart tests fail (not skip) if those tools are missing
+export KVSERVE_CI=1               # any skip of a test not marked `gpu` fails the run (tests/conftest.py)
 export RAY_AUTH_MODE=disabled  # tests only: Ray token auth stays on everywhere else
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -36,7 +36,7 @@ class ServeCluster:
 
 @pytest.fixture(scope="session")
 def serve_cluster() -> Iterator[ServeCluster]:
-    ray = pytest.importorskip("ray")
+    import ray
     from ray import serve
     from ray.serve.config import gRPCOptions, HTTPOptions
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray
 from ray import serve  # noqa: E402
 
 from cluster.app import worker_options  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from tests.integration.tiny_app import stream_text, tiny_config, wait_for
 
-httpx = pytest.importorskip("httpx")
+import httpx
 
 MIXED, DISAGG, MODEL = "pd-mixed", "pd-disagg", "tiny-pd"
 PROMPTS = [

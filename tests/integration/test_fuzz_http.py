@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis")
+import hypothesis
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray")
-grpc = pytest.importorskip("grpc")
+import ray
+import grpc
 from ray import serve  # noqa: E402
 
 from cluster import grpc_cli  # noqa: E402

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-grpc = pytest.importorskip("grpc")
-hypothesis = pytest.importorskip("hypothesis")
+import grpc
+import hypothesis
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -18,7 +18,7 @@ from tests.integration.tiny_app import BLOCK_SIZE, NUM_BLOCKS, tiny_config  # 51
 
 pytestmark = pytest.mark.integration
 
-openai = pytest.importorskip("openai")
+import openai
 
 APP_NAME = "openai-api-test"
 ROUTE_PREFIX = "/openai-api-test"

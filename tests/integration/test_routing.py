@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray
 from ray import serve  # noqa: E402
 from ray.serve.config import RequestRouterConfig  # noqa: E402
 

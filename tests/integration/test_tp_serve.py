@@ -18,7 +18,7 @@ import pytest
 
 from tests.integration.tiny_app import stream_text, tiny_config, wait_for
 
-httpx = pytest.importorskip("httpx")
+import httpx
 
 TP1, TP2, TP_PD, MODEL = "tp-one", "tp-two", "tp-pd", "tiny-tp"
 PROMPTS = [

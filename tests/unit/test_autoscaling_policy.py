@@ -221,7 +221,7 @@ def test_policy_under_serves_own_delay_wrapper() -> None:
     bounds). Composed with it, a sustained queue scales up exactly after upscale_delay_s and
     a lull scales down after downscale_delay_s (a second timer inside the adapter made the
     two reset each other: the pool never moved)."""
-    autoscaling_policy = pytest.importorskip("ray.serve.autoscaling_policy")
+    from ray.serve import autoscaling_policy
     from unittest import mock
 
     from ray.serve.config import AutoscalingConfig
@@ -255,7 +255,7 @@ def test_policy_function_is_importable_by_serve_path() -> None:
 
 def test_context_attribute_names_match_installed_ray() -> None:
     """The adapter reads these AutoscalingContext attributes; fail loudly if Ray renames one."""
-    config = pytest.importorskip("ray.serve.config")
+    from ray.serve import config
     import inspect
 
     params = set(inspect.signature(config.AutoscalingContext.__init__).parameters)

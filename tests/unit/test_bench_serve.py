@@ -19,14 +19,11 @@ import pytest
 from cluster import bench_serve
 from cluster.bench import report, run, stream, workload
 
-pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("starlette")
-
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
-from starlette.routing import Route  # noqa: E402
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
 
 # -- metrics -------------------------------------------------------------------------------

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("ray")
+from ray.serve import Application
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from ray.serve import Application  # noqa: E402
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig  # noqa: E402
-
-from cluster.app import KV_HEADROOM_ROUTER, app_builder, ingress_options, ingress_settings, worker_options  # noqa: E402
-from cluster.config import ConfigError, KVServeConfig  # noqa: E402
+from cluster.app import KV_HEADROOM_ROUTER, app_builder, ingress_options, ingress_settings, worker_options
+from cluster.config import ConfigError, KVServeConfig
 
 
 def config(**sections: object) -> KVServeConfig:

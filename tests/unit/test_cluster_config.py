@@ -58,7 +58,7 @@ grpc: {port: 9090, enabled: true}
 routing:
   router: kv_headroom
   stats_period_s: 0.5
-  router_kwargs: {load_gate: 2.0}
+  router_kwargs: {load_gate_threshold: 2.0}
 """
 
 
@@ -74,7 +74,7 @@ def test_full_yaml_is_accepted(tmp_path: Path) -> None:
     assert config.ingress.max_body_bytes == 8 * 1024**2
     assert config.workers.autoscaling is not None and config.workers.autoscaling.max_replicas == 8
     assert config.http.port == 8080 and config.grpc.port == 9090
-    assert config.routing.router_kwargs == {"load_gate": 2.0}
+    assert config.routing.router_kwargs == {"load_gate_threshold": 2.0}
     assert config.model.resolved_name() == "llama"
 
 

@@ -65,7 +65,7 @@ def test_a_step_that_does_not_fit_the_buffers_runs_eagerly() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_replay_matches_eager_decode() -> None:
     """A toy 'model' (attention only, triton backend) captured per bucket gives the eager result."""
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="the triton backend needs triton (test extra, Linux x86-64)")
     from tests.unit.test_attention import D, _build_batch
     from worker.attention.triton_paged import TritonPagedAttention
     from worker.cuda_graphs import DecodeGraphs

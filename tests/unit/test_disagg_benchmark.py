@@ -8,7 +8,17 @@ import math
 
 import pytest
 
-from benchmarks.disagg import SideResult, make_spec, result_line, side_configs, side_order
+from benchmarks.disagg import (
+    DISAGG,
+    SideResult,
+    best_mixed_budget,
+    make_spec,
+    parse_args,
+    result_line,
+    side_configs,
+    side_order,
+    sides,
+)
 from benchmarks.disagg_workload import (
     QUICK,
     DisaggSpec,
@@ -71,9 +81,22 @@ def test_decode_streams_are_short_prompts_with_long_outputs_seeded_per_slot() ->
     assert len({r.index for r in first + other}) == 100
 
 
-def test_rounds_draw_new_seeds_and_alternate_the_first_side() -> None:
+def test_rounds_draw_new_seeds_and_rotate_the_order_of_the_sides() -> None:
     assert len({round_seed(SPEC, r) for r in range(4)}) == 4
-    assert side_order(0) == ("mixed", "disagg") and side_order(1) == ("disagg", "mixed")
+    all_sides = sides(SPEC)
+    assert all_sides == ("mixed256", "mixed512", "mixed2048", DISAGG)
+    orders = [side_order(r, all_sides) for r in range(len(all_sides))]
+    assert orders[0] == all_sides and all(sorted(o) == sorted(all_sides) for o in orders)
+    for position in range(len(all_sides)):  # each side takes every position once
+        assert {o[position] for o in orders} == set(all_sides)
+    assert side_order(len(all_sides), all_sides) == all_sides
+
+
+def test_mixed_budgets_come_from_the_command_line_and_must_be_distinct() -> None:
+    spec, _ = parse_args(["--mixed-budgets", "128,2048", "--quick"])
+    assert spec.mixed_budgets == (128, 2048) and sides(spec) == ("mixed128", "mixed2048", DISAGG)
+    with pytest.raises(ValueError):
+        sides(DisaggSpec(mixed_budgets=(512, 512)))
 
 
 def test_quick_then_flags_override_the_defaults() -> None:
@@ -114,13 +137,22 @@ def test_ratio_is_mixed_over_disagg_and_nan_when_undefined() -> None:
     assert percentile_ms([0.5, 1.5], 50) == 1000.0
 
 
-def test_result_line_ratios() -> None:
-    mixed = SideResult("mixed", long=[_stream(0.0, 0.75, [])], itl_window_s=[0.125, 0.5])
-    disagg = SideResult("disagg", long=[_stream(0.0, 0.25, [])], itl_window_s=[0.125, 0.25])
+def test_result_line_compares_with_the_best_mixed_budget_and_lists_every_budget() -> None:
+    spec = DisaggSpec(mixed_budgets=(256, 2048))
+    disagg = SideResult(DISAGG, long=[_stream(0.0, 0.25, [])], itl_window_s=[0.125, 0.25])
+    small = SideResult("mixed256", long=[_stream(0.0, 1.0, [])], itl_window_s=[0.125, 0.25])  # chunked: low ITL
+    large = SideResult("mixed2048", long=[_stream(0.0, 0.75, [])], itl_window_s=[0.125, 0.5])
+    results = {"mixed256": small, "mixed2048": large, DISAGG: disagg}
+    assert best_mixed_budget(spec, results) == 256
     itl = 0.125 + (0.5 - 0.125) * 0.99  # numpy-style p99 of two values
     itl_disagg = 0.125 + (0.25 - 0.125) * 0.99
-    assert result_line(mixed, disagg) == f"RESULT itl_p99_ratio={itl / itl_disagg:.3f} ttft_p99_ratio=3.000"
-    assert result_line(mixed, SideResult("disagg")) == "RESULT itl_p99_ratio=nan ttft_p99_ratio=nan"
+    assert result_line(spec, results) == (
+        "RESULT itl_p99_ratio=1.000 ttft_p99_ratio=4.000 best_mixed_budget=256 "
+        f"itl_p99_ratio_256=1.000 ttft_p99_ratio_256=4.000 itl_p99_ratio_2048={itl / itl_disagg:.3f} "
+        "ttft_p99_ratio_2048=3.000"
+    )
+    empty = {"mixed256": SideResult("mixed256"), "mixed2048": SideResult("mixed2048"), DISAGG: disagg}
+    assert result_line(spec, empty).startswith("RESULT itl_p99_ratio=nan ttft_p99_ratio=nan best_mixed_budget=None ")
 
 
 def test_side_result_counts_errors_and_decode_throughput() -> None:
@@ -132,16 +164,21 @@ def test_side_result_counts_errors_and_decode_throughput() -> None:
 
 
 # -- configs -------------------------------------------------------------------------------------
-def test_both_sides_get_the_same_engine_and_as_many_worker_replicas() -> None:
+def test_every_side_gets_the_same_engine_but_its_budget_and_as_many_worker_replicas() -> None:
     from cluster.config import KVServeConfig
 
     configs = {side: KVServeConfig.from_dict(data) for side, data in side_configs(SPEC).items()}
-    mixed, disagg = configs["mixed"], configs["disagg"]
-    assert mixed.engine == disagg.engine
-    assert mixed.engine.max_num_batched_tokens == SPEC.max_num_batched_tokens
-    assert mixed.model == disagg.model
-    assert mixed.disaggregation is None and disagg.disaggregation is not None
+    assert tuple(configs) == sides(SPEC)
+    disagg = configs[DISAGG]
+    assert disagg.engine.max_num_batched_tokens == SPEC.max_num_batched_tokens
+    assert disagg.disaggregation is not None
     pools = disagg.disaggregation
-    assert mixed.workers.num_replicas == pools.prefill.num_replicas + pools.decode.num_replicas == 2
-    assert mixed.workers.num_cpus == pools.prefill.num_cpus == pools.decode.num_cpus
-    assert mixed.route_prefix != disagg.route_prefix and mixed.app_name != disagg.app_name
+    for budget in SPEC.mixed_budgets:
+        mixed = configs[f"mixed{budget}"]
+        assert mixed.engine.max_num_batched_tokens == budget
+        assert mixed.engine.model_copy(update={"max_num_batched_tokens": 0}) == \
+            disagg.engine.model_copy(update={"max_num_batched_tokens": 0})
+        assert mixed.model == disagg.model and mixed.disaggregation is None
+        assert mixed.workers.num_replicas == pools.prefill.num_replicas + pools.decode.num_replicas == 2
+        assert mixed.workers.num_cpus == pools.prefill.num_cpus == pools.decode.num_cpus
+    assert len({c.route_prefix for c in configs.values()}) == len({c.app_name for c in configs.values()}) == len(configs)

@@ -7,8 +7,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("ray")
-
 from cluster.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, PREFILL_POOL_ROUTER, build_app  # noqa: E402
 from cluster.config import ConfigError, KVServeConfig  # noqa: E402
 from kv.transfer import KVHandle  # noqa: E402

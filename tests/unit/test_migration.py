@@ -177,8 +177,8 @@ def test_replica_failures_are_recognised() -> None:
 
 
 def test_real_ray_error_types_are_recognised() -> None:
-    exceptions = pytest.importorskip("ray.exceptions")
-    serve_exceptions = pytest.importorskip("ray.serve.exceptions")
+    from ray import exceptions
+    import ray.serve.exceptions as serve_exceptions
     assert is_replica_failure(exceptions.ActorDiedError())
     assert is_replica_failure(exceptions.ActorUnavailableError("unavailable", None))
     assert is_replica_failure(exceptions.RayActorError())
@@ -235,7 +235,7 @@ def test_detokenizer_replay_continues_the_text_exactly(tokenizer: Any, stop: tup
 
 
 async def test_grpc_stream_beyond_the_migration_limit_is_unavailable() -> None:
-    grpc = pytest.importorskip("grpc")
+    import grpc
     from tests.unit.test_grpc_servicer import FakeContext, FakeIngress, request
 
     ingress = FakeIngress()

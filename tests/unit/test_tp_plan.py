@@ -1,8 +1,6 @@
 """The tensor-parallel plan encoding (rank 0 -> other ranks) and the TP config wiring."""
 from __future__ import annotations
 
-import pytest
-
 from kv.cache_manager import KVCacheManager
 from worker.config import SchedulerConfig
 from worker.sampling_params import SamplingParams
@@ -47,7 +45,6 @@ def test_plans_round_trip_as_diffs_through_preemption_and_finish() -> None:
 
 
 def test_worker_options_place_tp_ranks_together() -> None:
-    pytest.importorskip("ray")
     from cluster.app import worker_options
     from cluster.config import KVServeConfig
 
