@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ConfigError, KVServeConfig
+from worker.model_config import MissingDependencyError, UnsupportedModelError, check_local_model
 
 # name -> "module:register_function"; register(subparsers) adds the parser, sets func.
 SUBCOMMANDS: dict[str, str] = {
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
     except FileNotFoundError as e:
+        print(f"kvserve: {e}", file=sys.stderr)
+        return 2
+    except (UnsupportedModelError, MissingDependencyError) as e:  # a checkpoint kvserve cannot serve
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
 
@@ -211,6 +215,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if getattr(args, "no_grpc", False):
         config = config.with_overrides({"grpc.enabled": False})
     engine_config = config.engine_config()  # fails early (and readably) on a missing model
+    # ... and on a checkpoint the workers would refuse (quantized, another architecture).
+    check_local_model(engine_config.model.model, engine_config.model.trust_remote_code)
 
     import ray
     from ray import serve

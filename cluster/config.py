@@ -92,7 +92,8 @@ class EngineSection(_Section):
     num_blocks: int | None = Field(None, gt=0)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
-    max_model_len: int = Field(2048, ge=2)
+    # None: the model's context length, capped by what the KV cache holds.
+    max_model_len: int | None = Field(None, ge=2)
     enable_prefix_caching: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

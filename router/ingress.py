@@ -123,9 +123,10 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
+    # The workers' own loader (torch-free): a .gguf file's tokenizer is read from the file.
+    from worker.model_config import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return load(path, trust_remote_code)
 
 
 async def _wait(awaitable: Awaitable[Any], timeout_s: float) -> Any:

@@ -8,8 +8,11 @@ supported; nothing in a config is silently ignored.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # HF architecture -> our family (worker/model/llama.py implements all four).
 SUPPORTED_ARCHITECTURES = {
@@ -31,6 +34,10 @@ GGUF_INSTALL_HINT = "pip install 'kvserve[gguf]' (the gguf and accelerate packag
 
 class UnsupportedModelError(ValueError):
     """A checkpoint kvserve cannot serve exactly (caught by `kvserve serve` before Ray starts)."""
+
+
+class MissingDependencyError(ImportError):
+    """An optional package a checkpoint needs is not installed (the message has the hint)."""
 
 
 def is_gguf(path: Path | str) -> bool:
@@ -123,6 +130,31 @@ def layer_sliding_windows(hf_config: Any, num_layers: int) -> tuple[int | None, 
     return tuple(int(window) if t == "sliding_attention" else None for t in types[:num_layers])
 
 
+def max_model_len_for(requested: int | None, hf_config: Any) -> int:
+    """The engine's max_model_len before the KV cap: the model's context length unless a
+    smaller one was asked for (a larger one is cut to it, with a log line)."""
+    limit = int(hf_config.max_position_embeddings)
+    if requested is None:
+        return limit
+    if requested > limit:
+        logger.warning("max_model_len %d is past the model's context length; using %d", requested, limit)
+        return limit
+    return requested
+
+
+def cap_to_kv_capacity(max_model_len: int, num_blocks: int, block_size: int) -> int:
+    """No sequence can outgrow the KV pool: cap max_model_len to it, saying so once."""
+    capacity = num_blocks * block_size
+    if max_model_len > capacity:
+        logger.info(
+            "max_model_len capped from %d to %d: the KV cache holds %d blocks of %d tokens "
+            "(raise engine.kv_cache_bytes / gpu_memory_utilization for longer sequences)",
+            max_model_len, capacity, num_blocks, block_size,
+        )
+        return capacity
+    return max_model_len
+
+
 def eos_token_ids_of(path: Path, hf_config: object) -> frozenset[int]:
     """EOS ids from config.json and generation_config.json (Llama 3 lists several)."""
     ids: set[int] = set()
@@ -152,8 +184,21 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
+def check_local_model(model: str, trust_remote_code: bool = False) -> None:
+    """For `kvserve serve`, before Ray starts: read and check a local model's config
+    (UnsupportedModelError, MissingDependencyError, FileNotFoundError). A Hub id is
+    checked where it is downloaded, when the worker loads it."""
+    path = Path(model).expanduser()
+    if path.is_dir() or (path.is_file() and is_gguf(path)):
+        load_hf_config(path, trust_remote_code)
+    elif path.exists():
+        raise FileNotFoundError(f"model {model!r} is a file, not a model directory or a .gguf file")
+
+
 def _require_gguf() -> None:
     try:
         import gguf  # noqa: F401
     except ImportError:
-        raise ImportError(f"loading a .gguf model needs the `gguf` package: {GGUF_INSTALL_HINT}") from None
+        raise MissingDependencyError(
+            f"loading a .gguf model needs the `gguf` package: {GGUF_INSTALL_HINT}"
+        ) from None
