@@ -113,7 +113,10 @@ class Engine:
         path = resolve_model_path(config.model.model)
         hf_config = load_hf_config(path, config.model.trust_remote_code)
         max_model_len = max_model_len_for(config.scheduler.max_model_len, hf_config)
-        config = replace(config, model=replace(config.model, model=str(path)))
+        config = replace(
+            config, model=replace(config.model, model=str(path)),
+            scheduler=replace(config.scheduler, max_model_len=max_model_len),
+        )
         if config.model.tensor_parallel_size > 1:
             from worker.tp.runner import TPModelRunner
 
