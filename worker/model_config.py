@@ -145,8 +145,8 @@ def max_model_len_for(requested: int | None, hf_config: Any) -> int:
 def cap_to_kv_capacity(max_model_len: int, num_blocks: int, block_size: int) -> int:
     """No sequence can outgrow the KV pool: cap max_model_len to it, saying so once."""
     capacity = num_blocks * block_size
-    if max_model_len > capacity:
-        logger.info(
+    if max_model_len > capacity:  # a warning: the operator should see it (INFO is not shown by default)
+        logger.warning(
             "max_model_len capped from %d to %d: the KV cache holds %d blocks of %d tokens "
             "(raise engine.kv_cache_bytes / gpu_memory_utilization for longer sequences)",
             max_model_len, capacity, num_blocks, block_size,

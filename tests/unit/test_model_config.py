@@ -44,8 +44,8 @@ def test_quantized_checkpoints_are_refused(quant: dict, tiny_model: TinyModels, 
         load_hf_config(path)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
-def test_length_dependent_rope_is_refused(rope_type: str, tiny_model: TinyModels, tmp_path: Path) -> None:
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "made_up"])
+def test_length_dependent_or_unknown_rope_is_refused(rope_type: str, tiny_model: TinyModels, tmp_path: Path) -> None:
     params = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}
     if rope_type == "longrope":
         params.update(short_factor=[1.0] * 8, long_factor=[2.0] * 8, original_max_position_embeddings=256)
