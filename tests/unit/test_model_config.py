@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,3 +141,47 @@ def test_unpermute_undoes_llama_cpps_permutation(num_heads: int) -> None:
     permuted = w.reshape(num_heads, 2, head_dim // 2, cols).swapaxes(1, 2).reshape(w.shape)
     assert not torch.equal(permuted, w)
     torch.testing.assert_close(unpermute_rows(permuted, num_heads), w, rtol=0, atol=0)
+
+
+def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
+    gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'kvserve[gguf]')")
+    writer = gguf.GGUFWriter(path, arch)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_reads_dequantized_tensors_in_hf_order(tmp_path: Path) -> None:
+    from worker.model.gguf_checkpoint import GGUFCheckpoint
+
+    q = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)  # 2 heads of dim 4, 4 columns
+    norm = np.ones(4, dtype=np.float32)
+    path = _write_gguf(tmp_path / "m.gguf", "llama", {"blk.0.attn_q.weight": q, "blk.0.attn_norm.weight": norm})
+    checkpoint = GGUFCheckpoint(path, num_heads=2, num_kv_heads=1)
+    assert sorted(checkpoint.keys()) == ["model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight"]
+    got = checkpoint.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    torch.testing.assert_close(got, unpermute_rows(torch.from_numpy(q), 2))
+    assert not torch.equal(got, torch.from_numpy(q))  # rows really reordered: 0, 2, 1, 3 per head
+    assert got[:4, 0].tolist() == [0.0, 8.0, 4.0, 12.0]
+    torch.testing.assert_close(checkpoint.get_slice("model.layers.0.input_layernorm.weight")[1:3], torch.ones(2))
+
+
+def test_gguf_tensors_it_cannot_place_are_refused(tmp_path: Path) -> None:
+    from worker.model.gguf_checkpoint import GGUFCheckpoint
+
+    tensors = {"token_embd.weight": np.zeros((8, 4), np.float32), "rope_freqs.weight": np.ones(2, np.float32)}
+    path = _write_gguf(tmp_path / "m.gguf", "llama", tensors)
+    with pytest.raises(UnsupportedModelError, match="rope_freqs.weight"):
+        GGUFCheckpoint(path, num_heads=1, num_kv_heads=1)
+
+
+def test_gguf_architectures_other_than_llama_are_refused(tmp_path: Path) -> None:
+    from worker.model.gguf_checkpoint import GGUFCheckpoint
+
+    path = _write_gguf(tmp_path / "m.gguf", "qwen2", {"token_embd.weight": np.zeros((8, 4), np.float32)})
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'qwen2'.*llama"):
+        GGUFCheckpoint(path, num_heads=1, num_kv_heads=1)
