@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 # -- shared config flags ------------------------------------------------------------------
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML file in the KVServeConfig schema")
-    parser.add_argument("--model", metavar="PATH", help="model directory or Hub id (default: embedded kvserve-tiny)")
+    parser.add_argument("--model", metavar="PATH", help="model directory, .gguf file or Hub id (default: embedded kvserve-tiny)")
     parser.add_argument("--served-model-name", metavar="NAME", help="the model name clients send")
     parser.add_argument("--num-workers", type=int, metavar="N", help="worker replicas")
     parser.add_argument("--host", help="HTTP host (default 127.0.0.1)")
