@@ -26,6 +26,7 @@ from typing import Any
 
 from cluster.config import ConfigError, GRPCSection, HTTPSection, KVServeConfig
 from cluster.deps import MissingDependencyError, missing
+from worker.model_config import UnsupportedModelError, check_local_model
 
 # name -> "module:register_function"; register(subparsers) adds the parser, sets func.
 SUBCOMMANDS: dict[str, str] = {
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
-    except MissingDependencyError as e:  # a feature the config asks for cannot run here
+    except (UnsupportedModelError, MissingDependencyError) as e:  # a checkpoint or feature that cannot run here
         print(f"kvserve: {e}", file=sys.stderr)
         return 2
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 # -- shared config flags ------------------------------------------------------------------
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="YAML file in the KVServeConfig schema")
-    parser.add_argument("--model", metavar="PATH", help="model directory or Hub id (default: embedded kvserve-tiny)")
+    parser.add_argument("--model", metavar="PATH", help="model directory, .gguf file or Hub id (default: embedded kvserve-tiny)")
     parser.add_argument("--served-model-name", metavar="NAME", help="the model name clients send")
     parser.add_argument("--num-workers", type=int, metavar="N", help="worker replicas")
     parser.add_argument("--host", help=f"HTTP host (default {HTTPSection().host})")
@@ -232,6 +233,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if getattr(args, "no_grpc", False):
         config = config.with_overrides({"grpc.enabled": False})
     engine_config = config.engine_config()  # fails early (and readably) on a missing model
+    # ... and on a checkpoint the workers would refuse (quantized, another architecture).
+    check_local_model(engine_config.model.model, engine_config.model.trust_remote_code)
 
     import ray
     from ray import serve

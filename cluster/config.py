@@ -92,7 +92,8 @@ class EngineSection(Section):
     num_blocks: int | None = Field(default_of(CacheConfig, "num_blocks_override"), gt=0)
     max_num_seqs: int = Field(default_of(SchedulerConfig, "max_num_seqs"), ge=1)
     max_num_batched_tokens: int = Field(default_of(SchedulerConfig, "max_num_batched_tokens"), ge=1)
-    max_model_len: int = Field(default_of(SchedulerConfig, "max_model_len"), ge=2)
+    # None: the model's context length, capped by what the KV cache holds.
+    max_model_len: int | None = Field(default_of(SchedulerConfig, "max_model_len"), ge=2)
     enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = default_of(ModelConfig, "dtype")
     device: Literal["auto", "cpu", "cuda"] = default_of(ModelConfig, "device")

@@ -6,6 +6,8 @@ needs the module fails with this message at the point the user asks for the feat
 """
 from __future__ import annotations
 
+from worker.api import MissingDependencyError
+
 # Import name -> the pip distribution that provides it, where they differ.
 _DISTRIBUTIONS = {
     "grpc": "grpcio",
@@ -14,10 +16,6 @@ _DISTRIBUTIONS = {
     "yaml": "pyyaml",
     "ray": "'ray[serve]'",
 }
-
-
-class MissingDependencyError(ImportError):
-    """`feature` cannot run because a module it needs does not import."""
 
 
 def install_hint(error: ImportError) -> str:

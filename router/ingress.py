@@ -117,9 +117,10 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
+    # The workers' own loader (torch-free): a .gguf file's tokenizer is read from the file.
+    from worker.model_config import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return load(path, trust_remote_code)
 
 
 def _prompt_lengths(inputs: list[convert.EngineInput]) -> list[int]:

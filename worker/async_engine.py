@@ -73,10 +73,10 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        from transformers import AutoTokenizer
+        from worker.model_config import load_tokenizer
 
         engine = Engine.from_config(config)
-        tokenizer = AutoTokenizer.from_pretrained(engine.model_path)
+        tokenizer = load_tokenizer(engine.model_path, config.model.trust_remote_code)
         return cls(engine, tokenizer)
 
     # -- caller side (asyncio) ---------------------------------------------------------------

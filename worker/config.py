@@ -26,7 +26,9 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    # None: the model's own context length (max_position_embeddings), capped by what the
+    # KV pool can hold; Engine.from_config resolves it (and logs a cap).
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

@@ -82,21 +82,30 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         from worker.model.loader import resolve_model_path
-        from worker.model_config import load_hf_config, eos_token_ids_of
+        from worker.model_config import (
+            cap_to_kv_capacity,
+            eos_token_ids_of,
+            load_hf_config,
+            max_model_len_for,
+        )
         from worker.model_runner import ModelRunner
 
         path = resolve_model_path(config.model.model)
-        hf_config = load_hf_config(path)
-        max_model_len = min(config.scheduler.max_model_len, hf_config.max_position_embeddings)
-        scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
-        config = replace(config, model=replace(config.model, model=str(path)), scheduler=scheduler_config)
-        runner: Runner
+        hf_config = load_hf_config(path, config.model.trust_remote_code)
+        max_model_len = max_model_len_for(config.scheduler.max_model_len, hf_config)
+        config = replace(
+            config, model=replace(config.model, model=str(path)),
+            scheduler=replace(config.scheduler, max_model_len=max_model_len),
+        )
         if config.model.tensor_parallel_size > 1:
             from worker.tp.runner import TPModelRunner
 
             runner = TPModelRunner(config, hf_config, max_model_len, config.model.tensor_parallel_size)
         else:
             runner = ModelRunner(config, hf_config, max_model_len)
+        # The longest sequence the KV pool can hold bounds it too (known once the pool is sized).
+        max_model_len = cap_to_kv_capacity(max_model_len, runner.num_blocks, config.cache.block_size)
+        scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         engine = cls(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config))
         engine.model_path = path
         return engine

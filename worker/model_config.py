@@ -1,14 +1,156 @@
-"""Reading a Hugging Face model directory's config: architecture and stop tokens."""
+"""Reading a model's config (a Hugging Face directory or a single .gguf file): what it is,
+whether kvserve can serve it exactly, its stop tokens and its tokenizer.
+
+Torch-free, so that `kvserve serve` can refuse an unsupported checkpoint before Ray starts.
+Everything the model code cannot honour is refused here with a message naming what is
+supported; nothing in a config is silently ignored.
+"""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
+
+from worker.api import MissingDependencyError
+
+logger = logging.getLogger(__name__)
+
+# HF architecture -> our family (worker/model/llama.py implements all four).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# A config without `architectures` (a GGUF file's) names its family by model_type.
+_MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}
+# RoPE types whose frequencies do not depend on the sequence length (built once, as
+# transformers builds them). dynamic and longrope switch frequencies with the length.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# GGUF files: llama.cpp's `llama` architecture (Llama and Mistral checkpoints), the one
+# whose tensor layout (Q/K rows permuted) worker/model/gguf_checkpoint.py undoes.
+SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral")
+GGUF_INSTALL_HINT = "pip install 'kvserve[gguf]' (the gguf and accelerate packages)"
 
 
-def load_hf_config(path: Path) -> object:
+class UnsupportedModelError(ValueError):
+    """A checkpoint kvserve cannot serve exactly (caught by `kvserve serve` before Ray starts)."""
+
+
+def is_gguf(path: Path | str) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def load_hf_config(path: Path, trust_remote_code: bool = False) -> Any:
+    """The model's transformers config, checked (see check_supported). A .gguf file's config
+    is read from the file's metadata by transformers (context length, heads, RoPE base...)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    path = Path(path)
+    if is_gguf(path):
+        _require_gguf()
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    check_supported(config, gguf=is_gguf(path))
+    return config
+
+
+def family_of(hf_config: Any) -> str:
+    archs = getattr(hf_config, "architectures", None)
+    if archs:
+        family = SUPPORTED_ARCHITECTURES.get(archs[0])
+        if family is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs[0]!r}; kvserve serves {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        return family
+    model_type = getattr(hf_config, "model_type", None) or "llama"
+    if model_type not in _MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported model_type {model_type!r}; kvserve serves {', '.join(sorted(_MODEL_TYPES))}"
+        )
+    return _MODEL_TYPES[model_type]
+
+
+def check_supported(hf_config: Any, gguf: bool = False) -> None:
+    """Raise UnsupportedModelError for anything the model code would otherwise ignore:
+    another architecture, a quantized checkpoint, a RoPE type, an activation."""
+    family = family_of(hf_config)
+    if gguf and family not in SUPPORTED_GGUF_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"GGUF model type {family!r} is not supported; kvserve loads GGUF files of the "
+            f"{'/'.join(SUPPORTED_GGUF_MODEL_TYPES)} architecture"
+        )
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant is not None:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
+        raise UnsupportedModelError(
+            f"quantized checkpoints are not supported (quantization_config.quant_method={method!r}); "
+            "kvserve serves unquantized float32/bfloat16/float16 safetensors, or a .gguf file "
+            "(dequantized at load)"
+        )
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModelError(f"unsupported activation {act!r}; the Llama family kvserve serves uses silu")
+    rope_type = rope_type_of(hf_config)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported RoPE type {rope_type!r}; kvserve supports {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if family in ("llama", "mistral") and getattr(hf_config, "layer_types", None):
+        kinds = set(hf_config.layer_types) - {"full_attention"}
+        if kinds:  # transformers' Llama/Mistral models ignore layer_types; so would we, silently
+            raise UnsupportedModelError(
+                f"per-layer attention types {sorted(kinds)} in a {family} config are not supported "
+                "(Mistral-style sliding windows use `sliding_window`; Qwen2/Qwen3 use layer_types)"
+            )
+
+
+def rope_type_of(hf_config: Any) -> str:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def layer_sliding_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), as transformers applies it:
+    Mistral: `sliding_window` on every layer; Qwen2/Qwen3: `sliding_window` on the layers
+    that `layer_types` marks "sliding_attention" (with use_sliding_window, the layers from
+    max_window_layers on); Llama: none. A query at position p sees keys p - window < k <= p."""
+    family = family_of(hf_config)
+    window = getattr(hf_config, "sliding_window", None)
+    if family == "llama" or window is None:
+        return (None,) * num_layers
+    if family == "mistral":
+        return (int(window),) * num_layers
+    types = getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in types[:num_layers])
+
+
+def max_model_len_for(requested: int | None, hf_config: Any) -> int:
+    """The engine's max_model_len before the KV cap: the model's context length unless a
+    smaller one was asked for (a larger one is cut to it, with a log line)."""
+    limit = int(hf_config.max_position_embeddings)
+    if requested is None:
+        return limit
+    if requested > limit:
+        logger.warning("max_model_len %d is past the model's context length; using %d", requested, limit)
+        return limit
+    return requested
+
+
+def cap_to_kv_capacity(max_model_len: int, num_blocks: int, block_size: int) -> int:
+    """No sequence can outgrow the KV pool: cap max_model_len to it, saying so once."""
+    capacity = num_blocks * block_size
+    if max_model_len > capacity:  # a warning: the operator should see it (INFO is not shown by default)
+        logger.warning(
+            "max_model_len capped from %d to %d: the KV cache holds %d blocks of %d tokens "
+            "(raise engine.kv_cache_bytes / gpu_memory_utilization for longer sequences)",
+            max_model_len, capacity, num_blocks, block_size,
+        )
+        return capacity
+    return max_model_len
 
 
 def eos_token_ids_of(path: Path, hf_config: object) -> frozenset[int]:
@@ -23,6 +165,38 @@ def eos_token_ids_of(path: Path, hf_config: object) -> frozenset[int]:
 
     add(getattr(hf_config, "eos_token_id", None))
     gen = Path(path) / "generation_config.json"
-    if gen.exists():
+    if not is_gguf(path) and gen.exists():
         add(json.loads(gen.read_text()).get("eos_token_id"))
     return frozenset(ids)
+
+
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer; a .gguf file's (vocabulary, merges, chat template) is built
+    by transformers from the file itself."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if is_gguf(path):
+        _require_gguf()
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def check_local_model(model: str, trust_remote_code: bool = False) -> None:
+    """For `kvserve serve`, before Ray starts: read and check a local model's config
+    (UnsupportedModelError, MissingDependencyError, FileNotFoundError). A Hub id is
+    checked where it is downloaded, when the worker loads it."""
+    path = Path(model).expanduser()
+    if path.is_dir() or (path.is_file() and is_gguf(path)):
+        load_hf_config(path, trust_remote_code)
+    elif path.exists():
+        raise FileNotFoundError(f"model {model!r} is a file, not a model directory or a .gguf file")
+
+
+def _require_gguf() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError(
+            f"loading a .gguf model needs the `gguf` package: {GGUF_INSTALL_HINT}"
+        ) from None

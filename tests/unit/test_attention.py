@@ -15,8 +15,11 @@ NUM_BLOCKS = 64
 HQ, HKV, D = 4, 2, 16
 
 
-def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int) -> torch.Tensor:
-    """Dense causal attention for one sequence's queries at the end of its context."""
+def _reference(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Dense causal attention for one sequence's queries at the end of its context; with a
+    window, query p sees keys p - window < k <= p (transformers' sliding-window mask)."""
     query_len = q.shape[0]
     group = HQ // HKV
     k = keys.repeat_interleave(group, dim=1)  # (L, HQ, D)
@@ -25,10 +28,14 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, contex
     q_pos = torch.arange(context_len - query_len, context_len)[:, None]
     k_pos = torch.arange(context_len)[None, :]
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    if sliding_window is not None:
+        scores = scores.masked_fill(k_pos <= q_pos - sliding_window, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _build_batch(specs: list[tuple[int, int]], device: torch.device, seed: int = 0):
+def _build_batch(
+    specs: list[tuple[int, int]], device: torch.device, seed: int = 0, sliding_window: int | None = None
+):
     """specs: (cached_tokens, new_tokens) per sequence, decodes (new == 1) first."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -52,7 +59,7 @@ def _build_batch(specs: list[tuple[int, int]], device: torch.device, seed: int =
         ks.append(all_k[cached:])
         vs.append(all_v[cached:])
         slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, ctx)]
-        refs.append(_reference(q, all_k, all_v, ctx))
+        refs.append(_reference(q, all_k, all_v, ctx, sliding_window))
         if new == 1:
             decode_rows.append((table, ctx))
         else:
@@ -104,6 +111,28 @@ def test_torch_backend_matches_reference(specs: list[tuple[int, int]]) -> None:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+# Windows shorter than the contexts: decodes past the window, a fresh prompt longer than
+# it, chunks whose context starts before it (blocks skipped), a window of one key.
+@pytest.mark.parametrize("sliding_window", [1, 5, 8])
+@pytest.mark.parametrize("specs", [
+    [(0, 13)],
+    [(5, 1), (12, 1), (0, 1), (30, 1)],
+    [(9, 1), (3, 1), (0, 10), (17, 5), (4, 4), (20, 12)],
+])
+def test_torch_backend_sliding_window_matches_reference(specs: list[tuple[int, int]], sliding_window: int) -> None:
+    q, k, v, kv_cache, meta, ref = _build_batch(specs, torch.device("cpu"), sliding_window=sliding_window)
+    out = TorchPagedAttention().forward(q, k, v, kv_cache, meta, D**-0.5, sliding_window)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_wider_than_context_is_plain_causal() -> None:
+    specs = [(9, 1), (0, 10), (8, 5)]
+    q, k, v, kv_cache, meta, ref = _build_batch(specs, torch.device("cpu"))
+    out = TorchPagedAttention().forward(q, k, v, kv_cache, meta, D**-0.5, 64)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_torch_backend_writes_new_kv_into_its_slots() -> None:
     q, k, v, kv_cache, meta, _ = _build_batch([(3, 1), (0, 6)], torch.device("cpu"))
     TorchPagedAttention().forward(q, k, v, kv_cache, meta, D**-0.5)
@@ -130,12 +159,15 @@ def test_unknown_backend_rejected() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_flash_backend_matches_torch_backend() -> None:
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_flash_backend_matches_torch_backend(sliding_window: int | None) -> None:
     flash = select_backend("auto", torch.device("cuda"))
     if flash.name != "flash":
         pytest.skip("no flash-attention package usable with this torch build")
     specs = [(9, 1), (3, 1), (0, 10), (8, 5)]
-    q, k, v, kv_cache, meta, ref = _build_batch(specs, torch.device("cuda"))
-    out = flash.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), kv_cache.bfloat16(), meta, D**-0.5)
+    q, k, v, kv_cache, meta, ref = _build_batch(specs, torch.device("cuda"), sliding_window=sliding_window)
+    out = flash.forward(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), kv_cache.bfloat16(), meta, D**-0.5, sliding_window
+    )
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)

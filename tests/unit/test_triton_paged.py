@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.triton_interpret_cases import BACKEND_CASE, CASES
+from tests.unit.triton_interpret_cases import BACKEND_CASE, CASES, WINDOWS
 from worker.attention.triton_paged import tile_shape
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); kernel not checked")
@@ -69,13 +69,16 @@ def test_kernel_matches_torch_backend_on_cuda_bf16(case: str) -> None:
     from worker.attention.torch_paged import TorchPagedAttention
     from worker.attention.triton_paged import paged_attention
 
-    q, k, v, kv_cache, meta, _ = _build_batch(CASES[case], torch.device("cuda"))
+    window = WINDOWS.get(case)
+    q, k, v, kv_cache, meta, _ = _build_batch(CASES[case], torch.device("cuda"), sliding_window=window)
     q, k, v, kv_cache = q.bfloat16(), k.bfloat16(), v.bfloat16(), kv_cache.bfloat16()
-    expected = TorchPagedAttention().forward(q.float(), k.float(), v.float(), kv_cache.float(), meta, D**-0.5)
+    expected = TorchPagedAttention().forward(
+        q.float(), k.float(), v.float(), kv_cache.float(), meta, D**-0.5, window
+    )
     flat = kv_cache.view(2, -1, HKV, D)
     flat[0].index_copy_(0, meta.slot_mapping, k)
     flat[1].index_copy_(0, meta.slot_mapping, v)
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, kv_cache[0], kv_cache[1], meta, D**-0.5, out=out)
+    paged_attention(q, kv_cache[0], kv_cache[1], meta, D**-0.5, out=out, sliding_window=window)
     assert not torch.isnan(out).any(), "some output element was never written"
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)

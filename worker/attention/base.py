@@ -9,6 +9,11 @@ Flat batch layout (built by the model runner every step):
 A sequence's context_len counts its cached tokens plus this step's, so its queries sit
 at positions context_len - query_len ... context_len - 1 and attend causally to keys
 0 ... own position, read through its block table from the paged KV cache.
+
+Sliding window (Mistral, Qwen2/3 `sliding_attention` layers; a per-layer argument): a
+query at position p sees only keys p - window < k <= p, the last `window` positions, as
+in transformers. Blocks wholly outside every query's window stay allocated (freeing them
+would be an optimisation of the block manager; the backends just do not attend to them).
 """
 from __future__ import annotations
 
@@ -67,6 +72,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, Hkv, D)
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # this layer's window; None: full causal
     ) -> torch.Tensor:  # (T, Hq, D)
         ...
 

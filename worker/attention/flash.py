@@ -2,6 +2,11 @@
 
 Used only when a package imports on CUDA and its build matches the installed torch;
 `load_flash_backend` returns None with the reason otherwise, and the caller logs it.
+
+Sliding window: flash-attention's `window_size=(left, right)` lets query i see keys
+i - left .. i + right; with causal=True, (window - 1, 0) is transformers' p - window < k <= p.
+Not exercised on this project's CPU machines (no flash package loads there); the torch and
+triton backends are the ones tested against transformers with a window.
 """
 from __future__ import annotations
 
@@ -38,13 +43,15 @@ class FlashAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
+        window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
         return self._varlen(
             q=q, k=key_cache, v=value_cache,
             cu_seqlens_q=meta.cu_seqlens_q, max_seqlen_q=meta.max_query_len,
             seqused_k=meta.seqused_k, max_seqlen_k=meta.max_context_len,
-            softmax_scale=scale, causal=True, block_table=meta.block_table,
+            softmax_scale=scale, causal=True, block_table=meta.block_table, window_size=window,
         )
 
 

@@ -2,8 +2,13 @@
 
 Decodes: one batched SDPA call per decode group (the runner groups decodes of similar
 context length; usually 1-3 groups) per layer: their keys/values are gathered through a
-(D, max_blocks) block table into (D, L, Hkv, Dh) and masked by context length. Prefill chunks: one SDPA call per chunk; a chunk with no cached context attends
-to its own fresh K/V directly (no gather), one with cached context gathers it.
+(D, max_blocks) block table into (D, L, Hkv, Dh) and masked by context length. Prefill
+chunks: one SDPA call per chunk; a chunk with no cached context attends to its own fresh
+K/V directly (no gather), one with cached context gathers it.
+
+A sliding window (base.py) masks keys at or before p - window; a prefill chunk gathers
+only the blocks its first query can still see. Decodes gather the group's whole context
+and mask (skipping the blocks outside every member's window is an optimisation not made).
 """
 from __future__ import annotations
 
@@ -25,22 +30,36 @@ class TorchPagedAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
+        block_size = key_cache.shape[1]
 
         out = torch.empty_like(q)
         for group in meta.decode_groups:
-            out[group.start : group.end] = self._decode(q[group.start : group.end], key_cache, value_cache, group, scale)
+            out[group.start : group.end] = self._decode(
+                q[group.start : group.end], key_cache, value_cache, group, scale, sliding_window
+            )
         for p in meta.prefills:
             end = p.query_start + p.query_len
             qs = q[p.query_start : end]
-            if p.context_len == p.query_len:
+            windowed = sliding_window is not None and p.query_len > sliding_window
+            if p.context_len == p.query_len and not windowed:
                 out[p.query_start : end] = _sdpa_causal(qs, k[p.query_start : end], v[p.query_start : end], scale)
-            else:
-                ks = key_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
-                vs = value_cache[p.block_table].view(-1, num_kv_heads, head_dim)[: p.context_len]
-                out[p.query_start : end] = _sdpa_with_context(qs, ks, vs, p.context_len, scale)
+                continue
+            # Keys from the first block the chunk's first query can see (block 0 without a window).
+            first_key = 0
+            if sliding_window is not None:
+                first_key = max(0, p.context_len - p.query_len + 1 - sliding_window)
+            first_block = first_key // block_size
+            table = p.block_table[first_block:]
+            num_keys = p.context_len - first_block * block_size
+            ks = key_cache[table].view(-1, num_kv_heads, head_dim)[:num_keys]
+            vs = value_cache[table].view(-1, num_kv_heads, head_dim)[:num_keys]
+            out[p.query_start : end] = _sdpa_with_context(
+                qs, ks, vs, p.context_len, scale, first_block * block_size, sliding_window
+            )
         return out
 
     @staticmethod
@@ -50,6 +69,7 @@ class TorchPagedAttention:
         value_cache: torch.Tensor,
         group: DecodeGroup,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = key_cache.shape[2]
@@ -59,7 +79,10 @@ class TorchPagedAttention:
         keys = key_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
         values = value_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
         positions = torch.arange(max_len, device=q.device)
-        mask = (positions[None, :] < group.context_lens[:, None])[:, None, None, :]
+        mask = positions[None, :] < group.context_lens[:, None]
+        if sliding_window is not None:  # the query sits at context_len - 1
+            mask &= positions[None, :] >= group.context_lens[:, None] - sliding_window
+        mask = mask[:, None, None, :]
         # GQA without expanding K/V: query heads are grouped by the KV head they read
         # (q head h uses kv head h // group_size, as in transformers' repeat_kv), so the
         # group's queries ride in SDPA's query-length axis: (D, Hkv, group_size, Dh).
@@ -79,13 +102,22 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def _sdpa_with_context(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_len: int,
+    scale: float,
+    first_key: int = 0,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    # Query j sits at position context_len - query_len + j and sees keys 0..that position.
+    # Query j sits at position context_len - query_len + j and sees keys 0..that position
+    # (with a window: the last `sliding_window` of them). k/v hold positions first_key...
     query_len = q.shape[0]
     query_pos = torch.arange(context_len - query_len, context_len, device=q.device)
-    key_pos = torch.arange(context_len, device=q.device)
+    key_pos = torch.arange(first_key, context_len, device=q.device)
     mask = key_pos[None, :] <= query_pos[:, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],

@@ -15,7 +15,9 @@ One launch per layer covers decodes and prefill chunks alike, from the varlen me
 Query token t of seq s (0 <= t < query_len) sits at position
     q_pos = context_len - query_len + t
 and sees keys 0 .. q_pos (causal over cached context + the chunk itself); a decode is the
-case query_len = 1.
+case query_len = 1. With a sliding window (SLIDING_WINDOW > 0, a compile-time constant per
+layer kind) it sees keys q_pos - SLIDING_WINDOW < k <= q_pos, and the key loop starts at
+the tile of the first key its first row can see.
 
 Grid: (S, num_q_tiles, Hkv). A program owns one KV head and BLOCK_Q query tokens of one
 sequence, with ALL query heads of that KV head packed into its rows (GQA: q head h reads
@@ -70,7 +72,7 @@ if triton is not None:
         stride_bt_seq,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     ):
         seq = tl.program_id(0)
         q_tile = tl.program_id(1)
@@ -100,7 +102,11 @@ if triton is not None:
             # The tile's last real token bounds the keys any of its rows may see.
             last_tok = tl.minimum(first_tok + BLOCK_Q, query_len) - 1
             kv_end = context_len - query_len + last_tok + 1
-            for start_n in range(0, kv_end, BLOCK_N):
+            kv_start = 0
+            if SLIDING_WINDOW > 0:  # the tile's first row sees the earliest key of any row
+                first_visible = tl.maximum(context_len - query_len + first_tok - SLIDING_WINDOW + 1, 0)
+                kv_start = (first_visible // BLOCK_N) * BLOCK_N
+            for start_n in range(kv_start, kv_end, BLOCK_N):
                 n = start_n + tl.arange(0, BLOCK_N)
                 n_ok = n < kv_end
                 block = tl.load(block_table_ptr + seq * stride_bt_seq + n // BLOCK_SIZE, mask=n_ok, other=0)
@@ -111,10 +117,13 @@ if triton is not None:
                 k = tl.load(key_cache_ptr + k_offs + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
                 s = tl.dot(q, k) * scale_log2  # (M, N) fp32, in log2 units
                 visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+                if SLIDING_WINDOW > 0:
+                    visible = visible & (n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
                 s = tl.where(visible, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
-                # Every valid row sees key 0 in the first tile, so m_new is finite for it;
-                # guard anyway so a fully masked (padding) row gives 0, never -inf - -inf.
+                # A row may see nothing in a tile (padding rows; with a window, tiles before
+                # the row's own window): guard so it adds 0, never -inf - -inf. Every valid
+                # row sees its own key in some tile, so its final l_i > 0.
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.exp2(s - m_safe[:, None])
                 alpha = tl.exp2(m_i - m_safe)
@@ -146,6 +155,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of every query token in the flat batch through the block table."""
     if triton is None:
@@ -177,6 +187,7 @@ def paged_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=max(16, min(64, 4 * block_size)) if block_size < 64 else block_size,
+        SLIDING_WINDOW=sliding_window or 0,
         **kwargs,
     )
     return out
@@ -197,9 +208,10 @@ class TritonPagedAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
-        return paged_attention(q.contiguous(), key_cache, value_cache, meta, scale)
+        return paged_attention(q.contiguous(), key_cache, value_cache, meta, scale, sliding_window=sliding_window)
 
 
 def load_triton_backend(device: torch.device) -> tuple[TritonPagedAttention | None, str]:

@@ -22,13 +22,9 @@ from worker.model.parallel import (
     SINGLE, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear, TPContext,
     VocabParallelEmbedding,
 )
+from worker.model_config import SUPPORTED_ARCHITECTURES, check_supported, family_of, layer_sliding_windows
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaArch", "LlamaForCausalLM"]
 
 
 @dataclass(frozen=True)
@@ -48,18 +44,13 @@ class LlamaArch:
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    # Per layer: the sliding window (None: full causal attention); see layer_sliding_windows.
+    sliding_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf_config(cls, hf_config: object) -> LlamaArch:
-        archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
-        family = SUPPORTED_ARCHITECTURES.get(archs[0])
-        if family is None:
-            raise ValueError(
-                f"unsupported architecture {archs[0]!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported activation {act!r} (the Llama family uses silu)")
+        check_supported(hf_config)  # UnsupportedModelError (a ValueError) names what is supported
+        family = family_of(hf_config)
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         return cls(
@@ -76,6 +67,7 @@ class LlamaArch:
             qk_norm=family == "qwen3",
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=hf_config.max_position_embeddings,
+            sliding_windows=layer_sliding_windows(hf_config, hf_config.num_hidden_layers),
         )
 
 
@@ -85,7 +77,12 @@ class Attention(nn.Module):
     the projection's (local) ones."""
 
     def __init__(
-        self, arch: LlamaArch, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPContext = SINGLE
+        self,
+        arch: LlamaArch,
+        rope: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TPContext = SINGLE,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
@@ -102,6 +99,7 @@ class Attention(nn.Module):
         self.rope = rope
         self.backend = backend
         self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -114,7 +112,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale)
+        out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -131,11 +129,16 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, arch: LlamaArch, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPContext = SINGLE
+        self,
+        arch: LlamaArch,
+        rope: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TPContext = SINGLE,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, rope, backend, tp)
+        self.self_attn = Attention(arch, rope, backend, tp, sliding_window)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch, tp)
 
@@ -159,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         rope = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(arch, rope, backend, tp) for _ in range(arch.num_layers))
+        windows = arch.sliding_windows or (None,) * arch.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(arch, rope, backend, tp, windows[i]) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rope = rope
         if not arch.tie_word_embeddings:

@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory (config.json + *.safetensors) into our model.
+"""Load a Hugging Face model directory (config.json + *.safetensors), or a .gguf file,
+into our model.
 
 The model is built on the `meta` device (no memory, no random init), materialised empty
 on the target device, then every tensor is copied once from safetensors into place.
@@ -14,14 +15,17 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from worker.attention.base import AttentionBackend
 from worker.model.llama import LlamaArch, LlamaForCausalLM
+from worker.model_config import is_gguf
 from worker.model.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
@@ -32,10 +36,13 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local directory as is; otherwise a Hub id, fetched when the machine is online."""
+    """A local directory or .gguf file as is; otherwise a Hub id, fetched when the machine
+    is online."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and is_gguf(path)):
         return path
+    if is_gguf(path):
+        raise FileNotFoundError(f"GGUF file {model!r} not found")
     if path.exists() or model.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model directory {model!r} not found")
     try:
@@ -89,23 +96,36 @@ def load_model(
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     stats = LoadStats()
-    for file in safetensors_files(path):
-        with safe_open(os.fspath(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                target = _map_name(name, arch)
-                if target is None:
-                    continue
-                module_name, kind, part = target
-                module = model.get_submodule(module_name)
-                dest = params[f"{module_name}.{kind}"]
-                tensor = _read_shard(f, name, module, kind, part, dest)
-                stats.num_tensors += 1
-                stats.num_bytes += tensor.numel() * tensor.element_size()
-                loaded.add(f"{module_name}.{kind}@{part}")
+    for f in _checkpoints(path, arch):
+        for name in f.keys():
+            target = _map_name(name, arch)
+            if target is None:
+                continue
+            module_name, kind, part = target
+            module = model.get_submodule(module_name)
+            dest = params[f"{module_name}.{kind}"]
+            tensor = _read_shard(f, name, module, kind, part, dest)
+            stats.num_tensors += 1
+            stats.num_bytes += tensor.numel() * tensor.element_size()
+            loaded.add(f"{module_name}.{kind}@{part}")
     _check_complete(model, params, loaded)
     model.load_stats = stats
     model.eval()
     return model
+
+
+def _checkpoints(path: Path, arch: LlamaArch) -> Iterator[Any]:
+    """The checkpoint's tensor files, each open in turn, behind safetensors' reader
+    interface (keys / get_slice / get_tensor): the .safetensors files of a directory,
+    or one .gguf file (dequantized, HF names: worker/model/gguf_checkpoint.py)."""
+    if is_gguf(path):
+        from worker.model.gguf_checkpoint import GGUFCheckpoint
+
+        yield GGUFCheckpoint(path, arch.num_heads, arch.num_kv_heads)
+        return
+    for file in safetensors_files(path):
+        with safe_open(os.fspath(file), framework="pt", device="cpu") as f:
+            yield f
 
 
 def _read_shard(

@@ -35,7 +35,7 @@ class TPRankWorker:
 
             device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to this rank's GPU
         tp, self.plan_group = init_tp_group(self.rank, self.size, self.host, self.port, device)
-        hf_config = load_hf_config(Path(self.config.model.model))
+        hf_config = load_hf_config(Path(self.config.model.model), self.config.model.trust_remote_code)
         self.runner = ModelRunner(self.config, hf_config, self.max_model_len, tp)
         num_blocks = agree_num_blocks(self.runner.num_blocks, self.plan_group)  # collective
         _shrink_kv(self.runner, num_blocks)
