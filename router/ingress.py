@@ -47,6 +47,7 @@ from router.metrics import CONTENT_TYPE, IngressMetrics
 from router.pipeline import RequestPipeline
 from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.workers import Workers
+from worker.api import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +115,6 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
         return model.model_validate(data)
     except ValidationError as e:
         raise errors.from_validation_error(e) from None
-
-
-def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    # The workers' own loader (torch-free): a .gguf file's tokenizer is read from the file.
-    from worker.model_config import load_tokenizer as load
-
-    return load(path, trust_remote_code)
 
 
 def _prompt_lengths(inputs: list[convert.EngineInput]) -> list[int]:

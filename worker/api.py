@@ -10,6 +10,8 @@ worker/sampling_params.py re-export it for worker/ internals).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
 # -- sampling parameters ----------------------------------------------------------------
 
@@ -206,3 +208,32 @@ class RoutingStats:
 
 # Keys of the routing-stats dict (the contract with router/request_router.py).
 ROUTING_STATS_KEYS = tuple(f.name for f in fields(RoutingStats))
+
+
+# -- the model's tokenizer (the ingress and the workers load it the same way) ----------------
+GGUF_INSTALL_HINT = "pip install 'kvserve[gguf]' (the gguf and accelerate packages)"
+
+
+def is_gguf(path: Path | str) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+def require_gguf() -> None:
+    """Raise MissingDependencyError, with the install hint, when `gguf` does not import."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError(f"loading a .gguf model needs the `gguf` package: {GGUF_INSTALL_HINT}") from None
+
+
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer; a .gguf file's (vocabulary, merges, chat template) is built
+    by transformers from the file itself. transformers is imported here, not at module
+    import: this module stays light for the ingress (no torch)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if is_gguf(path):
+        require_gguf()
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

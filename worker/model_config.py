@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from worker.api import MissingDependencyError
+from worker.api import GGUF_INSTALL_HINT, MissingDependencyError, is_gguf, load_tokenizer, require_gguf  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +31,10 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # GGUF files: llama.cpp's `llama` architecture (Llama and Mistral checkpoints), the one
 # whose tensor layout (Q/K rows permuted) worker/model/gguf_checkpoint.py undoes.
 SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral")
-GGUF_INSTALL_HINT = "pip install 'kvserve[gguf]' (the gguf and accelerate packages)"
 
 
 class UnsupportedModelError(ValueError):
     """A checkpoint kvserve cannot serve exactly (caught by `kvserve serve` before Ray starts)."""
-
-
-def is_gguf(path: Path | str) -> bool:
-    return str(path).lower().endswith(".gguf")
 
 
 def load_hf_config(path: Path, trust_remote_code: bool = False) -> Any:
@@ -49,7 +44,7 @@ def load_hf_config(path: Path, trust_remote_code: bool = False) -> Any:
 
     path = Path(path)
     if is_gguf(path):
-        _require_gguf()
+        require_gguf()
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     else:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -170,18 +165,6 @@ def eos_token_ids_of(path: Path, hf_config: object) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
-    """The model's tokenizer; a .gguf file's (vocabulary, merges, chat template) is built
-    by transformers from the file itself."""
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if is_gguf(path):
-        _require_gguf()
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-
 def check_local_model(model: str, trust_remote_code: bool = False) -> None:
     """For `kvserve serve`, before Ray starts: read and check a local model's config
     (UnsupportedModelError, MissingDependencyError, FileNotFoundError). A Hub id is
@@ -191,12 +174,3 @@ def check_local_model(model: str, trust_remote_code: bool = False) -> None:
         load_hf_config(path, trust_remote_code)
     elif path.exists():
         raise FileNotFoundError(f"model {model!r} is a file, not a model directory or a .gguf file")
-
-
-def _require_gguf() -> None:
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        raise MissingDependencyError(
-            f"loading a .gguf model needs the `gguf` package: {GGUF_INSTALL_HINT}"
-        ) from None

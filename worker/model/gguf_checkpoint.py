@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from worker.model_config import GGUF_INSTALL_HINT, MissingDependencyError, UnsupportedModelError
+from worker.api import require_gguf
+from worker.model_config import UnsupportedModelError
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -66,10 +67,9 @@ class GGUFCheckpoint:
     slice is taken from the whole tensor: GGUF quantizes in row blocks, not per shard)."""
 
     def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
-        try:
-            from gguf import GGUFReader, dequantize
-        except ImportError:
-            raise MissingDependencyError(f"loading a .gguf model needs the `gguf` package: {GGUF_INSTALL_HINT}") from None
+        require_gguf()
+        from gguf import GGUFReader, dequantize
+
         self._dequantize = dequantize
         reader = GGUFReader(path)
         arch = _string_field(reader, "general.architecture")
