@@ -19,7 +19,6 @@ from worker.sampling_params import (
     SamplingParams,
     SamplingParamsError,
 )
-from worker.sequence import SequenceStatus
 
 
 def make_engine(
