@@ -201,6 +201,15 @@ class AutoscalingSection(_Section):
         return {name: getattr(self, name) for name in KVSERVE_POLICY_FIELDS}
 
 
+def _custom_resources(v: dict[str, float]) -> dict[str, float]:
+    for name, amount in v.items():
+        if name.upper() in ("CPU", "GPU", "MEMORY"):
+            raise ValueError(f"{name!r} is not a custom resource; use num_cpus / num_gpus")
+        if amount < 0:
+            raise ValueError(f"resource {name!r}: amount must be >= 0, got {amount}")
+    return v
+
+
 class WorkersSection(_Section):
     num_replicas: int = Field(1, ge=1)
     # A batching engine wants many requests at once (Serve's default of 5 starves it).
@@ -226,12 +235,7 @@ class WorkersSection(_Section):
     @field_validator("resources")
     @classmethod
     def _resources_are_custom(cls, v: dict[str, float]) -> dict[str, float]:
-        for name, amount in v.items():
-            if name.upper() in ("CPU", "GPU", "MEMORY"):
-                raise ValueError(f"{name!r} is not a custom resource; use num_cpus / num_gpus")
-            if amount < 0:
-                raise ValueError(f"resource {name!r}: amount must be >= 0, got {amount}")
-        return v
+        return _custom_resources(v)
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -243,8 +247,13 @@ class WorkersSection(_Section):
 
 
 class IngressSection(_Section):
+    # The chart runs two or more, on a CPU node group (README "Reliability": a node that
+    # hosts an ingress replica takes that replica's streams with it when it dies).
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, ge=0)
+    # Custom Ray resources per ingress replica, e.g. {kvserve_ingress: 0.01} to keep the
+    # ingress on the nodes that advertise it (the chart's ingress group) and off GPU hosts.
+    resources: dict[str, float] = Field(default_factory=dict)
     # Requests (weighted by `n`) one ingress replica holds at once, streaming or
     # waiting for a worker; one more is answered 429 at once instead of piling up.
     max_queued_requests: int = Field(1024, ge=1)
@@ -271,6 +280,11 @@ class IngressSection(_Section):
     @classmethod
     def _bytes(cls, v: Any) -> Any:
         return parse_bytes(v)
+
+    @field_validator("resources")
+    @classmethod
+    def _resources_are_custom(cls, v: dict[str, float]) -> dict[str, float]:
+        return _custom_resources(v)
 
 
 class StateSection(_Section):
