@@ -49,10 +49,10 @@ def serve_cluster() -> Iterator[ServeCluster]:
     # A new cluster of its own (never one that ray_current_cluster names), on loopback only.
     start_local_ray(
         num_cpus=8,  # logical CPUs: replicas ask for fractions; 2 real cores do the work
-        # What a Helm chart pool's pods advertise (one unit per GPU there): the chart pins
-        # worker replicas to it, and tests/integration/test_helm_serveconfig.py deploys
-        # the chart's rendered config as it is.
-        resources={"kvserve_pool_mixed": 4},
+        # What a Helm chart pool's pods (one unit per GPU there) and ingress-group pods (one
+        # each) advertise: the chart pins worker and ingress replicas to them, and
+        # tests/integration/test_helm_serveconfig.py deploys the chart's rendered config as it is.
+        resources={"kvserve_pool_mixed": 4, "kvserve_ingress": 4},
         include_dashboard=False,
         runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}},
         log_to_driver=False,
