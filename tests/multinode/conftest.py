@@ -4,7 +4,8 @@ tests/multinode, shaped as on Kubernetes:
     head      num_cpus 0 (as KubeRay advises): GCS, Serve controller, a proxy on http_port
     ingress   CPU node, advertises kvserve_ingress: the ingress replicas, a proxy
     gpu-a/-b  "GPU hosts": num_gpus 2 (without CUDA: the engine runs on CPU), the pool's
-              resource kvserve_pool_mixed 1 (one mixed worker replica each) and
+              resource kvserve_pool_mixed 1 (one mixed worker replica each),
+              kvserve_pool_tp 1 (one tensor-parallel rank's worth, never a group) and
               kvserve_host_<name> (tests pin a replica to one host with it)
 
 Every node is 127.0.0.1 (Ray's loopback switch, cluster/local_ray.py), so the Serve proxy
@@ -30,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from tests.redis_server import REDIS_SERVER, RedisServer
 from tests.waiting import wait_until
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # tests only
@@ -69,9 +71,10 @@ class Host:
 
 
 class MultiNodeCluster:
-    def __init__(self, cluster: Any, http_port: int) -> None:
+    def __init__(self, cluster: Any, http_port: int, gcs_fault_tolerant: bool = False) -> None:
         self.cluster = cluster
         self.http_port = http_port
+        self.gcs_fault_tolerant = gcs_fault_tolerant
         self.hosts: dict[str, Host] = {}
 
     @property
@@ -123,7 +126,7 @@ def _env(**values: str) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def multinode() -> Iterator[MultiNodeCluster]:
+def multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeCluster]:
     ray = pytest.importorskip("ray")
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -139,14 +142,28 @@ def multinode() -> Iterator[MultiNodeCluster]:
     # where other Ray users of this machine would find it. Short: it holds unix sockets.
     ray_tmp = tempfile.mkdtemp(prefix="kvmn-", dir="/tmp")
     os.environ["RAY_TMPDIR"] = ray_tmp
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * 1024**2,
-    })
-    mn = MultiNodeCluster(cluster, free_port())
+    # GCS fault tolerance as the chart's gcsFaultTolerance sets it up: the GCS keeps its
+    # tables in an external Redis (RAY_REDIS_ADDRESS, read by the head node when it
+    # starts), so a restarted GCS finds the cluster as it was (test_zz_gcs_restart.py).
+    redis = None
+    if REDIS_SERVER is not None:
+        redis = RedisServer(tmp_path_factory.mktemp("gcs-redis"))
+        redis.start()
+        os.environ["RAY_REDIS_ADDRESS"] = f"127.0.0.1:{redis.port}"
+        os.environ["RAY_external_storage_namespace"] = "kvserve-multinode"
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * 1024**2,
+        })
+    finally:
+        os.environ.pop("RAY_REDIS_ADDRESS", None)  # only the head reads it
+    mn = MultiNodeCluster(cluster, free_port(), gcs_fault_tolerant=redis is not None)
     try:
         mn.add_host("ingress", num_cpus=2, resources={INGRESS_RESOURCE: 2})
         for name in ("a", "b"):
-            mn.add_host(name, num_cpus=2, num_gpus=2, resources={MIXED_POOL: 1})
+            # One rank's worth of the TP pool too: test_tensor_parallel checks that a TP
+            # group is never split over a and b.
+            mn.add_host(name, num_cpus=2, num_gpus=2, resources={MIXED_POOL: 1, "kvserve_pool_tp": 1})
         ray.init(address=cluster.address, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled"}})
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=mn.http_port))
@@ -157,6 +174,8 @@ def multinode() -> Iterator[MultiNodeCluster]:
         finally:
             ray.shutdown()
             cluster.shutdown()
+            if redis is not None:
+                redis.stop()
 
 
 @pytest.fixture(scope="session")
