@@ -41,6 +41,9 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1
 os.environ.setdefault("RAY_health_check_period_ms", "1000")
 os.environ.setdefault("RAY_health_check_timeout_ms", "1000")
 os.environ.setdefault("RAY_health_check_failure_threshold", "3")
+# A node's agents may take long to come up on a loaded 2-core machine; the raylet otherwise
+# aborts its start-up when they have not registered within its default wait.
+os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INGRESS_RESOURCE = "kvserve_ingress"
