@@ -20,6 +20,7 @@ root conftest leaves this directory out of a plain `pytest tests/` run.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -44,6 +45,9 @@ os.environ.setdefault("RAY_health_check_failure_threshold", "3")
 # A node's agents may take long to come up on a loaded 2-core machine; the raylet otherwise
 # aborts its start-up when they have not registered within its default wait.
 os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+# What KubeRay sets on every pod when GCS fault tolerance is on: raylets and workers wait
+# this long for a restarting GCS (Ray's default, 60 s, ends them during a slow restart).
+os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "600")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 INGRESS_RESOURCE = "kvserve_ingress"
@@ -148,20 +152,22 @@ def multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClu
     # GCS fault tolerance as the chart's gcsFaultTolerance sets it up: the GCS keeps its
     # tables in an external Redis (RAY_REDIS_ADDRESS, read by the head node when it
     # starts), so a restarted GCS finds the cluster as it was (test_zz_gcs_restart.py).
-    redis = None
-    if REDIS_SERVER is not None:
-        redis = RedisServer(tmp_path_factory.mktemp("gcs-redis"))
-        redis.start()
-        os.environ["RAY_REDIS_ADDRESS"] = f"127.0.0.1:{redis.port}"
-        os.environ["RAY_external_storage_namespace"] = "kvserve-multinode"
-    try:
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * 1024**2,
-        })
-    finally:
-        os.environ.pop("RAY_REDIS_ADDRESS", None)  # only the head reads it
-    mn = MultiNodeCluster(cluster, free_port(), gcs_fault_tolerant=redis is not None)
-    try:
+    with contextlib.ExitStack() as cleanup:
+        redis = None
+        if REDIS_SERVER is not None:
+            redis = RedisServer(tmp_path_factory.mktemp("gcs-redis"))
+            redis.start()
+            cleanup.callback(redis.stop)
+            os.environ["RAY_REDIS_ADDRESS"] = f"127.0.0.1:{redis.port}"
+            os.environ["RAY_external_storage_namespace"] = "kvserve-multinode"
+        try:
+            cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args={
+                "num_cpus": 0, "include_dashboard": False, "object_store_memory": 80 * 1024**2,
+            })
+        finally:
+            os.environ.pop("RAY_REDIS_ADDRESS", None)  # only the head reads it
+        cleanup.callback(cluster.shutdown)
+        mn = MultiNodeCluster(cluster, free_port(), gcs_fault_tolerant=redis is not None)
         mn.add_host("ingress", num_cpus=2, resources={INGRESS_RESOURCE: 2})
         for name in ("a", "b"):
             # One rank's worth of the TP pool too: test_tensor_parallel checks that a TP
@@ -169,16 +175,10 @@ def multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClu
             mn.add_host(name, num_cpus=2, num_gpus=2, resources={MIXED_POOL: 1, "kvserve_pool_tp": 1})
         ray.init(address=cluster.address, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled"}})
+        cleanup.callback(ray.shutdown)
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=mn.http_port))
+        cleanup.callback(serve.shutdown)
         yield mn
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            if redis is not None:
-                redis.stop()
 
 
 @pytest.fixture(scope="session")

@@ -78,10 +78,10 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, Any], on_chu
 
 
 async def run_streams(urls: list[str], max_tokens: int, started: asyncio.Event | None = None,
-                      min_chunks: int = 3) -> list[Outcome]:
+                      min_chunks: int = 3, progress: list[int] | None = None) -> list[Outcome]:
     """One greedy stream per URL (stream i gets prompt i); `started` is set once every
-    stream has `min_chunks` chunks."""
-    progress = [0] * len(urls)
+    stream has `min_chunks` chunks; `progress[i]` counts stream i's chunks."""
+    progress = progress if progress is not None else [0] * len(urls)
 
     def on_chunk(i: int) -> Any:
         def seen(_n: int) -> None:
