@@ -33,7 +33,6 @@ from typing import Any
 import pytest
 
 from tests.redis_server import REDIS_SERVER, RedisServer
-from tests.waiting import wait_until
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # tests only
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1 (read at import)
@@ -187,14 +186,3 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return make_served_model(tmp_path_factory.mktemp("multinode") / "tiny")
 
-
-def wait_for_nodes(mn: MultiNodeCluster, timeout_s: float = 60.0) -> None:
-    import ray
-
-    expected = {h.node_id for h in mn.hosts.values()}
-
-    def alive() -> bool:
-        live = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        return expected <= live
-
-    wait_until(alive, timeout_s, interval_s=0.2, message="the cluster's hosts to be alive")
