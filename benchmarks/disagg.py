@@ -308,8 +308,10 @@ def run_on_local_cluster(spec: DisaggSpec, log: Callable[[str], None]) -> dict[s
 
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # Logical CPUs: every app's 2 workers + 0.5 ingress, and the proxy, fit; the cores are shared.
-    ray.init(address="local", num_cpus=math.ceil(2.5 * len(sides(spec))) + 2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}})
+    from cluster.local_ray import start_local_ray  # a new cluster, on loopback
+
+    start_local_ray(num_cpus=math.ceil(2.5 * len(sides(spec))) + 2, include_dashboard=False, log_to_driver=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}})
     port = _free_port()
     try:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))

@@ -314,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens, {num_out} output tokens; {spec.num_replicas} replicas x {spec.num_blocks} KV blocks"
     )
 
-    ray.init(
+    from cluster.local_ray import start_local_ray  # a new cluster, on loopback
+
+    start_local_ray(
         num_cpus=2 + 2 * spec.num_replicas,
         include_dashboard=False,
         log_to_driver=False,

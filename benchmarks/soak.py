@@ -279,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
 
     app_name, prefix = "soak", "/soak"
     root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": root_dir, "RAY_AUTH_MODE": "disabled"}})
+    from cluster.local_ray import start_local_ray  # a new cluster, on loopback
+
+    start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": root_dir, "RAY_AUTH_MODE": "disabled"}})
     port = _free_port()
     try:
         serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))

@@ -97,7 +97,7 @@ def ingress_options(config: KVServeConfig) -> dict[str, Any]:
         # Above the 429 bound, so that the ingress itself answers 429 (with an OpenAI
         # error body) instead of requests queueing in the proxy.
         "max_ongoing_requests": i.max_queued_requests + _INGRESS_CONTROL_HEADROOM,
-        "ray_actor_options": {"num_cpus": i.num_cpus},
+        "ray_actor_options": {"num_cpus": i.num_cpus, **({"resources": dict(i.resources)} if i.resources else {})},
     }
 
 

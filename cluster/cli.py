@@ -235,6 +235,10 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_config = config.engine_config()  # fails early (and readably) on a missing model
     # ... and on a checkpoint the workers would refuse (quantized, another architecture).
     check_local_model(engine_config.model.model, engine_config.model.trust_remote_code)
+    from cluster.local_ray import keep_ray_on_loopback, start_local_ray
+
+    if args.address is None:
+        keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
 
     import ray
     from ray import serve
@@ -242,15 +246,21 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from cluster.app import build_app, grpc_servicer
 
-    init_kwargs: dict[str, Any] = {"address": args.address, "log_to_driver": False}
     if args.address is None:
-        init_kwargs.update(include_dashboard=args.dashboard, num_cpus=args.num_cpus or local_num_cpus(config))
+        # Always a NEW cluster of its own, with Ray's traffic on loopback (cluster/local_ray.py),
+        # never whatever $RAY_ADDRESS or /tmp/ray/ray_current_cluster point at.
         # Replicas import kvserve from the same place as this process (a source checkout
         # works without installing it).
         root = str(Path(__file__).resolve().parent.parent)
         pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        init_kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": pythonpath}}
-    ray.init(**init_kwargs)
+        start_local_ray(
+            log_to_driver=False,
+            include_dashboard=args.dashboard,
+            num_cpus=args.num_cpus or local_num_cpus(config),
+            runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        )
+    else:
+        ray.init(address=args.address, log_to_driver=False)
     stop = threading.Event()
 
     def request_stop(signum: int, frame: Any) -> None:

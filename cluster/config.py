@@ -33,6 +33,7 @@ from cluster.pool_config import (  # noqa: F401 -- re-exported: part of the one 
     KVSERVE_POLICY_FIELDS,
     AutoscalingSection,
     WorkersSection,
+    custom_resources,
 )
 from cluster.state_store import RedisStoreSpec
 from router.headroom import HeadroomParams
@@ -117,8 +118,13 @@ class EngineSection(Section):
 
 
 class IngressSection(Section):
+    # The chart runs two or more, on a CPU node group (README "Reliability": a node that
+    # hosts an ingress replica takes that replica's streams with it when it dies).
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.5, ge=0)
+    # Custom Ray resources per ingress replica, e.g. {kvserve_ingress: 0.01} to keep the
+    # ingress on the nodes that advertise it (the chart's ingress group) and off GPU hosts.
+    resources: dict[str, float] = Field(default_factory=dict)
     # Requests (weighted by `n`) one ingress replica holds at once, streaming or
     # waiting for a worker; one more is answered 429 at once instead of piling up.
     max_queued_requests: int = Field(default_of(IngressSettings, "max_queued_requests"), ge=1)
@@ -145,6 +151,11 @@ class IngressSection(Section):
     @classmethod
     def _bytes(cls, v: Any) -> Any:
         return parse_bytes(v)
+
+    @field_validator("resources")
+    @classmethod
+    def _resources_are_custom(cls, v: dict[str, float]) -> dict[str, float]:
+        return custom_resources(v)
 
 
 class StateSection(Section):

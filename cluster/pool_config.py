@@ -103,6 +103,16 @@ class AutoscalingSection(Section):
         return dataclasses.asdict(self.pool_targets())
 
 
+def custom_resources(v: dict[str, float]) -> dict[str, float]:
+    """Check a Ray custom-resource map (workers' and the ingress's `resources`)."""
+    for name, amount in v.items():
+        if name.upper() in ("CPU", "GPU", "MEMORY"):
+            raise ValueError(f"{name!r} is not a custom resource; use num_cpus / num_gpus")
+        if amount < 0:
+            raise ValueError(f"resource {name!r}: amount must be >= 0, got {amount}")
+    return v
+
+
 class WorkersSection(Section):
     num_replicas: int = Field(1, ge=1)
     # A batching engine wants many requests at once (Serve's default of 5 starves it).
@@ -128,12 +138,7 @@ class WorkersSection(Section):
     @field_validator("resources")
     @classmethod
     def _resources_are_custom(cls, v: dict[str, float]) -> dict[str, float]:
-        for name, amount in v.items():
-            if name.upper() in ("CPU", "GPU", "MEMORY"):
-                raise ValueError(f"{name!r} is not a custom resource; use num_cpus / num_gpus")
-            if amount < 0:
-                raise ValueError(f"resource {name!r}: amount must be >= 0, got {amount}")
-        return v
+        return custom_resources(v)
 
     @field_validator("tensor_parallel_size")
     @classmethod

@@ -41,6 +41,12 @@ class KVTransferError(ValueError):
     """An export that cannot be imported here (layout mismatch, missing or expired handle)."""
 
 
+class KVSourceLostError(KVTransferError):
+    """The export is gone with the replica (or node) that made it: a failure of that
+    replica, not of the request. The ingress resumes the request on the decode pool from
+    its prompt and the tokens already sent (router/migration.py lists this name)."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -208,9 +214,14 @@ class RayObjectStoreTransport(KVTransport):
         return KVHandle(export.request_id, self.name, ref, export.num_tokens, export.nbytes, source_replica_id)
 
     async def receive(self, handle: KVHandle) -> KVExport:
+        from ray.exceptions import ObjectLostError  # OwnerDiedError, ObjectFetchTimedOutError, ...
+
         try:
             export = await handle.ref
-        except Exception as e:  # owner died, object lost
+        except ObjectLostError as e:  # the prefill replica that owns it died (or its node)
+            raise KVSourceLostError(f"the KV of request {handle.request_id!r} was lost with its prefill "
+                                    f"replica: {type(e).__name__}") from e
+        except Exception as e:
             raise KVTransferError(f"the KV of request {handle.request_id!r} could not be fetched: {e}") from e
         if not isinstance(export, KVExport):
             raise KVTransferError(f"the KV handle of request {handle.request_id!r} holds {type(export).__name__}")

@@ -26,7 +26,9 @@ killed or its process died) and ActorUnavailableError (unreachable, maybe restar
 WorkerCrashedError; Serve's ReplicaUnavailableError (the chosen replica is no longer
 available); a RayTaskError whose cause is one of these; and the worker's own
 ReplicaDrainingError (a replica being removed refuses new streams) and EngineDeadError
-(its step loop has stopped).
+(its step loop has stopped); and kv/transfer.py's KVSourceLostError (disaggregation: the
+prefill replica that held the request's KV died before the decode replica fetched it; the
+request resumes on the decode pool, recomputing its prompt there).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ REPLICA_FAILURE_ERRORS = frozenset(
         "ReplicaUnavailableError",
         "ReplicaDrainingError",
         "EngineDeadError",
+        "KVSourceLostError",  # kv/transfer.py: the prefill replica holding the KV died
     }
 )
 

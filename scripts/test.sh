@@ -19,4 +19,13 @@ bash scripts/helm_tools.sh        # real Helm engine + kubernetes-validate, in .
 export KVSERVE_REQUIRE_HELM=1     # chart tests fail (not skip) if those tools are missing
 export KVSERVE_CI=1               # any skip of a test not marked `gpu` fails the run (tests/conftest.py)
 export RAY_AUTH_MODE=disabled  # tests only: Ray token auth stays on everywhere else
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+if [ "$#" -gt 0 ]; then
+    exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+fi
+# Two invocations: tests/multinode builds a multi-node Ray cluster of its own, and one
+# pytest process (one Ray driver) can be connected to one cluster at a time; the first run
+# leaves tests/multinode out (tests/conftest.py), the second runs only it.
+status=0
+.venv/bin/python -m pytest -q -p no:cacheprovider tests || status=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider tests/multinode || status=$?
+exit "$status"

@@ -90,6 +90,22 @@ def hf_reference(tiny_model: TinyModels) -> HFReference:
     return HFReference(tiny_model)
 
 
+_MULTINODE = Path(__file__).resolve().parent / "multinode"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/multinode builds its own multi-node Ray cluster, and a driver can be connected
+    to one cluster only: it runs as its own pytest invocation (scripts/test.sh runs both),
+    collected only when the command line points into it."""
+    if collection_path != _MULTINODE:
+        return None
+    for arg in config.args:
+        target = Path(arg.split("::", 1)[0]).resolve()
+        if target == _MULTINODE or _MULTINODE in target.parents:
+            return None
+    return True
+
+
 def run_engine(
     engine: Engine,
     prompts: Sequence[Sequence[int]],

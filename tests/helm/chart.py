@@ -152,6 +152,11 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                                                                           "value": "ray", "effect": "NoSchedule"}]},
         "serviceAccount": {"name": "kvserve"},
     },
+    "ingress_group_off": {
+        "ingressGroup": {"enabled": False},
+        "head": {"numCpus": 4},
+        "kvserve": {"ingress": {"num_replicas": 1}},
+    },
     "grpc_off_hub_model": {
         "modelSource": {"type": "none"},
         "kvserve": {"model": {"path": "meta-llama/Llama-3.2-1B-Instruct"}, "grpc": {"enabled": False}},

@@ -73,7 +73,7 @@ def test_serve_config_args_are_a_valid_kvserve_config(rendered: dict[str, Render
     (app,) = serve_config["applications"]
     assert app["import_path"] == "cluster.app:app_builder"
     # Verbatim (one source of truth), plus only each worker section's pool pinning.
-    assert app["args"] == with_pool_pinning(r.effective_values["kvserve"])
+    assert app["args"] == with_pool_pinning(r.effective_values)
     config = KVServeConfig.from_dict(app["args"])
     assert app["name"] == config.app_name
     assert app["route_prefix"] == config.route_prefix
@@ -85,16 +85,19 @@ def test_serve_config_args_are_a_valid_kvserve_config(rendered: dict[str, Render
         assert "grpc_options" not in serve_config
 
 
-def with_pool_pinning(kvserve: dict[str, Any]) -> dict[str, Any]:
+def with_pool_pinning(values: dict[str, Any]) -> dict[str, Any]:
     """What templates/_helpers.tpl (kvserve.appArgs) adds to the kvserve block: every
-    worker section without `resources` asks for its pool's resource, one unit per rank."""
-    args = copy.deepcopy(kvserve)
+    worker section without `resources` asks for its pool's resource, one unit per rank;
+    with the ingress group on, the ingress asks for one ingress pod's unit."""
+    args = copy.deepcopy(values["kvserve"])
     if args.get("disaggregation"):
         sections = [(args["disaggregation"].setdefault(role, {}), role) for role in ("prefill", "decode")]
     else:
         sections = [(args.setdefault("workers", {}), "mixed")]
     for section, role in sections:
         section.setdefault("resources", {f"kvserve_pool_{role}": 1})
+    if values["ingressGroup"]["enabled"]:
+        args.setdefault("ingress", {}).setdefault("resources", {"kvserve_ingress": 1})
     return args
 
 
@@ -144,9 +147,11 @@ def test_default_rayservice_shape(rendered: dict[str, Rendered]) -> None:
     assert cluster["rayVersion"] == "2.60.0"
     head = cluster["headGroupSpec"]
     assert head["rayStartParams"]["num-gpus"] == "0"  # the head never takes GPU work
+    assert head["rayStartParams"]["num-cpus"] == "0"  # nor any replica (KubeRay's advice)
     head_container = head["template"]["spec"]["containers"][0]
     assert not any("gpu" in k for k in head_container["resources"].get("limits", {}))
-    (group,) = cluster["workerGroupSpecs"]
+    ingress_group, group = cluster["workerGroupSpecs"]
+    assert ingress_group["groupName"] == "ingress"
     assert (group["groupName"], group["replicas"], group["minReplicas"], group["maxReplicas"]) == ("gpu", 1, 1, 4)
     worker = group["template"]["spec"]["containers"][0]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
@@ -172,8 +177,11 @@ def test_services_http_and_grpc(rendered: dict[str, Rendered]) -> None:
     for spec in (http, grpc):
         assert spec["type"] == "ClusterIP"
         assert spec["selector"] == {"app.kubernetes.io/name": "kvserve", "app.kubernetes.io/instance": "kvs",
-                                    "ray.io/serve": "true"}
-    # The selected pods carry those labels and the named ports.
+                                    "ray.io/serve": "true", "kvserve.io/client-proxy": "true"}
+    # The selected pods (the ingress group's only) carry those labels and the named ports.
+    selected = [name for name, t in rendered["default"].pod_templates()
+                if t["metadata"]["labels"].get("kvserve.io/client-proxy") == "true"]
+    assert selected == ["ingress"]
     for _, template in rendered["default"].pod_templates():
         labels = template["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == "kvs" and labels["app.kubernetes.io/name"] == "kvserve"
@@ -184,7 +192,7 @@ def test_services_http_and_grpc(rendered: dict[str, Rendered]) -> None:
 
 
 def test_disaggregated_pools(rendered: dict[str, Rendered]) -> None:
-    groups = rendered["disaggregated"].rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    groups = rendered["disaggregated"].rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][1:]
     assert [g["groupName"] for g in groups] == ["prefill", "decode"]
     assert [json.loads(json.loads(g["rayStartParams"]["resources"])) for g in groups] == [
         {"kvserve_pool_prefill": 1}, {"kvserve_pool_decode": 2}]  # one unit per GPU
@@ -209,7 +217,7 @@ def test_worker_replicas_are_pinned_to_their_pool(rendered: dict[str, Rendered])
 
 
 def test_tensor_parallel_pool(rendered: dict[str, Rendered]) -> None:
-    (group,) = rendered["tp2"].rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    _, group = rendered["tp2"].rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     container = group["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert group["rayStartParams"]["num-gpus"] == "4"
@@ -247,7 +255,7 @@ def test_autoscaling_off(rendered: dict[str, Rendered]) -> None:
     cluster = r.rayservice["spec"]["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is False
     assert "autoscalerOptions" not in cluster
-    (group,) = cluster["workerGroupSpecs"]
+    _, group = cluster["workerGroupSpecs"]
     assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 2
     workers = r.serve_config["applications"][0]["args"]["workers"]
     assert "autoscaling" not in workers and workers["num_replicas"] == 2
@@ -417,3 +425,4 @@ def test_notes_render(rendered: dict[str, Rendered]) -> None:
     assert "apiKeys.existingSecret is empty" in notes
     assert "apiKeys.existingSecret is empty" not in rendered["everything_on"].notes
     assert "/api/v1/models" in rendered["everything_on"].notes
+

@@ -14,6 +14,8 @@ import pytest
 
 # Tests only: Ray 2.60 turns token auth on by default. Must be set before Ray starts.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray's own traffic on loopback (cluster/local_ray.py); read when Ray is first imported.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Faster stats for routing/autoscaling tests (read when Serve starts).
 os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "1")
 
@@ -42,12 +44,15 @@ def serve_cluster() -> Iterator[ServeCluster]:
 
     http_port, grpc_port = free_port(), free_port()
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ray.init(
+    from cluster.local_ray import start_local_ray
+
+    # A new cluster of its own (never one that ray_current_cluster names), on loopback only.
+    start_local_ray(
         num_cpus=8,  # logical CPUs: replicas ask for fractions; 2 real cores do the work
-        # What a Helm chart pool's pods advertise (one unit per GPU there): the chart pins
-        # worker replicas to it, and tests/integration/test_helm_serveconfig.py deploys
-        # the chart's rendered config as it is.
-        resources={"kvserve_pool_mixed": 4},
+        # What a Helm chart pool's pods (one unit per GPU there) and ingress-group pods (one
+        # each) advertise: the chart pins worker and ingress replicas to them, and
+        # tests/integration/test_helm_serveconfig.py deploys the chart's rendered config as it is.
+        resources={"kvserve_pool_mixed": 4, "kvserve_ingress": 4},
         include_dashboard=False,
         runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}},
         log_to_driver=False,

@@ -113,6 +113,14 @@ def test_ingress_options_and_settings() -> None:
     assert (settings.served_model_name, settings.tokenizer_path, settings.max_queued_requests, settings.max_n) == ("x", "/models/x", 10, 3)
 
 
+def test_ingress_resources_pin_its_replicas() -> None:
+    assert "resources" not in ingress_options(config())["ray_actor_options"]  # anywhere by default
+    pinned = ingress_options(config(ingress={"resources": {"kvserve_ingress": 0.01}, "num_replicas": 2}))
+    assert pinned["ray_actor_options"] == {"num_cpus": 0.5, "resources": {"kvserve_ingress": 0.01}}
+    with pytest.raises(ConfigError, match="not a custom resource"):
+        config(ingress={"resources": {"GPU": 1}})
+
+
 def test_state_store_reaches_the_ingress_settings_without_the_password() -> None:
     import pickle
 

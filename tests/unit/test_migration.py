@@ -186,6 +186,19 @@ def test_real_ray_error_types_are_recognised() -> None:
     assert not is_replica_failure(serve_exceptions.BackPressureError(num_queued_requests=1, max_queued_requests=1))
 
 
+def test_lost_kv_source_is_a_replica_failure_a_bad_export_is_not() -> None:
+    """Disaggregation: the prefill replica that held a request's KV died before the decode
+    replica fetched it -> resume (recompute on the decode pool); a layout mismatch -> fail."""
+    from kv.transfer import KVSourceLostError, KVTransferError
+
+    assert is_replica_failure(RayTaskError(KVSourceLostError("lost with its prefill replica")))
+    assert not is_replica_failure(RayTaskError(KVTransferError("block_size: export has 8, this cache has 16")))
+    migration = Migration(GenerateRequest("r", [1, 2], SamplingParams(max_tokens=4)), 2)
+    migration.observe(RequestOutput("r", [7]))  # the prefill replica's first token
+    resumed = migration.next_request(RayTaskError(KVSourceLostError("lost")))
+    assert resumed is not None and resumed.prompt_token_ids == [1, 2, 7] and resumed.num_resumed_tokens == 1
+
+
 # -- the worker side: text continues seamlessly --------------------------------------------
 CORPUS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",

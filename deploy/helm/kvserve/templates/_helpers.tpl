@@ -102,6 +102,14 @@ asks for one unit per tensor-parallel rank of the Ray resource its pool's pods a
 replicas land on prefill pods and decode replicas on decode pods. */}}
 {{- define "kvserve.appArgs" -}}
 {{- $args := deepCopy .Values.kvserve -}}
+{{- if .Values.ingressGroup.enabled -}}
+  {{- /* The ingress replicas on the ingress group's pods, one per pod (never on GPU hosts) */ -}}
+  {{- $ingress := $args.ingress | default dict -}}
+  {{- if not (hasKey $ingress "resources") -}}
+    {{- $_ := set $ingress "resources" (dict "kvserve_ingress" 1) -}}
+  {{- end -}}
+  {{- $_ := set $args "ingress" $ingress -}}
+{{- end -}}
 {{- if $args.disaggregation -}}
   {{- range $role := list "prefill" "decode" -}}
     {{- $section := get $args.disaggregation $role | default dict -}}
@@ -190,6 +198,25 @@ runs it. */}}
   {{- end -}}
   {{- if and (gt $tp 1) (lt $numGpus (float64 $tp)) -}}
     {{- fail (printf "kvserve.workers.num_gpus=%v is less than tensor_parallel_size=%d: each replica needs one GPU per tensor-parallel rank" $workers.num_gpus $tp) -}}
+  {{- end -}}
+{{- end -}}
+{{- $ig := .Values.ingressGroup -}}
+{{- if $ig.enabled -}}
+  {{- $ingress := .Values.kvserve.ingress | default dict -}}
+  {{- $numIngress := $ingress.num_replicas | default 1 | int -}}
+  {{- if and (not (hasKey $ingress "resources")) (gt $numIngress ($ig.maxReplicas | int)) -}}
+    {{- fail (printf "kvserve.ingress.num_replicas=%d is more than ingressGroup.maxReplicas=%d: each ingress replica takes one ingress pod" $numIngress ($ig.maxReplicas | int)) -}}
+  {{- end -}}
+  {{- if gt ($ig.minReplicas | int) ($ig.maxReplicas | int) -}}
+    {{- fail (printf "ingressGroup: minReplicas=%d is greater than maxReplicas=%d" ($ig.minReplicas | int) ($ig.maxReplicas | int)) -}}
+  {{- end -}}
+  {{- if or (lt ($ig.replicas | int) ($ig.minReplicas | int)) (gt ($ig.replicas | int) ($ig.maxReplicas | int)) -}}
+    {{- fail (printf "ingressGroup: replicas=%d must lie in [minReplicas=%d, maxReplicas=%d]" ($ig.replicas | int) ($ig.minReplicas | int) ($ig.maxReplicas | int)) -}}
+  {{- end -}}
+  {{- range $pool := .Values.pools -}}
+    {{- if eq $pool.name $ig.name -}}
+      {{- fail (printf "pools: the name %q is the ingress group's (ingressGroup.name); each KubeRay worker group needs its own name" $pool.name) -}}
+    {{- end -}}
   {{- end -}}
 {{- end -}}
 {{- $src := .Values.modelSource -}}
@@ -373,6 +400,21 @@ root filesystem can stay read-only. */}}
 - name: metrics
   containerPort: 8080
   protocol: TCP
+{{- end -}}
+
+{{/* The ingress group's pods: one unit of kvserve_ingress each (JSON, for --resources). */}}
+{{- define "kvserve.ingressResources" -}}
+{{- toJson (dict "kvserve_ingress" 1) -}}
+{{- end -}}
+
+{{/* The pods the client-facing Services send to: the ingress group's when it is on (a
+GPU host's proxy dies with the host), else every pod with a healthy proxy. */}}
+{{- define "kvserve.clientProxySelector" -}}
+{{ include "kvserve.selectorLabels" . }}
+ray.io/serve: "true"
+{{- if .Values.ingressGroup.enabled }}
+kvserve.io/client-proxy: "true"
+{{- end }}
 {{- end -}}
 
 {{/* `ray start --resources` takes a JSON object; KubeRay wants it as a quoted string. */}}
