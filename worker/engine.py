@@ -110,6 +110,10 @@ class Engine:
         from worker.model_config import load_hf_config, eos_token_ids_of
         from worker.model_runner import ModelRunner
 
+        if config.model.device.startswith("sim:"):  # a simulated device: no weights (worker/sim/)
+            from worker.sim.runner import sim_engine_from_config
+
+            return sim_engine_from_config(config)
         path = resolve_model_path(config.model.model)
         hf_config = load_hf_config(path)
         max_model_len = min(config.scheduler.max_model_len, hf_config.max_position_embeddings)

@@ -141,6 +141,16 @@ class StepCostModel:
             num_seqs=num_seqs, num_tokens=num_tokens,
         )
 
+    def predict(self, features: StepFeatures) -> float:
+        return predict(features, self.profile)
+
+    def overhead_s(self, features: StepFeatures) -> float:
+        """The host part of a step's modelled time (what a live engine also spends for real)."""
+        if features.num_seqs == 0:
+            return 0.0
+        p = self.profile
+        return p.step_overhead_s + p.per_seq_overhead_s * features.num_seqs + p.per_token_overhead_s * features.num_tokens
+
     def step_time_s(self, work: Sequence[SeqWork]) -> float:
         return predict(self.features(work), self.profile)
 
