@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -95,7 +95,12 @@ class EngineSection(_Section):
     max_model_len: int = Field(2048, ge=2)
     enable_prefix_caching: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # auto | cpu | cuda | sim:<profile> (a simulated device, worker/sim/: h200, h100,
+    # a100-80gb, l4, a fitted profile's name or a JSON path; no weights are loaded, the
+    # model directory only gives the tokenizer).
+    device: str = "auto"
+    model_shape: str | None = None  # sim device: a named shape (llama-3-8b, ...) or a config.json
+    time_dilation: float = Field(1.0, gt=0)  # sim device: wall seconds per modelled second
     attention_backend: Literal["auto", "torch", "flash", "triton"] = "auto"
     enable_cuda_graphs: bool = True  # CUDA only: decode steps replayed as CUDA graphs
     num_threads: int | None = Field(None, ge=1)  # torch CPU threads per worker
@@ -110,6 +115,22 @@ class EngineSection(_Section):
     def _power_of_two(cls, v: int) -> int:
         if v & (v - 1):
             raise ValueError(f"must be a power of two (8, 16, 32, ...), got {v}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        from worker.sim.device import check_device
+
+        check_device(v)
+        return v
+
+    @field_validator("model_shape")
+    @classmethod
+    def _model_shape(cls, v: str | None, info: ValidationInfo) -> str | None:
+        from worker.sim.device import check_model_shape
+
+        check_model_shape(v, info.data.get("device", "auto"))
         return v
 
 
@@ -322,8 +343,9 @@ class GRPCSection(_Section):
 
 
 class RoutingSection(_Section):
-    # kv_headroom: router/request_router.py:KVHeadroomRouter. pow2: Serve's default.
-    router: Literal["kv_headroom", "pow2"] = "kv_headroom"
+    # kv_headroom: router/request_router.py:KVHeadroomRouter. pow2: Serve's default. The
+    # baselines (router/policies/) run through router/policy_router.py:PolicyRouter.
+    router: Literal["kv_headroom", "pow2", "round_robin", "least_kv", "prefix_affinity", "sticky"] = "kv_headroom"
     stats_period_s: float = Field(1.0, gt=0)
     router_kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -417,6 +439,8 @@ class KVServeConfig(_Section):
                 num_threads=e.num_threads,
                 trust_remote_code=self.model.trust_remote_code,
                 tensor_parallel_size=self.workers.tensor_parallel_size,
+                model_shape=e.model_shape,
+                time_dilation=e.time_dilation,
             ),
             cache=CacheConfig(
                 block_size=e.block_size,

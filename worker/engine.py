@@ -110,7 +110,9 @@ class Engine:
         from worker.model_config import load_hf_config, eos_token_ids_of
         from worker.model_runner import ModelRunner
 
-        if config.model.device.startswith("sim:"):  # a simulated device: no weights (worker/sim/)
+        from worker.sim.device import is_sim_device
+
+        if is_sim_device(config.model.device):  # a simulated device: no weights (worker/sim/)
             from worker.sim.runner import sim_engine_from_config
 
             return sim_engine_from_config(config)

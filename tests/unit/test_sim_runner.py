@@ -14,7 +14,8 @@ from worker.sampling_params import SamplingParams
 from worker.sim import runner as sim_runner
 from worker.sim.cost_model import SeqWork, StepCostModel
 from worker.sim.profiles import load_profile
-from worker.sim.runner import SimRunner, build_sim_engine, history_hash, parse_sim_device
+from worker.sim.device import parse_sim_device
+from worker.sim.runner import SimRunner, build_sim_engine, history_hash
 from worker.sim.shapes import load_shape
 
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)

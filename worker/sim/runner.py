@@ -40,10 +40,9 @@ from worker.outputs import TokenLogprob
 from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
 from worker.sim.cost_model import StepCostModel
+from worker.sim.device import parse_sim_device
 from worker.sim.profiles import DeviceProfile, load_profile
 from worker.sim.shapes import ModelShape, load_shape
-
-SIM_DEVICE_PREFIX = "sim:"
 
 _MASK = (1 << 64) - 1
 _BASE = 0x100000001B3  # odd: the polynomial hash below is a bijection per step
@@ -179,16 +178,6 @@ class SimRunner:
 
 
 # -- building an engine on a simulated device -------------------------------------------------
-def parse_sim_device(device: str) -> str | None:
-    """"sim:h200" -> "h200"; "sim:/path/p.json" -> the path; any other device -> None."""
-    if not device.startswith(SIM_DEVICE_PREFIX):
-        return None
-    profile = device[len(SIM_DEVICE_PREFIX):]
-    if not profile:
-        raise ValueError("a sim device names a profile: sim:h200, sim:h100, sim:a100-80gb, sim:l4 or sim:/path/profile.json")
-    return profile
-
-
 def build_sim_engine(
     shape: ModelShape | str,
     profile: DeviceProfile | str,
