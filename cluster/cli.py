@@ -34,6 +34,7 @@ SUBCOMMANDS: dict[str, str] = {
     "config": "cluster.cli:register_config",
     "complete": "cluster.grpc_cli:register",
     "bench": "cluster.bench_serve:register",
+    "simulate": "cluster.sim.cli:register",
     "calibrate": "cluster.calibrate:register",
 }
 

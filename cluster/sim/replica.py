@@ -36,24 +36,24 @@ OutputSink = Callable[["SimReplica", RequestOutput, float], None]
 
 class VirtualDevice:
     """The engine's runner, as the simulator hands it over: the simulated-device runner
-    (tokens) plus the modelled duration of the step it just executed, and KV export/import
-    as bookkeeping only (the KV cache manager still allocates, pins and registers every
-    block; no tensor holds KV, so the export tensor is a 1-layer 1-head int8 stand-in whose
-    SHAPE follows the real layout rules, and the transfer time comes from the model shape,
-    not from this tensor)."""
+    (worker/sim/runner.py SimRunner with sleep=False: tokens, and the modelled duration of
+    the step it just executed in `last_step_s`), plus KV export/import as bookkeeping only
+    (the KV cache manager still allocates, pins and registers every block; no tensor holds
+    KV, so an export's tensor is a 1-layer 1-head int8 stand-in whose SHAPE follows the
+    real layout rules; the transfer time comes from the model shape, not from it)."""
 
-    def __init__(self, runner: Any, step_time_s: Callable[[SchedulerOutput], float], block_size: int) -> None:
+    def __init__(self, runner: Any, block_size: int) -> None:
         self.runner = runner
         self.num_blocks: int = runner.num_blocks
-        self._step_time_s = step_time_s
         self.last_step_s = 0.0
         self.num_executed = 0
         self.kv_spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=1, block_size=block_size, dtype=torch.int8)
 
     def execute(self, plan: SchedulerOutput) -> Any:
-        self.last_step_s = self._step_time_s(plan)
+        result = self.runner.execute(plan)
+        self.last_step_s = self.runner.last_step_s
         self.num_executed += 1
-        return self.runner.execute(plan)
+        return result
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         return torch.zeros((1, 2, len(block_ids) * self.kv_spec.block_size, 1, 1), dtype=torch.int8)

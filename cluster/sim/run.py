@@ -81,12 +81,11 @@ class SimConfig:
 
 @dataclass(frozen=True)
 class SimDevice:
-    """What the simulator needs of the simulated device: the runner to hand each engine,
-    the step time of a plan, the KV pool size, the vocabulary and the KV bytes a token
+    """What the simulator needs of the simulated device: the runner to hand each engine
+    (its `last_step_s` is the modelled time of the step it just ran), the KV pool size, the vocabulary and the KV bytes a token
     takes (for transfers). `from_config` builds it from worker/sim (shape + profile)."""
 
-    make_runner: Callable[[int], Any]  # num_blocks -> runner (num_blocks, execute(plan))
-    step_time_s: Callable[[Any], float]  # SchedulerOutput -> seconds
+    make_runner: Callable[[int], Any]  # num_blocks -> runner (num_blocks, execute(plan), last_step_s)
     num_blocks: int
     vocab_size: int
     kv_bytes_per_token: int
@@ -104,7 +103,6 @@ class SimDevice:
         num_blocks = config.num_blocks or cost.num_kv_blocks(config.block_size, config.gpu_memory_utilization)
         return cls(
             make_runner=lambda n: SimRunner(cost, n, config.block_size, shape.vocab_size, sleep=False),
-            step_time_s=cost.plan_time_s,
             num_blocks=num_blocks,
             vocab_size=shape.vocab_size,
             kv_bytes_per_token=shape.kv_bytes_per_token(),
@@ -143,8 +141,7 @@ class Simulation:
 
     # -- replicas --------------------------------------------------------------------------------
     def new_replica(self, role: str) -> SimReplica:
-        dev = VirtualDevice(self.device.make_runner(self.device.num_blocks), self.device.step_time_s,
-                            self.config.block_size)
+        dev = VirtualDevice(self.device.make_runner(self.device.num_blocks), self.config.block_size)
         engine = Engine(self.scheduler_config, self.cache_config, dev, self.device.vocab_size)
         replica = SimReplica(self._next_key, role, engine, dev, self.clock, self.orchestrator.on_output)
         self._next_key += 1
