@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 WORKER_DEPLOYMENT = "worker"
 INGRESS_DEPLOYMENT = "ingress"
 KV_HEADROOM_ROUTER = "router.request_router:KVHeadroomRouter"
+# Every other router name but Serve's own pow2: a policy of router/policies/ by that name.
+POLICY_ROUTER = "router.policy_router:PolicyRouter"
 # Streams per ingress replica beyond its 429 bound that still reach it: /health, /metrics,
 # /v1/models must answer while it is saturated with generation requests.
 _INGRESS_CONTROL_HEADROOM = 64
@@ -63,6 +65,8 @@ def build_disaggregated_app(config: KVServeConfig) -> Application:
         options = worker_options(pool_config)
         router = options.get("request_router_config")
         if name == PREFILL_DEPLOYMENT and router is not None:
+            if router.request_router_class != KV_HEADROOM_ROUTER:
+                raise ValueError(f"disaggregation needs routing 'kv_headroom' or 'pow2', got {config.routing.router!r}")
             # The same policy, plus: release_kv goes to the replica that pinned the blocks.
             # (Rebuilt, not model_copy'd: the config serializes the class when validated.)
             fields = {k: getattr(router, k) for k in type(router).model_fields if k != "request_router_class"}
@@ -228,20 +232,23 @@ def _cluster_has_gpus() -> bool:
 def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
     """KV-headroom routing when asked for and its module is importable; else Serve's
     default power-of-two-choices (stats are still reported, for metrics and autoscaling)."""
-    if config.routing.router != "kv_headroom":
+    name = config.routing.router
+    if name == "pow2":
         return None
-    module_name, class_name = KV_HEADROOM_ROUTER.split(":")
+    router_class = KV_HEADROOM_ROUTER if name == "kv_headroom" else POLICY_ROUTER
+    module_name, class_name = router_class.split(":")
     try:
         module = importlib.import_module(module_name)
         getattr(module, class_name)
     except (ImportError, AttributeError) as e:
-        logger.warning("routing 'kv_headroom' unavailable (%s); using Serve's default router", e)
+        logger.warning("routing %r unavailable (%s); using Serve's default router", name, e)
         return None
     return RequestRouterConfig(
-        request_router_class=KV_HEADROOM_ROUTER,
+        request_router_class=router_class,
         # The router must know the real report period to judge staleness; with several
         # ingress replicas each has a private view, so each may promise only its share.
         request_router_kwargs={
+            **({} if router_class == KV_HEADROOM_ROUTER else {"policy": name}),
             "stats_period_s": config.routing.stats_period_s,
             "headroom_share": 1.0 / config.ingress.num_replicas,
             **config.routing.router_kwargs,
