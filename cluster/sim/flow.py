@@ -64,7 +64,11 @@ class Orchestrator:
     def _dispatch(self, flight: Flight, replica: SimReplica) -> None:
         req = flight.request
         flight.replica = replica
-        flight.record.replica_keys.append(replica.key)  # type: ignore[union-attr]
+        rec = flight.record
+        assert rec is not None
+        rec.replica_keys.append(replica.key)
+        if rec.dispatch_s is None:
+            rec.dispatch_s = self.sim.clock.now
         if flight.stage == "decode":
             replica.num_ongoing += 1  # the slot is held while the KV moves
             num_tokens = flight.export.num_tokens  # type: ignore[union-attr]

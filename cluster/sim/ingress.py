@@ -70,7 +70,11 @@ class SimRouter:
         self.reports: dict[int, ReplicaReport] = {}
         self.queues: dict[str, deque[Pending]] = {role: deque() for role in pools}
         self.num_queued_total = 0  # requests that ever had to wait for a slot
-        self.report_ages: list[float] = []  # age of the report used, sampled per dispatch (tests)
+        # Age of the chosen replica's report at each dispatch (inf: none yet): what "stale" means here.
+        self.num_dispatched = 0
+        self.report_age_sum = 0.0
+        self.min_report_age = float("inf")
+        self.num_dispatched_unreported = 0
 
     @property
     def num_queued(self) -> int:
@@ -104,12 +108,31 @@ class SimRouter:
             replica = pool.replicas.get(key)
             if replica is None or not replica.accepting or replica.num_ongoing >= cap:
                 continue
-            report = reports.get(key)
-            self.report_ages.append(now - report.timestamp if report is not None else float("inf"))
+            self._note_age(reports.get(key), now)
             policy.on_dispatch(pending.routing_request, key, now)
             pending.dispatch(replica)
             return True
         return False
+
+    def _note_age(self, report: ReplicaReport | None, now: float) -> None:
+        self.num_dispatched += 1
+        if report is None:
+            self.num_dispatched_unreported += 1
+            return
+        age = now - report.timestamp
+        self.report_age_sum += age
+        self.min_report_age = min(self.min_report_age, age)
+
+    def stats(self) -> dict[str, float | int]:
+        num_reported = self.num_dispatched - self.num_dispatched_unreported
+        return {
+            "index": self.index,
+            "num_dispatched": self.num_dispatched,
+            "num_queued_total": self.num_queued_total,
+            "num_dispatched_unreported": self.num_dispatched_unreported,
+            "mean_report_age_s": self.report_age_sum / num_reported if num_reported else None,
+            "min_report_age_s": self.min_report_age if num_reported else None,
+        }
 
     def complete(self, role: str, request_id: str, replica_key: int) -> None:
         self.policies[role].on_complete(request_id, replica_key, self.clock.now)

@@ -33,7 +33,7 @@ PERCENTILES = (50, 90, 99)
 
 
 class RequestRecord:
-    __slots__ = ("request_id", "arrival_s", "num_prompt_tokens", "max_tokens", "first_token_s", "finish_s",
+    __slots__ = ("request_id", "arrival_s", "num_prompt_tokens", "max_tokens", "dispatch_s", "first_token_s", "finish_s",
                  "last_token_s", "num_output_tokens", "num_cached_tokens", "finish_reason", "error",
                  "replica_keys", "token_times")
 
@@ -43,6 +43,7 @@ class RequestRecord:
         self.arrival_s = arrival_s
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
+        self.dispatch_s: float | None = None  # first sent to a replica (after any router queueing)
         self.first_token_s: float | None = None
         self.finish_s: float | None = None
         self.last_token_s: float | None = None
@@ -163,6 +164,7 @@ class SimResult:
             "max_live_replicas": max((n for _, n in self.replica_count), default=len(self.replicas)),
             "num_router_queued": sum(s["num_queued_total"] for s in self.router_stats),
             "num_events": self.num_events,
+            "routers": self.router_stats,
             "replicas": [{"key": r.key, "role": r.role, "busy_s": r.busy_s, "num_steps": r.num_steps,
                           "num_preemptions": r.engine.scheduler.num_preemptions} for r in self.replicas],
         }

@@ -214,7 +214,7 @@ class Simulation:
             replicas=self.replicas,
             itl=self.tracker.itl,
             num_events=self.clock.num_events,
-            router_stats=[{"index": r.index, "num_queued_total": r.num_queued_total} for r in self.routers],
+            router_stats=[r.stats() for r in self.routers],
             replica_count=self.replica_count,
         )
 
