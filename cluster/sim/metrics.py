@@ -173,27 +173,29 @@ class SimResult:
         return json.dumps(self.summary(), indent=indent, sort_keys=True)
 
     def plot(self, path: str) -> None:
-        """Per-replica queue depth and KV usage over time (and live replicas, when they change)."""
+        """Per-replica queue depth (requests at the replica, Serve's view) and KV usage over
+        time, sampled at each stats report; live replicas too when autoscaling."""
         try:
             import matplotlib
 
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise SystemExit("the plot needs matplotlib: pip install matplotlib (or pip install -e '.[sim]')") from None
-        rows = 3 if len({n for _, n in self.replica_count}) > 1 else 2
+            raise SystemExit("the plot needs matplotlib: pip install matplotlib") from None
+        rows = 3 if self.config.autoscale is not None else 2
         fig, axes = plt.subplots(rows, 1, figsize=(11, 3.2 * rows), sharex=True)
         for r in self.replicas:
             tl = r.timeline
             label = f"{r.role} {r.key}"
-            axes[0].plot(tl.times, tl.num_waiting, linewidth=0.7, label=label)
+            axes[0].plot(tl.times, tl.num_ongoing, linewidth=0.7, label=label)
             axes[1].plot(tl.times, tl.kv_usage, linewidth=0.7, label=label)
-        axes[0].set_ylabel("waiting requests")
+        axes[0].set_ylabel("queue depth\n(requests at replica)")
         axes[1].set_ylabel("KV usage")
         axes[1].set_ylim(0, 1.02)
         if rows == 3:
             times, counts = zip(*self.replica_count)
-            axes[2].step(times, counts, where="post")
+            end = max((tl.times[-1] for tl in (r.timeline for r in self.replicas) if tl.times), default=times[-1])
+            axes[2].step(list(times) + [end], list(counts) + [counts[-1]], where="post")
             axes[2].set_ylabel("live replicas")
         axes[-1].set_xlabel("virtual time (s)")
         if len(self.replicas) <= 16:

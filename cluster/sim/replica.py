@@ -64,9 +64,10 @@ class VirtualDevice:
 
 @dataclass
 class ReplicaTimeline:
-    """Samples taken at every stats report: (time, waiting, running, kv usage)."""
+    """Samples taken at every stats report: (time, ongoing, waiting, running, kv usage)."""
 
     times: list[float] = field(default_factory=list)
+    num_ongoing: list[int] = field(default_factory=list)  # at the replica: waiting + running + KV in transit
     num_waiting: list[int] = field(default_factory=list)
     num_running: list[int] = field(default_factory=list)
     kv_usage: list[float] = field(default_factory=list)
@@ -160,6 +161,7 @@ class SimReplica:
         kv = self.engine.kv
         tl = self.timeline
         tl.times.append(self.clock.now)
+        tl.num_ongoing.append(self.num_ongoing)
         tl.num_waiting.append(self.engine.scheduler.num_waiting + len(self.engine._pending_imports))
         tl.num_running.append(self.engine.scheduler.num_running)
         tl.kv_usage.append(1.0 - kv.num_free_blocks / kv.num_total_blocks)

@@ -165,7 +165,11 @@ class Simulation:
         self.count_live()
 
     def count_live(self) -> None:
-        self.replica_count.append((self.clock.now, sum(len(p.live()) for p in self.pools.values())))
+        entry = (self.clock.now, sum(len(p.live()) for p in self.pools.values()))
+        if self.replica_count and self.replica_count[-1][0] == entry[0]:
+            self.replica_count[-1] = entry  # several changes at one instant: keep the last
+        else:
+            self.replica_count.append(entry)
 
     def _report(self, replica: SimReplica) -> None:
         if replica.removed_at is not None:
