@@ -45,6 +45,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-ongoing-requests", type=int, default=_DEFAULTS.max_ongoing_requests)
     p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
+                   help="0: the shape's max_position_embeddings (llama-3-8b: 8192; the code workload needs more)")
     p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
     p.add_argument("--num-blocks", type=int, help="KV blocks per replica (default: from memory and shape)")
     p.add_argument("--slo-ttft-ms", type=float, default=_DEFAULTS.slo_ttft_ms)
@@ -75,7 +77,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         stats_period_s=args.stats_period_s, report_lag_s=args.report_lag_s,
         max_ongoing_requests=args.max_ongoing_requests, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_blocks=args.num_blocks, slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
+        max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+        slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
         disagg=DisaggOptions(args.prefill_replicas, args.decode_replicas, args.link_gbps * 1e9 / 8,
                              args.link_latency_ms / 1000),
         autoscale=autoscale, seed=args.seed,
@@ -126,4 +129,6 @@ def _print_report(s: dict[str, Any], args: argparse.Namespace, wall_s: float) ->
           f"({s['goodput_fraction']:.1%} within TTFT {s['slo_ttft_ms']:g} ms, ITL {s['slo_itl_ms']:g} ms)")
     print(f"  prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}   preemptions {s['num_preemptions']}   "
           f"load imbalance {s['load_imbalance']:.2f}   rejected {s['num_rejected']}")
+    if s["num_rejected"]:
+        print(f"  {s['num_rejected']} requests rejected by the engine, e.g.: {s['rejection_example']}")
     print(f"  simulated {s['duration_s']:.1f} s in {wall_s:.1f} s wall ({s['num_events']} events)")

@@ -145,6 +145,7 @@ class SimResult:
             "num_requests": len(self.records),
             "num_finished": len(ok),
             "num_rejected": sum(1 for r in self.records if r.error is not None),
+            "rejection_example": next((r.error for r in self.records if r.error is not None), None),
             "duration_s": duration,
             "ttft_s": _percentiles([r.ttft_s for r in ok]),
             "itl_s": _percentiles(self.itl),
