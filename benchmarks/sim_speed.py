@@ -6,7 +6,8 @@ step every replica; their Python is most of the time). Optionally profiles with 
     python -m benchmarks.sim_speed --requests 3000 --replicas 16 --rate 150 --profile 25
 
 Prints the machine's load average before and after (this box is shared: a loaded run is
-slower) and, last, a RESULT line.
+slower in wall time; `cpu_s`, the process's own CPU time, is what the simulation costs)
+and, last, a RESULT line.
 """
 from __future__ import annotations
 
@@ -40,13 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     workload_s = time.perf_counter() - t0
     config = SimConfig(num_replicas=args.replicas, router=args.router, seed=args.seed)
     profiler = cProfile.Profile() if args.profile else None
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if profiler:
         profiler.enable()
     result = simulate(config, requests)
     if profiler:
         profiler.disable()
-    wall_s = time.perf_counter() - t0
+    wall_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     s = result.summary()
     num_steps = sum(r.num_steps for r in result.replicas)
     print(f"load average after {os.getloadavg()}")
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"RESULT requests={args.requests} replicas={args.replicas} workload={args.workload} router={args.router} "
-          f"wall_s={wall_s:.1f} events_per_s={s['num_events'] / wall_s:.0f} steps_per_s={num_steps / wall_s:.0f} "
+          f"wall_s={wall_s:.1f} cpu_s={cpu_s:.1f} events_per_s={s['num_events'] / wall_s:.0f} "
+          f"steps_per_cpu_s={num_steps / cpu_s:.0f} output_tokens_per_cpu_s={s['output_tokens'] / cpu_s:.0f} "
           f"output_tokens_per_wall_s={s['output_tokens'] / wall_s:.0f} sim_s={s['duration_s']:.1f} "
           f"max_rss_mb={max_rss_mb:.0f} profiled={int(bool(profiler))}")
     return 0

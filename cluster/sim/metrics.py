@@ -15,7 +15,8 @@ Definitions (every time is virtual, in seconds):
               the share of all requests that did (rejected and failed ones count as missed).
   prefix-cache hit rate   prompt tokens served from the prefix cache / prompt tokens
               looked up, at admission (the engine's own counters, summed over replicas).
-  load imbalance   max / mean of per-replica busy time (virtual time spent in steps).
+  load imbalance   max / mean of per-replica busy time (virtual time spent in steps), over
+              every replica that was ever up (with autoscaling, short-lived ones lower the mean).
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ class SimResult:
         num_good = sum(1 for r in ok if r.ttft_s <= slo_ttft and r.tpot_s <= slo_itl)  # type: ignore[operator]
         queries = sum(r.engine.kv.prefix_cache_queries for r in self.replicas)
         hits = sum(r.engine.kv.prefix_cache_hits for r in self.replicas)
-        busy = [r.busy_s for r in self.replicas]
+        busy = [r.busy_s for r in self.replicas if r.ready_at is not None]  # cancelled starts never served
         mean_busy = sum(busy) / len(busy) if busy else 0.0
         return {
             "num_requests": len(self.records),

@@ -86,7 +86,7 @@ class SimReplica:
         self.busy_s = 0.0  # virtual time spent executing steps
         self.num_steps = 0
         self.draining = False  # scale-down: takes no new requests, finishes what it has
-        self.ready_at = 0.0
+        self.ready_at: float | None = None  # None: never became ready (cancelled while starting)
         self.removed_at: float | None = None
         self.timeline = ReplicaTimeline()
         self._stepping = False  # a step event or a step in flight is scheduled

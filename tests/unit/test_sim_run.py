@@ -120,7 +120,7 @@ def test_autoscaling_adds_replicas_after_the_startup_delay_and_drains_without_dr
     added = result.replicas[1:]
     assert added, "the backlog should have scaled the pool up"
     # every replica that served was ready startup_delay_s after it was asked for
-    first_up = min(r.ready_at for r in added if r.ready_at > 0)
+    first_up = min(r.ready_at for r in added if r.ready_at is not None)
     assert first_up >= opts.interval_s + opts.startup_delay_s
     assert (first_up - opts.startup_delay_s) % opts.interval_s == pytest.approx(0.0, abs=1e-9)
     # drained replicas left only after their last request finished
