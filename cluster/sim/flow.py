@@ -53,6 +53,7 @@ class Orchestrator:
         req = flight.request
         flight.record = self.sim.tracker.add(req.request_id, self.sim.clock.now, len(req.prompt_token_ids),
                                              req.max_tokens)
+        flight.record.ingress = flight.router.index
         flight.routing_request = RoutingRequest(req.request_id, req.prompt_token_ids, req.max_tokens, req.session_id)
         self.flights[req.request_id] = flight
         self._route(flight, "prefill" if self.options.enabled else "mixed")

@@ -36,7 +36,7 @@ PERCENTILES = (50, 90, 99)
 class RequestRecord:
     __slots__ = ("request_id", "arrival_s", "num_prompt_tokens", "max_tokens", "dispatch_s", "first_token_s", "finish_s",
                  "last_token_s", "num_output_tokens", "num_cached_tokens", "finish_reason", "error",
-                 "replica_keys", "token_times")
+                 "replica_keys", "ingress", "token_times")
 
     def __init__(self, request_id: str, arrival_s: float, num_prompt_tokens: int, max_tokens: int,
                  keep_token_times: bool) -> None:
@@ -53,6 +53,7 @@ class RequestRecord:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.replica_keys: list[int] = []  # every replica that served it (prefill, decode)
+        self.ingress = 0  # the ingress router it came through
         self.token_times: list[float] | None = [] if keep_token_times else None
 
     @property

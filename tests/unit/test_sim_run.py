@@ -147,3 +147,22 @@ def test_requests_longer_than_the_model_allows_are_rejected_not_dropped() -> Non
     assert s["num_rejected"] == 1 and s["num_finished"] == 1
     bad = next(r for r in result.records if r.error)
     assert "max_model_len" in bad.error
+
+
+@pytest.mark.parametrize("assignment", ["round_robin", "session"])
+def test_requests_spread_over_ingress_routers_round_robin_or_by_session(assignment: str) -> None:
+    reqs = make_workload("agentic", 48, 20.0, seed=0, turns=4)
+    cfg = SimConfig(num_replicas=2, router="round_robin", num_ingress=3, ingress_assignment=assignment,
+                    num_blocks=4000)
+    result = simulate(cfg, reqs)
+    counts = [r["num_dispatched"] for r in result.router_stats]
+    assert sum(counts) == 48
+    if assignment == "round_robin":
+        assert counts == [16, 16, 16]
+    else:
+        ingress_of = {rec.request_id: rec.ingress for rec in result.records}
+        by_session: dict[str, set[int]] = {}
+        for request in reqs:
+            by_session.setdefault(request.session_id, set()).add(ingress_of[request.request_id])
+        assert all(len(routers) == 1 for routers in by_session.values())
+        assert len(set().union(*by_session.values())) > 1
