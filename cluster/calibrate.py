@@ -215,6 +215,10 @@ def _machine() -> str:
 def calibrate(
     model: str | None, name: str, num_threads: int | None, block_size: int, clock: str = "process"
 ) -> tuple[DeviceProfile, FitReport, list[Point]]:
+    """Measure and fit (no file written). `num_threads` None: torch's default thread count.
+    A run this profile is compared with (validation) should use the same model, dtype
+    (FP32 on CPU), num_threads and clock: with the "process" clock and N threads a step
+    costs the CPU time of all N, which is its wall time only when N == 1 on an idle core."""
     points, context = measure(model, num_threads, block_size, clock)
     base: DeviceProfile = context.pop("base")
     fitted, report = fit_profile(replace(base, name=name), [(p.features, p.seconds) for p in points])
