@@ -173,3 +173,15 @@ def test_kv_blocks_are_the_memory_left_after_the_weights() -> None:
     assert model.num_kv_blocks(16) == expected == 52_852
     with pytest.raises(ValueError, match="no room"):
         StepCostModel(load_shape("llama-3-70b"), load_profile("l4")).num_kv_blocks(16)
+
+
+def test_shipped_fitted_cpu_profile_loads_by_name() -> None:
+    """worker/sim/profiles/cpu-calibrated.json: `kvserve calibrate` on this project's
+    machine (benchmarks/results/calibrate_cpu.log), fitted on the embedded model in FP32."""
+    cpu = load_profile("cpu-calibrated")
+    assert cpu.calibrated and cpu.fit is not None
+    assert cpu.fit["model"] == "kvserve-tiny" and cpu.fit["dtype_bytes"] == 4
+    assert cpu.fit["num_points"] >= 20 and cpu.fit["mean_rel_error"] < 0.15
+    # The shape it was fitted on prices a decode step in milliseconds, as measured there.
+    step = StepCostModel(load_shape(default_model_path()), cpu).step_time_s([SeqWork(1, 16)])
+    assert 1e-3 < step < 50e-3
