@@ -11,7 +11,6 @@ per-replica queue depth and KV usage over time (needs matplotlib).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -62,6 +61,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--startup-delay-s", type=float, default=_AUTOSCALE.startup_delay_s)
     p.add_argument("--autoscale-interval-s", type=float, default=_AUTOSCALE.interval_s)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--timelines", action="store_true", help="with --json: per-replica queue depth / KV usage samples")
     p.add_argument("--plot", metavar="PNG", help="write per-replica queue depth and KV usage over time")
     p.set_defaults(func=run)
 
@@ -98,13 +98,12 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = simulate(config, requests)
     wall_s = time.perf_counter() - start
-    summary = result.summary()
     if args.plot:
         result.plot(args.plot)
     if args.json:
-        print(json.dumps(summary, indent=2, sort_keys=True))
+        print(result.to_json(timelines=args.timelines))
     else:
-        _print_report(summary, args, wall_s)
+        _print_report(result.summary(), args, wall_s)
     return 0
 
 

@@ -172,8 +172,21 @@ class SimResult:
                           "num_preemptions": r.engine.scheduler.num_preemptions} for r in self.replicas],
         }
 
-    def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.summary(), indent=indent, sort_keys=True)
+    def timelines(self) -> dict[str, Any]:
+        """Per-replica samples at each stats report, and live replicas over time."""
+        return {
+            "replicas": [{"key": r.key, "role": r.role, "time_s": r.timeline.times,
+                          "num_ongoing": r.timeline.num_ongoing, "num_waiting": r.timeline.num_waiting,
+                          "num_running": r.timeline.num_running, "kv_usage": r.timeline.kv_usage}
+                         for r in self.replicas],
+            "live_replicas": [list(x) for x in self.replica_count],
+        }
+
+    def to_json(self, indent: int | None = 2, timelines: bool = False) -> str:
+        out = self.summary()
+        if timelines:
+            out["timelines"] = self.timelines()
+        return json.dumps(out, indent=indent, sort_keys=True)
 
     def plot(self, path: str) -> None:
         """Per-replica queue depth (requests at the replica, Serve's view) and KV usage over

@@ -12,12 +12,14 @@ def test_simulate_prints_json_and_writes_the_plot(tmp_path, capsys) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "out.png"
     rc = main(["simulate", "--replicas", "2", "--router", "round_robin", "--workload", "b2b", "--requests", "30",
-               "--rate", "20", "--seed", "1", "--num-blocks", "4000", "--json", "--plot", str(png)])
+               "--rate", "20", "--seed", "1", "--num-blocks", "4000", "--json", "--timelines", "--plot", str(png)])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["num_requests"] == 30 and summary["num_finished"] == 30
     assert summary["num_replicas_created"] == 2
     assert {"ttft_s", "itl_s", "e2e_s", "goodput_rps", "prefix_cache_hit_rate", "load_imbalance"} <= set(summary)
+    timelines = summary["timelines"]["replicas"]
+    assert len(timelines) == 2 and all(len(t["time_s"]) == len(t["kv_usage"]) > 0 for t in timelines)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
