@@ -16,7 +16,11 @@ import time
 from typing import Any
 
 from cluster.sim.autoscale import AutoscaleOptions
-from cluster.sim.disagg import DEFAULT_LINK_BANDWIDTH, DEFAULT_LINK_LATENCY_S, DisaggOptions
+from cluster.sim.disagg import (
+    DEFAULT_LINK_BANDWIDTH,
+    DEFAULT_LINK_LATENCY_S,
+    DisaggOptions,
+)
 from cluster.sim.run import SimConfig, simulate
 from cluster.sim.workloads import WORKLOAD_NAMES, make_workload
 

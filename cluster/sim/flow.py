@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class Flight:
-    __slots__ = ("request", "router", "record", "routing_request", "stage", "replica", "export", "prefill_replica")
+    __slots__ = ("export", "prefill_replica", "record", "replica", "request", "router", "routing_request", "stage")
 
     def __init__(self, request: SimRequest, router: SimRouter) -> None:
         self.request = request

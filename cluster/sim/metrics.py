@@ -34,9 +34,23 @@ PERCENTILES = (50, 90, 99)
 
 
 class RequestRecord:
-    __slots__ = ("request_id", "arrival_s", "num_prompt_tokens", "max_tokens", "dispatch_s", "first_token_s", "finish_s",
-                 "last_token_s", "num_output_tokens", "num_cached_tokens", "finish_reason", "error",
-                 "replica_keys", "ingress", "token_times")
+    __slots__ = (
+        "arrival_s",
+        "dispatch_s",
+        "error",
+        "finish_reason",
+        "finish_s",
+        "first_token_s",
+        "ingress",
+        "last_token_s",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_output_tokens",
+        "num_prompt_tokens",
+        "replica_keys",
+        "request_id",
+        "token_times",
+    )
 
     def __init__(self, request_id: str, arrival_s: float, num_prompt_tokens: int, max_tokens: int,
                  keep_token_times: bool) -> None:

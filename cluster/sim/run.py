@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import WorkersSection
@@ -54,7 +54,7 @@ class SimConfig:
     gpu_memory_utilization: float = _CACHE.gpu_memory_utilization
     num_blocks: int | None = None  # overrides the KV size the cost model derives
     enable_prefix_caching: bool = True
-    disagg: DisaggOptions = DisaggOptions()
+    disagg: DisaggOptions = field(default_factory=DisaggOptions)
     autoscale: AutoscaleOptions | None = None
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 100.0

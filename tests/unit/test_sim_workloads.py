@@ -1,6 +1,7 @@
 """The simulator's workloads: seeded, the advertised shapes, prefixes really shared."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -63,7 +64,7 @@ def test_agentic_turns_resend_the_growing_history() -> None:
     assert len(sessions) == 8
     for turns in sessions.values():
         turns.sort(key=lambda r: int(r.request_id.rsplit("-", 1)[1]))
-        for prev, nxt in zip(turns, turns[1:]):
+        for prev, nxt in itertools.pairwise(turns):
             assert nxt.arrival_s >= prev.arrival_s
             # history = previous prompt + its answer + the new message
             assert nxt.prompt_token_ids[: len(prev.prompt_token_ids)] == prev.prompt_token_ids
