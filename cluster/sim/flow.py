@@ -67,6 +67,7 @@ class Orchestrator:
         flight.replica = replica
         rec = flight.record
         assert rec is not None
+        self.sim.last_progress_s = self.sim.clock.now
         rec.replica_keys.append(replica.key)
         if rec.dispatch_s is None:
             rec.dispatch_s = self.sim.clock.now
@@ -106,6 +107,7 @@ class Orchestrator:
             return
         rec = flight.record
         assert rec is not None
+        self.sim.last_progress_s = now
         self.sim.tracker.on_tokens(rec, out, now)
         if not out.finished:
             return

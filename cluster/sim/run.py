@@ -32,6 +32,9 @@ from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
 
 _SCHEDULER = SchedulerConfig()
+# Virtual seconds without any token or dispatch, with requests unfinished, that end a run
+# as stalled (far longer than any step, transfer or replica start-up).
+STALL_TIMEOUT_S = 3600.0
 _CACHE = CacheConfig()
 
 
@@ -138,6 +141,7 @@ class Simulation:
         self.autoscalers: list[SimAutoscaler] = []
         self._next_key = 0
         self._num_requests = 0
+        self.last_progress_s = 0.0  # virtual time of the latest token or dispatch (stall detection)
 
     # -- replicas --------------------------------------------------------------------------------
     def new_replica(self, role: str) -> SimReplica:
@@ -178,11 +182,23 @@ class Simulation:
     def _report(self, replica: SimReplica) -> None:
         if replica.removed_at is not None:
             return
+        self._check_stall()
         replica.sample_timeline()
         report = ReplicaReport.from_stats(replica.routing_stats())
         assert report is not None
         self.clock.after(self.config.report_lag_s, self._deliver_report, replica, report)
         self.clock.after(self.config.stats_period_s, self._report, replica)
+
+    def _check_stall(self) -> None:
+        """Reports are periodic, so the clock never runs dry: a run where nothing can move
+        any more (requests queued at routers whose policy offers no replica) would spin
+        forever. Fail loudly instead."""
+        if self.clock.now - self.last_progress_s > STALL_TIMEOUT_S and not self.done():
+            queued = sum(r.num_queued for r in self.routers)
+            raise RuntimeError(
+                f"the simulation stalled: no token and no dispatch for {STALL_TIMEOUT_S:g} virtual seconds at "
+                f"t={self.clock.now:.1f} s with {self._num_requests - self.tracker.num_done} requests unfinished "
+                f"({queued} queued at routers; does the {self.config.router!r} policy rank no replica?)")
 
     def _deliver_report(self, replica: SimReplica, report: ReplicaReport) -> None:
         if replica.removed_at is not None:

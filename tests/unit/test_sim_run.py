@@ -177,3 +177,23 @@ def test_reported_prefix_hashes_reach_the_policies() -> None:
         cfg = SimConfig(num_replicas=4, router=router, num_blocks=3000, stats_period_s=0.5)
         hit[router] = simulate(cfg, reqs).summary()["prefix_cache_hit_rate"]
     assert hit["prefix_affinity"] > hit["round_robin"] + 0.05
+
+
+def test_a_policy_that_offers_no_replica_stalls_loudly_instead_of_spinning(monkeypatch) -> None:
+    import router.policies as policies
+
+    class NoReplica:  # a broken policy: ranks nothing, ever
+        name = "none"
+
+        def rank(self, request, views, now):  # type: ignore[no-untyped-def]
+            return []
+
+        def on_dispatch(self, *a) -> None: ...  # type: ignore[no-untyped-def]
+
+        def on_complete(self, *a) -> None: ...  # type: ignore[no-untyped-def]
+
+        def on_report(self, *a) -> None: ...  # type: ignore[no-untyped-def]
+
+    monkeypatch.setattr(policies, "make_policy", lambda name, params=None, seed=0: NoReplica())
+    with pytest.raises(RuntimeError, match="stalled"):
+        simulate(SimConfig(num_replicas=1, stats_period_s=60.0), _requests([(0.0, 10, 2)]))
