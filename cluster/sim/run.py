@@ -193,11 +193,12 @@ class Simulation:
         """Reports are periodic, so the clock never runs dry: a run where nothing can move
         any more (requests queued at routers whose policy offers no replica) would spin
         forever. Fail loudly instead."""
-        if self.clock.now - self.last_progress_s > STALL_TIMEOUT_S and not self.done():
+        # Only requests that have arrived count: a trace may be idle for hours between them.
+        if self.clock.now - self.last_progress_s > STALL_TIMEOUT_S and self.orchestrator.flights:
             queued = sum(r.num_queued for r in self.routers)
             raise RuntimeError(
                 f"the simulation stalled: no token and no dispatch for {STALL_TIMEOUT_S:g} virtual seconds at "
-                f"t={self.clock.now:.1f} s with {self._num_requests - self.tracker.num_done} requests unfinished "
+                f"t={self.clock.now:.1f} s with {len(self.orchestrator.flights)} arrived requests unfinished "
                 f"({queued} queued at routers; does the {self.config.router!r} policy rank no replica?)")
 
     def _deliver_report(self, replica: SimReplica, report: ReplicaReport) -> None:

@@ -180,7 +180,7 @@ def test_reported_prefix_hashes_reach_the_policies() -> None:
 
 
 def test_a_policy_that_offers_no_replica_stalls_loudly_instead_of_spinning(monkeypatch) -> None:
-    import router.policies as policies
+    from router import policies
 
     class NoReplica:  # a broken policy: ranks nothing, ever
         name = "none"
@@ -197,3 +197,8 @@ def test_a_policy_that_offers_no_replica_stalls_loudly_instead_of_spinning(monke
     monkeypatch.setattr(policies, "make_policy", lambda name, params=None, seed=0: NoReplica())
     with pytest.raises(RuntimeError, match="stalled"):
         simulate(SimConfig(num_replicas=1, stats_period_s=60.0), _requests([(0.0, 10, 2)]))
+
+
+def test_a_long_idle_gap_between_arrivals_is_not_a_stall() -> None:
+    result = simulate(SimConfig(num_replicas=1, stats_period_s=60.0), _requests([(0.0, 10, 2), (5000.0, 10, 2)]))
+    assert result.summary()["num_finished"] == 2
