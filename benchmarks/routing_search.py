@@ -26,6 +26,11 @@ from cluster.sim.workloads import make_workload
 
 
 
+# Stepping down: a miss whose TTFT p99 is not at least this much lower than the previous
+# miss's ends the search (queueing is not the cause, so no rate will meet the SLO).
+NO_RELIEF = 0.05
+
+
 @dataclass(frozen=True)
 class RunFigures:
     rate_rps: float
@@ -107,6 +112,7 @@ def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search
     best = first if first.meets_slo else None
     lo, hi = (start_rate, None) if first.meets_slo else (None, start_rate)
     rate = start_rate
+    last_miss = None if first.meets_slo else first
     for _ in range(search.max_steps_out):
         if lo is not None and hi is not None:
             break
@@ -116,6 +122,9 @@ def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search
             lo, best = rate, fig
         else:
             hi = rate
+            if last_miss is not None and fig.ttft_p99_s >= (1.0 - NO_RELIEF) * last_miss.ttft_p99_s:
+                break  # a lower rate did not help: the SLO is out of reach at any rate (e.g. one prefill > 2 s)
+            last_miss = fig
     if hi is None:
         assert best is not None
         return replace(best, lower_bound=True)

@@ -13,7 +13,9 @@ def fake_run(capacity: float, calls: list[float]):
     def run(rate: float) -> RunFigures:
         calls.append(rate)
         ok = rate <= capacity
-        return RunFigures(rate, ok, min(rate, capacity), 0.1, 1.0 if ok else 5.0, 0.02, 100.0 * rate, 0.0, 1.0)
+        # Past capacity the queue grows with the overload; with no capacity at all, nothing helps.
+        ttft99 = 1.0 if ok else (5.0 if capacity <= 0 else 2.0 + rate / capacity)
+        return RunFigures(rate, ok, min(rate, capacity), 0.1, ttft99, 0.02, 100.0 * rate, 0.0, 1.0)
     return run
 
 
@@ -33,8 +35,11 @@ def test_search_steps_down_when_the_start_fails() -> None:
 
 
 def test_search_gives_up_with_a_zero_when_nothing_meets_the_slo() -> None:
-    best = goodput_at_slo(fake_run(0.0, []), 10.0, Search(bisect_steps=1, step=2.0))
+    calls: list[float] = []
+    best = goodput_at_slo(fake_run(0.0, calls), 10.0, Search(bisect_steps=1, step=2.0))
     assert not best.meets_slo and best.goodput_rps == 0.0
+    # The second miss was no better than the first (TTFT p99 5.0 both): no rate will do.
+    assert calls == [10.0, 5.0]
 
 
 def test_window_sizes_runs_by_arrival_time() -> None:
