@@ -129,7 +129,7 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str
         log(f"validation 1: calibrated a CPU profile now ({len(points)} engine steps, {time.perf_counter() - t0:.0f} s, "
             f"saved to {saved}): fit error mean {100 * report.mean_rel_error:.1f}%, max {100 * report.max_rel_error:.1f}%")
         log(f"  profile: {profile.to_dict()}")
-    scheduler = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=1024)
+    scheduler = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048)  # prompt + output <= 1536
     cache = CacheConfig(block_size=16, kv_cache_bytes=64 * 1024**2, enable_prefix_caching=True)
     engine = Engine.from_config(EngineConfig(model=ModelConfig(model=path, device="cpu", dtype="float32"),
                                              cache=cache, scheduler=scheduler))
