@@ -44,7 +44,7 @@ WORKLOADS = ("sharegpt", "b2b", "agentic", "code", "bursty")
 # Round robin's search starts at this many requests/s per replica (then doubles or halves):
 # rough capacities of one H200 on each workload's lengths, so the flip is a step or two away.
 START_RPS_PER_REPLICA = {"sharegpt": 12.0, "b2b": 8.0, "agentic": 8.0, "code": 0.5, "bursty": 6.0, "trace": 4.0}
-OTHER_ROUTER_STEP = 1.5  # the other routers start at round robin's rate and step by this
+RATE_STEP = 1.5  # the search's geometric step (round robin from its start, the others from round robin's rate)
 AT_FRACTION = 0.8  # "TTFT p99 at 80% of round robin's goodput"
 MULTI_INGRESS = (1, 4)
 SHAPE, PROFILE = "llama-3-8b", "h200"
@@ -69,7 +69,7 @@ class Plan:
 
 
 # --quick: 4 replicas, 1 seed, 3 s of arrivals a run (50..400 requests), no bisection (the
-# rate ladder's steps only: x2 for round robin, x1.5 for the others from round robin's rate).
+# rate ladder's x1.5 steps only).
 # Coarse: in 3 s a run only misses the TTFT SLO once the offered rate exceeds capacity by
 # well over 50% (the queue needs time to grow to 2 s), so quick goodputs over-estimate
 # capacity alike for every router; the full run's 30 s windows and bisection resolve ~7%.
@@ -117,10 +117,13 @@ def table_for(workload: str, num_replicas: int, plan: Plan, workload_kw: dict) -
         found: dict[str, RunFigures] = {}
         for router in ROUTERS:
             config = sim_config(router, num_replicas)
+            # Every router walks the same geometric grid of rates (round robin's start x 1.5^k),
+            # so that without bisection no router is compared on a coarser ladder than another.
             if router == BASELINE:
-                start, step = START_RPS_PER_REPLICA[workload] * num_replicas, 2.0
+                start = START_RPS_PER_REPLICA[workload] * num_replicas
             else:
-                start, step = max(found[BASELINE].rate_rps, 0.1), OTHER_ROUTER_STEP
+                start = found[BASELINE].rate_rps or START_RPS_PER_REPLICA[workload] * num_replicas
+            step = RATE_STEP
             found[router] = goodput_at_slo(lambda rate, c=config: runner.run(c, rate), start,
                                            Search(plan.bisect_steps, step, plan.max_steps_out))
             cells[router].at_slo.append(found[router])
@@ -157,7 +160,7 @@ def multi_ingress_goodput(plan: Plan, num_ingress: int) -> float:
         runner = Runner("b2b", seed, plan.window_for(n), {}, log)
         config = sim_config(HEADROOM, n, num_ingress=num_ingress)
         fig = goodput_at_slo(lambda rate, c=config: runner.run(c, rate), START_RPS_PER_REPLICA["b2b"] * n,
-                             Search(plan.bisect_steps, 2.0, plan.max_steps_out))
+                             Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out))
         values.append(fig.goodput_rps)
     return statistics.fmean(values)
 
