@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 WORKER_DEPLOYMENT = "worker"
 INGRESS_DEPLOYMENT = "ingress"
 KV_HEADROOM_ROUTER = "router.request_router:KVHeadroomRouter"
+# Every other router name but Serve's own pow2: a policy of router/policies/ by that name.
+POLICY_ROUTER = "router.policy_router:PolicyRouter"
 # Streams per ingress replica beyond its 429 bound that still reach it: /health, /metrics,
 # /v1/models must answer while it is saturated with generation requests.
 _INGRESS_CONTROL_HEADROOM = 64
@@ -63,6 +65,8 @@ def build_disaggregated_app(config: KVServeConfig) -> Application:
         options = worker_options(pool_config)
         router = options.get("request_router_config")
         if name == PREFILL_DEPLOYMENT and router is not None:
+            if router.request_router_class != KV_HEADROOM_ROUTER:
+                raise ValueError(f"disaggregation needs routing 'kv_headroom' or 'pow2', got {config.routing.router!r}")
             # The same policy, plus: release_kv goes to the replica that pinned the blocks.
             # (Rebuilt, not model_copy'd: the config serializes the class when validated.)
             fields = {k: getattr(router, k) for k in type(router).model_fields if k != "request_router_class"}
@@ -200,15 +204,26 @@ def _cluster_has_gpus() -> bool:
 
 
 def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
-    """KV-headroom routing when asked for; else Serve's default power-of-two-choices
-    (stats are still reported, for metrics and autoscaling). The router class is part of
-    kvserve (router/request_router.py, imported with router.ingress above): no fallback."""
-    if config.routing.router != "kv_headroom":
+    """The request router the worker deployment runs: kv_headroom (router/request_router.py),
+    a baseline policy by name through the one generic PolicyRouter (router/policy_router.py),
+    or None for Serve's default power-of-two-choices (stats are still reported, for metrics
+    and autoscaling). Both router classes are part of kvserve: no fallback."""
+    name = config.routing.router
+    if name == "pow2":
         return None
     # With several ingress replicas each router copy has a private view, so each may promise
     # only its share; Serve's report period comes from the same params (one value).
-    params = config.routing.headroom_params(headroom_share=1.0 / config.ingress.num_replicas)
-    return RequestRouterConfig(request_router_class=KV_HEADROOM_ROUTER, **params.serve_router_config())
+    share = 1.0 / config.ingress.num_replicas
+    if name == "kv_headroom":
+        params = config.routing.headroom_params(headroom_share=share)
+        return RequestRouterConfig(request_router_class=KV_HEADROOM_ROUTER, **params.serve_router_config())
+    kwargs = {"policy": name, "stats_period_s": config.routing.stats_period_s, "headroom_share": share,
+              **config.routing.router_kwargs}
+    return RequestRouterConfig(
+        request_router_class=POLICY_ROUTER,
+        request_router_kwargs=kwargs,
+        request_routing_stats_period_s=config.routing.stats_period_s,
+    )
 
 
 def grpc_servicer() -> str:

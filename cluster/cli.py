@@ -4,7 +4,9 @@
     kvserve serve --model DIR --num-workers 2 --port 8001
     kvserve serve --config kvserve.yaml # the same schema as serve deploy / Helm
     kvserve serve --tensor-parallel-size 2 --disaggregate --prefill-workers 1 --decode-workers 2
+    kvserve serve --device sim:h200 --model-shape llama-3-8b --num-workers 16   # simulated GPUs
     kvserve config [--config FILE]      # print the effective configuration as YAML
+    kvserve calibrate                   # fit a device profile of this machine (worker/sim/)
 
 Subcommands live in a table of "module:function" registrars, imported lazily; each adds
 its own argparse subparser and sets `func`. Another command (e.g. `kvserve bench ...`,
@@ -34,6 +36,8 @@ SUBCOMMANDS: dict[str, str] = {
     "config": "cluster.cli:register_config",
     "complete": "cluster.grpc_cli:register",
     "bench": "cluster.bench_serve:register",
+    "simulate": "cluster.sim.cli:register",
+    "calibrate": "cluster.calibrate:register",
 }
 
 
@@ -95,6 +99,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                         help="ranks (devices) per worker replica; every pool when disaggregated")
     parser.add_argument("--disaggregate", action="store_true",
                         help="separate prefill and decode worker pools (each starts as a copy of `workers`)")
+    parser.add_argument("--device", metavar="DEVICE",
+                        help="auto | cpu | cuda | sim:<profile> (simulated: h200, h100, a100-80gb, l4 or a profile JSON)")
+    parser.add_argument("--model-shape", metavar="SHAPE",
+                        help="sim device: the model it simulates (llama-3-8b, llama-3-70b, qwen3-32b or a config.json)")
+    parser.add_argument("--time-dilation", type=float, metavar="X", help="sim device: wall seconds per modelled second")
     parser.add_argument("--prefill-workers", type=int, metavar="N", help="prefill pool replicas (implies --disaggregate)")
     parser.add_argument("--decode-workers", type=int, metavar="N", help="decode pool replicas (implies --disaggregate)")
 
@@ -109,6 +118,9 @@ def config_from_args(args: argparse.Namespace) -> KVServeConfig:
         "http.host": args.host,
         "http.port": args.port,
         "grpc.port": args.grpc_port,
+        "engine.device": args.device,
+        "engine.model_shape": args.model_shape,
+        "engine.time_dilation": args.time_dilation,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:

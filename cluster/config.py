@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.config_errors import ConfigError, format_validation_error
 from cluster.config_fields import Section, build, default_of, parse_bytes
@@ -97,7 +97,14 @@ class EngineSection(Section):
     max_model_len: int | None = Field(default_of(SchedulerConfig, "max_model_len"), ge=2)
     enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = default_of(ModelConfig, "dtype")
-    device: Literal["auto", "cpu", "cuda"] = default_of(ModelConfig, "device")
+    # auto | cpu | cuda | sim:<profile> (a simulated device, worker/sim/: h200, h100,
+    # a100-80gb, l4, a fitted profile's name or a JSON path; no weights are loaded, the
+    # model directory only gives the tokenizer).
+    device: str = default_of(ModelConfig, "device")
+    # sim device: a named shape (llama-3-8b, ...) or a config.json
+    model_shape: str | None = default_of(ModelConfig, "model_shape")
+    # sim device: wall seconds per modelled second
+    time_dilation: float = Field(default_of(ModelConfig, "time_dilation"), gt=0)
     attention_backend: Literal["auto", "torch", "flash", "triton"] = default_of(ModelConfig, "attention_backend")
     # CUDA only: decode steps replayed as CUDA graphs.
     enable_cuda_graphs: bool = default_of(ModelConfig, "enable_cuda_graphs")
@@ -114,6 +121,22 @@ class EngineSection(Section):
     def _power_of_two(cls, v: int) -> int:
         if v & (v - 1):
             raise ValueError(f"must be a power of two (8, 16, 32, ...), got {v}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        from worker.sim.device import check_device
+
+        check_device(v)
+        return v
+
+    @field_validator("model_shape")
+    @classmethod
+    def _model_shape(cls, v: str | None, info: ValidationInfo) -> str | None:
+        from worker.sim.device import check_model_shape
+
+        check_model_shape(v, info.data.get("device", "auto"))
         return v
 
 
@@ -207,8 +230,9 @@ class GRPCSection(Section):
 
 
 class RoutingSection(Section):
-    # kv_headroom: router/request_router.py:KVHeadroomRouter. pow2: Serve's default.
-    router: Literal["kv_headroom", "pow2"] = "kv_headroom"
+    # kv_headroom: router/request_router.py:KVHeadroomRouter. pow2: Serve's default. The
+    # baselines (router/policies/) run through router/policy_router.py:PolicyRouter.
+    router: Literal["kv_headroom", "pow2", "round_robin", "least_kv", "prefix_affinity", "sticky"] = "kv_headroom"
     # How often worker replicas report their routing stats. The one value for both Serve's
     # report period and the router's staleness judgement (HeadroomParams.stats_period_s).
     stats_period_s: float = Field(default_of(HeadroomParams, "stats_period_s"), gt=0)

@@ -39,7 +39,7 @@ class SchedulerConfig:
 class ModelConfig:
     model: str  # local directory or Hub id
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda | sim:<profile name or JSON path> (worker/sim/)
     attention_backend: str = "auto"  # auto | torch | flash | triton
     # CUDA only: replay decode-only steps as CUDA graphs (worker/cuda_graphs.py); ignored on CPU.
     enable_cuda_graphs: bool = True
@@ -48,6 +48,10 @@ class ModelConfig:
     trust_remote_code: bool = False
     # >1: rank 0 (this process) leads N-1 rank actors (worker/tp/); needs a running Ray.
     tensor_parallel_size: int = 1
+    # Simulated device only: the model shape the cost model prices (a named shape or a
+    # config.json path; None: `model`'s own config.json), and wall seconds per modelled second.
+    model_shape: str | None = None
+    time_dilation: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,12 @@ class Engine:
         )
         from worker.model_runner import ModelRunner
 
+        from worker.sim.device import is_sim_device
+
+        if is_sim_device(config.model.device):  # a simulated device: no weights (worker/sim/)
+            from worker.sim.runner import sim_engine_from_config
+
+            return sim_engine_from_config(config)
         path = resolve_model_path(config.model.model)
         hf_config = load_hf_config(path, config.model.trust_remote_code)
         max_model_len = max_model_len_for(config.scheduler.max_model_len, hf_config)

@@ -105,6 +105,14 @@ def test_router_selection() -> None:
     assert chosen.request_router_class == KV_HEADROOM_ROUTER and chosen.request_routing_stats_period_s == 0.5
 
 
+def test_baseline_router_selection() -> None:
+    chosen = worker_options(config(routing={"router": "sticky", "router_kwargs": {"target_s": 5.0}})).get("request_router_config")
+    assert isinstance(chosen, RequestRouterConfig)
+    assert chosen.request_router_class == "router.policy_router:PolicyRouter"
+    assert chosen.request_router_kwargs["policy"] == "sticky"
+    assert chosen.request_router_kwargs["target_s"] == 5.0
+
+
 def test_ingress_options_and_settings() -> None:
     c = config(ingress={"max_queued_requests": 10, "max_n": 3, "num_replicas": 2})
     options = ingress_options(c)

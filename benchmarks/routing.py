@@ -1,0 +1,244 @@
+"""The router table on simulated H200s, plus the simulator's two validations.
+
+    python -m benchmarks.routing [--quick] [--skip-validation] [--trace FILE.jsonl]
+
+1. Router table (cluster/sim: the real engine, scheduler, KV manager and routing policies on
+   a virtual clock; worker/sim: the H200 step-cost model, llama-3-8b shape): for every
+   workload, replica count and seed, each router's offered rate is searched for the highest
+   rate that meets the SLO (TTFT p99 <= 2 s, ITL p99 <= 100 ms; benchmarks/routing_search.py);
+   its goodput there is the table's figure (mean over seeds). Then every router runs at 80%
+   of round robin's rate: TTFT p99, prefix-cache hit rate, load imbalance there.
+2. Multi-ingress rows: headroom behind 1 vs 4 ingress routers on b2b, each router with its
+   private view and headroom_share 1/N (as cluster/app.py configures several ingress
+   replicas). A shared view across routers is the next issue.
+3. Validations (benchmarks/routing_validate.py): the real CPU engine vs the simulator with
+   the calibrated CPU profile; a real Serve cluster of 8 simulated-device replicas vs the
+   simulator. Relative errors of TTFT p50, TTFT p99 and output tokens/s.
+
+Last line: RESULT sim_error_pct=... headroom_goodput_vs_rr=... headroom_goodput_vs_best=...
+multi_ingress_goodput_ratio=... (see the issue for the definitions).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+
+from benchmarks.routing_search import RunFigures, Runner, Search, Window, goodput_at_slo
+from cluster.sim.run import SimConfig
+from router.headroom import HeadroomParams
+from router.policies import POLICY_NAMES
+
+BASELINE = "round_robin"
+HEADROOM = "headroom"
+ROUTERS = (BASELINE,) + tuple(n for n in POLICY_NAMES if n != BASELINE)
+WORKLOADS = ("sharegpt", "b2b", "agentic", "code", "bursty")
+# Round robin's search starts at this many requests/s per replica (then doubles or halves):
+# rough capacities of one H200 on each workload's lengths, so the flip is a step or two away.
+START_RPS_PER_REPLICA = {"sharegpt": 12.0, "b2b": 8.0, "agentic": 8.0, "code": 0.5, "bursty": 6.0, "trace": 4.0}
+RATE_STEP = 1.5  # the search's geometric step (round robin from its start, the others from round robin's rate)
+AT_FRACTION = 0.8  # "TTFT p99 at 80% of round robin's goodput"
+MULTI_INGRESS = (1, 4)
+SHAPE, PROFILE = "llama-3-8b", "h200"
+# The code workload's prompts reach 64K tokens: serve the shape at Llama 3.1's context length.
+MAX_MODEL_LEN = 131_072
+STATS_PERIOD_S = 1.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    replicas: tuple[int, ...]
+    seeds: tuple[int, ...]
+    window: Window  # requests per run: rate x window_s, clamped (at 8 replicas; scaled with N)
+    bisect_steps: int
+
+    def window_for(self, num_replicas: int) -> Window:
+        w = self.window
+        return Window(w.window_s, w.min_requests * num_replicas // 8, w.max_requests * num_replicas // 8)
+
+
+    max_steps_out: int = 6
+
+
+# --quick: 4 replicas, 1 seed, 3 s of arrivals a run (50..400 requests), no bisection (the
+# rate ladder's x1.5 steps only).
+# Coarse: in 3 s a run only misses the TTFT SLO once the offered rate exceeds capacity by
+# well over 50% (the queue needs time to grow to 2 s), so quick goodputs over-estimate
+# capacity alike for every router; the full run's 30 s windows and bisection resolve ~7%.
+QUICK = Plan(replicas=(4,), seeds=(0,), window=Window(3.0, 100, 800), bisect_steps=0, max_steps_out=4)
+FULL = Plan(replicas=(8, 32), seeds=(0, 1, 2), window=Window(30.0, 300, 4000), bisect_steps=3)
+
+
+@dataclass
+class Cell:
+    """One (workload, replicas, router): figures per seed."""
+
+    at_slo: list[RunFigures]
+    at_80: list[RunFigures]
+
+    def goodput(self) -> float:
+        return statistics.fmean(f.goodput_rps for f in self.at_slo)
+
+    def lower_bound(self) -> bool:
+        return any(f.lower_bound for f in self.at_slo)
+
+    def rate(self) -> float:
+        return statistics.fmean(f.rate_rps for f in self.at_slo)
+
+    def mean(self, name: str) -> float:
+        values = [getattr(f, name) for f in self.at_80]
+        return statistics.fmean(values) if values else math.nan
+
+
+def sim_config(router: str, num_replicas: int, num_ingress: int = 1) -> SimConfig:
+    params = HeadroomParams(stats_period_s=STATS_PERIOD_S, report_lag_s=0.05, headroom_share=1.0 / num_ingress)
+    return SimConfig(shape=SHAPE, profile=PROFILE, num_replicas=num_replicas, router=router, num_ingress=num_ingress,
+                     policy_params=params, stats_period_s=STATS_PERIOD_S, max_model_len=MAX_MODEL_LEN)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def table_for(workload: str, num_replicas: int, plan: Plan, workload_kw: dict) -> dict[str, Cell]:
+    cells = {r: Cell([], []) for r in ROUTERS}
+    window = plan.window_for(num_replicas)
+    for seed in plan.seeds:
+        runner = Runner(workload, seed, window, workload_kw, log)
+        t0 = time.perf_counter()
+        found: dict[str, RunFigures] = {}
+        for router in ROUTERS:
+            config = sim_config(router, num_replicas)
+            # Every router walks the same geometric grid of rates (round robin's start x 1.5^k),
+            # so that without bisection no router is compared on a coarser ladder than another.
+            if router == BASELINE:
+                start = START_RPS_PER_REPLICA[workload] * num_replicas
+            else:
+                start = found[BASELINE].rate_rps or START_RPS_PER_REPLICA[workload] * num_replicas
+            step = RATE_STEP
+            found[router] = goodput_at_slo(lambda rate, c=config: runner.run(c, rate), start,
+                                           Search(plan.bisect_steps, step, plan.max_steps_out))
+            cells[router].at_slo.append(found[router])
+        at = AT_FRACTION * found[BASELINE].rate_rps
+        for router in ROUTERS:
+            if at > 0:
+                cells[router].at_80.append(runner.run(sim_config(router, num_replicas), at))
+        log(f"  {workload} x{num_replicas} seed {seed}: {runner.num_runs} simulations in {time.perf_counter() - t0:.0f} s")
+    return cells
+
+
+def print_table(rows: dict[tuple[str, int], dict[str, Cell]]) -> None:
+    log("")
+    log(f"Router table: simulated {PROFILE.upper()} x N, {SHAPE}, SLO TTFT p99 <= 2 s and ITL p99 <= 100 ms; "
+        f"goodput = req/s meeting the SLO at the highest rate whose p99s meet it (mean over seeds); "
+        f"TTFT p99 / hit rate / imbalance at {AT_FRACTION:.0%} of round robin's rate")
+    log(f"{'workload':<9} {'N':>3} {'router':<16} {'goodput':>8} {'vs rr':>6} {'rate':>8} "
+        f"{'ttft99@80':>9} {'hit':>6} {'imbal':>6}")
+    for (workload, n), cells in rows.items():
+        rr = cells[BASELINE].goodput()
+        for router, cell in cells.items():
+            g = cell.goodput()
+            mark = ">=" if cell.lower_bound() else ""
+            log(f"{workload:<9} {n:>3} {router:<16} {mark + f'{g:.2f}':>8} {g / rr if rr > 0 else math.nan:>6.2f} "
+                f"{cell.rate():>8.2f} {cell.mean('ttft_p99_s'):>9.3f} {cell.mean('hit_rate'):>6.3f} "
+                f"{cell.mean('imbalance'):>6.3f}")
+
+
+def multi_ingress_goodput(plan: Plan, num_ingress: int) -> float:
+    """Headroom's goodput on b2b behind `num_ingress` ingress routers, each with a private view."""
+    n = plan.replicas[0]
+    values = []
+    for seed in plan.seeds:
+        runner = Runner("b2b", seed, plan.window_for(n), {}, log)
+        config = sim_config(HEADROOM, n, num_ingress=num_ingress)
+        fig = goodput_at_slo(lambda rate, c=config: runner.run(c, rate), START_RPS_PER_REPLICA["b2b"] * n,
+                             Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out))
+        values.append(fig.goodput_rps)
+    return statistics.fmean(values)
+
+
+def print_multi_ingress(n: int, out: dict[int, float]) -> None:
+    log("")
+    log(f"Multi-ingress: headroom on b2b, {n} replicas, each ingress router with a PRIVATE view "
+        f"(its own reservations, headroom_share 1/N); a shared view is the next issue")
+    for k, g in out.items():
+        log(f"  {k} ingress router(s): goodput {g:.2f} req/s")
+
+
+def header(argv: list[str]) -> None:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=False).stdout.strip()
+    except OSError:
+        commit = "?"
+    log(f"command: python -m benchmarks.routing {' '.join(argv)}")
+    log(f"date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
+    log(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} (shared with other jobs)")
+    log(f"commit: {commit}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.routing", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 seed, 4 replicas, 3 s of arrivals a run, no bisection")
+    parser.add_argument("--skip-validation", action="store_true", help="the router table only")
+    parser.add_argument("--trace", metavar="FILE", help="also replay this Mooncake-style JSONL trace")
+    parser.add_argument("--cpu-profile", metavar="FILE",
+                        help="validation 1: a calibrated CPU profile (default: calibrate now)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
+    parser.add_argument("--jobs", type=int, default=0, help="parallel processes (default: one per table row group)")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    header(argv)
+    t0 = time.perf_counter()
+
+    workloads = [w for w in args.workloads.split(",") if w]
+    kw_of = {w: {} for w in workloads}
+    if args.trace:
+        workloads.append("trace")
+        kw_of["trace"] = {"path": args.trace}
+    # Every (workload, replica count) and the multi-ingress search run in parallel processes
+    # (independent seeded simulations; the log interleaves their progress lines).
+    keys = [(w, n) for n in plan.replicas for w in workloads]
+    with ProcessPoolExecutor(max_workers=args.jobs or len(keys) + 1) as pool:
+        futures = {key: pool.submit(table_for, key[0], key[1], plan, kw_of[key[0]]) for key in keys}
+        ingress_futures = ({k: pool.submit(multi_ingress_goodput, plan, k) for k in MULTI_INGRESS}
+                           if "b2b" in workloads else {})
+        rows = {key: f.result() for key, f in futures.items()}
+        ingress = {k: f.result() for k, f in ingress_futures.items()}
+    print_table(rows)
+    if ingress:
+        print_multi_ingress(plan.replicas[0], ingress)
+
+    sim_error = math.nan
+    if not args.skip_validation:
+        from benchmarks.routing_validate import validate_all
+
+        sim_error = validate_all(args.quick, args.cpu_profile, log)
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else math.nan
+
+    # A workload where no router meets the SLO at any rate tried has no ratio (0 / 0): left out.
+    vs_rr = [x for (w, _), c in rows.items() if w in ("b2b", "agentic")
+             if not math.isnan(x := ratio(c[HEADROOM].goodput(), c[BASELINE].goodput()))]
+    vs_best = [x for c in rows.values()
+               if not math.isnan(x := ratio(c[HEADROOM].goodput(), max(c[r].goodput() for r in ROUTERS if r != HEADROOM)))]
+    log(f"\nwall time {time.perf_counter() - t0:.0f} s")
+    log(f"RESULT sim_error_pct={sim_error:.1f} headroom_goodput_vs_rr={min(vs_rr, default=math.nan):.3f} "
+        f"headroom_goodput_vs_best={min(vs_best, default=math.nan):.3f} "
+        f"multi_ingress_goodput_ratio={ratio(ingress.get(4, math.nan), ingress.get(1, math.nan)):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

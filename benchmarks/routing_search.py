@@ -1,0 +1,142 @@
+"""Goodput at an SLO for one router: the highest offered rate whose run meets the SLO.
+
+Each run offers `rate x window_s` requests (clamped to [min_requests, max_requests]): a
+fixed request count would let a high rate arrive as one burst that the replicas' batch
+slots absorb, so the run would never reach the steady state whose queueing the SLO is
+about; a fixed arrival window does.
+
+A run "meets the SLO" when its TTFT p99 <= slo_ttft and its ITL p99 <= slo_itl (the
+issue's definition: percentiles over the run, not per request). Goodput is then the
+run's own goodput (requests/s that met both, cluster/sim/metrics.py) at that rate.
+
+Search: from a starting rate, step geometrically (x / `step`) until the SLO flips, then
+bisect the bracket `bisect_steps` times (geometric midpoints). Every run is one seeded
+simulation; the same seed gives the same workload shape at every rate (arrivals scale).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.workloads import make_workload
+
+
+
+# Stepping down: a miss whose TTFT p99 is not at least this much lower than the previous
+# miss's ends the search (queueing is not the cause, so no rate will meet the SLO).
+NO_RELIEF = 0.05
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    rate_rps: float
+    meets_slo: bool
+    goodput_rps: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    itl_p99_s: float
+    output_tokens_per_s: float
+    hit_rate: float
+    imbalance: float
+    # The search never reached a rate that misses the SLO: the goodput is a lower bound.
+    lower_bound: bool = False
+
+    @classmethod
+    def from_summary(cls, rate: float, s: dict[str, Any], slo_ttft_s: float, slo_itl_s: float) -> RunFigures:
+        ttft99, itl99 = s["ttft_s"]["p99"], s["itl_s"]["p99"]
+        ok = s["num_finished"] == s["num_requests"] and ttft99 <= slo_ttft_s and itl99 <= slo_itl_s
+        return cls(rate, ok, s["goodput_rps"], s["ttft_s"]["p50"], ttft99, itl99, s["output_tokens_per_s"],
+                   s["prefix_cache_hit_rate"], s["load_imbalance"])
+
+
+@dataclass(frozen=True)
+class Search:
+    """How hard to look."""
+
+    bisect_steps: int
+    step: float = 2.0
+    max_steps_out: int = 6  # geometric steps before giving up on finding the flip
+
+
+@dataclass(frozen=True)
+class Window:
+    """How many requests a run at a given rate offers."""
+
+    window_s: float
+    min_requests: int
+    max_requests: int
+
+    def num_requests(self, rate: float) -> int:
+        return max(self.min_requests, min(self.max_requests, round(rate * self.window_s)))
+
+
+class Runner:
+    """Runs (workload, rate, config) points, building each replica device once per config."""
+
+    def __init__(self, workload: str, seed: int, window: Window, workload_kw: dict[str, Any] | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.log = log
+        self.workload = workload
+        self.seed = seed
+        self.window = window
+        self.workload_kw = workload_kw or {}
+        self.num_runs = 0
+        self._devices: dict[tuple[str, str], SimDevice] = {}
+
+    def run(self, config: SimConfig, rate: float) -> RunFigures:
+        requests = make_workload(self.workload, self.window.num_requests(rate), rate, self.seed, **self.workload_kw)
+        key = (config.shape, config.profile)
+        device = self._devices.get(key)
+        if device is None:
+            device = self._devices[key] = SimDevice.from_config(config)
+        self.num_runs += 1
+        t0 = time.perf_counter()
+        summary = simulate(replace(config, seed=self.seed), requests, device).summary()
+        fig = RunFigures.from_summary(rate, summary, config.slo_ttft_ms / 1000.0, config.slo_itl_ms / 1000.0)
+        if self.log is not None:
+            self.log(f"    {self.workload} x{config.num_replicas} {config.router}"
+                     f"{f' ingress {config.num_ingress}' if config.num_ingress > 1 else ''} seed {self.seed} "
+                     f"rate {rate:8.2f} ({len(requests)} req): {'meets' if fig.meets_slo else 'misses'} SLO, TTFT p99 {fig.ttft_p99_s:7.3f} s, "
+                     f"ITL p99 {1000 * fig.itl_p99_s:6.1f} ms, goodput {fig.goodput_rps:7.2f}, "
+                     f"hit {fig.hit_rate:.3f}, imbalance {fig.imbalance:.2f} "
+                     f"({time.perf_counter() - t0:.1f} s)")
+        return fig
+
+
+def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search: Search) -> RunFigures:
+    """The best run that meets the SLO (a rate-0 placeholder if even the lowest tried fails)."""
+    first = run(start_rate)
+    best = first if first.meets_slo else None
+    lo, hi = (start_rate, None) if first.meets_slo else (None, start_rate)
+    rate = start_rate
+    last_miss = None if first.meets_slo else first
+    for _ in range(search.max_steps_out):
+        if lo is not None and hi is not None:
+            break
+        rate = rate * search.step if hi is None else rate / search.step
+        fig = run(rate)
+        if fig.meets_slo:
+            lo, best = rate, fig
+        else:
+            hi = rate
+            if last_miss is not None and fig.ttft_p99_s >= (1.0 - NO_RELIEF) * last_miss.ttft_p99_s:
+                break  # a lower rate did not help: the SLO is out of reach at any rate (e.g. one prefill > 2 s)
+            last_miss = fig
+    if hi is None:
+        assert best is not None
+        return replace(best, lower_bound=True)
+    if lo is None:
+        return RunFigures(0.0, False, 0.0, math.nan, math.nan, math.nan, 0.0, 0.0, 1.0)
+    for _ in range(search.bisect_steps):
+        mid = math.sqrt(lo * hi)
+        fig = run(mid)
+        if fig.meets_slo:
+            lo, best = mid, fig
+        else:
+            hi = mid
+    assert best is not None
+    return best

@@ -1,0 +1,272 @@
+"""The simulator against real runs, same seeded workload (benchmarks.routing's validations).
+
+1. Engine: the real engine (one replica, CPU, the embedded model, FP32), driven in real
+   time (each request added at its arrival time, the engine stepped as AsyncEngine's loop
+   does: step, then a stats snapshot), against `simulate` with the calibrated CPU profile
+   (`kvserve calibrate`, cluster/calibrate.py) on the same shape, KV size and scheduler
+   limits.
+2. Cluster: a real Ray Serve cluster of 8 simulated-device replicas (engine.device
+   sim:h200, llama-3-8b shape, time dilation D), the real ingress and the KV-headroom
+   router, driven over HTTP at the workload's arrival times x D (cluster/bench's streaming
+   client; prompts sent as token ids so both sides see the same tokens), against
+   `simulate` with the same config, its stats period and report lag divided by D. Real
+   times are divided by D (tokens/s multiplied) before comparing.
+
+Figures: TTFT p50, TTFT p99, output tokens/s (all output tokens / (last finish - first
+arrival)), relative error (sim - real) / real.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.workloads import SimRequest, make_workload
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Figures:
+    ttft_p50_s: float
+    ttft_p99_s: float
+    output_tokens_per_s: float
+
+    @classmethod
+    def of(cls, arrivals: Sequence[float], first_tokens: Sequence[float], finishes: Sequence[float],
+           num_output_tokens: int) -> Figures:
+        ttft = np.asarray(first_tokens) - np.asarray(arrivals)
+        duration = max(finishes) - min(arrivals)
+        return cls(float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99)), num_output_tokens / duration)
+
+    @classmethod
+    def of_sim(cls, summary: dict) -> Figures:
+        return cls(summary["ttft_s"]["p50"], summary["ttft_s"]["p99"], summary["output_tokens_per_s"])
+
+    def scaled(self, dilation: float) -> Figures:
+        """Real figures of a dilated run, in undilated time."""
+        return Figures(self.ttft_p50_s / dilation, self.ttft_p99_s / dilation, self.output_tokens_per_s * dilation)
+
+
+def compare(name: str, real: Figures, sim: Figures, log: Log) -> dict[str, float]:
+    errors = {k: 100.0 * (getattr(sim, k) - getattr(real, k)) / getattr(real, k)
+              for k in ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s")}
+    log(f"  {name}: {'':14} {'TTFT p50':>10} {'TTFT p99':>10} {'out tok/s':>10}")
+    log(f"  {'':{len(name) + 16}} {real.ttft_p50_s:>10.4f} {real.ttft_p99_s:>10.4f} {real.output_tokens_per_s:>10.1f}  real")
+    log(f"  {'':{len(name) + 16}} {sim.ttft_p50_s:>10.4f} {sim.ttft_p99_s:>10.4f} {sim.output_tokens_per_s:>10.1f}  simulated")
+    log(f"  {'':{len(name) + 16}} {errors['ttft_p50_s']:>+9.1f}% {errors['ttft_p99_s']:>+9.1f}% "
+        f"{errors['output_tokens_per_s']:>+9.1f}%  error")
+    return errors
+
+
+def into_vocab(requests: Sequence[SimRequest], vocab_size: int) -> list[SimRequest]:
+    """Token ids folded into [1, vocab): equal ids stay equal, so shared prefixes stay shared."""
+    return [replace(r, prompt_token_ids=tuple(1 + (t - 1) % (vocab_size - 1) for t in r.prompt_token_ids))
+            for r in requests]
+
+
+# -- 1. the real engine vs the simulator -------------------------------------------------------
+ENGINE_WORKLOAD = dict(kind="sharegpt", input_mean=160.0, output_mean=48.0, max_len=768)
+
+
+def run_engine_real_time(engine, requests: Sequence[SimRequest]) -> Figures:  # noqa: ANN001 (worker.engine.Engine)
+    from worker.sampling_params import SamplingParams
+
+    pending = deque(requests)
+    first: dict[str, float] = {}
+    finish: dict[str, float] = {}
+    num_tokens = 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0].arrival_s <= now:
+            r = pending.popleft()
+            engine.add_request(r.request_id, list(r.prompt_token_ids),
+                               SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
+        if not engine.has_unfinished():
+            time.sleep(max(pending[0].arrival_s - now, 0.0))  # idle until the next arrival (a benchmark)
+            continue
+        outputs = engine.step()
+        engine.stats()  # AsyncEngine's loop takes this snapshot after every step (so did calibrate)
+        t = time.perf_counter() - start
+        for out in outputs:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, t)
+                num_tokens += len(out.new_token_ids)
+            if out.finished:
+                finish[out.request_id] = t
+    arrivals = [r.arrival_s for r in requests]
+    return Figures.of(arrivals, [first[r.request_id] for r in requests], list(finish.values()), num_tokens)
+
+
+def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str, float]:
+    from cluster.calibrate import calibrate
+    from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from worker.default_model import default_model_path
+    from worker.engine import Engine
+    from worker.sim.cost_model import StepCostModel
+    from worker.sim.profiles import load_profile
+    from worker.sim.runner import SimRunner
+    from worker.sim.shapes import load_shape
+
+    path = default_model_path()
+    if profile_path:
+        profile = load_profile(profile_path)
+        log(f"validation 1: CPU profile {profile_path} ({profile.source})")
+    else:
+        t0 = time.perf_counter()
+        profile, report, points = calibrate(None, "cpu-validation", None, 16)
+        saved = os.path.join(tempfile.gettempdir(), f"kvserve-cpu-validation-{os.getpid()}.json")
+        profile.save(saved)
+        log(f"validation 1: calibrated a CPU profile now ({len(points)} engine steps, {time.perf_counter() - t0:.0f} s, "
+            f"saved to {saved}): fit error mean {100 * report.mean_rel_error:.1f}%, max {100 * report.max_rel_error:.1f}%")
+        log(f"  profile: {profile.to_dict()}")
+    scheduler = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048)  # prompt + output <= 1536
+    cache = CacheConfig(block_size=16, kv_cache_bytes=64 * 1024**2, enable_prefix_caching=True)
+    engine = Engine.from_config(EngineConfig(model=ModelConfig(model=path, device="cpu", dtype="float32"),
+                                             cache=cache, scheduler=scheduler))
+    num_blocks = engine.runner.num_blocks
+    shape = load_shape(path, dtype_bytes=4)
+    kind = ENGINE_WORKLOAD["kind"]
+    kw = {k: v for k, v in ENGINE_WORKLOAD.items() if k != "kind"}
+    num_requests, rate = (60, 3.0) if quick else (200, 3.0)
+    requests = into_vocab(make_workload(kind, num_requests, rate, 7, **kw), shape.vocab_size)
+    log(f"  workload: {kind} {kw}, {num_requests} requests at {rate} req/s (Poisson, seed 7); "
+        f"engine max_num_seqs {scheduler.max_num_seqs}, max_num_batched_tokens {scheduler.max_num_batched_tokens}, "
+        f"{num_blocks} KV blocks")
+    engine.step()  # warm-up (first-step allocations), before the clock starts
+    real = run_engine_real_time(engine, requests)
+
+    cost = StepCostModel(shape, profile)
+    device = SimDevice(make_runner=lambda n: SimRunner(cost, n, 16, shape.vocab_size, sleep=False),
+                       num_blocks=num_blocks, vocab_size=shape.vocab_size,
+                       kv_bytes_per_token=shape.kv_bytes_per_token(), max_model_len=scheduler.max_model_len)
+    config = SimConfig(shape=path, profile=profile.name, num_replicas=1, router="round_robin",
+                       max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                       max_model_len=scheduler.max_model_len, block_size=16, num_blocks=num_blocks, seed=7)
+    sim = Figures.of_sim(simulate(config, requests, device).summary())
+    return compare("engine (1 CPU replica)", real, sim, log)
+
+
+# -- 2. a real Serve cluster of simulated-device replicas vs the simulator ---------------------
+CLUSTER_REPLICAS = 8
+CLUSTER_ROUTER, CLUSTER_POLICY = "kv_headroom", "headroom"  # the same code: router/headroom.py
+# Wall seconds per modelled second: H200 decode steps of ~5 ms become ~100 ms, well above
+# the engine's Python work per step (a few ms, more on a busy 2-core box).
+TIME_DILATION = 20.0
+CLUSTER_STATS_PERIOD_S = 1.0  # real seconds
+# The controller's broadcast of a report to the routers (real seconds; an estimate).
+CLUSTER_REPORT_LAG_S = 0.1
+CLUSTER_WORKLOAD = dict(kind="b2b", num_groups=8, prefix_len=1024, question_len=128, output_len=32)
+
+
+async def _drive(url: str, model: str, requests: Sequence[SimRequest], dilation: float) -> Figures:
+    from cluster.bench.run import make_client
+    from cluster.bench.stream import send_request
+    from cluster.bench.workload import BenchRequest
+
+    client = make_client(None, 600.0)
+    loop = asyncio.get_running_loop()
+    start_perf = time.perf_counter()
+    start = loop.time()
+
+    async def one(i: int, r: SimRequest):  # noqa: ANN202
+        bench = BenchRequest(index=i, prompt=list(r.prompt_token_ids), prompt_len=len(r.prompt_token_ids),  # type: ignore[arg-type]
+                             max_tokens=r.max_tokens)
+        body = {"model": model, "prompt": list(r.prompt_token_ids), "max_tokens": r.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+        return await send_request(client, url, body, bench, "completions", start_perf)
+
+    tasks = []
+    try:
+        for i, r in enumerate(requests):
+            delay = start + r.arrival_s * dilation - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i, r)))
+        results = await asyncio.gather(*tasks)
+    finally:
+        await client.aclose()
+    failed = [r for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}: {failed[0].error_detail}")
+    arrivals = [r.start_s for r in results]
+    return Figures.of(arrivals, [r.start_s + r.ttft_s for r in results], [r.start_s + r.e2e_s for r in results],
+                      sum(r.output_tokens for r in results))
+
+
+def validate_cluster(quick: bool, log: Log) -> dict[str, float]:
+    import os
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    from cluster.app import build_app
+    from cluster.config import KVServeConfig
+
+    d = TIME_DILATION
+    kind = CLUSTER_WORKLOAD["kind"]
+    kw = {k: v for k, v in CLUSTER_WORKLOAD.items() if k != "kind"}
+    num_requests, rate = (96, 30.0) if quick else (240, 30.0)
+    requests = make_workload(kind, num_requests, rate, 11, **kw)
+    log(f"validation 2: {CLUSTER_REPLICAS} sim:h200 replicas (llama-3-8b), router {CLUSTER_ROUTER}, time dilation {d:g}, "
+        f"stats period {CLUSTER_STATS_PERIOD_S} s real; {kind} {kw}, {num_requests} requests at {rate} req/s "
+        f"modelled ({rate / d:g} req/s real)")
+    port = 18000 + os.getpid() % 1000
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}})
+    try:
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+        config = KVServeConfig.from_dict({
+            "app_name": "routing-validation", "route_prefix": "/v",
+            "model": {"served_model_name": "sim"},
+            "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "time_dilation": d, "max_model_len": 4096},
+            "workers": {"num_replicas": CLUSTER_REPLICAS, "num_cpus": 0.1},
+            "ingress": {"num_cpus": 0.5, "api_keys_env": None},
+            "routing": {"router": CLUSTER_ROUTER, "stats_period_s": CLUSTER_STATS_PERIOD_S},
+        })
+        t0 = time.perf_counter()
+        serve.run(build_app(config), name="routing-validation", route_prefix="/v")
+        url = f"http://127.0.0.1:{port}/v/v1/completions"
+        # One warm-up request per replica's worth (outside the measured run), then the run.
+        asyncio.run(_drive(url, "sim", [replace(r, arrival_s=0.0) for r in make_workload(
+            "sharegpt", CLUSTER_REPLICAS, 1.0, 99, output_mean=4.0, input_mean=16.0)], 1.0))
+        log(f"  cluster up in {time.perf_counter() - t0:.0f} s")
+        real = (asyncio.run(_drive(url, "sim", requests, d))).scaled(d)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    sim_config = SimConfig(shape="llama-3-8b", profile="h200", num_replicas=CLUSTER_REPLICAS, router=CLUSTER_POLICY,
+                           stats_period_s=CLUSTER_STATS_PERIOD_S / d, report_lag_s=CLUSTER_REPORT_LAG_S / d,
+                           max_model_len=4096, seed=11)
+    sim = Figures.of_sim(simulate(sim_config, requests).summary())
+    return compare(f"cluster ({CLUSTER_REPLICAS} sim replicas)", real, sim, log)
+
+
+def validate_all(quick: bool, cpu_profile: str | None, log: Log) -> float:
+    """Both validations; the worst |error| in % of TTFT p50 and output tokens/s."""
+    import traceback
+
+    log("")
+    worst = 0.0
+    for name, run in (("engine", lambda: validate_engine(quick, cpu_profile, log)),
+                      ("cluster", lambda: validate_cluster(quick, log))):
+        try:
+            errors = run()
+        except Exception:  # a failed validation is reported, and leaves the figure unknown
+            log(f"validation {name} FAILED:\n{traceback.format_exc()}")
+            worst = math.nan
+            continue
+        worst = max(worst, abs(errors["ttft_p50_s"]), abs(errors["output_tokens_per_s"]))
+    return worst

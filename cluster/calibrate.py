@@ -1,0 +1,250 @@
+"""`kvserve calibrate`: fit a device profile of this machine from the real engine's steps.
+
+    kvserve calibrate                                   # the embedded model, on this CPU
+    kvserve calibrate --model DIR --out my-cpu.json
+
+1. Measures the machine's peaks the way the engine sees them (torch, the engine's threads):
+   FP32 matmul FLOP/s and memory copy bandwidth.
+2. Runs the real engine (ModelRunner on CPU, the real scheduler) over a grid of plans:
+   decode batches (batch sizes x context lengths) and chunked prefills (chunk sizes x
+   the contexts the chunks of a longer prompt reach). Each step's time is what one turn
+   of the engine loop costs (Engine.step plus the stats snapshot AsyncEngine takes after
+   it), so the fitted overheads cover the engine's host work too; each plan's features
+   come from the cost model reading the plan the runner executes.
+3. Fits the profile's efficiencies and overheads (worker/sim/fit.py), prints the fit
+   error (mean and max relative error over the grid), writes the profile JSON.
+Prefix caching is off so each plan is exactly what was asked for.
+
+The clock: by default the process's CPU time, with one torch thread. On a machine shared
+with other work (this project's 2-core machines run several Ray clusters at once) wall
+time measures the contention, not the device; CPU time of a single-threaded engine is
+what its wall time would be on a core of its own. `--clock wall` for a dedicated machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+from worker.sim.cost_model import StepCostModel, StepFeatures
+from worker.sim.fit import FitReport, fit_profile
+from worker.sim.profiles import PROFILES_DIR, DeviceProfile
+
+DECODE_BATCHES = (1, 4, 16, 32)
+DECODE_CONTEXTS = (16, 256, 1024)
+PREFILL_CHUNKS = (32, 128, 512)
+PREFILL_CHUNKS_PER_PROMPT = 4  # chunk contexts 0, P, 2P, 3P
+NUM_DECODE_STEPS = 6  # per decode point (median taken)
+NUM_REPEATS = 3  # per prefill point (median taken)
+CLOCKS = {"process": time.process_time, "wall": time.perf_counter}
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("calibrate", help="fit a simulated-device profile of this machine (worker/sim/)")
+    parser.add_argument("--model", metavar="DIR", help="model directory (default: the embedded kvserve-tiny)")
+    parser.add_argument("--name", default="cpu-calibrated", help="the profile's name")
+    parser.add_argument("--out", metavar="FILE", help=f"profile JSON to write (default: {PROFILES_DIR}/<name>.json)")
+    parser.add_argument("--num-threads", type=int, default=1, metavar="N", help="torch CPU threads (default 1)")
+    parser.add_argument("--clock", choices=CLOCKS, default="process",
+                        help="process: the engine's own CPU time (a busy machine does not inflate it; equal to "
+                             "wall time on an idle core with one thread); wall: elapsed time")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.set_defaults(func=run_calibrate)
+
+
+@dataclass(frozen=True)
+class Point:
+    label: str
+    features: StepFeatures
+    seconds: float
+
+
+# -- the machine's peaks ------------------------------------------------------------------
+def measure_peaks(clock: Callable[[], float] = time.perf_counter, repeats: int = 5) -> tuple[float, float]:
+    """(FP32 matmul FLOP/s, copy bandwidth in bytes/s), best of `repeats`."""
+    import torch
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    src, dst = torch.randn(32 * 1024**2), torch.empty(32 * 1024**2)
+    flops = bandwidth = 0.0
+    for _ in range(repeats):
+        t = clock()
+        torch.mm(a, b)
+        flops = max(flops, 2 * 1024**3 / max(clock() - t, 1e-9))
+        t = clock()
+        dst.copy_(src)
+        bandwidth = max(bandwidth, 2 * src.numel() * 4 / max(clock() - t, 1e-9))  # read + write
+    return flops, bandwidth
+
+
+# -- running the engine over the grid ------------------------------------------------------
+class _RecordingRunner:
+    """The real runner; remembers the features of the plan it last executed."""
+
+    def __init__(self, runner: Any, cost: StepCostModel) -> None:
+        self.runner = runner
+        self.cost = cost
+        self.num_blocks = runner.num_blocks
+        self.last: StepFeatures | None = None
+
+    def execute(self, plan: Any) -> Any:
+        self.last = self.cost.plan_features(plan)  # before the update advances the plan
+        return self.runner.execute(plan)
+
+
+class _Grid:
+    def __init__(self, config: Any, runner: Any, cost: StepCostModel, vocab_size: int, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.recorder = _RecordingRunner(runner, cost)
+        self.vocab_size = vocab_size
+        self.num_prompts = 0
+
+    def engine(self, max_num_seqs: int, max_num_batched_tokens: int) -> Any:
+        """A fresh engine (scheduler, KV bookkeeping) on the one loaded runner."""
+        from worker.engine import Engine
+
+        scheduler = replace(self.config.scheduler, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        return Engine(scheduler, self.config.cache, self.recorder, self.vocab_size)
+
+    def prompt(self, length: int) -> list[int]:
+        self.num_prompts += 1  # distinct prompts (prefix caching is off anyway)
+        return [(self.num_prompts * 7919 + i * 31) % (self.vocab_size - 3) + 3 for i in range(length)]
+
+    def steps(self, engine: Any) -> list[tuple[StepFeatures, float]]:
+        out = []
+        while engine.has_unfinished():
+            t = self.clock()
+            engine.step()
+            engine.stats()  # AsyncEngine takes this snapshot after every step
+            elapsed = self.clock() - t
+            assert self.recorder.last is not None
+            out.append((self.recorder.last, elapsed))
+        return out
+
+    def decode(self, batch: int, context: int) -> Point:
+        from worker.sampling_params import SamplingParams
+
+        engine = self.engine(batch, max(2048, batch * context))  # every prompt in one step
+        params = SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"d{i}", self.prompt(context), params)
+        steps = [s for s in self.steps(engine) if s[0].num_tokens == batch == s[0].num_seqs]
+        return _median_point(f"decode b={batch} ctx={context}", steps)
+
+    def prefill(self, chunk: int) -> list[Point]:
+        from worker.sampling_params import SamplingParams
+
+        runs = []
+        for _ in range(NUM_REPEATS):
+            engine = self.engine(1, chunk)
+            engine.add_request("p", self.prompt(chunk * PREFILL_CHUNKS_PER_PROMPT), SamplingParams(max_tokens=1, temperature=0.0))
+            runs.append(self.steps(engine))
+        return [_median_point(f"prefill chunk={chunk} ctx={k * chunk}", [run[k] for run in runs])
+                for k in range(PREFILL_CHUNKS_PER_PROMPT)]
+
+
+def _median_point(label: str, steps: list[tuple[StepFeatures, float]]) -> Point:
+    if not steps:
+        raise RuntimeError(f"calibration point {label!r} produced no step of its shape")
+    ordered = sorted(steps, key=lambda s: s[1])
+    features, _ = ordered[len(ordered) // 2]
+    return Point(label, features, statistics.median(t for _, t in steps))
+
+
+def measure(model: str | None, num_threads: int | None, block_size: int, clock: str) -> tuple[list[Point], dict[str, Any]]:
+    """Run the grid; the points and what they were measured on."""
+    import torch
+
+    from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from worker.default_model import DEFAULT_MODEL_NAME, default_model_path
+    from worker.model.loader import resolve_model_path
+    from worker.model_config import load_hf_config
+    from worker.model_runner import ModelRunner
+    from worker.sim.shapes import load_shape
+
+    path = resolve_model_path(model or default_model_path())
+    max_context = max(DECODE_CONTEXTS) + NUM_DECODE_STEPS + 1
+    kv_tokens = max(DECODE_BATCHES) * max_context + max(PREFILL_CHUNKS) * PREFILL_CHUNKS_PER_PROMPT
+    shape = load_shape(str(path), dtype_bytes=4)  # the engine runs FP32 on CPU
+    config = EngineConfig(
+        model=ModelConfig(model=str(path), device="cpu", dtype="float32", num_threads=num_threads),
+        cache=CacheConfig(block_size=block_size, kv_cache_bytes=2 * kv_tokens * shape.kv_bytes_per_token(),
+                          enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_model_len=max(max_context, max(PREFILL_CHUNKS) * PREFILL_CHUNKS_PER_PROMPT + 2)),
+    )
+    hf_config = load_hf_config(path)
+    runner = ModelRunner(config, hf_config, config.scheduler.max_model_len)
+    peak_flops, bandwidth = measure_peaks(CLOCKS[clock])
+    base = DeviceProfile(name="cpu", hbm_bandwidth=bandwidth, peak_flops=peak_flops,
+                         memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    grid = _Grid(config, runner, StepCostModel(shape, base), hf_config.vocab_size, CLOCKS[clock])
+    grid.decode(DECODE_BATCHES[-1], DECODE_CONTEXTS[0])  # warm-up: one-off costs (allocations, kernels)
+    grid.prefill(PREFILL_CHUNKS[0])
+    points = [grid.decode(b, c) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
+    for chunk in PREFILL_CHUNKS:
+        points.extend(grid.prefill(chunk))
+    context = {
+        "model": model or DEFAULT_MODEL_NAME, "dtype_bytes": shape.dtype_bytes, "block_size": block_size,
+        "num_threads": torch.get_num_threads(), "clock": clock, "measured_peak_flops": peak_flops,
+        "measured_bandwidth": bandwidth, "machine": _machine(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return points, {"base": base, **context}
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.machine()}"
+
+
+def calibrate(
+    model: str | None, name: str, num_threads: int | None, block_size: int, clock: str = "process"
+) -> tuple[DeviceProfile, FitReport, list[Point]]:
+    """Measure and fit (no file written). `num_threads` None: torch's default thread count.
+    A run this profile is compared with (validation) should use the same model, dtype
+    (FP32 on CPU), num_threads and clock: with the "process" clock and N threads a step
+    costs the CPU time of all N, which is its wall time only when N == 1 on an idle core."""
+    points, context = measure(model, num_threads, block_size, clock)
+    base: DeviceProfile = context.pop("base")
+    fitted, report = fit_profile(replace(base, name=name), [(p.features, p.seconds) for p in points])
+    fitted = replace(
+        fitted, calibrated=True,
+        source=f"kvserve calibrate on this machine ({context['machine']}, {context['num_threads']} threads, "
+               f"{clock} clock): "
+               f"measured FP32 matmul and copy peaks, fitted over {len(points)} engine steps",
+        fit={**context, **report.to_dict()},
+    )
+    return fitted, report, points
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    profile, report, points = calibrate(args.model, args.name, args.num_threads, args.block_size, args.clock)
+    print(f"{'point':<32} {'measured ms':>12} {'model ms':>10} {'error':>8}")
+    for point, error in zip(points, report.rel_errors):
+        print(f"{point.label:<32} {point.seconds * 1e3:>12.2f} {point.seconds * (1 + error) * 1e3:>10.2f} {error:>+8.1%}")
+    print(f"peaks: {profile.peak_flops / 1e9:.1f} GFLOP/s, {profile.hbm_bandwidth / 1e9:.1f} GB/s; fitted: "
+          f"flops_efficiency={profile.flops_efficiency:.3f} bandwidth_efficiency={profile.bandwidth_efficiency:.3f} "
+          f"step_overhead={profile.step_overhead_s * 1e3:.3f} ms per_seq={profile.per_seq_overhead_s * 1e6:.1f} us "
+          f"per_token={profile.per_token_overhead_s * 1e6:.2f} us")
+    out = Path(args.out) if args.out else PROFILES_DIR / f"{args.name}.json"
+    profile.save(out)
+    print(f"wrote {out} ({time.perf_counter() - started:.0f} s)")
+    print(f"RESULT fit_mean_rel_error_pct={report.mean_rel_error * 100:.2f} "
+          f"fit_max_rel_error_pct={report.max_rel_error * 100:.2f} points={report.num_points}")
+    return 0

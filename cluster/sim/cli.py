@@ -1,0 +1,137 @@
+"""`kvserve simulate`: one discrete-event simulation from the command line.
+
+    kvserve simulate --shape llama-3-8b --profile h200 --replicas 8 --router headroom \\
+        --workload b2b --requests 2000 --rate 40 --seed 0 --json --plot out.png
+    kvserve simulate --prefill-replicas 2 --decode-replicas 6 --workload code --rate 2
+    kvserve simulate --autoscale --min-replicas 1 --max-replicas 16 --workload bursty
+
+Prints a short report (or the summary as JSON with --json); --plot writes a PNG of
+per-replica queue depth and KV usage over time (needs matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from cluster.sim.autoscale import AutoscaleOptions
+from cluster.sim.disagg import (
+    DEFAULT_LINK_BANDWIDTH,
+    DEFAULT_LINK_LATENCY_S,
+    DisaggOptions,
+)
+from cluster.sim.run import SimConfig, simulate
+from cluster.sim.workloads import WORKLOAD_NAMES, make_workload
+
+_DEFAULTS = SimConfig()
+_AUTOSCALE = AutoscaleOptions()
+
+
+def register(subparsers: Any) -> None:
+    from router.policies import POLICY_NAMES
+
+    p = subparsers.add_parser("simulate", help="discrete-event simulation of a cluster (virtual clock, no Ray)")
+    p.add_argument("--shape", default=_DEFAULTS.shape, help="model shape name or config.json (default %(default)s)")
+    p.add_argument("--profile", default=_DEFAULTS.profile, help="device profile name or JSON (default %(default)s)")
+    p.add_argument("--replicas", type=int, default=_DEFAULTS.num_replicas, help="mixed-pool replicas")
+    p.add_argument("--router", default=_DEFAULTS.router, choices=POLICY_NAMES)
+    p.add_argument("--ingress", type=int, default=_DEFAULTS.num_ingress, help="ingress routers")
+    p.add_argument("--ingress-assignment", default=_DEFAULTS.ingress_assignment, choices=("round_robin", "session"))
+    p.add_argument("--workload", default="sharegpt", choices=WORKLOAD_NAMES)
+    p.add_argument("--trace", metavar="JSONL", help="the trace workload's file")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--rate", type=float, default=10.0, help="mean arrival rate, requests/s")
+    p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
+    p.add_argument("--stats-period-s", type=float, default=_DEFAULTS.stats_period_s)
+    p.add_argument("--report-lag-s", type=float, default=_DEFAULTS.report_lag_s)
+    p.add_argument("--max-ongoing-requests", type=int, default=_DEFAULTS.max_ongoing_requests)
+    p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
+                   help="0: the shape's max_position_embeddings (llama-3-8b: 8192; the code workload needs more)")
+    p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
+    p.add_argument("--num-blocks", type=int, help="KV blocks per replica (default: from memory and shape)")
+    p.add_argument("--slo-ttft-ms", type=float, default=_DEFAULTS.slo_ttft_ms)
+    p.add_argument("--slo-itl-ms", type=float, default=_DEFAULTS.slo_itl_ms)
+    p.add_argument("--prefill-replicas", type=int, default=0, help="disaggregate: prefill pool size")
+    p.add_argument("--decode-replicas", type=int, default=0, help="disaggregate: decode pool size")
+    p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_BANDWIDTH * 8 / 1e9,
+                   help="KV transfer link, Gbit/s (default %(default)g)")
+    p.add_argument("--link-latency-ms", type=float, default=DEFAULT_LINK_LATENCY_S * 1000)
+    p.add_argument("--autoscale", action="store_true", help="scale each pool with the real policy")
+    p.add_argument("--min-replicas", type=int, default=_AUTOSCALE.min_replicas)
+    p.add_argument("--max-replicas", type=int, default=_AUTOSCALE.max_replicas)
+    p.add_argument("--startup-delay-s", type=float, default=_AUTOSCALE.startup_delay_s)
+    p.add_argument("--autoscale-interval-s", type=float, default=_AUTOSCALE.interval_s)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--timelines", action="store_true", help="with --json: per-replica queue depth / KV usage samples")
+    p.add_argument("--plot", metavar="PNG", help="write per-replica queue depth and KV usage over time")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    autoscale = None
+    if args.autoscale:
+        autoscale = AutoscaleOptions(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                                     startup_delay_s=args.startup_delay_s, interval_s=args.autoscale_interval_s)
+    return SimConfig(
+        shape=args.shape, profile=args.profile, num_replicas=args.replicas, router=args.router,
+        num_ingress=args.ingress, ingress_assignment=args.ingress_assignment,
+        stats_period_s=args.stats_period_s, report_lag_s=args.report_lag_s,
+        max_ongoing_requests=args.max_ongoing_requests, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+        slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
+        disagg=DisaggOptions(args.prefill_replicas, args.decode_replicas, args.link_gbps * 1e9 / 8,
+                             args.link_latency_ms / 1000),
+        autoscale=autoscale, seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        kw = {"path": args.trace} if args.workload == "trace" else {}
+        requests = make_workload(args.workload, args.requests, args.rate, args.seed, **kw)
+    except ValueError as e:
+        print(f"kvserve simulate: {e}", file=sys.stderr)
+        return 2
+    if args.plot:
+        _check_matplotlib()
+    start = time.perf_counter()
+    result = simulate(config, requests)
+    wall_s = time.perf_counter() - start
+    if args.plot:
+        result.plot(args.plot)
+    if args.json:
+        print(result.to_json(timelines=args.timelines))
+    else:
+        _print_report(result.summary(), args, wall_s)
+    return 0
+
+
+def _check_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("kvserve simulate --plot needs matplotlib: pip install matplotlib") from None
+
+
+def _print_report(s: dict[str, Any], args: argparse.Namespace, wall_s: float) -> None:
+    def pct(key: str) -> str:
+        v = s[key]
+        return f"p50 {v['p50'] * 1000:.1f}  p90 {v['p90'] * 1000:.1f}  p99 {v['p99'] * 1000:.1f} ms"
+
+    print(f"{args.workload}: {s['num_requests']} requests at {args.rate:g}/s, router {args.router}, "
+          f"{s['num_replicas_created']} replicas ({args.shape} on {args.profile})")
+    print(f"  TTFT  {pct('ttft_s')}")
+    print(f"  ITL   {pct('itl_s')}")
+    print(f"  E2E   {pct('e2e_s')}")
+    print(f"  output {s['output_tokens_per_s']:.0f} tok/s   goodput {s['goodput_rps']:.2f} req/s "
+          f"({s['goodput_fraction']:.1%} within TTFT {s['slo_ttft_ms']:g} ms, ITL {s['slo_itl_ms']:g} ms)")
+    print(f"  prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}   preemptions {s['num_preemptions']}   "
+          f"load imbalance {s['load_imbalance']:.2f}   rejected {s['num_rejected']}")
+    if s["num_rejected"]:
+        print(f"  {s['num_rejected']} requests rejected by the engine, e.g.: {s['rejection_example']}")
+    print(f"  simulated {s['duration_s']:.1f} s in {wall_s:.1f} s wall ({s['num_events']} events)")

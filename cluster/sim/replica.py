@@ -1,0 +1,171 @@
+"""A simulated replica: the REAL engine (worker.engine.Engine: scheduler, KV cache manager,
+prefix cache, chunked prefill, preemption, KV export/import) stepped on the virtual clock.
+
+The engine runs its own step loop logic unchanged; only time is virtual. One engine step
+that starts at virtual time t with plan P ends at t + cost(P), where cost is the step-cost
+model of worker/sim (through `step_time_s`); its outputs (sampled tokens) are delivered
+at that end time, and the next step starts right then. Requests that arrive while a step
+is "running" join the engine's queues at once, exactly as they would join the real
+engine's inbox, and are scheduled by the next step.
+
+    step event at t:   outputs = engine.step()  ->  dt = cost(plan)  ->  done event at t + dt
+    done event:        deliver outputs (timestamped t + dt), then the next step event
+
+The engine itself stamps `first_token_time` etc. with the wall clock; the simulator
+ignores those stamps and takes every time from the virtual clock.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cluster.sim.clock import EventQueue
+from kv.kv_cache import KVCacheSpec
+from kv.transfer import KVExport
+from worker.async_engine import MAX_PREFIX_HASHES
+from worker.engine import Engine, RequestError
+from worker.outputs import RequestOutput
+from worker.sampling_params import SamplingParams
+from worker.scheduler import SchedulerOutput
+
+OutputSink = Callable[["SimReplica", RequestOutput, float], None]
+
+
+class VirtualDevice:
+    """The engine's runner, as the simulator hands it over: the simulated-device runner
+    (worker/sim/runner.py SimRunner with sleep=False: tokens, and the modelled duration of
+    the step it just executed in `last_step_s`), plus KV export/import as bookkeeping only
+    (the KV cache manager still allocates, pins and registers every block; no tensor holds
+    KV, so an export's tensor is a 1-layer 1-head int8 stand-in whose SHAPE follows the
+    real layout rules; the transfer time comes from the model shape, not from it)."""
+
+    def __init__(self, runner: Any, block_size: int) -> None:
+        self.runner = runner
+        self.num_blocks: int = runner.num_blocks
+        self.last_step_s = 0.0
+        self.num_executed = 0
+        self.kv_spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=1, block_size=block_size, dtype=torch.int8)
+
+    def execute(self, plan: SchedulerOutput) -> Any:
+        result = self.runner.execute(plan)
+        self.last_step_s = self.runner.last_step_s
+        self.num_executed += 1
+        return result
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.zeros((1, 2, len(block_ids) * self.kv_spec.block_size, 1, 1), dtype=torch.int8)
+
+    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        return None
+
+
+@dataclass
+class ReplicaTimeline:
+    """Samples taken at every stats report: (time, ongoing, waiting, running, kv usage)."""
+
+    times: list[float] = field(default_factory=list)
+    num_ongoing: list[int] = field(default_factory=list)  # at the replica: waiting + running + KV in transit
+    num_waiting: list[int] = field(default_factory=list)
+    num_running: list[int] = field(default_factory=list)
+    kv_usage: list[float] = field(default_factory=list)
+
+
+class SimReplica:
+    def __init__(self, key: int, role: str, engine: Engine, device: VirtualDevice, clock: EventQueue,
+                 sink: OutputSink) -> None:
+        self.key = key
+        self.role = role  # "mixed" | "prefill" | "decode"
+        self.engine = engine
+        self.device = device
+        self.clock = clock
+        self.sink = sink
+        self.num_ongoing = 0  # requests sent here and not finished (Serve's max_ongoing_requests counts these)
+        self.busy_s = 0.0  # virtual time spent executing steps
+        self.num_steps = 0
+        self.draining = False  # scale-down: takes no new requests, finishes what it has
+        self.ready_at: float | None = None  # None: never became ready (cancelled while starting)
+        self.removed_at: float | None = None
+        self.timeline = ReplicaTimeline()
+        self._stepping = False  # a step event or a step in flight is scheduled
+
+    # -- requests ----------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               export_kv: bool = False, kv_import: KVExport | None = None) -> str | None:
+        """Hand a request to the engine now. Returns None, or the engine's RequestError
+        message when it refuses the request (then it is not counted as ongoing)."""
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=self.clock.now,
+                                    export_kv=export_kv, kv_import=kv_import)
+        except RequestError as e:
+            return str(e)
+        self.num_ongoing += 1
+        self.wake()
+        return None
+
+    def release_kv(self, request_id: str) -> None:
+        """The decode side has the exported KV: unpin it (blocks may free: try to step)."""
+        if self.engine.release_kv(request_id):
+            self.wake()
+
+    def wake(self) -> None:
+        if not self._stepping:
+            self._stepping = True
+            self.clock.at(self.clock.now, self._step)
+
+    # -- the step loop on the virtual clock ----------------------------------------------------
+    def _step(self) -> None:
+        executed = self.device.num_executed
+        outputs = self.engine.step()
+        if self.device.num_executed == executed:  # nothing to run (idle, or blocked on pinned blocks)
+            self._stepping = False
+            self._deliver(outputs)
+            return
+        dt = self.device.last_step_s
+        self.busy_s += dt
+        self.num_steps += 1
+        self.clock.at(self.clock.now + dt, self._step_done, outputs)
+
+    def _step_done(self, outputs: list[RequestOutput]) -> None:
+        self._deliver(outputs)
+        self._step()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = self.clock.now
+        for out in outputs:
+            if out.finished:
+                self.num_ongoing -= 1
+            self.sink(self, out, now)
+
+    # -- what the replica reports (worker/replica.py's records, same keys) ---------------------
+    def routing_stats(self) -> dict[str, Any]:
+        """WorkerReplica.record_routing_stats, with the virtual clock as its timestamp."""
+        stats = self.engine.stats()
+        block_size = stats.kv.block_size
+        return {
+            "free_blocks": stats.kv.free_blocks,
+            "total_blocks": stats.kv.total_blocks,
+            "block_size": block_size,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "num_waiting_prompt_tokens": stats.num_waiting_prompt_tokens,
+            "reserved_blocks": -(-stats.num_waiting_prompt_tokens // block_size),
+            "prefix_hashes": self.engine.kv.cached_block_hashes(MAX_PREFIX_HASHES),
+            "timestamp": self.clock.now,
+            "healthy": True,
+        }
+
+    def sample_timeline(self) -> None:
+        kv = self.engine.kv
+        tl = self.timeline
+        tl.times.append(self.clock.now)
+        tl.num_ongoing.append(self.num_ongoing)
+        tl.num_waiting.append(self.engine.scheduler.num_waiting + len(self.engine._pending_imports))
+        tl.num_running.append(self.engine.scheduler.num_running)
+        tl.kv_usage.append(1.0 - kv.num_free_blocks / kv.num_total_blocks)
+
+    @property
+    def accepting(self) -> bool:
+        return not self.draining and self.removed_at is None

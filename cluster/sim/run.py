@@ -1,0 +1,249 @@
+"""One simulation, from a frozen SimConfig and a workload, on the virtual clock.
+
+    arrival ──> ingress router k (round robin, or by session) ──policy rank──> replica
+                  │ every replica at max_ongoing_requests: FIFO queue, retried when a slot frees
+    replica: the real Engine stepped by the cost model (cluster/sim/replica.py)
+    reports: every stats_period_s each replica's routing stats, to every router after report_lag_s
+    disaggregated: prefill pool (max_tokens=1, KV exported) ─transfer─> decode pool (KV imported)
+    autoscaling: the real policy (cluster/autoscaling.py) every interval, start-up delay, drain
+
+Everything is seeded (workload, report phases, policies' own randomness); ties on the
+clock run in scheduling order; so the same config and requests give the same result.
+"""
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config import WorkersSection
+from cluster.sim.autoscale import AutoscaleOptions, SimAutoscaler
+from cluster.sim.clock import EventQueue
+from cluster.sim.disagg import DisaggOptions
+from cluster.sim.flow import Flight, Orchestrator
+from cluster.sim.ingress import Pool, SimRouter
+from cluster.sim.metrics import SimResult, Tracker
+from cluster.sim.replica import SimReplica, VirtualDevice
+from cluster.sim.workloads import SimRequest
+from router.headroom import HeadroomParams, ReplicaReport
+from worker.config import CacheConfig, SchedulerConfig
+from worker.engine import Engine
+
+_SCHEDULER = SchedulerConfig()
+# Virtual seconds without any token or dispatch, with requests unfinished, that end a run
+# as stalled (far longer than any step, transfer or replica start-up).
+STALL_TIMEOUT_S = 3600.0
+_CACHE = CacheConfig()
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    shape: str = "llama-3-8b"  # worker/sim/shapes name, or a config.json path
+    profile: str = "h200"  # worker/sim/profiles name, or a profile JSON path
+    num_replicas: int = 8  # the mixed pool (ignored when disaggregated)
+    router: str = "round_robin"  # router.policies.POLICY_NAMES
+    policy_params: HeadroomParams | None = None  # None: defaults, with this config's period and lag
+    num_ingress: int = 1
+    ingress_assignment: str = "round_robin"  # or "session": a session always uses one router
+    stats_period_s: float = 1.0
+    report_lag_s: float = 0.05  # a report reaches the routers this long after it is taken
+    max_ongoing_requests: int = WorkersSection.model_fields["max_ongoing_requests"].default
+    block_size: int = _CACHE.block_size
+    max_num_seqs: int = _SCHEDULER.max_num_seqs
+    max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens
+    max_model_len: int = 0  # 0: the shape's max_position_embeddings
+    gpu_memory_utilization: float = _CACHE.gpu_memory_utilization
+    num_blocks: int | None = None  # overrides the KV size the cost model derives
+    enable_prefix_caching: bool = True
+    disagg: DisaggOptions = field(default_factory=DisaggOptions)
+    autoscale: AutoscaleOptions | None = None
+    slo_ttft_ms: float = 2000.0
+    slo_itl_ms: float = 100.0
+    keep_token_times: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1 and not self.disagg.enabled:
+            raise ValueError("num_replicas must be >= 1")
+        if self.num_ingress < 1:
+            raise ValueError("num_ingress must be >= 1")
+        if self.ingress_assignment not in ("round_robin", "session"):
+            raise ValueError("ingress_assignment must be 'round_robin' or 'session'")
+        if self.stats_period_s <= 0 or self.report_lag_s < 0:
+            raise ValueError("stats_period_s must be > 0 and report_lag_s >= 0")
+        if self.max_ongoing_requests < 1:
+            raise ValueError("max_ongoing_requests must be >= 1")
+
+    def headroom_params(self) -> HeadroomParams:
+        if self.policy_params is not None:
+            return self.policy_params
+        return HeadroomParams(stats_period_s=self.stats_period_s, report_lag_s=self.report_lag_s)
+
+
+@dataclass(frozen=True)
+class SimDevice:
+    """What the simulator needs of the simulated device: the runner to hand each engine
+    (its `last_step_s` is the modelled time of the step it just ran), the KV pool size, the vocabulary and the KV bytes a token
+    takes (for transfers). `from_config` builds it from worker/sim (shape + profile)."""
+
+    make_runner: Callable[[int], Any]  # num_blocks -> runner (num_blocks, execute(plan), last_step_s)
+    num_blocks: int
+    vocab_size: int
+    kv_bytes_per_token: int
+    max_model_len: int
+
+    @classmethod
+    def from_config(cls, config: SimConfig) -> SimDevice:
+        from worker.sim.cost_model import StepCostModel
+        from worker.sim.profiles import load_profile
+        from worker.sim.runner import SimRunner
+        from worker.sim.shapes import load_shape
+
+        shape, profile = load_shape(config.shape), load_profile(config.profile)
+        cost = StepCostModel(shape, profile)
+        num_blocks = config.num_blocks or cost.num_kv_blocks(config.block_size, config.gpu_memory_utilization)
+        return cls(
+            make_runner=lambda n: SimRunner(cost, n, config.block_size, shape.vocab_size, sleep=False),
+            num_blocks=num_blocks,
+            vocab_size=shape.vocab_size,
+            kv_bytes_per_token=shape.kv_bytes_per_token(),
+            max_model_len=shape.max_position_embeddings,
+        )
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, device: SimDevice) -> None:
+        self.config = config
+        self.device = device
+        self.clock = EventQueue()
+        self.rng = random.Random(config.seed)
+        self.tracker = Tracker(config.keep_token_times)
+        max_model_len = config.max_model_len or device.max_model_len
+        self.scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+        self.cache_config = CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.replicas: list[SimReplica] = []  # every replica ever created, in creation order
+        self.replica_count: list[tuple[float, int]] = []
+        roles = ("prefill", "decode") if config.disagg.enabled else ("mixed",)
+        self.pools = {role: Pool(role) for role in roles}
+        from router.policies import make_policy
+
+        params = config.headroom_params()
+        self.routers = [
+            SimRouter(k, {role: make_policy(config.router, params, seed=config.seed * 1009 + k * 31 + i)
+                          for i, role in enumerate(roles)}, self.pools, self.clock, config.max_ongoing_requests)
+            for k in range(config.num_ingress)
+        ]
+        for pool in self.pools.values():
+            pool.routers = self.routers
+        self.orchestrator = Orchestrator(self, config.disagg, device.kv_bytes_per_token)
+        self.autoscalers: list[SimAutoscaler] = []
+        self._next_key = 0
+        self._num_requests = 0
+        self.last_progress_s = 0.0  # virtual time of the latest token or dispatch (stall detection)
+
+    # -- replicas --------------------------------------------------------------------------------
+    def new_replica(self, role: str) -> SimReplica:
+        dev = VirtualDevice(self.device.make_runner(self.device.num_blocks), self.config.block_size)
+        engine = Engine(self.scheduler_config, self.cache_config, dev, self.device.vocab_size)
+        # The engine times out unacknowledged KV exports on the WALL clock; here every export
+        # is released explicitly when its transfer completes, so a timeout could only make
+        # the run depend on how fast this machine is.
+        engine.pin_timeout_s = float("inf")
+        replica = SimReplica(self._next_key, role, engine, dev, self.clock, self.orchestrator.on_output)
+        self._next_key += 1
+        self.replicas.append(replica)
+        return replica
+
+    def bring_up(self, replica: SimReplica) -> None:
+        """The replica is ready: routers may choose it, and it starts reporting (each
+        replica on its own seeded phase within the period, as independent timers are)."""
+        replica.ready_at = self.clock.now
+        self.pools[replica.role].replicas[replica.key] = replica
+        self.count_live()
+        self.clock.after(self.rng.uniform(0.0, self.config.stats_period_s), self._report, replica)
+        self.pools[replica.role].slot_freed()
+
+    def remove(self, replica: SimReplica) -> None:
+        replica.removed_at = self.clock.now
+        self.pools[replica.role].replicas.pop(replica.key, None)
+        for router in self.routers:
+            router.forget(replica.key)
+        self.count_live()
+
+    def count_live(self) -> None:
+        entry = (self.clock.now, sum(len(p.live()) for p in self.pools.values()))
+        if self.replica_count and self.replica_count[-1][0] == entry[0]:
+            self.replica_count[-1] = entry  # several changes at one instant: keep the last
+        else:
+            self.replica_count.append(entry)
+
+    def _report(self, replica: SimReplica) -> None:
+        if replica.removed_at is not None:
+            return
+        self._check_stall()
+        replica.sample_timeline()
+        report = ReplicaReport.from_stats(replica.routing_stats())
+        assert report is not None
+        self.clock.after(self.config.report_lag_s, self._deliver_report, replica, report)
+        self.clock.after(self.config.stats_period_s, self._report, replica)
+
+    def _check_stall(self) -> None:
+        """Reports are periodic, so the clock never runs dry: a run where nothing can move
+        any more (requests queued at routers whose policy offers no replica) would spin
+        forever. Fail loudly instead."""
+        # Only requests that have arrived count: a trace may be idle for hours between them.
+        if self.clock.now - self.last_progress_s > STALL_TIMEOUT_S and self.orchestrator.flights:
+            queued = sum(r.num_queued for r in self.routers)
+            raise RuntimeError(
+                f"the simulation stalled: no token and no dispatch for {STALL_TIMEOUT_S:g} virtual seconds at "
+                f"t={self.clock.now:.1f} s with {len(self.orchestrator.flights)} arrived requests unfinished "
+                f"({queued} queued at routers; does the {self.config.router!r} policy rank no replica?)")
+
+    def _deliver_report(self, replica: SimReplica, report: ReplicaReport) -> None:
+        if replica.removed_at is not None:
+            return
+        for router in self.routers:
+            router.receive_report(replica.role, replica.key, report)
+
+    # -- requests --------------------------------------------------------------------------------
+    def _router_for(self, index: int, request: SimRequest) -> SimRouter:
+        k = len(self.routers)
+        if self.config.ingress_assignment == "session" and request.session_id is not None:
+            return self.routers[zlib.crc32(request.session_id.encode()) % k]
+        return self.routers[index % k]
+
+    def _arrive(self, index: int, request: SimRequest) -> None:
+        self.orchestrator.start(Flight(request, self._router_for(index, request)))
+
+    def done(self) -> bool:
+        return self.tracker.num_done >= self._num_requests
+
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        self._num_requests = len(requests)
+        for role, pool in self.pools.items():
+            n = self.config.disagg.num_replicas(role) if self.config.disagg.enabled else self.config.num_replicas
+            for _ in range(n):
+                self.bring_up(self.new_replica(role))
+        if self.config.autoscale is not None:
+            for pool in self.pools.values():
+                self.autoscalers.append(SimAutoscaler(self, pool, self.config.autoscale))
+        for i, request in enumerate(requests):
+            self.clock.at(request.arrival_s, self._arrive, i, request)
+        if requests:
+            self.clock.run(stop=self.done)
+        return SimResult(
+            config=self.config,
+            records=list(self.tracker.records.values()),
+            replicas=self.replicas,
+            itl=self.tracker.itl,
+            num_events=self.clock.num_events,
+            router_stats=[r.stats() for r in self.routers],
+            replica_count=self.replica_count,
+        )
+
+
+def simulate(config: SimConfig, requests: Sequence[SimRequest], device: SimDevice | None = None) -> SimResult:
+    """Run one simulation. `device` defaults to the shape and profile the config names."""
+    return Simulation(config, device or SimDevice.from_config(config)).run(requests)

@@ -1,0 +1,96 @@
+"""Routing policies by name: kvserve's KV-headroom router and the baselines it is measured
+against, as pure rankings (no Ray). router/policy_router.py runs any of them as a Ray Serve
+request router; the discrete-event simulator (cluster/sim/) runs the same objects on its
+virtual clock. See router/policies/base.py for the protocol.
+
+    round_robin      rotate through the replicas
+    pow2             Ray Serve's default: two random replicas, the shorter queue
+    least_kv         AIBrix / production-stack: least KV usage at the last report
+    prefix_affinity  SGLang's cache-aware router: longest prefix match in the router's own
+                     record unless the load is imbalanced, then the shortest queue
+    sticky           llm-d: stay on the cache-warm replica until its uncached-token backlog
+                     exceeds prefill throughput x target time, then the least-loaded
+    headroom         kvserve: KV headroom with reservations (router/headroom.py)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import fields
+from typing import Any
+
+from router.headroom import HeadroomParams
+from router.policies.base import RoutingPolicy, RoutingRequest, check_options
+from router.policies.headroom import HeadroomPolicy
+from router.policies.prefix_affinity import PrefixAffinityOptions, PrefixAffinityPolicy
+from router.policies.simple import LeastKVPolicy, PowerOfTwoPolicy, RoundRobinPolicy
+from router.policies.sticky import StickyOptions, StickyPolicy
+
+__all__ = ["POLICY_NAMES", "RoutingPolicy", "RoutingRequest", "make_policy", "split_policy_kwargs"]
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def _round_robin(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+    check_options("round_robin", options, ())
+    return RoundRobinPolicy()
+
+
+def _pow2(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+    check_options("pow2", options, ())
+    return PowerOfTwoPolicy(seed)
+
+
+def _least_kv(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+    check_options("least_kv", options, ())
+    return LeastKVPolicy()
+
+
+def _prefix_affinity(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+    check_options("prefix_affinity", options, _names(PrefixAffinityOptions))
+    return PrefixAffinityPolicy(PrefixAffinityOptions(**options))
+
+
+def _sticky(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+    check_options("sticky", options, _names(StickyOptions))
+    return StickyPolicy(StickyOptions(**options), params)
+
+
+def _headroom(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+    check_options("headroom", options, ())
+    return HeadroomPolicy(params, seed)
+
+
+_FACTORIES: dict[str, Callable[[HeadroomParams, int, dict[str, Any]], RoutingPolicy]] = {
+    "round_robin": _round_robin,
+    "pow2": _pow2,
+    "least_kv": _least_kv,
+    "prefix_affinity": _prefix_affinity,
+    "sticky": _sticky,
+    "headroom": _headroom,
+}
+
+POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+
+
+def make_policy(name: str, params: HeadroomParams | None = None, seed: int = 0, **options: Any) -> RoutingPolicy:
+    """A fresh policy instance (one per router: policies keep per-router state).
+
+    `params` carries the settings every router shares with the headroom policy (stats
+    period, report lag, ...); `options` are the policy's own (PrefixAffinityOptions,
+    StickyOptions); an option the policy does not know is an error."""
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICY_NAMES)}")
+    return factory(params or HeadroomParams(), seed, dict(options))
+
+
+def split_policy_kwargs(kwargs: Mapping[str, Any]) -> tuple[str, HeadroomParams, dict[str, Any]]:
+    """request_router_kwargs -> (policy name, HeadroomParams, the policy's own options):
+    {"policy": "sticky", "stats_period_s": 1.0, "target_s": 10.0} splits into
+    ("sticky", HeadroomParams(stats_period_s=1.0), {"target_s": 10.0})."""
+    rest = dict(kwargs)
+    name = rest.pop("policy", "headroom")
+    shared = {k: rest.pop(k) for k in list(rest) if k in _names(HeadroomParams)}
+    return str(name), HeadroomParams(**shared), rest

@@ -1,0 +1,72 @@
+"""A Serve cluster of simulated-device replicas (engine.device: sim:h200, the llama-3-8b
+shape) behind the real ingress and router: the app builder's own path, no weights, the
+embedded model's tokenizer for text. Completions and streams work, every replica sizes
+its KV pool from the H200's memory, and the same request streams the same tokens twice
+(whichever replica serves it)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.tiny_app import stream_text
+
+pytestmark = pytest.mark.integration
+
+APP_NAME = "sim-device-test"
+MODEL = "sim-llama-3-8b"
+H200_LLAMA3_8B_BLOCKS = 52_852  # (0.9 * 141 GB - 16.06 GB of weights) / (16 tokens * 128 KiB)
+
+
+@pytest.fixture(scope="module")
+def url(serve_cluster: Any) -> Iterator[str]:
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import KVServeConfig
+
+    config = KVServeConfig.from_dict({
+        "app_name": APP_NAME,
+        "route_prefix": f"/{APP_NAME}",
+        "model": {"served_model_name": MODEL},  # the embedded model's directory: its tokenizer only
+        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "max_model_len": 4096},
+        "workers": {"num_replicas": 2, "num_cpus": 0.5},
+        "ingress": {"num_cpus": 0.5, "api_keys_env": None},
+        "routing": {"stats_period_s": 0.5},
+    })
+    serve.run(build_app(config), name=APP_NAME, route_prefix=config.route_prefix)
+    try:
+        yield f"{serve_cluster.http_url}/{APP_NAME}/v1"
+    finally:
+        serve.delete(APP_NAME)
+
+
+def test_completion_runs_to_max_tokens_on_simulated_h200s(url: str) -> None:
+    r = httpx.post(f"{url}/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 24}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length"  # a simulated model never samples EOS
+    assert body["usage"]["completion_tokens"] == 24 and body["choices"][0]["text"]
+    models = httpx.get(f"{url}/models", timeout=30).json()
+    assert models["data"][0]["max_model_len"] == 4096
+
+
+def test_every_replica_sizes_its_kv_pool_from_the_device(url: str) -> None:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("worker", APP_NAME)
+    stats = handle.broadcast("stats").results(timeout_s=30)
+    assert len(stats) == 2
+    assert [s["total_blocks"] for s in stats] == [H200_LLAMA3_8B_BLOCKS] * 2
+
+
+def test_the_same_request_streams_the_same_tokens_twice(url: str) -> None:
+    body = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": 16, "temperature": 1.0}
+    first, chunks = stream_text(f"{url}/completions", body)
+    second, _ = stream_text(f"{url}/completions", body)
+    assert first == second and first
+    assert chunks >= 1
+    whole = httpx.post(f"{url}/completions", json=body, timeout=60).json()
+    assert whole["choices"][0]["text"] == first

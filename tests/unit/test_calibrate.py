@@ -1,0 +1,88 @@
+"""`kvserve calibrate`'s fit (worker/sim/fit.py) on synthetic step times whose true
+profile is known, and the command's wiring."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from cluster.cli import build_parser
+from worker.sim.cost_model import SeqWork, StepCostModel, predict
+from worker.sim.fit import fit_profile
+from worker.sim.profiles import load_profile
+from worker.sim.shapes import load_shape
+
+TRUE = replace(load_profile("h100"), flops_efficiency=0.55, bandwidth_efficiency=0.72,
+               step_overhead_s=1.5e-3, per_seq_overhead_s=30e-6, per_token_overhead_s=2e-7)
+
+
+def grid() -> list[list[SeqWork]]:
+    """What calibrate runs: decode batches x contexts, prefill chunks x contexts."""
+    decodes = [[SeqWork(1, c)] * b for b in (1, 8, 64, 256) for c in (128, 2048, 8192)]
+    prefills = [[SeqWork(p, k * p, k == 3)] for p in (256, 1024, 4096) for k in range(4)]
+    return decodes + prefills
+
+
+def points(noise: float, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    model = StepCostModel(load_shape("llama-3-8b"), TRUE)
+    return [(f, predict(f, TRUE) * (1 + rng.uniform(-noise, noise))) for f in map(model.features, grid())]
+
+
+def test_fit_recovers_known_parameters_from_exact_times() -> None:
+    start = replace(TRUE, flops_efficiency=0.6, bandwidth_efficiency=0.8, step_overhead_s=0.0,
+                    per_seq_overhead_s=0.0, per_token_overhead_s=0.0)
+    fitted, report = fit_profile(start, points(noise=0.0))
+    assert fitted.flops_efficiency == pytest.approx(0.55, rel=1e-3)
+    assert fitted.bandwidth_efficiency == pytest.approx(0.72, rel=1e-3)
+    assert fitted.step_overhead_s == pytest.approx(1.5e-3, rel=1e-2)
+    assert fitted.per_seq_overhead_s == pytest.approx(30e-6, rel=1e-2)
+    assert fitted.per_token_overhead_s == pytest.approx(2e-7, rel=0.1)
+    assert report.max_rel_error < 1e-4 and report.num_points == len(grid())
+    assert (fitted.peak_flops, fitted.hbm_bandwidth) == (TRUE.peak_flops, TRUE.hbm_bandwidth)  # peaks stay given
+
+
+def test_fit_error_reflects_measurement_noise() -> None:
+    fitted, report = fit_profile(load_profile("h100"), points(noise=0.05, seed=3))
+    assert report.max_rel_error < 0.1 and report.mean_rel_error < 0.05
+    assert fitted.bandwidth_efficiency == pytest.approx(0.72, rel=0.05)
+    assert fitted.flops_efficiency == pytest.approx(0.55, rel=0.05)
+
+
+def test_fit_needs_enough_positive_points() -> None:
+    with pytest.raises(ValueError, match="at least 5"):
+        fit_profile(TRUE, points(0.0)[:3])
+    bad = points(0.0)
+    bad[0] = (bad[0][0], 0.0)
+    with pytest.raises(ValueError, match="> 0"):
+        fit_profile(TRUE, bad)
+
+
+def test_calibrate_is_a_kvserve_command() -> None:
+    args = build_parser().parse_args(["calibrate", "--name", "my-cpu", "--num-threads", "1"])
+    assert (args.name, args.num_threads, args.model) == ("my-cpu", 1, None)
+
+
+def test_calibrate_runs_the_real_engine_over_a_small_grid(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The embedded model on this CPU, a 2x2 decode grid and two chunk sizes: every point
+    is a real engine step of the asked shape, and the fitted profile is marked calibrated
+    with what it was fitted on."""
+    from cluster import calibrate
+
+    monkeypatch.setattr(calibrate, "DECODE_BATCHES", (1, 3))
+    monkeypatch.setattr(calibrate, "DECODE_CONTEXTS", (8, 40))
+    monkeypatch.setattr(calibrate, "PREFILL_CHUNKS", (8, 24))
+    monkeypatch.setattr(calibrate, "NUM_REPEATS", 1)
+    profile, report, points = calibrate.calibrate(None, "cpu-test", 1, 16)
+    assert report.num_points == len(points) == 4 + 2 * calibrate.PREFILL_CHUNKS_PER_PROMPT
+    decode = next(p for p in points if p.label == "decode b=3 ctx=40")
+    assert (decode.features.num_seqs, decode.features.num_tokens) == (3, 3) and decode.seconds > 0
+    chunk = next(p for p in points if p.label == "prefill chunk=24 ctx=48")
+    assert (chunk.features.num_seqs, chunk.features.num_tokens) == (1, 24)
+    assert profile.calibrated and profile.name == "cpu-test"
+    assert profile.fit["dtype_bytes"] == 4 and profile.fit["num_points"] == report.num_points
+    assert profile.fit["mean_rel_error"] == report.mean_rel_error
+    path = tmp_path / "cpu.json"
+    profile.save(path)
+    assert load_profile(str(path)) == profile

@@ -1,0 +1,67 @@
+"""benchmarks.routing's pieces that are logic, not measurement: the goodput search, the
+run sizing, the validation figures (no simulation, no Ray)."""
+from __future__ import annotations
+
+import math
+
+from benchmarks.routing_search import RunFigures, Search, Window, goodput_at_slo
+from benchmarks.routing_validate import Figures, into_vocab
+from cluster.sim.workloads import SimRequest
+
+
+def fake_run(capacity: float, calls: list[float]):
+    def run(rate: float) -> RunFigures:
+        calls.append(rate)
+        ok = rate <= capacity
+        # Past capacity the queue grows with the overload; with no capacity at all, nothing helps.
+        ttft99 = 1.0 if ok else (5.0 if capacity <= 0 else 2.0 + rate / capacity)
+        return RunFigures(rate, ok, min(rate, capacity), 0.1, ttft99, 0.02, 100.0 * rate, 0.0, 1.0)
+    return run
+
+
+def test_search_steps_up_then_bisects_geometrically() -> None:
+    calls: list[float] = []
+    best = goodput_at_slo(fake_run(37.0, calls), 10.0, Search(bisect_steps=2, step=2.0))
+    # 10 ok, 20 ok, 40 fails -> bracket [20, 40]; sqrt(800) = 28.3 ok; sqrt(20 * 40 * ...) = 33.6 ok
+    assert calls[:3] == [10.0, 20.0, 40.0]
+    assert math.isclose(calls[3], math.sqrt(20 * 40)) and math.isclose(calls[4], math.sqrt(calls[3] * 40))
+    assert best.meets_slo and best.rate_rps == calls[4]
+
+
+def test_search_steps_down_when_the_start_fails() -> None:
+    calls: list[float] = []
+    best = goodput_at_slo(fake_run(3.0, calls), 10.0, Search(bisect_steps=0, step=2.0))
+    assert calls == [10.0, 5.0, 2.5] and best.rate_rps == 2.5
+
+
+def test_search_gives_up_with_a_zero_when_nothing_meets_the_slo() -> None:
+    calls: list[float] = []
+    best = goodput_at_slo(fake_run(0.0, calls), 10.0, Search(bisect_steps=1, step=2.0))
+    assert not best.meets_slo and best.goodput_rps == 0.0
+    # The second miss was no better than the first (TTFT p99 5.0 both): no rate will do.
+    assert calls == [10.0, 5.0]
+
+
+def test_window_sizes_runs_by_arrival_time() -> None:
+    w = Window(5.0, 100, 500)
+    assert [w.num_requests(r) for r in (1.0, 40.0, 1000.0)] == [100, 200, 500]
+
+
+def test_validation_figures_and_dilation() -> None:
+    f = Figures.of([0.0, 1.0, 2.0], [0.5, 1.5, 4.0], [1.0, 3.0, 6.0], 60)
+    assert (f.ttft_p50_s, f.output_tokens_per_s) == (0.5, 10.0)
+    g = f.scaled(10.0)
+    assert (g.ttft_p50_s, g.output_tokens_per_s) == (0.05, 100.0)
+
+
+def test_into_vocab_keeps_equal_ids_equal() -> None:
+    reqs = [SimRequest("a", 0.0, (5, 1500, 2999), 4), SimRequest("b", 0.0, (5, 1500, 7), 4)]
+    a, b = into_vocab(reqs, 1460)
+    assert all(1 <= t < 1460 for t in a.prompt_token_ids + b.prompt_token_ids)
+    assert a.prompt_token_ids[:2] == b.prompt_token_ids[:2]
+
+
+def test_search_marks_a_goodput_it_never_saw_fail_as_a_lower_bound() -> None:
+    calls: list[float] = []
+    best = goodput_at_slo(fake_run(1e9, calls), 10.0, Search(bisect_steps=3, step=2.0, max_steps_out=2))
+    assert calls == [10.0, 20.0, 40.0] and best.lower_bound and best.rate_rps == 40.0

@@ -1,0 +1,38 @@
+"""`kvserve simulate`: flags to SimConfig, JSON on stdout, the PNG plot, clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.cli import main
+
+
+def test_simulate_prints_json_and_writes_the_plot(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "out.png"
+    rc = main(["simulate", "--replicas", "2", "--router", "round_robin", "--workload", "b2b", "--requests", "30",
+               "--rate", "20", "--seed", "1", "--num-blocks", "4000", "--json", "--timelines", "--plot", str(png)])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_requests"] == 30 and summary["num_finished"] == 30
+    assert summary["num_replicas_created"] == 2
+    assert {"ttft_s", "itl_s", "e2e_s", "goodput_rps", "prefix_cache_hit_rate", "load_imbalance"} <= set(summary)
+    timelines = summary["timelines"]["replicas"]
+    assert len(timelines) == 2 and all(len(t["time_s"]) == len(t["kv_usage"]) > 0 for t in timelines)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_disaggregated_report(capsys) -> None:
+    rc = main(["simulate", "--prefill-replicas", "1", "--decode-replicas", "1", "--requests", "10", "--rate", "5",
+               "--num-blocks", "4000"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "2 replicas" in out
+
+
+def test_simulate_bad_workload_arguments_exit_2(capsys) -> None:
+    assert main(["simulate", "--workload", "trace", "--requests", "5"]) == 2
+    assert "path=" in capsys.readouterr().err
+    assert main(["simulate", "--prefill-replicas", "1", "--requests", "5"]) == 2
+    assert "decode_replicas" in capsys.readouterr().err

@@ -1,0 +1,189 @@
+"""The step-cost model: how long one engine step takes on a device, from its plan.
+
+A roofline per component, summed, plus host overheads:
+
+    time = sum over components c of max(flops_c / (peak_flops * flops_eff),
+                                         bytes_c / (bandwidth * bandwidth_eff))
+           + step_overhead + per_seq_overhead * num_seqs + per_token_overhead * num_tokens
+
+Components are the kernels a step runs one after another (so their times add, while
+inside one kernel compute and memory traffic overlap, so each takes the max):
+- dense: every linear layer over all T tokens of the step (the engine's flat batch):
+  2 * matmul_params FLOPs per token; the layer weights are read ONCE per step whatever
+  T is (this is why decode batches are cheap), plus the activations each GEMM reads
+  and writes;
+- lm_head: only for the rows that sample (a prefill chunk that does not reach the end
+  of its prompt computes no logits): 2 * vocab * hidden FLOPs per row, the head's
+  weights once, the fp32 logits written and read back by the sampler;
+- decode attention and prefill attention (rows of one new token vs more): for a
+  sequence with c tokens cached and n new ones, the new tokens attend to
+  n*c + n(n+1)/2 (query, key) pairs: 4 * heads * head_dim FLOPs per pair per layer
+  (QK^T and PV); bytes: the whole context's KV read once, the new tokens' KV written,
+  Q read and the output written. Decode rows are memory-bound and prefill rows
+  compute-bound on any GPU, and backends run them as separate kernels (this engine's
+  torch backend does; varlen kernels split the work by the same line), so each half
+  gets its own max instead of one max hiding the other.
+The overheads are host work (scheduling, input building, the sampled-ids sync, output
+handling); on a GPU they overlap nothing in this engine's synchronous step loop.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from worker.sim.profiles import DeviceProfile
+from worker.sim.shapes import ModelShape
+
+if TYPE_CHECKING:
+    from worker.scheduler import SchedulerOutput
+
+LOGIT_BYTES = 4  # logits are fp32 (written by the LM head, read by the sampler)
+COMPONENTS = ("dense", "lm_head", "decode_attention", "prefill_attention")
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One sequence's share of one step."""
+
+    num_new_tokens: int  # 1 for a decode, the chunk length for a prefill chunk
+    context_len: int  # tokens already in the KV cache before this step
+    samples: bool = True  # reaches the end of its tokens this step (computes logits)
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step costs before a device is chosen: per component (FLOPs, bytes), and
+    the counts the overheads scale with. `predict` turns it into seconds."""
+
+    flops: tuple[float, ...]  # aligned with COMPONENTS
+    bytes: tuple[float, ...]
+    num_seqs: int
+    num_tokens: int
+
+    def roofline_s(self, effective_flops: float, effective_bandwidth: float) -> float:
+        return sum(max(f / effective_flops, b / effective_bandwidth) for f, b in zip(self.flops, self.bytes))
+
+
+def predict(features: StepFeatures, profile: DeviceProfile) -> float:
+    """Seconds for one step of these features on this device (the one formula; the
+    calibration fits the profile through it too)."""
+    if features.num_seqs == 0:
+        return 0.0
+    return (
+        features.roofline_s(profile.effective_flops, profile.effective_bandwidth)
+        + profile.step_overhead_s
+        + profile.per_seq_overhead_s * features.num_seqs
+        + profile.per_token_overhead_s * features.num_tokens
+    )
+
+
+class StepCostModel:
+    def __init__(self, shape: ModelShape, profile: DeviceProfile) -> None:
+        self.shape = shape
+        self.profile = profile
+        s = shape
+        d = s.dtype_bytes
+        self._kv_bytes_per_token = s.kv_bytes_per_token()
+        # Per token: FLOPs and activation bytes of the layers' GEMMs; per step: their weights.
+        self._dense_flops_per_token = 2.0 * s.matmul_params
+        self._dense_weight_bytes = float(s.matmul_params * d)
+        gemm_io = 4 * s.hidden_size + 2 * s.q_size + 2 * s.kv_size + 3 * s.intermediate_size
+        self._dense_act_bytes_per_token = float(s.num_layers * gemm_io * d)
+        self._head_flops_per_row = 2.0 * s.lm_head_params
+        self._head_weight_bytes = float(s.lm_head_params * d)
+        self._head_bytes_per_row = float(s.hidden_size * d + 2 * s.vocab_size * LOGIT_BYTES)
+        self._attn_flops_per_pair = 4.0 * s.num_heads * s.head_dim * s.num_layers
+        self._qo_bytes_per_token = float(2 * s.q_size * s.num_layers * d)
+
+    # -- the model ---------------------------------------------------------------------------
+    def features(self, work: Iterable[SeqWork]) -> StepFeatures:
+        return self._features((w.num_new_tokens, w.context_len, w.samples) for w in work)
+
+    def _features(self, rows: Iterable[tuple[int, int, bool]]) -> StepFeatures:
+        num_tokens = num_seqs = num_sampled = 0
+        decode_pairs = decode_kv_tokens = 0
+        prefill_pairs = prefill_kv_tokens = prefill_new = 0
+        for n, c, samples in rows:
+            num_seqs += 1
+            num_tokens += n
+            num_sampled += samples
+            pairs = n * c + n * (n + 1) // 2
+            if n == 1:
+                decode_pairs += pairs
+                decode_kv_tokens += c + 1
+            else:
+                prefill_pairs += pairs
+                prefill_kv_tokens += c + n
+                prefill_new += n
+        decode_new = num_tokens - prefill_new
+        kv = self._kv_bytes_per_token
+        dense = (
+            self._dense_flops_per_token * num_tokens,
+            self._dense_weight_bytes + self._dense_act_bytes_per_token * num_tokens if num_tokens else 0.0,
+        )
+        head = (
+            self._head_flops_per_row * num_sampled,
+            self._head_weight_bytes + self._head_bytes_per_row * num_sampled if num_sampled else 0.0,
+        )
+        # KV: the context read once, the new tokens' KV written once (kv covers K and V).
+        decode = (
+            self._attn_flops_per_pair * decode_pairs,
+            kv * (decode_kv_tokens + decode_new) + self._qo_bytes_per_token * decode_new,
+        )
+        prefill = (
+            self._attn_flops_per_pair * prefill_pairs,
+            kv * (prefill_kv_tokens + prefill_new) + self._qo_bytes_per_token * prefill_new,
+        )
+        parts = (dense, head, decode, prefill)
+        return StepFeatures(
+            flops=tuple(p[0] for p in parts), bytes=tuple(p[1] for p in parts),
+            num_seqs=num_seqs, num_tokens=num_tokens,
+        )
+
+    def predict(self, features: StepFeatures) -> float:
+        return predict(features, self.profile)
+
+    def overhead_s(self, features: StepFeatures) -> float:
+        """The host part of a step's modelled time (what a live engine also spends for real)."""
+        if features.num_seqs == 0:
+            return 0.0
+        p = self.profile
+        return p.step_overhead_s + p.per_seq_overhead_s * features.num_seqs + p.per_token_overhead_s * features.num_tokens
+
+    def step_time_s(self, work: Sequence[SeqWork]) -> float:
+        return predict(self.features(work), self.profile)
+
+    # -- from the engine's plan -----------------------------------------------------------------
+    @staticmethod
+    def plan_work(plan: SchedulerOutput) -> list[SeqWork]:
+        """Each scheduled sequence's work; call before the step's update (it reads
+        num_computed_tokens, which the update advances)."""
+        return [SeqWork(n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens)
+                for seq, n in zip(plan.seqs, plan.num_new_tokens)]
+
+    def plan_features(self, plan: SchedulerOutput) -> StepFeatures:
+        return self._features(
+            (n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens)
+            for seq, n in zip(plan.seqs, plan.num_new_tokens)
+        )
+
+    def plan_time_s(self, plan: SchedulerOutput) -> float:
+        """step_time_s(plan_work(plan)) without building the SeqWork list (the hot path)."""
+        return predict(self.plan_features(plan), self.profile)
+
+    # -- KV sizing ---------------------------------------------------------------------------
+    def block_bytes(self, block_size: int) -> int:
+        return block_size * self._kv_bytes_per_token
+
+    def num_kv_blocks(self, block_size: int, memory_fraction: float = 0.9) -> int:
+        """KV blocks that fit in the device's memory * fraction after the weights."""
+        budget = self.profile.memory_bytes * memory_fraction - self.shape.weight_bytes
+        num_blocks = int(budget // self.block_bytes(block_size))
+        if num_blocks < 1:
+            raise ValueError(
+                f"model shape {self.shape.name!r} ({self.shape.weight_bytes / 1e9:.1f} GB of weights) leaves no "
+                f"room for a KV cache on {self.profile.name} ({self.profile.memory_bytes / 1e9:.0f} GB x "
+                f"{memory_fraction:g})"
+            )
+        return num_blocks

@@ -1,0 +1,121 @@
+"""Fitting a device profile's free parameters to measured step times.
+
+The free parameters are the ones a spec sheet does not give: the two efficiencies and
+the three host overheads (per step, per sequence, per token). The peaks stay as given
+(spec sheet, or measured on the machine), so a fitted efficiency reads as "the share of
+the peak this engine reaches". The fit minimises relative errors (a 2 ms decode step
+and a 200 ms prefill count alike) through the cost model's own `predict`, so the fitted
+profile is exactly what the simulator will use. The roofline's max() makes the problem
+piecewise smooth: several starting points, the best kept. numpy only (no scipy).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from worker.sim.cost_model import StepFeatures, predict
+from worker.sim.profiles import DeviceProfile
+
+
+@dataclass(frozen=True)
+class FitReport:
+    num_points: int
+    mean_rel_error: float
+    max_rel_error: float
+    rel_errors: tuple[float, ...]  # per point, signed: (predicted - measured) / measured
+
+    def to_dict(self) -> dict[str, float]:
+        return {"num_points": self.num_points, "mean_rel_error": self.mean_rel_error,
+                "max_rel_error": self.max_rel_error}
+
+
+def _with(base: DeviceProfile, x: np.ndarray) -> DeviceProfile:
+    """x = [s/FLOP, s/byte, step s, per-seq s, per-token s] -> the profile they describe."""
+    return replace(base, flops_efficiency=float(min(1.0, 1.0 / (x[0] * base.peak_flops))),
+                   bandwidth_efficiency=float(min(1.0, 1.0 / (x[1] * base.hbm_bandwidth))),
+                   step_overhead_s=float(x[2]), per_seq_overhead_s=float(x[3]), per_token_overhead_s=float(x[4]))
+
+
+def relative_errors(profile: DeviceProfile, points: Sequence[tuple[StepFeatures, float]]) -> np.ndarray:
+    return np.array([(predict(f, profile) - t) / t for f, t in points])
+
+
+def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method)."""
+    n = a.shape[1]
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    a = a / norms  # scale-free columns; x >= 0 is unchanged by a positive scaling
+    passive = np.zeros(n, dtype=bool)
+    x = np.zeros(n)
+    for _ in range(10 * n):
+        gradient = a.T @ (b - a @ x)
+        if passive.all() or gradient[~passive].max() <= tol:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, gradient))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > tol).all():
+                x = z
+                break
+            blocked = passive & (z <= tol)
+            step = np.min(x[blocked] / (x[blocked] - z[blocked]))
+            x = x + step * (z - x)
+            passive &= x > tol
+    return x / norms
+
+
+def _arrays(points: Sequence[tuple[StepFeatures, float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    flops = np.array([f.flops for f, _ in points], dtype=float)  # (points, components)
+    nbytes = np.array([f.bytes for f, _ in points], dtype=float)
+    counts = np.array([[1.0, f.num_seqs, f.num_tokens] for f, _ in points])
+    times = np.array([t for _, t in points], dtype=float)
+    return flops, nbytes, counts, times
+
+
+def fit_profile(
+    base: DeviceProfile, points: Sequence[tuple[StepFeatures, float]], fit_per_token: bool = True
+) -> tuple[DeviceProfile, FitReport]:
+    """`base`'s peaks with the efficiencies and overheads that best explain `points`
+    (features of a step, its measured seconds). `fit_per_token=False` keeps the
+    per-token overhead at 0 (a GPU, where host work does not grow with tokens).
+
+    With each component's regime fixed (compute- or memory-bound), the predicted time is
+    linear in x = [s/FLOP, s/byte, overheads]: a bounded linear least squares (NNLS on
+    x - its lower bound, the peaks). So: fix the regimes from the current x, solve,
+    repeat until they settle; from several starting efficiencies; keep the best."""
+    if len(points) < 5:
+        raise ValueError(f"a fit of 5 parameters needs at least 5 measured steps, got {len(points)}")
+    flops, nbytes, counts, times = _arrays(points)
+    if (times <= 0).any():
+        raise ValueError("measured step times must be > 0")
+    lower = np.array([1.0 / base.peak_flops, 1.0 / base.hbm_bandwidth, 0.0, 0.0, 0.0])
+    columns = 5 if fit_per_token else 4
+    best_x, best_cost = None, np.inf
+    for eff_flops in (0.02, 0.2, 0.9):
+        for eff_bw in (0.02, 0.2, 0.9):
+            x = np.array([lower[0] / eff_flops, lower[1] / eff_bw, 0.0, 0.0, 0.0])
+            seen: set[bytes] = set()
+            for _ in range(50):
+                compute_bound = flops * x[0] >= nbytes * x[1]
+                key = compute_bound.tobytes()
+                if key in seen:
+                    break
+                seen.add(key)
+                design = np.column_stack([(flops * compute_bound).sum(1), (nbytes * ~compute_bound).sum(1), counts])
+                weighted = design[:, :columns] / times[:, None]  # relative errors
+                y = nnls(weighted, 1.0 - weighted @ lower[:columns])
+                x = lower.copy()
+                x[:columns] += y
+                cost = float(np.sum(relative_errors(_with(base, x), points) ** 2))
+                if cost < best_cost:
+                    best_x, best_cost = x, cost
+    assert best_x is not None
+    profile = _with(base, best_x)
+    errors = relative_errors(profile, points)
+    report = FitReport(len(points), float(np.abs(errors).mean()), float(np.abs(errors).max()),
+                       tuple(float(e) for e in errors))
+    return profile, report

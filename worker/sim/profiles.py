@@ -1,0 +1,132 @@
+"""Device profiles: the numbers of a device the step-cost model needs.
+
+The shipped GPU profiles take peak figures from the vendors' public spec sheets (dense
+BF16 tensor-core FLOP/s, i.e. the figure WITHOUT 2:4 sparsity, which the sheets print
+twice as large; HBM bandwidth; memory in decimal GB as printed) and stay
+`calibrated=False` until a measured run fits them (`kvserve calibrate` writes a JSON
+profile with `calibrated: true` and the fit error).
+
+Default efficiencies for the uncalibrated GPU profiles, and why:
+- bandwidth_efficiency 0.8: memory-bound decode kernels (weight GEMV, paged attention)
+  sustain about 80-90% of peak HBM bandwidth in published microbenchmarks and serving
+  engines' decode rooflines; 0.8 keeps the lower end since a step also has launch gaps.
+- flops_efficiency 0.6: large BF16 GEMMs reach 70-80% of the dense peak with cuBLAS, but
+  a prefill step also runs attention, norms and activations below peak; 0.6 is the
+  usual end-to-end model-FLOP utilisation of prefill in serving engines.
+- step_overhead_s 1 ms: per-step host work of an engine of this design (schedule,
+  build inputs, one host sync for the sampled ids, stream outputs) with decode CUDA graphs.
+- per_seq_overhead_s 20 us: per-sequence host work in a step (block table row, sampling
+  parameters, output update).
+These are stated assumptions, not measurements; a fitted profile replaces all four.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+DEFAULT_FLOPS_EFFICIENCY = 0.6
+DEFAULT_BANDWIDTH_EFFICIENCY = 0.8
+DEFAULT_STEP_OVERHEAD_S = 1e-3
+DEFAULT_PER_SEQ_OVERHEAD_S = 20e-6
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    hbm_bandwidth: float  # bytes/s, peak
+    peak_flops: float  # FLOP/s, dense, in the serving dtype
+    memory_bytes: int
+    flops_efficiency: float = DEFAULT_FLOPS_EFFICIENCY
+    bandwidth_efficiency: float = DEFAULT_BANDWIDTH_EFFICIENCY
+    step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
+    per_seq_overhead_s: float = DEFAULT_PER_SEQ_OVERHEAD_S
+    # Host work per token of the step (building inputs, elementwise ops a roofline of the
+    # matmuls and attention does not see). 0 on a GPU; a CPU fit finds it.
+    per_token_overhead_s: float = 0.0
+    calibrated: bool = False
+    source: str = ""
+    # A fitted profile says what it was fitted on and how well (calibrate writes these).
+    fit: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.hbm_bandwidth <= 0 or self.peak_flops <= 0 or self.memory_bytes <= 0:
+            raise ValueError(f"device profile {self.name!r}: bandwidth, FLOP/s and memory must be > 0")
+        if not (0 < self.flops_efficiency <= 1 and 0 < self.bandwidth_efficiency <= 1):
+            raise ValueError(f"device profile {self.name!r}: efficiencies must be in (0, 1]")
+        if min(self.step_overhead_s, self.per_seq_overhead_s, self.per_token_overhead_s) < 0:
+            raise ValueError(f"device profile {self.name!r}: overheads must be >= 0")
+
+    @property
+    def effective_flops(self) -> float:
+        return self.peak_flops * self.flops_efficiency
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.hbm_bandwidth * self.bandwidth_efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceProfile:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"device profile: unknown keys {unknown} (known: {', '.join(sorted(known))})")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+_GB = 10**9
+
+BUILTIN_PROFILES: dict[str, DeviceProfile] = {
+    "h200": DeviceProfile(
+        name="h200", hbm_bandwidth=4.8e12, peak_flops=989e12, memory_bytes=141 * _GB,
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity "
+               "(989 dense), 141 GB HBM3e, 4.8 TB/s",
+    ),
+    "h100": DeviceProfile(
+        name="h100", hbm_bandwidth=3.35e12, peak_flops=989e12, memory_bytes=80 * _GB,
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity "
+               "(989 dense), 80 GB HBM3, 3.35 TB/s",
+    ),
+    "a100-80gb": DeviceProfile(
+        name="a100-80gb", hbm_bandwidth=2.039e12, peak_flops=312e12, memory_bytes=80 * _GB,
+        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16 312 TFLOPS dense "
+               "(624 with sparsity), 80 GB HBM2e, 2,039 GB/s",
+    ),
+    "l4": DeviceProfile(
+        name="l4", hbm_bandwidth=300e9, peak_flops=121e12, memory_bytes=24 * _GB,
+        source="NVIDIA L4 Tensor Core GPU datasheet: BF16 242 TFLOPS with sparsity (121 dense), "
+               "24 GB GDDR6, 300 GB/s",
+    ),
+}
+
+
+def profile_names() -> list[str]:
+    return sorted({*BUILTIN_PROFILES, *(p.stem for p in PROFILES_DIR.glob("*.json"))})
+
+
+def load_profile(name_or_path: str) -> DeviceProfile:
+    """A built-in name ("h200"), a shipped JSON profile by name ("cpu-calibrated"), or a
+    path to a JSON profile (as `kvserve calibrate` writes)."""
+    key = name_or_path.lower()
+    if key in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[key]
+    shipped = PROFILES_DIR / f"{name_or_path}.json"
+    path = shipped if shipped.is_file() else Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"device profile {name_or_path!r} is neither a known profile ({', '.join(profile_names())}) "
+            f"nor a JSON file"
+        )
+    try:
+        return DeviceProfile.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None

@@ -1,0 +1,237 @@
+"""The simulated device's runner: the real engine drives it in place of the model runner.
+
+It loads no weights and allocates no KV tensors (the block pool's bookkeeping is all a
+simulated replica holds per block). Each `execute(plan)`:
+- prices the plan with the step-cost model (worker/sim/cost_model.py);
+- samples, for each row that reaches the end of its tokens, a deterministic token: a
+  hash of the sequence's WHOLE token history (and the request's seed, when it has one).
+  A request migrated to another replica arrives as prompt + the tokens already streamed,
+  hashes the same history there, and so continues token for token. EOS ids are never
+  produced: a request runs to max_tokens (or a stop token / string the client set),
+  which is what a simulation wants (lengths set by the workload);
+- with `sleep=True` (a live cluster of simulated replicas) waits the modelled step time
+  times `time_dilation` on the engine's step thread: the sleep stands for the device's
+  work, it is not synchronisation. The host work the engine did since the previous step
+  (schedule, update, outputs: real Python time) is taken off the modelled host
+  overheads, up to their size, so that it is not counted twice;
+- with `sleep=False` (the discrete-event simulator) returns at once; the modelled time
+  is in `last_step_s` (and RunnerOutput.forward_s) for a virtual clock to advance by.
+
+Building an engine on a simulated device without Ray or config files (the
+discrete-event simulator, tests):
+
+    from worker.sim.runner import build_sim_engine
+    engine = build_sim_engine("llama-3-8b", "h200", SchedulerConfig(...), CacheConfig(...))
+    engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=64))
+    outputs = engine.step(); dt = engine.runner.last_step_s  # modelled seconds of that step
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from worker.engine import Engine
+from worker.model_runner import RunnerOutput
+from worker.outputs import TokenLogprob
+from worker.scheduler import SchedulerOutput
+from worker.sequence import Sequence
+from worker.sim.cost_model import StepCostModel
+from worker.sim.device import parse_sim_device
+from worker.sim.profiles import DeviceProfile, load_profile
+from worker.sim.shapes import ModelShape, load_shape
+
+_MASK = (1 << 64) - 1
+_BASE = 0x100000001B3  # odd: the polynomial hash below is a bijection per step
+_BULK = 32  # from this many new tokens on, the history is folded in with numpy
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: every input bit flips about half of the output bits."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
+    return x ^ (x >> 31)
+
+
+class _Powers:
+    """_BASE**k mod 2**64 for k < len, grown on demand (numpy uint64 arithmetic wraps)."""
+
+    def __init__(self) -> None:
+        self.table = np.ones(1, dtype=np.uint64)
+
+    def upto(self, n: int) -> np.ndarray:
+        if len(self.table) < n:
+            size = max(n, 2 * len(self.table))
+            factors = np.full(size, _BASE, dtype=np.uint64)
+            factors[0] = 1
+            with np.errstate(over="ignore"):
+                self.table = np.cumprod(factors, dtype=np.uint64)
+        return self.table[:n]
+
+
+_POWERS = _Powers()
+
+
+def history_hash(token_ids: list[int], start: int = 0, state: int = 0) -> int:
+    """h(t_0..t_n-1) = sum (t_i + 1) * B**(n-1-i) mod 2**64, continued from the state of
+    token_ids[:start]. Incremental and from-scratch give the same value (a migrated
+    request hashes its whole history once; a running one adds one token per step)."""
+    new = token_ids[start:]
+    if len(new) < _BULK:
+        for t in new:
+            state = (state * _BASE + t + 1) & _MASK
+        return state
+    values = np.asarray(new, dtype=np.uint64) + np.uint64(1)
+    powers = _POWERS.upto(len(new))[::-1]
+    with np.errstate(over="ignore"):
+        folded = int(np.dot(values, powers))  # wraps mod 2**64, as the loop does
+    return (state * pow(_BASE, len(new), 1 << 64) + folded) & _MASK
+
+
+class SimRunner:
+    """Satisfies the engine's Runner protocol (worker/engine.py): `num_blocks` and
+    `execute(plan) -> RunnerOutput`."""
+
+    def __init__(
+        self,
+        cost: StepCostModel,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        time_dilation: float = 1.0,
+        sleep: bool = True,
+        avoid_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        if time_dilation <= 0:
+            raise ValueError(f"time_dilation must be > 0, got {time_dilation}")
+        if vocab_size <= len(avoid_token_ids):
+            raise ValueError("the sampled vocabulary must hold a token that is not avoided")
+        self.cost = cost
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size  # tokens are drawn from [0, vocab_size)
+        self.time_dilation = time_dilation
+        self.sleep = sleep
+        self.avoid_token_ids = avoid_token_ids
+        self.last_step_s = 0.0  # modelled seconds of the latest step (not dilated)
+        self.total_step_s = 0.0
+        self.num_steps = 0
+        self._last_return: float | None = None  # perf_counter when execute last returned
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        start = time.perf_counter()
+        features = self.cost.plan_features(plan)
+        modelled = self.cost.predict(features)
+        token_ids: list[int | None] = [None] * len(plan.seqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(plan.seqs)
+        for i, (seq, n) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                token_ids[i] = token = self.next_token(seq)
+                if seq.params.logprobs is not None:
+                    logprobs[i] = self._logprob(token, seq.params.logprobs)
+        self.last_step_s = modelled
+        self.total_step_s += modelled
+        self.num_steps += 1
+        forward_s = modelled
+        if self.sleep:
+            forward_s = self._wait(start, modelled, self.cost.overhead_s(features))
+        self._last_return = time.perf_counter()
+        return RunnerOutput(token_ids, logprobs, forward_s)
+
+    def _wait(self, start: float, modelled: float, overhead: float) -> float:
+        """Sleep so that the step takes modelled * dilation of wall time, counting the
+        engine's own host work since the previous step against the modelled overheads."""
+        wall = modelled * self.time_dilation
+        host = 0.0 if self._last_return is None else start - self._last_return
+        deadline = start + wall - min(host, overhead * self.time_dilation)
+        remaining = deadline - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return time.perf_counter() - start
+
+    # -- deterministic tokens -------------------------------------------------------------------
+    def next_token(self, seq: Sequence) -> int:
+        """A pure function of seq.token_ids (and params.seed); the running hash is cached
+        on the sequence (the slot a sampler owns; this runner is its sampler)."""
+        cached = seq.sampler_state
+        if isinstance(cached, tuple) and len(cached) == 2 and cached[0] <= seq.num_tokens:
+            state = history_hash(seq.token_ids, cached[0], cached[1])
+        else:
+            state = history_hash(seq.token_ids)
+        seq.sampler_state = (seq.num_tokens, state)
+        seed = seq.params.seed
+        x = _mix64(state if seed is None else state ^ _mix64(seed + 1))
+        token = x % self.vocab_size
+        while token in self.avoid_token_ids:
+            token = (token + 1) % self.vocab_size
+        return token
+
+    def _logprob(self, token: int, top_n: int) -> TokenLogprob:
+        """A uniform distribution over the vocabulary: the chosen token and the next
+        top_n ids, each at log(1/V). (No model, so no real probabilities.)"""
+        lp = -math.log(self.vocab_size)
+        top = tuple(((token + j) % self.vocab_size, lp) for j in range(top_n))
+        return TokenLogprob(token, lp, top)
+
+
+# -- building an engine on a simulated device -------------------------------------------------
+def build_sim_engine(
+    shape: ModelShape | str,
+    profile: DeviceProfile | str,
+    scheduler: SchedulerConfig = SchedulerConfig(),
+    cache: CacheConfig = CacheConfig(),
+    *,
+    sleep: bool = False,
+    time_dilation: float = 1.0,
+    token_vocab_size: int | None = None,
+    eos_token_ids: frozenset[int] | None = None,
+) -> Engine:
+    """The real Engine (scheduler, KV cache manager, step loop) on a SimRunner.
+
+    KV blocks: cache.num_blocks_override when set, else the device memory *
+    cache.gpu_memory_utilization minus the weights. max_model_len is capped by the shape's
+    max_position_embeddings. Tokens are drawn from [0, token_vocab_size) (default: the
+    shape's vocabulary), never from eos_token_ids (default: the shape's)."""
+    shape = load_shape(shape) if isinstance(shape, str) else shape
+    profile = load_profile(profile) if isinstance(profile, str) else profile
+    cost = StepCostModel(shape, profile)
+    num_blocks = cache.num_blocks_override or cost.num_kv_blocks(cache.block_size, cache.gpu_memory_utilization)
+    scheduler = replace(scheduler, max_model_len=min(scheduler.max_model_len, shape.max_position_embeddings))
+    eos = frozenset(shape.eos_token_ids) if eos_token_ids is None else eos_token_ids
+    runner = SimRunner(
+        cost, num_blocks, cache.block_size, token_vocab_size or shape.vocab_size,
+        time_dilation=time_dilation, sleep=sleep, avoid_token_ids=eos,
+    )
+    return Engine(scheduler, cache, runner, shape.vocab_size, eos)
+
+
+def sim_engine_from_config(config: EngineConfig) -> Engine:
+    """Engine.from_config's branch for `device: sim:<profile>`. The model directory
+    (`config.model.model`, the embedded default unless set) is only read for its
+    tokenizer, which the replica detokenizes with, and its EOS ids; the shape is
+    `model_shape` (default: that directory's config.json). No weights are read."""
+    from worker.model.loader import resolve_model_path
+    from worker.model_config import eos_token_ids_of
+
+    profile = parse_sim_device(config.model.device)
+    assert profile is not None
+    path = resolve_model_path(config.model.model)
+    text_config = load_shape(str(path)) if (path / "config.json").is_file() else None
+    shape = load_shape(config.model.model_shape) if config.model.model_shape else text_config
+    if shape is None:
+        raise FileNotFoundError(f"{path} has no config.json; give the sim device a model_shape")
+    # Text ids must decode with that tokenizer: draw from its vocabulary, and never its EOS.
+    text_eos = eos_token_ids_of(path, None)  # generation_config.json's
+    if text_config is not None:
+        text_eos |= frozenset(text_config.eos_token_ids)
+    engine = build_sim_engine(
+        shape, profile, config.scheduler, config.cache,
+        sleep=True, time_dilation=config.model.time_dilation,
+        token_vocab_size=min(shape.vocab_size, text_config.vocab_size) if text_config else None,
+        eos_token_ids=frozenset(shape.eos_token_ids) | text_eos,
+    )
+    engine.model_path = path
+    return engine

@@ -1,0 +1,138 @@
+"""Model shapes: what the step-cost model and the KV sizing need to know of a model.
+
+A shape is read from a Hugging Face `config.json` (no weights, no tokenizer): the named
+shapes shipped under `shapes/` are copies of the published configs' architecture fields,
+and any model directory or config file works too (e.g. the embedded default model).
+
+Counting (Llama family, Qwen3 the same plus negligible q/k norms; biases ignored):
+    per layer:  q: hidden x heads*head_dim      k, v: hidden x kv_heads*head_dim each
+                o: heads*head_dim x hidden      gate, up: hidden x inter each   down: inter x hidden
+    embedding:  vocab x hidden                  LM head: vocab x hidden (the same matrix when tied)
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
+
+# config.json "torch_dtype" / "dtype" -> bytes per weight and per KV element.
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DEFAULT_DTYPE_BYTES = 2  # the serving dtype when a config names none (bf16)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                      "intermediate_size", "vocab_size", "dtype_bytes", "max_position_embeddings"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"model shape {self.name!r}: {field} must be >= 1, got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model shape {self.name!r}: num_heads ({self.num_heads}) is not a multiple "
+                             f"of num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "", dtype_bytes: int | None = None) -> ModelShape:
+        """`dtype_bytes` None: from the config's torch_dtype/dtype, else bf16's 2 bytes."""
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            if dtype_bytes is None:
+                dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+                dtype_bytes = _DTYPE_BYTES.get(str(dtype), DEFAULT_DTYPE_BYTES)
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
+            return cls(
+                name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "model"),
+                num_layers=int(cfg["num_hidden_layers"]),
+                hidden_size=hidden,
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                intermediate_size=int(cfg["intermediate_size"]),
+                vocab_size=int(cfg["vocab_size"]),
+                dtype_bytes=dtype_bytes,
+                max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ValueError(f"model config {name!r} lacks {e.args[0]!r} (a Llama-family config.json is expected)") from None
+
+    # -- counts the cost model uses --------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        attention = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        mlp = 3 * h * i
+        norms = 2 * h
+        return attention + mlp + norms
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Every weight the device holds: layers, embedding, LM head (once when tied), final norm."""
+        embedding = self.vocab_size * self.hidden_size
+        lm_head = 0 if self.tie_word_embeddings else self.lm_head_params
+        return self.num_layers * self.layer_params + embedding + lm_head + self.hidden_size
+
+    @property
+    def weight_bytes(self) -> int:
+        """Memory the weights take on the device."""
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights every token multiplies by in the layers (not the LM head, which only
+        sampled rows see, nor the embedding, which is a row lookup)."""
+        return self.num_layers * (self.layer_params - 2 * self.hidden_size)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+def named_shapes() -> list[str]:
+    return sorted(p.stem for p in SHAPES_DIR.glob("*.json"))
+
+
+def load_shape(name_or_path: str, dtype_bytes: int | None = None) -> ModelShape:
+    """A named shape ("llama-3-8b"), a config.json, or a model directory holding one."""
+    named = SHAPES_DIR / f"{name_or_path}.json"
+    if named.is_file():
+        return ModelShape.from_hf_config(json.loads(named.read_text()), name_or_path, dtype_bytes)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model shape {name_or_path!r} is neither a named shape ({', '.join(named_shapes())}) "
+            f"nor a config.json / model directory"
+        )
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return ModelShape.from_hf_config(json.loads(path.read_text()), name, dtype_bytes)
