@@ -162,7 +162,7 @@ class SimReplica:
         tl = self.timeline
         tl.times.append(self.clock.now)
         tl.num_ongoing.append(self.num_ongoing)
-        tl.num_waiting.append(self.engine.scheduler.num_waiting + len(self.engine._pending_imports))
+        tl.num_waiting.append(self.engine.scheduler.num_waiting)  # waiting KV imports included
         tl.num_running.append(self.engine.scheduler.num_running)
         tl.kv_usage.append(1.0 - kv.num_free_blocks / kv.num_total_blocks)
 

@@ -150,7 +150,7 @@ class Simulation:
         # The engine times out unacknowledged KV exports on the WALL clock; here every export
         # is released explicitly when its transfer completes, so a timeout could only make
         # the run depend on how fast this machine is.
-        engine.pin_timeout_s = float("inf")
+        engine.connector.pin_timeout_s = float("inf")
         replica = SimReplica(self._next_key, role, engine, dev, self.clock, self.orchestrator.on_output)
         self._next_key += 1
         self.replicas.append(replica)
