@@ -26,14 +26,14 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.config_errors import ConfigError, format_validation_error
-from cluster.config_fields import Section, build, default_of, parse_bytes
+from cluster.config_fields import ByteSize, Section, build, default_of, parse_bytes
 from cluster.pool_config import (  # noqa: F401 -- re-exported: part of the one schema
     KVSERVE_POLICIES,
     KVSERVE_POLICY,
     KVSERVE_POLICY_FIELDS,
     AutoscalingSection,
+    CustomResources,
     WorkersSection,
-    custom_resources,
 )
 from cluster.state_store import RedisStoreSpec
 from router.headroom import HeadroomParams
@@ -86,7 +86,7 @@ class EngineSection(Section):
 
     block_size: int = Field(default_of(CacheConfig, "block_size"), gt=0, le=256)
     # CPU: the KV tensors get exactly this many bytes ("256MiB" style accepted).
-    kv_cache_bytes: int = Field(default_of(CacheConfig, "kv_cache_bytes"), gt=0)
+    kv_cache_bytes: ByteSize = Field(default_of(CacheConfig, "kv_cache_bytes"), gt=0)
     # GPU: the KV budget as a fraction of the device's memory.
     gpu_memory_utilization: float = Field(default_of(CacheConfig, "gpu_memory_utilization"), gt=0.0, le=1.0)
     # An exact number of KV blocks (tests, capacity experiments); overrides both budgets.
@@ -110,11 +110,6 @@ class EngineSection(Section):
     enable_cuda_graphs: bool = default_of(ModelConfig, "enable_cuda_graphs")
     # torch CPU threads per worker
     num_threads: int | None = Field(default_of(ModelConfig, "num_threads"), ge=1)
-
-    @field_validator("kv_cache_bytes", mode="before")
-    @classmethod
-    def _bytes(cls, v: Any) -> Any:
-        return parse_bytes(v)
 
     @field_validator("block_size")
     @classmethod
@@ -147,11 +142,11 @@ class IngressSection(Section):
     num_cpus: float = Field(0.5, ge=0)
     # Custom Ray resources per ingress replica, e.g. {kvserve_ingress: 0.01} to keep the
     # ingress on the nodes that advertise it (the chart's ingress group) and off GPU hosts.
-    resources: dict[str, float] = Field(default_factory=dict)
+    resources: CustomResources = Field(default_factory=dict)
     # Requests (weighted by `n`) one ingress replica holds at once, streaming or
     # waiting for a worker; one more is answered 429 at once instead of piling up.
     max_queued_requests: int = Field(default_of(IngressSettings, "max_queued_requests"), ge=1)
-    max_body_bytes: int = Field(default_of(IngressSettings, "max_body_bytes"), gt=0)  # larger bodies: 413
+    max_body_bytes: ByteSize = Field(default_of(IngressSettings, "max_body_bytes"), gt=0)  # larger bodies: 413
     max_n: int = Field(default_of(IngressSettings, "max_n"), ge=1)  # bound on `n` (choices per request)
     request_timeout_s: float = Field(default_of(IngressSettings, "request_timeout_s"), gt=0)
     # A stream whose worker replica dies is resumed on another one (prompt + the tokens
@@ -169,16 +164,6 @@ class IngressSection(Section):
     tokens_per_minute_per_key: int | None = Field(default_of(IngressSettings, "tokens_per_minute_per_key"), ge=1)
     # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
     metrics_public: bool = default_of(IngressSettings, "metrics_public")
-
-    @field_validator("max_body_bytes", mode="before")
-    @classmethod
-    def _bytes(cls, v: Any) -> Any:
-        return parse_bytes(v)
-
-    @field_validator("resources")
-    @classmethod
-    def _resources_are_custom(cls, v: dict[str, float]) -> dict[str, float]:
-        return custom_resources(v)
 
 
 class StateSection(Section):

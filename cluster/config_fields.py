@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 T = TypeVar("T")
 
@@ -91,3 +91,7 @@ def parse_bytes(value: Any) -> Any:
     else:  # K, KB, M, MB, ... (decimal), B or nothing (bytes)
         scale = _UNITS[unit if unit in ("", "B") else unit[0]]
     return int(number * scale)
+
+
+# A section field holding a byte size: accepts parse_bytes' forms, stores the int.
+ByteSize = Annotated[int, BeforeValidator(parse_bytes)]

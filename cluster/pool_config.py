@@ -7,9 +7,9 @@ takes its defaults from there and hands them back through `build`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from cluster.autoscaling import PoolTargets, Role
 from cluster.config_fields import Section, build, default_of
@@ -113,6 +113,10 @@ def custom_resources(v: dict[str, float]) -> dict[str, float]:
     return v
 
 
+# A section's Ray custom-resource map (workers' and the ingress's `resources`), checked.
+CustomResources = Annotated[dict[str, float], AfterValidator(custom_resources)]
+
+
 class WorkersSection(Section):
     num_replicas: int = Field(1, ge=1)
     # A batching engine wants many requests at once (Serve's default of 5 starves it).
@@ -124,7 +128,7 @@ class WorkersSection(Section):
     # Custom Ray resources per rank (per replica without tensor parallelism), e.g.
     # {kvserve_pool_decode: 1} to pin a pool to the nodes that advertise it (the Helm chart
     # sets this from its pools' roles).
-    resources: dict[str, float] = Field(default_factory=dict)
+    resources: CustomResources = Field(default_factory=dict)
     tensor_parallel_size: int = default_of(ModelConfig, "tensor_parallel_size")
     autoscaling: AutoscalingSection | None = None
     health_check_period_s: float = Field(10.0, gt=0)
@@ -134,11 +138,6 @@ class WorkersSection(Section):
     # still running then are cut, and the ingress resumes them on another replica
     # (ingress.max_migrations). It also bounds how long a scale-down or shutdown takes.
     drain_timeout_s: float = Field(60.0, ge=0)
-
-    @field_validator("resources")
-    @classmethod
-    def _resources_are_custom(cls, v: dict[str, float]) -> dict[str, float]:
-        return custom_resources(v)
 
     @field_validator("tensor_parallel_size")
     @classmethod

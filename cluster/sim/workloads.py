@@ -79,6 +79,27 @@ def _gamma_arrivals(rng: np.random.Generator, n: int, rate_rps: float, shape: fl
     return np.cumsum(rng.gamma(shape, 1.0 / (rate_rps * shape), size=n))
 
 
+def _around(rng: np.random.Generator, mean: int, size: int | None = None) -> np.ndarray | np.integer:
+    """Uniform integers within +-50% of `mean` (at least 1): distinct draws of a similar size."""
+    return rng.integers(max(1, mean // 2), mean * 3 // 2 + 1, size=size)
+
+
+def _shared_prefix_requests(rng: np.random.Generator, kind: str, group_name: str, n: int, rate_rps: float,
+                            num_groups: int, prefix_len: int,
+                            lengths: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]) -> list[SimRequest]:
+    """n requests arriving as a Poisson process, each one of `num_groups` shared prefixes
+    (`prefix_len` tokens, picked uniformly; the session id names it) followed by a fresh
+    suffix. `lengths(rng, n)` draws the (suffix, output) lengths. The order of the draws
+    (prefixes, arrivals, groups, lengths, suffixes) is part of what a seed means: changing
+    it changes every seeded b2b / code workload."""
+    prefixes = [_tokens(rng, prefix_len) for _ in range(num_groups)]
+    arrivals = _poisson_arrivals(rng, n, rate_rps)
+    groups = rng.integers(0, num_groups, size=n)
+    suffixes, outputs = lengths(rng, n)
+    return [SimRequest(f"{kind}-{i}", float(arrivals[i]), prefixes[groups[i]] + _tokens(rng, suffixes[i]),
+                       int(outputs[i]), session_id=f"{group_name}-{groups[i]}") for i in range(n)]
+
+
 # -- the kinds ------------------------------------------------------------------------------
 # ShareGPT lengths. Published figures differ with the sample and its filtering: the vLLM
 # paper (Kwon et al., SOSP 2023, Sec. 6.1, Fig. 11) reports means of 161 input / 338 output
@@ -92,28 +113,28 @@ SHAREGPT_SIGMA = 1.0  # lognormal shape: median ~ 0.6 x mean, p99 ~ 6 x mean
 SHAREGPT_MAX_LEN = 4096
 
 
-def _sharegpt_lengths(rng: np.random.Generator, n: int, input_mean: float, output_mean: float,
-                      sigma: float, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    return (_lognormal_lengths(rng, n, input_mean, sigma, 4, max_len),
-            _lognormal_lengths(rng, n, output_mean, sigma, 1, max_len))
+def _sharegpt_requests(rng: np.random.Generator, kind: str, arrivals: np.ndarray, input_mean: float,
+                       output_mean: float, sigma: float, max_len: int) -> list[SimRequest]:
+    """One request per arrival, ShareGPT-like lognormal lengths, no shared prefix."""
+    n = len(arrivals)
+    inputs = _lognormal_lengths(rng, n, input_mean, sigma, 4, max_len)
+    outputs = _lognormal_lengths(rng, n, output_mean, sigma, 1, max_len)
+    return [SimRequest(f"{kind}-{i}", float(arrivals[i]), _tokens(rng, inputs[i]), int(outputs[i]))
+            for i in range(n)]
 
 
 def _sharegpt(rng: np.random.Generator, n: int, rate_rps: float, input_mean: float = SHAREGPT_INPUT_MEAN,
               output_mean: float = SHAREGPT_OUTPUT_MEAN, sigma: float = SHAREGPT_SIGMA,
               max_len: int = SHAREGPT_MAX_LEN) -> list[SimRequest]:
     arrivals = _poisson_arrivals(rng, n, rate_rps)
-    inputs, outputs = _sharegpt_lengths(rng, n, input_mean, output_mean, sigma, max_len)
-    return [SimRequest(f"sharegpt-{i}", float(arrivals[i]), _tokens(rng, inputs[i]), int(outputs[i]))
-            for i in range(n)]
+    return _sharegpt_requests(rng, "sharegpt", arrivals, input_mean, output_mean, sigma, max_len)
 
 
 def _bursty(rng: np.random.Generator, n: int, rate_rps: float, gamma_shape: float = 0.1,
             input_mean: float = SHAREGPT_INPUT_MEAN, output_mean: float = SHAREGPT_OUTPUT_MEAN,
             sigma: float = SHAREGPT_SIGMA, max_len: int = SHAREGPT_MAX_LEN) -> list[SimRequest]:
     arrivals = _gamma_arrivals(rng, n, rate_rps, gamma_shape)
-    inputs, outputs = _sharegpt_lengths(rng, n, input_mean, output_mean, sigma, max_len)
-    return [SimRequest(f"bursty-{i}", float(arrivals[i]), _tokens(rng, inputs[i]), int(outputs[i]))
-            for i in range(n)]
+    return _sharegpt_requests(rng, "bursty", arrivals, input_mean, output_mean, sigma, max_len)
 
 
 # llm-d's shared-prefix benchmark shape (many customer groups, each a long system prompt
@@ -129,14 +150,11 @@ B2B_OUTPUT_LEN = 256
 def _b2b(rng: np.random.Generator, n: int, rate_rps: float, num_groups: int = B2B_NUM_GROUPS,
          prefix_len: int = B2B_PREFIX_LEN, question_len: int = B2B_QUESTION_LEN,
          output_len: int = B2B_OUTPUT_LEN) -> list[SimRequest]:
-    prefixes = [_tokens(rng, prefix_len) for _ in range(num_groups)]
-    arrivals = _poisson_arrivals(rng, n, rate_rps)
-    groups = rng.integers(0, num_groups, size=n)
     # Questions and answers vary +-50% around their means (uniform): distinct, similar size.
-    questions = rng.integers(max(1, question_len // 2), question_len * 3 // 2 + 1, size=n)
-    outputs = rng.integers(max(1, output_len // 2), output_len * 3 // 2 + 1, size=n)
-    return [SimRequest(f"b2b-{i}", float(arrivals[i]), prefixes[groups[i]] + _tokens(rng, questions[i]),
-                       int(outputs[i]), session_id=f"group-{groups[i]}") for i in range(n)]
+    return _shared_prefix_requests(
+        rng, "b2b", "group", n, rate_rps, num_groups, prefix_len,
+        lambda rng, n: (_around(rng, question_len, n), _around(rng, output_len, n)),
+    )
 
 
 # Agentic sessions: a system prompt + tools, then turns that each append the previous
@@ -166,8 +184,8 @@ def _agentic(rng: np.random.Generator, n: int, rate_rps: float, turns: int = AGE
         for k in range(turns):
             if len(out) == n:
                 break
-            history = history + _tokens(rng, rng.integers(max(1, turn_len // 2), turn_len * 3 // 2 + 1))
-            max_tokens = int(rng.integers(max(1, output_len // 2), output_len * 3 // 2 + 1))
+            history = history + _tokens(rng, _around(rng, turn_len))
+            max_tokens = int(_around(rng, output_len))
             out.append(SimRequest(f"agentic-{s}-{k}", t, history, max_tokens, session_id=f"session-{s}"))
             history = history + _tokens(rng, max_tokens)  # the answer, as the client re-sends it
             t += float(rng.exponential(think_s))
@@ -186,13 +204,11 @@ CODE_MAX_LEN = 65536
 def _code(rng: np.random.Generator, n: int, rate_rps: float, num_repos: int = CODE_NUM_REPOS,
           repo_len: int = CODE_REPO_LEN, files_mean: float = CODE_FILES_MEAN,
           output_mean: float = CODE_OUTPUT_MEAN, max_len: int = CODE_MAX_LEN) -> list[SimRequest]:
-    repos = [_tokens(rng, repo_len) for _ in range(num_repos)]
-    arrivals = _poisson_arrivals(rng, n, rate_rps)
-    which = rng.integers(0, num_repos, size=n)
-    files = _lognormal_lengths(rng, n, files_mean, 0.8, 256, max(256, max_len - repo_len - 1))
-    outputs = _lognormal_lengths(rng, n, output_mean, 0.8, 1, 1024)
-    return [SimRequest(f"code-{i}", float(arrivals[i]), repos[which[i]] + _tokens(rng, files[i]),
-                       int(outputs[i]), session_id=f"repo-{which[i]}") for i in range(n)]
+    return _shared_prefix_requests(
+        rng, "code", "repo", n, rate_rps, num_repos, repo_len,
+        lambda rng, n: (_lognormal_lengths(rng, n, files_mean, 0.8, 256, max(256, max_len - repo_len - 1)),
+                        _lognormal_lengths(rng, n, output_mean, 0.8, 1, 1024)),
+    )
 
 
 def _trace(rng: np.random.Generator, n: int, rate_rps: float, path: str | Path = "",

@@ -46,7 +46,9 @@ class TorchPagedAttention:
             qs = q[p.query_start : end]
             windowed = sliding_window is not None and p.query_len > sliding_window
             if p.context_len == p.query_len and not windowed:
-                out[p.query_start : end] = _sdpa_causal(qs, k[p.query_start : end], v[p.query_start : end], scale)
+                out[p.query_start : end] = _sdpa_token_major(
+                    qs, k[p.query_start : end], v[p.query_start : end], scale, is_causal=True
+                )
                 continue
             # Keys from the first block the chunk's first query can see (block 0 without a window).
             first_key = 0
@@ -93,10 +95,14 @@ class TorchPagedAttention:
         return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa_token_major(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+) -> torch.Tensor:
+    """SDPA over token-major (T, H, D) tensors; GQA when q has more heads than k/v."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=attn_mask,
+        is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.transpose(0, 1)
 
@@ -118,8 +124,4 @@ def _sdpa_with_context(
     mask = key_pos[None, :] <= query_pos[:, None]
     if sliding_window is not None:
         mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out.transpose(0, 1)
+    return _sdpa_token_major(q, k, v, scale, attn_mask=mask)
