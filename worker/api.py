@@ -226,3 +226,15 @@ class RoutingStats:
 
 # Keys of the routing-stats dict (the contract with router/request_router.py).
 ROUTING_STATS_KEYS = tuple(f.name for f in fields(RoutingStats))
+
+
+def check_structured_output(so: StructuredOutput) -> None:
+    """Raise SamplingParamsError when the spec does not compile to a grammar. Torch- and
+    tokenizer-free, so the ingress answers an invalid schema with 400 before a worker
+    sees it (the worker compiles it again, cached, against its tokenizer)."""
+    from worker.structured.grammar import GrammarError, check
+
+    try:
+        check(so)
+    except GrammarError as e:
+        raise SamplingParamsError(str(e)) from None
