@@ -18,14 +18,7 @@ from router import openai_protocol as p
 from router import tools
 from router.errors import bad_request
 from router.structured import structured_output_of
-from worker.api import (
-    RequestOutput,
-    SamplingParams,
-    SamplingParamsError,
-    StructuredOutput,
-    TokenLogprob,
-    check_structured_output,
-)
+from worker.api import RequestOutput, SamplingParams, SamplingParamsError, StructuredOutput, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -136,25 +129,11 @@ def completion_inputs(
     return inputs
 
 
-def chat_structured_output(request: p.ChatCompletionRequest, mode: tools.ToolMode | None) -> StructuredOutput | None:
-    """A forced tool call's constraint, or the request's response_format / guided_*."""
-    forced = tools.tool_constraint(request, mode)
-    requested = structured_output_of(request)
-    if forced is not None and requested is not None:
-        raise bad_request("A required or named tool_choice cannot be combined with response_format or guided_*.", "tool_choice")
-    if forced is not None:
-        try:
-            check_structured_output(forced)
-        except SamplingParamsError as e:
-            raise bad_request(f"The tool's parameters are not a valid JSON schema: {e}", "tools") from None
-    return forced or requested
-
-
 def chat_inputs(
     request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int, tool_parser: str = "auto"
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
-    structured = chat_structured_output(request, tools.tool_mode(request, tool_parser, getattr(tokenizer, "chat_template", None)))
+    structured = tools.chat_structured_output(request, tools.tool_mode(request, tool_parser, getattr(tokenizer, "chat_template", None)))
     ids = encode_chat(tokenizer, request)
     requested = request.max_output_tokens
     check_length(len(ids), requested, max_model_len)

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from router import openai_protocol as p
+from router.errors import bad_request
+from router.structured import structured_output_of
 from router.tool_parsers import PARSERS, JsonArrayParser, NamedParser, ParsedCall, ToolParser, parser_for_template
-from worker.api import StructuredOutput
+from worker.api import SamplingParamsError, StructuredOutput, check_structured_output
 
 _ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
 
@@ -125,3 +127,17 @@ def delta_tool_calls(calls: list[ParsedCall], first_index: int) -> list[p.DeltaT
         deltas.append(p.DeltaToolCall(index=i, id=c.id, type="function", function=p.DeltaFunctionCall(name=c.name, arguments="")))
         deltas.append(p.DeltaToolCall(index=i, function=p.DeltaFunctionCall(arguments=c.arguments)))
     return deltas
+
+
+def chat_structured_output(request: p.ChatCompletionRequest, mode: ToolMode | None) -> StructuredOutput | None:
+    """A forced tool call's constraint, or the request's response_format / guided_*."""
+    forced = tool_constraint(request, mode)
+    requested = structured_output_of(request)
+    if forced is not None and requested is not None:
+        raise bad_request("A required or named tool_choice cannot be combined with response_format or guided_*.", "tool_choice")
+    if forced is not None:
+        try:
+            check_structured_output(forced)
+        except SamplingParamsError as e:
+            raise bad_request(f"The tool's parameters are not a valid JSON schema: {e}", "tools") from None
+    return forced or requested
