@@ -164,6 +164,9 @@ class IngressSection(Section):
     tokens_per_minute_per_key: int | None = Field(default_of(IngressSettings, "tokens_per_minute_per_key"), ge=1)
     # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
     metrics_public: bool = default_of(IngressSettings, "metrics_public")
+    # Tool calls in chat output: hermes (Hermes / Qwen <tool_call>), llama3_json (Llama 3.x),
+    # or auto (chosen from the chat template's text).
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = default_of(IngressSettings, "tool_call_parser")
 
 
 class StateSection(Section):

@@ -48,6 +48,7 @@ from router.pipeline import RequestPipeline
 from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.workers import Workers
 from worker.api import load_tokenizer
+from router.tools import tool_mode
 
 logger = logging.getLogger(__name__)
 
@@ -234,13 +235,14 @@ class Ingress(GrpcMethods):
         req = parse(p.ChatCompletionRequest, body)
         self._check_model(req.model)
         convert.check_n(req.n, self.settings.max_n)
-        tokenizer, max_n = self.pipeline.tokenizer, self.settings.max_n
+        tokenizer, max_n, parser = self.pipeline.tokenizer, self.settings.max_n, self.settings.tool_call_parser
         stream = await self.pipeline.start(
             principal, req.n, num_bytes,
-            lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n),
+            lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
             f"chatcmpl-{uuid.uuid4().hex}", arrival,
         )
-        formatter = convert.ChatFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs)
+        mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
+        formatter = convert.ChatFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs, mode)
         return await _respond(stream, formatter, req)
 
     @app.get("/v1/models")

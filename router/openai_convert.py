@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router import openai_protocol as p
+from router import tools
 from router.errors import bad_request
-from worker.api import RequestOutput, SamplingParams, SamplingParamsError, TokenLogprob
+from router.structured import structured_output_of
+from worker.api import RequestOutput, SamplingParams, SamplingParamsError, StructuredOutput, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,12 @@ def encode_chat(tokenizer: Any, request: p.ChatCompletionRequest) -> list[int]:
     """The chat template renders the conversation (BOS included); then tokenize it as is."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("This model has no chat template; use /v1/completions.", "messages")
-    messages = [{"role": m.role, "content": m.text()} | ({"name": m.name} if m.name else {}) for m in request.messages]
+    messages = [tools.template_message(m) for m in request.messages]
+    tool_defs = tools.tools_for_template(request)
     try:
         text = tokenizer.apply_chat_template(
             messages,
+            **({"tools": tool_defs} if tool_defs else {}),
             tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
             **(request.chat_template_kwargs or {}),
@@ -77,6 +81,7 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     choice: int,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """Choice i of a seeded request uses seed + i: reproducible, yet the n choices differ."""
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
@@ -98,6 +103,7 @@ def sampling_params(
             logprobs=logprobs,
             min_tokens=min(request.min_tokens, max_tokens),
             skip_special_tokens=request.skip_special_tokens,
+            structured=structured,
         )
     except SamplingParamsError as e:
         raise bad_request(str(e)) from None
@@ -112,27 +118,29 @@ def completion_inputs(
     request: p.CompletionRequest, tokenizer: Any, max_model_len: int, max_n: int
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
+    structured = structured_output_of(request)
     inputs = []
     for prompt_index, ids in enumerate(encode_completion_prompts(tokenizer, request.prompt)):
         check_length(len(ids), request.max_tokens, max_model_len)
         max_tokens = request.max_tokens or max_model_len - len(ids)
         for i in range(request.n):
-            params = sampling_params(request, max_tokens, request.logprobs, i)
+            params = sampling_params(request, max_tokens, request.logprobs, i, structured)
             inputs.append(EngineInput(prompt_index * request.n + i, prompt_index, ids, params))
     return inputs
 
 
 def chat_inputs(
-    request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int
+    request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int, tool_parser: str = "auto"
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
+    structured = tools.chat_structured_output(request, tools.tool_mode(request, tool_parser, getattr(tokenizer, "chat_template", None)))
     ids = encode_chat(tokenizer, request)
     requested = request.max_output_tokens
     check_length(len(ids), requested, max_model_len)
     # No max_tokens in chat means "as long as the context allows", as with OpenAI.
     max_tokens = requested or max_model_len - len(ids)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return [EngineInput(i, 0, ids, sampling_params(request, max_tokens, logprobs, i)) for i in range(request.n)]
+    return [EngineInput(i, 0, ids, sampling_params(request, max_tokens, logprobs, i, structured)) for i in range(request.n)]
 
 
 # -- engine outputs -> bodies -------------------------------------------------------------
@@ -277,12 +285,18 @@ class CompletionFormatter:
 class ChatFormatter:
     """Builds /v1/chat/completions bodies and chunks."""
 
-    def __init__(self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, tool_mode: tools.ToolMode | None = None
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.texts = texts
         self.want_logprobs = want_logprobs
+        # Tool calling: one parser per streamed choice, and how many calls each has sent.
+        self.tool_mode = tool_mode
+        self._parsers: dict[int, tools.ToolParser] = {}
+        self._num_calls: dict[int, int] = {}
 
     def _chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
@@ -294,6 +308,8 @@ class ChatFormatter:
         return [self._chunk([p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))]) for i in indices]
 
     def delta_chunk(self, index: int, out: RequestOutput) -> p.ChatCompletionChunk | None:
+        if self.tool_mode is not None:
+            return self._tool_delta_chunk(index, out)
         if not out.text_delta and not out.finished and not (self.want_logprobs and out.logprobs):
             return None
         choice = p.ChatChunkChoice(
@@ -305,20 +321,56 @@ class ChatFormatter:
         )
         return self._chunk([choice])
 
+    def _tool_delta_chunk(self, index: int, out: RequestOutput) -> p.ChatCompletionChunk | None:
+        """Text flows as content until a call may start; complete calls go out as
+        tool_calls deltas; finish_reason "tool_calls" when the choice made any."""
+        assert self.tool_mode is not None
+        parser = self._parsers.setdefault(index, self.tool_mode.new_parser())
+        content, calls = parser.feed(out.text_delta) if out.text_delta else ("", [])
+        if out.finished:
+            rest, more = parser.finish()
+            content, calls = content + rest, calls + more
+        num_before = self._num_calls.get(index, 0)
+        self._num_calls[index] = num_before + len(calls)
+        want_logprobs = self.want_logprobs and bool(out.logprobs)
+        if not content and not calls and not out.finished and not want_logprobs:
+            return None
+        finish_reason = out.finish_reason if out.finished else None
+        if finish_reason == "stop" and self._num_calls[index]:
+            finish_reason = self.tool_mode.finish_reason
+        delta = p.ChatDelta(content=content or None, tool_calls=tools.delta_tool_calls(calls, num_before) or None)
+        choice = p.ChatChunkChoice(
+            index=index,
+            delta=delta,
+            logprobs=chat_logprobs(out.logprobs or [], self.texts) if self.want_logprobs else None,
+            finish_reason=finish_reason,
+            stop_reason=out.stop_reason if out.finished else None,
+        )
+        return self._chunk([choice])
+
+    def _message(self, state: ChoiceState) -> tuple[p.ChatResponseMessage, str | None]:
+        if self.tool_mode is None:
+            return p.ChatResponseMessage(content=state.text), state.finish_reason
+        content, calls = self.tool_mode.new_parser().parse(state.text)
+        if not calls:
+            return p.ChatResponseMessage(content=content), state.finish_reason
+        reason = self.tool_mode.finish_reason if state.finish_reason == "stop" else state.finish_reason
+        return p.ChatResponseMessage(content=content or None, tool_calls=tools.tool_calls_of(calls)), reason
+
     def usage_chunk(self, usage: p.Usage) -> p.ChatCompletionChunk:
         return self._chunk([], usage)
 
     def response(self, states: list[ChoiceState], usage: p.Usage) -> p.ChatCompletionResponse:
-        choices = [
-            p.ChatChoice(
+        choices = []
+        for s in sorted(states, key=lambda s: s.index):
+            message, finish_reason = self._message(s)
+            choices.append(p.ChatChoice(
                 index=s.index,
-                message=p.ChatResponseMessage(content=s.text),
+                message=message,
                 logprobs=chat_logprobs(s.logprobs, self.texts) if self.want_logprobs else None,
-                finish_reason=s.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=s.stop_reason,
-            )
-            for s in sorted(states, key=lambda s: s.index)
-        ]
+            ))
         return p.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
 
 

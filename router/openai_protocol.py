@@ -2,7 +2,7 @@
 
 Requests reject unknown fields (`extra="forbid"`), as OpenAI's API does ("Unrecognized
 request argument supplied"). Fields OpenAI knows but kvserve does not implement are
-accepted only at their neutral value (e.g. `tools` empty), so that a client never gets a
+accepted only at their neutral value (e.g. `functions` empty), so that a client never gets a
 silently different behaviour. vLLM's sampling extensions (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `stop_token_ids`, ...) are accepted as well; the
 official client sends them through `extra_body`.
@@ -69,6 +69,16 @@ class _SamplingFields(_Strict):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs (router/structured.py): OpenAI's response_format, vLLM's guided_*
+    # and structured_outputs. At most one per request.
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's; one backend here (llguidance)
+    guided_whitespace_pattern: str | None = None  # vLLM's; accepted, compact JSON is used
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -129,6 +139,27 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -156,13 +187,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Known to OpenAI; accepted only at a neutral value.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # Tool calling (router/tools.py).
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Known to OpenAI (deprecated); accepted only at a neutral value.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -196,12 +227,14 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_chat(self) -> ChatCompletionRequest:
-        if self.tools or self.functions:
-            raise ValueError("tools and functions are not supported by this server")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise ValueError("tool_choice / function_call are not supported by this server")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than {'type': 'text'} is not supported by this server")
+        if self.functions or self.function_call not in (None, "none"):
+            raise ValueError("functions / function_call are deprecated; use tools / tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or ()}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
         if self.modalities is not None and self.modalities != ["text"]:
             raise ValueError("only the 'text' modality is supported")
         if self.audio is not None or self.prediction is not None or self.web_search_options is not None:
@@ -267,10 +300,34 @@ class ChatLogprobs(BaseModel):
     refusal: list[TokenLogprobContent] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -294,6 +351,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -41,3 +41,6 @@ class IngressSettings:
     state_store: StateStoreFactory | None = None
     # /metrics without an API key (e.g. for a Prometheus scraper) when keys are on.
     metrics_public: bool = False
+    # Tool calls in chat output (router/tool_parsers.py): hermes | llama3_json | auto (from
+    # the chat template's text).
+    tool_call_parser: str = "auto"

@@ -27,6 +27,30 @@ class SamplingParamsError(ValueError):
     """A user-caused problem with sampling parameters (maps to HTTP 400)."""
 
 
+# What a structured-output constraint may be (vLLM's guided_* names, minus the prefix).
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output's text, compiled into a grammar by the worker
+    (worker/structured/). Hashable: the compiled grammar is cached by it.
+
+    `spec` by kind: json_schema: the schema as JSON text; regex: the pattern; choice: a
+    JSON list of the allowed strings; grammar: a Lark (or GBNF) grammar; json_object: "".
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise SamplingParamsError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise SamplingParamsError(f"a structured output spec is a string of at most {MAX_STRUCTURED_SPEC_CHARS} characters")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters, validated once at the engine's door."""
@@ -48,6 +72,7 @@ class SamplingParams:
     min_tokens: int = 0
     detokenize: bool = True
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # constrain the output (a grammar)
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -237,3 +262,15 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
         require_gguf()
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def check_structured_output(so: StructuredOutput) -> None:
+    """Raise SamplingParamsError when the spec does not compile to a grammar. Torch- and
+    tokenizer-free, so the ingress answers an invalid schema with 400 before a worker
+    sees it (the worker compiles it again, cached, against its tokenizer)."""
+    from worker.structured.grammar import GrammarError, check
+
+    try:
+        check(so)
+    except GrammarError as e:
+        raise SamplingParamsError(str(e)) from None

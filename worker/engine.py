@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,10 +27,16 @@ from worker.runner_protocols import Runner
 from worker.sampling_params import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
+from worker.structured.compiler import GrammarCompiler
+from worker.structured.state import GrammarState
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# How long an otherwise idle step waits for a grammar compile (new requests wait at most
+# this long in the inbox meanwhile).
+GRAMMAR_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,10 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.connector: KVConnector = make_connector(runner, self.kv, vocab_size)
         self.seqs: dict[str, Sequence] = {}
+        # Structured outputs: set when the engine has a tokenizer (from_config). Requests
+        # whose grammar is still compiling wait here, outside the scheduler.
+        self.grammar: GrammarCompiler | None = None
+        self.awaiting_grammar: list[Sequence] = []
         self.model_path: Path | None = None  # set when built from a model directory
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -114,6 +125,7 @@ class Engine:
         scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         engine = cls(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config))
         engine.model_path = path
+        engine.grammar = GrammarCompiler.for_model_path(path, hf_config.vocab_size)
         return engine
 
     @property
@@ -133,6 +145,8 @@ class Engine:
             )
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if params.structured is not None and self.grammar is None:
+            raise RequestError("this engine has no tokenizer, so it cannot constrain outputs")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be in [0, {self.vocab_size})")
         need = cdiv(min(n + params.max_tokens, self.max_model_len), self.kv.block_size)
@@ -165,7 +179,11 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         self.connector.add_request(seq, export_kv, kv_import)
         self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        if params.structured is not None and self.grammar is not None:
+            seq.grammar = GrammarState(self.grammar.submit(params.structured))
+            self.awaiting_grammar.append(seq)
+        else:
+            self.scheduler.add(seq)
 
     # -- disaggregation: the connector's pins, as the async engine and replica see them -----
     def release_kv(self, request_id: str) -> bool:
@@ -185,20 +203,26 @@ class Engine:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
+        if seq in self.awaiting_grammar:  # not in the scheduler yet
+            self.awaiting_grammar.remove(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.awaiting_grammar)
 
     # -- the iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Plan, run, apply, publish."""
         start = time.perf_counter()
         self.connector.expire_pins()
+        outputs = self._admit_compiled() if self.awaiting_grammar else []
         plan = self._timed(self.scheduler.schedule)
-        outputs = self._load_kv(plan)  # imports admitted this step: their KV into their blocks
+        outputs += self._load_kv(plan)  # imports admitted this step: their KV into their blocks
         if plan.is_empty:
+            if self.awaiting_grammar:  # nothing to run but compiles: wait for one, briefly
+                wait([s.grammar.future for s in self.awaiting_grammar], GRAMMAR_POLL_S, FIRST_COMPLETED)
             return outputs
         try:
             result = self.runner.execute(plan)
@@ -209,6 +233,23 @@ class Engine:
         changed = self._timed(self.scheduler.update, plan, result.token_ids)
         outputs += self._postprocess(plan, result.logprobs, changed, saved)
         self._account(len(changed), time.perf_counter() - start, result.forward_s)
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar has compiled enter the scheduler (in arrival order); a
+        failed compile fails its request."""
+        outputs, still = [], []
+        for seq in self.awaiting_grammar:
+            if not seq.grammar.ready:
+                still.append(seq)
+                continue
+            error = seq.grammar.start()
+            if error is None:
+                self.scheduler.add(seq)
+            else:
+                seq.status = SequenceStatus.FINISHED
+                outputs.append(self._fail_one(seq, error))
+        self.awaiting_grammar = still
         return outputs
 
     def _timed(self, fn: Callable[..., T], *args: object) -> T:

@@ -24,6 +24,7 @@ from worker.model.loader import load_model, resolve_model_path
 from worker.model.parallel import SINGLE, TPContext, kv_head_range
 from worker.outputs import TokenLogprob
 from worker.sampler import Sampler
+from worker.structured.bitmask import MaskPrefetcher
 from worker.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class ModelRunner:
         # K/V (worker/cuda_graphs.py); the block pool never hands it out.
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks + int(use_graphs), self.device)
         self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
+        self.masks = MaskPrefetcher()
         self.timer = ForwardTimer(self.device)
         self.graphs = self._capture_graphs(max_model_len) if use_graphs else None
 
@@ -169,6 +171,9 @@ class ModelRunner:
         batch = self._host_batch(plan, order)
         dev = self.device
         last_token_idx = torch.tensor(batch.last_token_idx, dtype=torch.long).to(dev, non_blocking=True)
+        # Structured outputs: the grammar masks are computed while the forward runs.
+        sampling = [plan.seqs[i] for i in batch.sample_rows]
+        masks = self.masks.start(sampling, self.arch.vocab_size) if self.sampler is not None else None
         hidden = self._forward(batch)
         token_ids: list[int | None] = [None] * len(plan.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(plan.seqs)
@@ -181,7 +186,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last_token_idx])
         self.timer.stop()
         # The step's one host sync: the sampled ids (the timer's events complete before it).
-        sampled = self.sampler(logits, [plan.seqs[i] for i in sample_rows])
+        sampled = self.sampler(
+            logits, [plan.seqs[i] for i in sample_rows], masks.result() if masks is not None else None
+        )
         for row, i in enumerate(sample_rows):
             token_ids[i] = sampled.token_ids[row]
             logprobs[i] = sampled.logprobs[row]

@@ -22,11 +22,13 @@ import math
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from worker.outputs import TokenLogprob
 from worker.sampling_params import SamplingParams
 from worker.sequence import Sequence
+from worker.structured.bitmask import apply_bitmask, compute_bitmask
 
 
 @dataclass
@@ -42,7 +44,11 @@ class Sampler:
 
     # ------------------------------------------------------------------ entry point
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], bitmask: np.ndarray | None = None
+    ) -> SamplerOutput:
+        """`bitmask`: the constrained rows' token bitmask, when the runner computed it
+        during the forward (worker/structured/bitmask.py); computed here otherwise."""
         num_rows = len(seqs)
         if logits.dim() != 2 or logits.shape[0] != num_rows:
             raise ValueError(f"logits must be ({num_rows}, V), got {tuple(logits.shape)}")
@@ -64,6 +70,10 @@ class Sampler:
             work = self._apply_penalties(work, seqs, penalty_rows)
 
         work = self._apply_min_tokens(work, raw, seqs)
+        if bitmask is None and any(s.grammar is not None for s in seqs):
+            bitmask = compute_bitmask(seqs, self.vocab_size)
+        if bitmask is not None:  # structured outputs: one masked_fill for the batch
+            work = apply_bitmask(work, bitmask)
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:

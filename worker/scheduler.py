@@ -173,7 +173,11 @@ class Scheduler:
         params = seq.params
         num_output = seq.num_output_tokens
         reason: str | None = None
-        if num_output >= params.min_tokens:
+        # A constrained output is complete when its grammar terminates (every token
+        # advances the matcher, so this runs before the other checks).
+        if seq.grammar is not None and seq.grammar.accept(token_id):
+            reason = "stop"
+        elif num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in seq.eos_token_ids:
                 reason = "stop"
             elif token_id in params.stop_token_ids:

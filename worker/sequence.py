@@ -20,6 +20,7 @@ from worker.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kv.transfer import KVExport
+    from worker.structured.state import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -45,6 +46,7 @@ class Sequence:
         "sampler_state",
         "eos_token_ids",
         "kv_import",
+        "grammar",
     )
 
     def __init__(
@@ -73,6 +75,8 @@ class Sequence:
         # Disaggregation, decode side: the prompt's KV computed elsewhere, until admission
         # writes it into this sequence's blocks (worker/kv_connector.py); then None.
         self.kv_import: KVExport | None = None
+        # Structured outputs: the request's grammar (worker/structured/state.py), else None.
+        self.grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -96,7 +96,23 @@ def test_chat_template_renders(tokenizer: PreTrainedTokenizerBase) -> None:
 
 def test_chat_template_rejects_unknown_roles(tokenizer: PreTrainedTokenizerBase) -> None:
     with pytest.raises(Exception, match="supports the roles"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        tokenizer.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
+
+
+def test_chat_template_renders_tools_in_hermes_format(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Tools, an assistant's tool call and the tool's answer (router/tool_parsers.py's
+    hermes parser reads the same <tool_call> format back)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert '<|assistant|>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|eos|>' in text
+    assert text.endswith("<|user|>\n<tool_response>\nsunny\n</tool_response><|eos|><|assistant|>\n")
 
 
 def test_plain_encoding_starts_with_bos(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -51,11 +51,16 @@ def test_missing_and_out_of_range() -> None:
 
 @pytest.mark.parametrize(
     "extra",
-    [{"tools": [{"type": "function"}]}, {"response_format": {"type": "json_object"}}, {"top_logprobs": 2}, {"logit_bias": {"5": 1.0}}],
+    [{"top_logprobs": 2}, {"logit_bias": {"5": 1.0}}, {"functions": [{"name": "f"}]}],
 )
 def test_known_but_unsupported_chat_fields_are_400(extra: dict) -> None:
     error = validation_error(p.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
     assert error.status == 400 and error.param is None
+
+
+def test_a_malformed_tool_is_400_naming_it() -> None:
+    error = validation_error(p.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]})
+    assert error.status == 400 and error.param == "tools.0.function"
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted() -> None:

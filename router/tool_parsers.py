@@ -1,0 +1,237 @@
+"""Tool-call parsers: model output text -> (content, tool calls), whole or streamed.
+
+Two formats, chosen per model (IngressSettings.tool_call_parser, or from the chat
+template's text when "auto"):
+  hermes       Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+               any number of them, with free text around them (the text is content).
+  llama3_json  Llama 3.x: the whole message is a JSON call `{"name": ..., "parameters":
+               {...}}` (optionally after `<|python_tag|>`), several separated by `;`.
+
+Streaming keeps free text flowing and holds back only what may be the start of a call;
+a call is emitted when it is complete (its name, then its arguments in one delta), which
+is what OpenAI clients accumulate.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+def call_from_json(obj: Any) -> ParsedCall | None:
+    """A {"name", "arguments" | "parameters"} object as a call; None when it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models put the JSON text in a string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class ToolParser:
+    """Stateful per choice: `feed(delta)` while streaming, then `finish()`; or `parse`."""
+
+    name = ""
+
+    def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        content, calls = self.feed(text)
+        rest, more = self.finish()
+        return content + rest, calls + more
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self._buf = ""
+
+    def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
+        self._buf += delta
+        content, calls = [], []
+        while True:
+            start = self._buf.find(self.OPEN)
+            if start < 0:
+                # Hold back a tail that may be the beginning of "<tool_call>".
+                keep = _partial_suffix(self._buf, self.OPEN)
+                content.append(self._buf[: len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep :]
+                break
+            content.append(self._buf[:start])
+            end = self._buf.find(self.CLOSE, start)
+            if end < 0:
+                self._buf = self._buf[start:]
+                break
+            body = self._buf[start + len(self.OPEN) : end]
+            self._buf = self._buf[end + len(self.CLOSE) :]
+            call = _parse_call(body)
+            if call is None:  # not a call after all: it stays text, as vLLM's parser leaves it
+                content.append(f"{self.OPEN}{body}{self.CLOSE}")
+            else:
+                calls.append(call)
+        return "".join(content), calls
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        buf, self._buf = self._buf, ""
+        if buf.startswith(self.OPEN):  # the model stopped before closing the tag
+            call = _parse_call(buf[len(self.OPEN) :])
+            if call is not None:
+                return "", [call]
+        return buf, []
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._mode: str | None = None  # "text" | "calls", decided by the first characters
+
+    def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
+        if self._mode == "text":
+            return delta, []
+        self._buf += delta
+        if self._mode is None:
+            head = self._buf.lstrip()
+            if not head or (head[0] == "<" and self.PYTHON_TAG.startswith(head[: len(self.PYTHON_TAG)])
+                            and len(head) < len(self.PYTHON_TAG)):
+                return "", []
+            self._mode = "calls" if head.startswith(("{", self.PYTHON_TAG)) else "text"
+            if self._mode == "text":
+                buf, self._buf = self._buf, ""
+                return buf, []
+        return "", []  # calls: parsed whole at the end (the JSON is not complete before)
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        buf, self._buf = self._buf, ""
+        if self._mode != "calls":
+            return buf, []
+        text = buf.strip().removeprefix(self.PYTHON_TAG)
+        calls = []
+        for part in _split_top_level(text, ";"):
+            call = _parse_call(part)
+            if call is None:
+                return buf, []  # not calls after all: all of it is content
+            calls.append(call)
+        return "", calls
+
+
+class JsonArrayParser(ToolParser):
+    """The output of a `required` tool choice: a JSON array of {"name", "parameters"}
+    objects (its grammar guarantees it parses), as vLLM forces it."""
+
+    name = "json_array"
+
+    def __init__(self) -> None:
+        self._buf = ""
+
+    def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
+        self._buf += delta
+        return "", []
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        buf, self._buf = self._buf, ""
+        try:
+            items = json.loads(buf)
+        except json.JSONDecodeError:
+            return buf, []  # cut by max_tokens: the text as content, as vLLM returns it
+        calls = [call_from_json(item) for item in items] if isinstance(items, list) else []
+        if not calls or any(c is None for c in calls):
+            return buf, []
+        return "", [c for c in calls if c is not None]
+
+
+class NamedParser(ToolParser):
+    """The output of a named tool choice: the function's arguments as JSON."""
+
+    name = "named"
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+        self._buf = ""
+
+    def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
+        self._buf += delta
+        return "", []
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        buf, self._buf = self._buf, ""
+        try:
+            args = json.loads(buf)
+        except json.JSONDecodeError:
+            return buf, []
+        return "", [ParsedCall(self.function, json.dumps(args, ensure_ascii=False))]
+
+
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def parser_for_template(chat_template: str | None) -> str:
+    """The parser a model's chat template implies (Llama 3.x templates mention ipython /
+    <|python_tag|>; Hermes, Qwen and kvserve-tiny write <tool_call>)."""
+    template = chat_template or ""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def _parse_call(body: str) -> ParsedCall | None:
+    try:
+        return call_from_json(json.loads(body.strip()))
+    except json.JSONDecodeError:
+        return None
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _split_top_level(text: str, sep: str) -> list[str]:
+    """Split on `sep` outside JSON strings and brackets."""
+    parts, depth, in_str, escape, start = [], 0, False, False, 0
+    for i, ch in enumerate(text):
+        if in_str:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p for p in parts if p.strip()]

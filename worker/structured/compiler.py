@@ -1,0 +1,91 @@
+"""Compiles structured-output specs into llguidance matchers off the step thread.
+
+    add_request ──submit(spec)──> thread pool: grammar_of(spec) + LLMatcher(tokenizer, grammar)
+                                  (an LRU cache of futures keyed by the spec: the same
+                                  schema compiles once; every request deep-copies it)
+    engine step: a request whose future is done enters the scheduler; until then it
+                 waits, and the step thread never waits on a compile.
+
+The llguidance tokenizer (built from the model's HF tokenizer, ~1 s for a large
+vocabulary) is built on the pool too, by the first compile.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from worker.api import StructuredOutput
+from worker.structured.grammar import GrammarError, grammar_of, llguidance_module
+
+DEFAULT_CACHE_SIZE = 256
+
+
+class GrammarCompiler:
+    def __init__(
+        self,
+        make_tokenizer: Callable[[], Any],  # -> llguidance.LLTokenizer
+        max_cached: int = DEFAULT_CACHE_SIZE,
+        max_workers: int = 1,
+    ) -> None:
+        self._make_tokenizer = make_tokenizer
+        self._tokenizer: Any = None
+        self._tokenizer_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvserve-grammar")
+        self._cache: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_cached = max_cached
+        self.num_compiles = 0  # cache misses (for tests and stats)
+
+    @classmethod
+    def for_hf_tokenizer(cls, hf_tokenizer: Any, vocab_size: int) -> GrammarCompiler:
+        def make() -> Any:
+            import llguidance.hf
+
+            return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+
+        return cls(make)
+
+    @classmethod
+    def for_model_path(cls, path: Any, vocab_size: int) -> GrammarCompiler:
+        def make() -> Any:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(path), n_vocab=vocab_size)
+
+        return cls(make)
+
+    def submit(self, so: StructuredOutput) -> Future[Any]:
+        """A future of the spec's compiled matcher (a prototype: deep-copy it per
+        request). Never blocks on the compile."""
+        with self._lock:
+            future = self._cache.get(so)
+            if future is not None:
+                self._cache.move_to_end(so)
+                return future
+            future = self._pool.submit(self._compile, so)
+            self.num_compiles += 1
+            self._cache[so] = future
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+            return future
+
+    def tokenizer(self) -> Any:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._make_tokenizer()
+            return self._tokenizer
+
+    def _compile(self, so: StructuredOutput) -> Any:
+        grammar = grammar_of(so)
+        # LLMatcher drops the GIL while it builds the grammar.
+        matcher = llguidance_module().LLMatcher(self.tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"invalid {so.kind.replace('_', ' ')}: {matcher.get_error()}")
+        return matcher
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

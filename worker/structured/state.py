@@ -1,0 +1,49 @@
+"""Per-sequence grammar state: the compile future, then the request's own matcher.
+
+Torch-free (the scheduler advances it). Lifecycle: created at add_request with the
+compile future; `start()` when the future is done (the request then enters the
+scheduler); `accept(token)` for every sampled token, on the step thread. Preemption
+keeps the output tokens, so the matcher stays valid across a recompute.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarState:
+    __slots__ = ("_future", "matcher")
+
+    def __init__(self, future: Future[Any]) -> None:
+        self._future = future
+        self.matcher: Any = None  # an llguidance LLMatcher, once started
+
+    @property
+    def ready(self) -> bool:
+        return self._future.done()
+
+    @property
+    def future(self) -> Future[Any]:
+        return self._future
+
+    def start(self) -> str | None:
+        """Take a private copy of the compiled matcher; the compile error, if any."""
+        error = self._future.exception()
+        if error is not None:
+            return str(error)
+        self.matcher = self._future.result().deep_copy()
+        return None
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; True when the grammar has terminated (the output
+        is complete and only EOS could follow)."""
+        m = self.matcher
+        if not m.consume_token(token_id):
+            # Only a token outside the mask gets here (an EOS forced by the engine, say);
+            # the output cannot continue under the grammar, so it ends.
+            logger.warning("token %d rejected by the grammar: %s", token_id, m.get_error())
+            return True
+        return m.is_stopped()
