@@ -26,19 +26,20 @@ import random
 from collections import Counter
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from router.headroom import ReplicaReport, ReplicaView, power_of_two
 from router.policies import RoutingPolicy, RoutingRequest, make_policy, split_policy_kwargs
 from router.policies.base import healthy
-from router.request_router import request_profile
+from router.request_router import ReplicaStateRouter, request_profile
+from router.serve_internals import router_now_s
 
 # Requests chosen but never routed nor completed (cancelled before Serve sent them) are
 # forgotten beyond this many.
 _MAX_PENDING = 10_000
 
 
-class PolicyRouter(RequestRouter):
+class PolicyRouter(ReplicaStateRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._configure({})
@@ -74,10 +75,7 @@ class PolicyRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        now = self._get_curr_time_s()
-        if pending_request is not None:
-            # Without this, Serve retries immediately (no backoff) when every rank refuses.
-            pending_request.routing_context.should_backoff = True
+        now = self._start_choice(pending_request)
         views = [self._view(replica, now) for replica in candidate_replicas]
         request = self._routing_request(pending_request)
         if request is None:
@@ -86,8 +84,7 @@ class PolicyRouter(RequestRouter):
         else:
             order = self.policy.rank(request, views, now)
             self.num_decisions_by_mode[getattr(self.policy, "last_mode", "") or self.policy.name] += 1
-        by_id = {replica.replica_id: replica for replica in candidate_replicas}
-        return [[by_id[key]] for key in order]
+        return self._ranks(candidate_replicas, order)
 
     def _routing_request(self, pending_request: PendingRequest | None) -> RoutingRequest | None:
         if pending_request is None:
@@ -131,7 +128,7 @@ class PolicyRouter(RequestRouter):
         self._outstanding[replica_id] += 1
         request = self._pending.pop(request_id, None)
         if request is not None:
-            self.policy.on_dispatch(request, replica_id, self._get_curr_time_s())
+            self.policy.on_dispatch(request, replica_id, router_now_s(self))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.num_hook_calls["completed"] += 1
@@ -139,15 +136,7 @@ class PolicyRouter(RequestRouter):
             del self._sent[internal_request_id]
             self._outstanding[replica_id] -= 1
         self._pending.pop(internal_request_id, None)
-        self.policy.on_complete(internal_request_id, replica_id, self._get_curr_time_s())
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        self._forget_gone_replicas({replica.replica_id for replica in replicas})
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self._forget_gone_replicas(set(self._replicas))
+        self.policy.on_complete(internal_request_id, replica_id, router_now_s(self))
 
     def _forget_gone_replicas(self, live: set[ReplicaID]) -> None:
         for replica_id in [r for r in self._reports if r not in live]:
@@ -163,7 +152,7 @@ class PolicyRouter(RequestRouter):
         for _ in range(3):
             try:
                 out: dict[str, dict[str, Any]] = {}
-                for replica in list(self._replicas.values()):
+                for replica in list(self.curr_replicas.values()):
                     stats = dict(replica.routing_stats or {})
                     stats["prefix_hashes"] = len(stats.get("prefix_hashes") or ())
                     out[replica.replica_id.unique_id] = {

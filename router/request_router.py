@@ -64,6 +64,7 @@ from router.reservations import ReservationLedger
 from router.serve_internals import cached_queue_len, router_now_s
 from router.headroom import (
     HeadroomParams,
+    ReplicaKey,
     ReplicaReport,
     ReplicaView,
     RequestProfile,
@@ -93,7 +94,36 @@ def request_profile(pending_request: PendingRequest | None) -> RequestProfile | 
     return RequestProfile(prompt_token_ids=token_ids, max_tokens=max_tokens)
 
 
-class KVHeadroomRouter(RequestRouter):
+class ReplicaStateRouter(RequestRouter):
+    """A Serve router that keeps state per replica (reports, reservations): it forgets a
+    replica as soon as Serve drops it from the set or reports its actor dead."""
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._forget_gone_replicas({replica.replica_id for replica in replicas})
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget_gone_replicas(set(self.curr_replicas))
+
+    def _forget_gone_replicas(self, live: set[ReplicaID]) -> None:
+        raise NotImplementedError
+
+    def _start_choice(self, pending_request: PendingRequest | None) -> float:
+        """The routing attempt's time (the router's clock)."""
+        if pending_request is not None:
+            # Without this, Serve retries immediately (no backoff) when every rank refuses.
+            pending_request.routing_context.should_backoff = True
+        return router_now_s(self)
+
+    @staticmethod
+    def _ranks(candidates: list[RunningReplica], order: Sequence[ReplicaKey]) -> list[list[RunningReplica]]:
+        """One replica per rank: within a rank Serve would pick by queue length itself."""
+        by_id = {replica.replica_id: replica for replica in candidates}
+        return [[by_id[key]] for key in order]
+
+
+class KVHeadroomRouter(ReplicaStateRouter):
     """Ranks worker replicas by KV headroom (router/headroom.py) and tracks the blocks it
     promised each replica since that replica's last report."""
 
@@ -130,11 +160,8 @@ class KVHeadroomRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        now = router_now_s(self)
+        now = self._start_choice(pending_request)
         self._maybe_prune(now)
-        if pending_request is not None:
-            # Without this, Serve retries immediately (no backoff) when every rank refuses.
-            pending_request.routing_context.should_backoff = True
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         profile = self._profile(request_id, pending_request)
         views = [self._view(replica) for replica in candidate_replicas]
@@ -144,8 +171,7 @@ class KVHeadroomRouter(RequestRouter):
             # Counted at dispatch time: the next choice (maybe microseconds later, in the
             # same burst) already sees these blocks as taken.
             self._ledger.reserve(request_id, ranking.order[0], ranking.need_blocks, now)
-        by_id = {replica.replica_id: replica for replica in candidate_replicas}
-        return [[by_id[key]] for key in ranking.order]
+        return self._ranks(candidate_replicas, ranking.order)
 
     def _profile(self, request_id: str | None, pending_request: PendingRequest | None) -> RequestProfile | None:
         if request_id is not None:
@@ -194,14 +220,6 @@ class KVHeadroomRouter(RequestRouter):
         self.num_hook_calls["completed"] += 1
         self._ledger.complete(internal_request_id, replica_id)
         self._profiles.pop(internal_request_id, None)
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        self._forget_gone_replicas({replica.replica_id for replica in replicas})
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self._forget_gone_replicas(set(self.curr_replicas))
 
     def _forget_gone_replicas(self, live: set[ReplicaID]) -> None:
         for replica_id in [r for r in self._reports if r not in live]:

@@ -136,11 +136,10 @@ class Llama3JsonParser(ToolParser):
         return "", calls
 
 
-class JsonArrayParser(ToolParser):
-    """The output of a `required` tool choice: a JSON array of {"name", "parameters"}
-    objects (its grammar guarantees it parses), as vLLM forces it."""
-
-    name = "json_array"
+class BufferedParser(ToolParser):
+    """An output whose grammar forced a tool call: nothing streams as content; the whole
+    text is parsed when it ends. Text that does not parse (cut by max_tokens) comes back
+    as content, as vLLM returns it."""
 
     def __init__(self) -> None:
         self._buf = ""
@@ -152,35 +151,37 @@ class JsonArrayParser(ToolParser):
     def finish(self) -> tuple[str, list[ParsedCall]]:
         buf, self._buf = self._buf, ""
         try:
-            items = json.loads(buf)
+            calls = self._calls(json.loads(buf))
         except json.JSONDecodeError:
-            return buf, []  # cut by max_tokens: the text as content, as vLLM returns it
-        calls = [call_from_json(item) for item in items] if isinstance(items, list) else []
-        if not calls or any(c is None for c in calls):
             return buf, []
-        return "", [c for c in calls if c is not None]
+        return ("", calls) if calls else (buf, [])
+
+    def _calls(self, value: object) -> list[ParsedCall]:
+        raise NotImplementedError
 
 
-class NamedParser(ToolParser):
+class JsonArrayParser(BufferedParser):
+    """The output of a `required` tool choice: a JSON array of {"name", "parameters"}
+    objects (its grammar guarantees it parses), as vLLM forces it."""
+
+    name = "json_array"
+
+    def _calls(self, value: object) -> list[ParsedCall]:
+        calls = [call_from_json(item) for item in value] if isinstance(value, list) else []
+        return [] if any(c is None for c in calls) else [c for c in calls if c is not None]
+
+
+class NamedParser(BufferedParser):
     """The output of a named tool choice: the function's arguments as JSON."""
 
     name = "named"
 
     def __init__(self, function: str) -> None:
+        super().__init__()
         self.function = function
-        self._buf = ""
 
-    def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
-        self._buf += delta
-        return "", []
-
-    def finish(self) -> tuple[str, list[ParsedCall]]:
-        buf, self._buf = self._buf, ""
-        try:
-            args = json.loads(buf)
-        except json.JSONDecodeError:
-            return buf, []
-        return "", [ParsedCall(self.function, json.dumps(args, ensure_ascii=False))]
+    def _calls(self, value: object) -> list[ParsedCall]:
+        return [ParsedCall(self.function, json.dumps(value, ensure_ascii=False))]
 
 
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
