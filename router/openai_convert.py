@@ -98,9 +98,21 @@ def sampling_params(
             logprobs=logprobs,
             min_tokens=min(request.min_tokens, max_tokens),
             skip_special_tokens=request.skip_special_tokens,
+            logit_bias=request.logit_bias_pairs,
         )
     except SamplingParamsError as e:
         raise bad_request(str(e)) from None
+
+
+def check_token_ids(request: p.CompletionRequest | p.ChatCompletionRequest, tokenizer: Any) -> None:
+    """logit_bias and stop_token_ids name tokens of this model's vocabulary (400 otherwise)."""
+    vocab = len(tokenizer)
+    for token_id, _ in request.logit_bias_pairs:
+        if token_id >= vocab:
+            raise bad_request(f"logit_bias has token id {token_id}, outside the vocabulary (0..{vocab - 1}).", "logit_bias")
+    for token_id in request.stop_token_ids or ():
+        if token_id >= vocab:
+            raise bad_request(f"stop_token_ids has token id {token_id}, outside the vocabulary (0..{vocab - 1}).", "stop_token_ids")
 
 
 def check_n(n: int, max_n: int) -> None:
@@ -112,6 +124,7 @@ def completion_inputs(
     request: p.CompletionRequest, tokenizer: Any, max_model_len: int, max_n: int
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
+    check_token_ids(request, tokenizer)
     inputs = []
     for prompt_index, ids in enumerate(encode_completion_prompts(tokenizer, request.prompt)):
         check_length(len(ids), request.max_tokens, max_model_len)
@@ -126,6 +139,7 @@ def chat_inputs(
     request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
+    check_token_ids(request, tokenizer)
     ids = encode_chat(tokenizer, request)
     requested = request.max_output_tokens
     check_length(len(ids), requested, max_model_len)
