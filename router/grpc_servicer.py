@@ -210,7 +210,10 @@ class GrpcServicer:
     ) -> pb.HealthResponse:
         """SERVING when a worker answers its health check in time (as GET /health), else
         NOT_SERVING with the reason; the call itself succeeds either way, as in
-        grpc.health.v1."""
+        grpc.health.v1. NOT_SERVING while the ingress drains (router/grpc_health.py turns
+        this verdict into grpc.health.v1's)."""
+        if self.pipeline.limiter.draining:
+            return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING, message="draining: shutting down")
         reason = await self.pipeline.workers.unhealthy_reason()
         if reason is not None:
             return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING, message=reason)

@@ -301,8 +301,10 @@ class Ingress(GrpcMethods):
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 when a worker answers its health check; 503 otherwise."""
-        reason = await self.pipeline.workers.unhealthy_reason()
+        """200 when a worker answers its health check; 503 otherwise, and while draining
+        (a readiness probe then takes this instance out of rotation)."""
+        reason = "The server is shutting down." if self.pipeline.limiter.draining else None
+        reason = reason or await self.pipeline.workers.unhealthy_reason()
         if reason is not None:
             error = errors.APIError(503, reason, "server_error", None, "unhealthy")
             return JSONResponse(error.body(), status_code=503)

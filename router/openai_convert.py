@@ -106,6 +106,8 @@ def sampling_params(
 
 def check_token_ids(request: p.CompletionRequest | p.ChatCompletionRequest, tokenizer: Any) -> None:
     """logit_bias and stop_token_ids name tokens of this model's vocabulary (400 otherwise)."""
+    if not request.logit_bias and not request.stop_token_ids:
+        return
     vocab = len(tokenizer)
     for token_id, _ in request.logit_bias_pairs:
         if token_id >= vocab:
