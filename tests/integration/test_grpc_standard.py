@@ -79,6 +79,49 @@ def test_reflection_lists_kvserve_and_health(channel: grpc.Channel) -> None:
     assert method.input_type.full_name == "kvserve.v1.GenerateRequest"
 
 
+# -- n, logit_bias and stop_token_ids on KVServe -------------------------------------------------
+def test_n_choices_unary_and_stream(channel: grpc.Channel) -> None:
+    stub = pb_grpc.KVServeStub(channel)
+    req = pb.GenerateRequest(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=1.0, seed=3, n=3, ignore_eos=True)
+    reply = stub.Generate(req, timeout=120)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert all(len(c.token_ids) == 5 and c.finish_reason == pb.FINISH_REASON_LENGTH for c in reply.choices)
+    assert reply.text == reply.choices[0].text and list(reply.token_ids) == list(reply.choices[0].token_ids)
+    assert reply.usage.completion_tokens == 15
+    # Seeded choices (seed + index) are reproducible: the stream carries the same ones.
+    streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finished = []
+    for message in stub.GenerateStream(req, timeout=120):
+        streamed[message.index].extend(message.token_ids)
+        if message.finish_reason:
+            finished.append(message.index)
+    assert sorted(finished) == [0, 1, 2]
+    assert streamed == {c.index: list(c.token_ids) for c in reply.choices}
+
+
+def test_n_over_the_limit_is_invalid_argument(channel: grpc.Channel) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        pb_grpc.KVServeStub(channel).Generate(pb.GenerateRequest(model=MODEL, prompt="x", max_tokens=2, n=1000), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be at most" in info.value.details()
+
+
+def test_logit_bias_and_stop_token_ids(channel: grpc.Channel) -> None:
+    stub = pb_grpc.KVServeStub(channel)
+    forced = 100
+    base = dict(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0.0, ignore_eos=True)
+    reply = stub.Generate(pb.GenerateRequest(**base, logit_bias={forced: 100.0}), timeout=60)
+    assert list(reply.token_ids) == [forced] * 4
+    plain = stub.Generate(pb.GenerateRequest(**base), timeout=60)
+    banned = stub.Generate(pb.GenerateRequest(**base, logit_bias={plain.token_ids[0]: -100.0}), timeout=60)
+    assert banned.token_ids[0] != plain.token_ids[0]
+    stopped = stub.Generate(pb.GenerateRequest(**base, logit_bias={forced: 100.0}, stop_token_ids=[forced]), timeout=60)
+    assert list(stopped.token_ids) == [forced]
+    assert stopped.finish_reason == pb.FINISH_REASON_STOP and stopped.stop_token_id == forced
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(pb.GenerateRequest(**base, logit_bias={forced: 101.0}), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_health_watch_across_a_drain(channel: grpc.Channel) -> None:
     """Runs last in the module: a drained ingress takes no new requests."""
     from ray import serve
