@@ -7,9 +7,9 @@ before it starts, so it adds a second, TLS port to the same server (the same han
 the same routing), configured from the environment of the node the proxy runs on:
 
     KVSERVE_GRPC_TLS_PORT        the TLS port (unset: no TLS port)
-    KVSERVE_GRPC_TLS_CERT        PEM certificate chain file
-    KVSERVE_GRPC_TLS_KEY         PEM private key file
-    KVSERVE_GRPC_TLS_CLIENT_CA   PEM CA bundle file: set -> mutual TLS (clients must
+    KVSERVE_GRPC_TLS_CERT_FILE        PEM certificate chain file
+    KVSERVE_GRPC_TLS_KEY_FILE         PEM private key file
+    KVSERVE_GRPC_TLS_CLIENT_CA_FILE   PEM CA bundle file: set -> mutual TLS (clients must
                                  present a certificate it signed)
 
 `kvserve serve` exports them from the config's grpc section before it starts a local
@@ -29,9 +29,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 PORT_ENV = "KVSERVE_GRPC_TLS_PORT"
-CERT_ENV = "KVSERVE_GRPC_TLS_CERT"
-KEY_ENV = "KVSERVE_GRPC_TLS_KEY"
-CLIENT_CA_ENV = "KVSERVE_GRPC_TLS_CLIENT_CA"
+CERT_ENV = "KVSERVE_GRPC_TLS_CERT_FILE"
+KEY_ENV = "KVSERVE_GRPC_TLS_KEY_FILE"
+CLIENT_CA_ENV = "KVSERVE_GRPC_TLS_CLIENT_CA_FILE"
 
 
 @dataclass(frozen=True)

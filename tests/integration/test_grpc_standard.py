@@ -228,5 +228,5 @@ def test_tls_config_from_the_environment(tmp_path: Path) -> None:
     env = TLSConfig(9443, "/c.pem", "/k.pem", "/ca.pem").to_env()
     assert TLSConfig.from_env(env) == TLSConfig(9443, "/c.pem", "/k.pem", "/ca.pem")
     assert TLSConfig.from_env({}) is None
-    with pytest.raises(ValueError, match="KVSERVE_GRPC_TLS_CERT"):
+    with pytest.raises(ValueError, match="KVSERVE_GRPC_TLS_CERT_FILE"):
         TLSConfig.from_env({"KVSERVE_GRPC_TLS_PORT": "9443"})
