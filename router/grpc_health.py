@@ -88,7 +88,7 @@ class AppProbe:
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{await self.port()}") as channel:
                 reply = await pb_grpc.KVServeStub(channel).Health(pb.HealthRequest(), metadata=metadata, timeout=PROBE_TIMEOUT_S)
-        except Exception as e:  # RpcError (no app, unreachable), the controller gone, ...
+        except Exception as e:  # noqa: BLE001 (RpcError: no app, unreachable; the controller gone, ...)
             self.last_message = f"{type(e).__name__}: {getattr(e, 'details', lambda: '')() or e}"
             return False
         self.last_message = reply.message

@@ -68,8 +68,10 @@ def test_health_check_follows_the_app(channel: grpc.Channel) -> None:
 
 
 def test_reflection_lists_kvserve_and_health(channel: grpc.Channel) -> None:
-    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
     from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
 
     db = ProtoReflectionDescriptorDatabase(channel)
     services = set(db.get_services())
@@ -108,7 +110,7 @@ def test_n_over_the_limit_is_invalid_argument(channel: grpc.Channel) -> None:
 def test_logit_bias_and_stop_token_ids(channel: grpc.Channel) -> None:
     stub = pb_grpc.KVServeStub(channel)
     forced = 100
-    base = dict(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0.0, ignore_eos=True)
+    base = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     reply = stub.Generate(pb.GenerateRequest(**base, logit_bias={forced: 100.0}), timeout=60)
     assert list(reply.token_ids) == [forced] * 4
     plain = stub.Generate(pb.GenerateRequest(**base), timeout=60)
