@@ -190,6 +190,15 @@ async def _respond(
     return JSONResponse(formatter.response(list(states.values()), usage).model_dump())
 
 
+def echo_texts(prompt: Any, inputs: list[convert.EngineInput], tokenizer: Any) -> dict[int, str]:
+    """Each choice's prompt as text for `echo`: a text prompt as sent, token ids decoded."""
+    texts = [prompt] if isinstance(prompt, str) else list(prompt) if all(isinstance(x, str) for x in prompt) else None
+    return {
+        inp.index: texts[inp.prompt_index] if texts is not None else tokenizer.decode(inp.prompt_token_ids)
+        for inp in inputs
+    }
+
+
 # Serve snapshots what the class refers to when `serve.ingress` runs: everything the
 # class uses must be defined above this line.
 @serve.ingress(app)
@@ -240,6 +249,8 @@ class Ingress(GrpcMethods):
             f"cmpl-{uuid.uuid4().hex}", arrival,
         )
         formatter = convert.CompletionFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs is not None)
+        if req.echo:
+            formatter.echo = echo_texts(req.prompt, stream.inputs, tokenizer)
         return await _respond(stream, formatter, req)
 
     @app.post("/v1/chat/completions")

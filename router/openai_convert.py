@@ -252,9 +252,16 @@ class CompletionFormatter:
         self.texts = texts
         self.want_logprobs = want_logprobs
         self._offsets: dict[int, int] = {}
+        # echo: each choice's prompt text, by choice index (OpenAI's `echo` puts it before
+        # the completion; streamed as the choice's first chunk, as vLLM does).
+        self.echo: dict[int, str] = {}
 
     def start_chunks(self, indices: list[int]) -> list[p.BaseModel]:
-        return []
+        return [
+            p.CompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                              choices=[p.CompletionChoice(index=i, text=self.echo[i])])
+            for i in indices if self.echo.get(i)
+        ]
 
     def delta_chunk(self, index: int, out: RequestOutput) -> p.CompletionChunk | None:
         if not out.text_delta and not out.finished and not (self.want_logprobs and out.logprobs):
@@ -280,7 +287,7 @@ class CompletionFormatter:
         choices = [
             p.CompletionChoice(
                 index=s.index,
-                text=s.text,
+                text=self.echo.get(s.index, "") + s.text,
                 logprobs=completion_logprobs(s.logprobs, self.texts, 0) if self.want_logprobs else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,

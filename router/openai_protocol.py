@@ -138,8 +138,10 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_completion(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            # The prompt's logprobs would be needed (vLLM's prompt_logprobs), which the
+            # engine does not compute yet.
+            raise ValueError("echo together with logprobs is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:

@@ -164,3 +164,18 @@ def test_stop_token_ids_on_chat(client: openai.OpenAI, served: tuple[str, Any]) 
     assert choice.finish_reason == "stop"
     assert choice.model_extra["stop_reason"] == forced
     assert choice.message.content == served[1].decode([forced])
+
+
+# -- echo --------------------------------------------------------------------------------------------
+def test_echo_prepends_the_prompt(client: openai.OpenAI, http: httpx.Client, served: tuple[str, Any]) -> None:
+    plain = greedy(client)
+    echoed = greedy(client, echo=True)
+    assert echoed.text == PROMPT + plain.text
+    ids = served[1](PROMPT).input_ids
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True).choices[0]
+    assert by_ids.text == served[1].decode(ids) + plain.text
+    # Streamed: the prompt comes first, then the completion.
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == PROMPT + plain.text
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and "echo together with logprobs" in r.json()["error"]["message"].lower()
