@@ -194,9 +194,15 @@ def listen_warnings(config: KVServeConfig, environ: dict[str, str] | None = None
         lines.append(f"HTTP listens on {config.http.host}:{config.http.port}, beyond this machine"
                      + ("" if auth_on else f"; no API keys are set (${keys_env}): anyone who can reach it may use it"))
     if config.grpc.enabled:
-        lines.append(f"gRPC listens on every interface ([::]:{config.grpc.port}; Serve has no host option for it)"
+        # Serve's own gRPC port is always plaintext (router/grpc_tls.py); TLS, when
+        # configured, is on grpc.tls_port beside it.
+        tls = config.grpc.tls_port
+        lines.append(f"gRPC listens on every interface ([::]:{config.grpc.port}; Serve has no host option for it) "
+                     + "without TLS"
                      + ("" if auth_on else f" and no API keys are set (${keys_env})")
-                     + "; use --no-grpc or a firewall to keep it local")
+                     + (f"; TLS clients should use port {tls}" if tls is not None else
+                        "; set grpc.tls_port/tls_cert_file/tls_key_file for TLS")
+                     + "; use --no-grpc or a firewall to keep the plaintext port local")
     return lines
 
 
@@ -257,7 +263,12 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from cluster.app import build_app, grpc_servicer
+    from router.grpc_health import APP_NAME_ENV
 
+    # Serve's gRPC proxy reads its TLS settings from the node's environment
+    # (router/grpc_tls.py): a local cluster inherits this process's.
+    os.environ.update(config.grpc.tls_env if config.grpc.enabled else {})
+    os.environ[APP_NAME_ENV] = config.app_name  # the app the proxy's health service probes
     if args.address is None:
         # Always a NEW cluster of its own, with Ray's traffic on loopback (cluster/local_ray.py),
         # never whatever $RAY_ADDRESS or /tmp/ray/ray_current_cluster point at.
@@ -296,7 +307,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvserve: HTTP (OpenAI API) on http://{config.http.host}:{config.http.port}{config.route_prefix.rstrip('/')}/v1", flush=True)
         if grpc:
             # Serve's gRPC proxy has no host option: it listens on every interface.
-            print(f"kvserve: gRPC on [::]:{config.grpc.port} (service kvserve.v1.KVServe)", flush=True)
+            print(f"kvserve: gRPC on [::]:{config.grpc.port} (service kvserve.v1.KVServe, grpc.health.v1, reflection)", flush=True)
+            if config.grpc.tls_port is not None:
+                mtls = "mutual TLS" if config.grpc.tls_client_ca_file else "TLS"
+                print(f"kvserve: gRPC {mtls} on [::]:{config.grpc.tls_port}", flush=True)
         else:
             print("kvserve: gRPC off", flush=True)
         for line in listen_warnings(config):

@@ -215,6 +215,32 @@ class HTTPSection(Section):
 class GRPCSection(Section):
     port: int = Field(9000, ge=0, le=65535)
     enabled: bool = True
+    # TLS on a second port of Serve's gRPC proxy (router/grpc_tls.py: Serve 2.60 itself
+    # serves only plaintext, on `port`). All three paths are PEM files on every node;
+    # tls_client_ca_file set -> mutual TLS.
+    tls_port: int | None = Field(None, ge=0, le=65535)
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+
+    @model_validator(mode="after")
+    def _tls_complete(self) -> GRPCSection:
+        if self.tls_port is not None and not (self.tls_cert_file and self.tls_key_file):
+            raise ValueError("grpc.tls_port needs grpc.tls_cert_file and grpc.tls_key_file")
+        if self.tls_port is None and (self.tls_cert_file or self.tls_key_file or self.tls_client_ca_file):
+            raise ValueError("grpc.tls_cert_file / tls_key_file / tls_client_ca_file need grpc.tls_port")
+        if self.tls_port is not None and self.tls_port == self.port:
+            raise ValueError("grpc.tls_port must differ from grpc.port (Serve binds that one in plaintext)")
+        return self
+
+    @property
+    def tls_env(self) -> dict[str, str]:
+        """The environment that turns TLS on in Serve's gRPC proxy (router/grpc_tls.py)."""
+        if self.tls_port is None:
+            return {}
+        from router.grpc_tls import TLSConfig
+
+        return TLSConfig(self.tls_port, self.tls_cert_file or "", self.tls_key_file or "", self.tls_client_ca_file).to_env()
 
 
 class RoutingSection(Section):

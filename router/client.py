@@ -14,7 +14,7 @@ the cluster runs more than one. `api_key` is sent as "authorization: Bearer <key
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypedDict, Unpack
 
@@ -44,6 +44,8 @@ class SamplingOptions(TypedDict, total=False):
     include_stop_str_in_output: bool
     skip_special_tokens: bool
     add_generation_prompt: bool
+    logit_bias: Mapping[int, float]
+    n: int
 
 
 Message = tuple[str, str] | dict[str, str]  # (role, content) or {"role", "content", "name"?}
@@ -233,7 +235,9 @@ def build_generate_request(
             raise TypeError(f"unknown generation option {name!r}")
         if value is None:
             continue
-        if name in ("stop", "stop_token_ids"):
+        if name == "logit_bias":
+            request.logit_bias.update({int(t): float(b) for t, b in value.items()})  # type: ignore[union-attr]
+        elif name in ("stop", "stop_token_ids"):
             getattr(request, name).extend([value] if isinstance(value, str) else value)  # type: ignore[list-item]
         else:
             setattr(request, name, value)

@@ -81,16 +81,29 @@ def sampling_body(request: pb.GenerateRequest) -> dict[str, Any]:
         body["stop"] = list(request.stop)
     if request.stop_token_ids:
         body["stop_token_ids"] = list(request.stop_token_ids)
+    if request.logit_bias:
+        body["logit_bias"] = {str(t): _proto_float(b) for t, b in request.logit_bias.items()}
+    if request.HasField("n"):
+        body["n"] = request.n
     body["ignore_eos"] = request.ignore_eos
     body["min_tokens"] = request.min_tokens
     body["include_stop_str_in_output"] = request.include_stop_str_in_output
     return body
 
 
+def num_choices(request: pb.GenerateRequest, max_n: int) -> int:
+    """The request's n (1 when unset), checked against the server's max_n (APIError 400)."""
+    n = request.n if request.HasField("n") else 1
+    if n < 1:
+        raise errors.bad_request(f"n must be at least 1, got {n}.", "n", "invalid_value")
+    convert.check_n(n, max_n)
+    return n
+
+
 def engine_inputs(
-    request: pb.GenerateRequest, model: str, tokenizer: Any, max_model_len: int
+    request: pb.GenerateRequest, model: str, tokenizer: Any, max_model_len: int, max_n: int = 1
 ) -> list[convert.EngineInput]:
-    """One EngineInput (token ids + SamplingParams) for a GenerateRequest, validated with the
+    """One EngineInput (token ids + SamplingParams) per choice of a GenerateRequest, validated with the
     OpenAI request models, so that both APIs accept and reject the same values with the
     same messages. Raises APIError (400) for anything invalid or too long."""
     given = [name for name, present in (
@@ -110,10 +123,10 @@ def engine_inputs(
             body.update(logprobs=True, top_logprobs=logprobs)
         if request.HasField("add_generation_prompt"):
             body["add_generation_prompt"] = request.add_generation_prompt
-        return convert.chat_inputs(_parse(p.ChatCompletionRequest, body), tokenizer, max_model_len, 1)
+        return convert.chat_inputs(_parse(p.ChatCompletionRequest, body), tokenizer, max_model_len, max_n)
     body["prompt"] = request.prompt or list(request.prompt_token_ids)
     body["logprobs"] = logprobs
-    return convert.completion_inputs(_parse(p.CompletionRequest, body), tokenizer, max_model_len, 1)
+    return convert.completion_inputs(_parse(p.CompletionRequest, body), tokenizer, max_model_len, max_n)
 
 
 def tokenize(request: pb.TokenizeRequest, model: str, tokenizer: Any) -> list[int]:
@@ -141,13 +154,18 @@ def token_logprobs(entries: list[TokenLogprob] | None, texts: Callable[[int], st
     ]
 
 
-def set_finish(message: pb.GenerateResponse | pb.GenerateStreamResponse, out: RequestOutput) -> None:
-    """Copies a finished output's reason, stop string/token and usage onto the message."""
+def set_stop(message: pb.GenerateResponse | pb.GenerateStreamResponse | pb.Choice, out: RequestOutput) -> None:
+    """Copies a finished output's reason and stop string/token onto the message."""
     message.finish_reason = FINISH_REASONS.get(out.finish_reason, pb.FINISH_REASON_UNSPECIFIED)  # type: ignore[assignment]
     if isinstance(out.stop_reason, str):
         message.stop_string = out.stop_reason
     elif isinstance(out.stop_reason, int):
         message.stop_token_id = out.stop_reason
+
+
+def set_finish(message: pb.GenerateResponse | pb.GenerateStreamResponse, out: RequestOutput) -> None:
+    """Copies a finished output's reason, stop string/token and usage onto the message."""
+    set_stop(message, out)
     message.usage.CopyFrom(
         pb.Usage(
             prompt_tokens=out.num_prompt_tokens,

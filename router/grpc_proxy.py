@@ -30,6 +30,9 @@ deserializing request!"), as if the server had failed. Here the KVServe deserial
 return an `Undecodable` marker instead, and the handlers answer it INVALID_ARGUMENT in
 the proxy, before anything reaches a replica.
 
+Standard services: the same call registers grpc.health.v1 (router/grpc_health.py) and,
+when configured, a TLS port (router/grpc_tls.py); Serve 2.60 adds server reflection.
+
 Only the KVServe service's handlers are wrapped, and only when `server` is Serve's
 gRPCGenericServer (it builds handlers through `service_handler_factory`); anywhere else
 this is the plain generated function.
@@ -43,6 +46,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from router.grpc_health import start_health
+from router.grpc_tls import add_tls_port
 
 GRPC_SERVICER = "router.grpc_proxy.add_KVServeServicer_to_server"
 
@@ -88,6 +93,14 @@ def add_KVServeServicer_to_server(servicer: Any, server: Any) -> None:  # noqa: 
     if factory is None or not callable(factory):
         pb_grpc.add_KVServeServicer_to_server(servicer, server)
         return
+    _add_kvserve(servicer, server, factory)
+    # The standard services next to KVServe, in the proxy itself (router/grpc_health.py,
+    # router/grpc_tls.py); Serve adds server reflection after this returns.
+    start_health(server)
+    add_tls_port(server)
+
+
+def _add_kvserve(servicer: Any, server: Any, factory: Callable[..., Any]) -> None:
     # Serve builds the handlers while the service is added: wrap the factory (and the
     # registration methods, for the deserializers) for this service only, then put the
     # originals back.

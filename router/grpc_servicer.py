@@ -51,7 +51,9 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import errors
 from router.auth import ANONYMOUS, Principal, grpc_authorization
 from router.generation import GenerationStream
-from router.grpc_convert import Clock, engine_inputs, replica_stats, set_finish, status_code_of, token_logprobs, tokenize
+from router.grpc_convert import (
+    Clock, engine_inputs, num_choices, replica_stats, set_finish, set_stop, status_code_of, token_logprobs, tokenize,
+)
 from router.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
 
 if TYPE_CHECKING:
@@ -125,17 +127,31 @@ class GrpcServicer:
         clock = Clock()
         stream = await self._start(request, clock, self._authenticate(grpc_context))
         response = pb.GenerateResponse(request_id=stream.request_id, model=self.pipeline.settings.served_model_name)
+        choices = {inp.index: pb.Choice(index=inp.index) for inp in stream.inputs}
+        usage = pb.Usage()
         try:
             async for event in stream:
-                out = event.output
+                out, choice = event.output, choices[event.index]
                 clock.observe(out)
-                response.text += out.text_delta
-                response.token_ids.extend(out.new_token_ids)
-                response.logprobs.extend(token_logprobs(out.logprobs, self.pipeline.texts))
+                choice.text += out.text_delta
+                choice.token_ids.extend(out.new_token_ids)
+                choice.logprobs.extend(token_logprobs(out.logprobs, self.pipeline.texts))
                 if out.finished:
-                    set_finish(response, out)
+                    set_stop(choice, out)
+                    # The choices share the prompt: it counts once, the outputs add up.
+                    usage.prompt_tokens = out.num_prompt_tokens
+                    usage.completion_tokens += out.num_output_tokens
+                    usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, out.num_cached_tokens)
         finally:
             stream.close()  # also when the client cancels (CancelledError here): settles
+        response.choices.extend(choices[i] for i in sorted(choices))
+        first = response.choices[0]
+        response.text, response.finish_reason = first.text, first.finish_reason
+        response.token_ids.extend(first.token_ids)
+        response.logprobs.extend(first.logprobs)
+        if first.HasField("stop_reason"):
+            setattr(response, first.WhichOneof("stop_reason"), getattr(first, first.WhichOneof("stop_reason")))
+        response.usage.CopyFrom(usage)
         response.timing.CopyFrom(clock.timing())
         return response
 
@@ -155,6 +171,7 @@ class GrpcServicer:
                 clock.observe(out)
                 message = pb.GenerateStreamResponse(
                     request_id=stream.request_id,
+                    index=event.index,
                     token_ids=out.new_token_ids,
                     text=out.text_delta,
                     logprobs=token_logprobs(out.logprobs, self.pipeline.texts),
@@ -210,7 +227,10 @@ class GrpcServicer:
     ) -> pb.HealthResponse:
         """SERVING when a worker answers its health check in time (as GET /health), else
         NOT_SERVING with the reason; the call itself succeeds either way, as in
-        grpc.health.v1."""
+        grpc.health.v1. NOT_SERVING while the ingress drains (router/grpc_health.py turns
+        this verdict into grpc.health.v1's)."""
+        if self.pipeline.limiter.draining:
+            return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING, message="draining: shutting down")
         reason = await self.pipeline.workers.unhealthy_reason()
         if reason is not None:
             return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING, message=reason)
@@ -262,12 +282,13 @@ class GrpcServicer:
             raise errors.bad_request(
                 f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters.", "request_id", "invalid_value"
             )
-        tokenizer = self.pipeline.tokenizer
+        tokenizer, max_n = self.pipeline.tokenizer, self.pipeline.settings.max_n
+        n = num_choices(request, max_n)  # before any work: the in-flight share is n
         return await self.pipeline.start(
             principal,
-            1,
+            n,
             request.ByteSize(),
-            lambda max_model_len: engine_inputs(request, model, tokenizer, max_model_len),
+            lambda max_model_len: engine_inputs(request, model, tokenizer, max_model_len, max_n),
             request.request_id or f"grpc-{uuid.uuid4().hex}",
             clock.arrival,
         )

@@ -14,19 +14,23 @@ JSON or server-sent events. Limits, checked before any work:
 - over the API key's concurrent requests or tokens per minute -> 429 at once
 - no result within `request_timeout_s`           -> 504
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics; all but
-/health need the API key when keys are configured (/metrics too, unless metrics_public). The
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize,
+/detokenize and /version, /health, /metrics; all but /health and /version need the API key
+when keys are configured (/metrics too, unless metrics_public). The
 gRPC methods come from router/grpc_servicer.py (GrpcMethods -> GrpcServicer, the same pipeline).
 
 No `from __future__ import annotations` here: Serve rebuilds the FastAPI routes of the
 class, and FastAPI must then resolve the handlers' annotations (`Request`) at runtime.
 """
+import asyncio
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -38,13 +42,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router import errors
 from router import openai_convert as convert
 from router import openai_protocol as p
+from router import tokenize_api as tk
 from router.auth import ApiKeys, Principal
 from router.disagg import DisaggregatedGenerate
 from router.generation import GenerationStream
 from router.grpc_servicer import GrpcMethods, GrpcServicer
 from router.key_limits import KeyLimits
 from router.metrics import CONTENT_TYPE, IngressMetrics
-from router.pipeline import RequestPipeline
+from router.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
 from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.workers import Workers
 from worker.api import load_tokenizer
@@ -53,6 +58,12 @@ from router.tools import tool_mode
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+try:
+    KVSERVE_VERSION = package_version("kvserve")
+except PackageNotFoundError:  # run from a source tree without an install
+    KVSERVE_VERSION = "0+unknown"
 
 app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -175,6 +186,15 @@ async def _respond(
     return JSONResponse(formatter.response(list(states.values()), usage).model_dump())
 
 
+def echo_texts(prompt: Any, inputs: list[convert.EngineInput], tokenizer: Any) -> dict[int, str]:
+    """Each choice's prompt as text for `echo`: a text prompt as sent, token ids decoded."""
+    texts = [prompt] if isinstance(prompt, str) else list(prompt) if all(isinstance(x, str) for x in prompt) else None
+    return {
+        inp.index: texts[inp.prompt_index] if texts is not None else tokenizer.decode(inp.prompt_token_ids)
+        for inp in inputs
+    }
+
+
 # Serve snapshots what the class refers to when `serve.ingress` runs: everything the
 # class uses must be defined above this line.
 @serve.ingress(app)
@@ -225,6 +245,8 @@ class Ingress(GrpcMethods):
             f"cmpl-{uuid.uuid4().hex}", arrival,
         )
         formatter = convert.CompletionFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs is not None)
+        if req.echo:
+            formatter.echo = echo_texts(req.prompt, stream.inputs, tokenizer)
         return await _respond(stream, formatter, req)
 
     @app.post("/v1/chat/completions")
@@ -252,10 +274,45 @@ class Ingress(GrpcMethods):
         card = p.ModelCard(id=self.settings.served_model_name, root=self.settings.tokenizer_path, max_model_len=info["max_model_len"])
         return JSONResponse(p.ModelList(data=[card]).model_dump())
 
+    # -- vLLM's utility endpoints -------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: the ids generation would see, with the context length."""
+        self._authenticate(request)
+        body, num_bytes = await read_json(request, self.settings.max_body_bytes)
+        req = parse(tk.TokenizeRequest, body)
+        if req.model is not None:
+            self._check_model(req.model)
+        tokenizer = self.pipeline.tokenizer
+        ids = await self._off_loop(num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
+        info = await self.pipeline.workers.model_info()
+        strs = [self.pipeline.texts(t) for t in ids] if req.return_token_strs else None
+        out = tk.TokenizeResponse(count=len(ids), max_model_len=int(info["max_model_len"]), tokens=ids, token_strs=strs)
+        return JSONResponse(out.model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM)."""
+        self._authenticate(request)
+        body, num_bytes = await read_json(request, self.settings.max_body_bytes)
+        req = parse(tk.DetokenizeRequest, body)
+        if req.model is not None:
+            self._check_model(req.model)
+        tokenizer = self.pipeline.tokenizer
+        text = await self._off_loop(num_bytes, lambda: tk.detokenize_text(req, tokenizer))
+        return JSONResponse(tk.DetokenizeResponse(prompt=text).model_dump())
+
+    @app.get("/version")
+    async def version(self) -> JSONResponse:
+        """kvserve's version; public like /health (it says nothing a client could misuse)."""
+        return JSONResponse(tk.VersionResponse(version=KVSERVE_VERSION).model_dump())
+
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        """200 when a worker answers its health check; 503 otherwise."""
-        reason = await self.pipeline.workers.unhealthy_reason()
+        """200 when a worker answers its health check; 503 otherwise, and while draining
+        (a readiness probe then takes this instance out of rotation)."""
+        reason = "The server is shutting down." if self.pipeline.limiter.draining else None
+        reason = reason or await self.pipeline.workers.unhealthy_reason()
         if reason is not None:
             error = errors.APIError(503, reason, "server_error", None, "unhealthy")
             return JSONResponse(error.body(), status_code=503)
@@ -280,6 +337,13 @@ class Ingress(GrpcMethods):
     # -- plumbing ----------------------------------------------------------------------------
     def _authenticate(self, request: Request) -> Principal:
         return self.pipeline.authenticate(request.headers.get("authorization"))
+
+    @staticmethod
+    async def _off_loop(num_bytes: int, work: Callable[[], T]) -> T:
+        """Tokenizer work for a large body runs off the event loop (as the pipeline does)."""
+        if num_bytes > LARGE_REQUEST_BYTES:
+            return await asyncio.to_thread(work)
+        return work()
 
     def _check_model(self, model: str) -> None:
         if model != self.settings.served_model_name:

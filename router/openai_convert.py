@@ -104,9 +104,23 @@ def sampling_params(
             min_tokens=min(request.min_tokens, max_tokens),
             skip_special_tokens=request.skip_special_tokens,
             structured=structured,
+            logit_bias=request.logit_bias_pairs,
         )
     except SamplingParamsError as e:
         raise bad_request(str(e)) from None
+
+
+def check_token_ids(request: p.CompletionRequest | p.ChatCompletionRequest, tokenizer: Any) -> None:
+    """logit_bias and stop_token_ids name tokens of this model's vocabulary (400 otherwise)."""
+    if not request.logit_bias and not request.stop_token_ids:
+        return
+    vocab = len(tokenizer)
+    for token_id, _ in request.logit_bias_pairs:
+        if token_id >= vocab:
+            raise bad_request(f"logit_bias has token id {token_id}, outside the vocabulary (0..{vocab - 1}).", "logit_bias")
+    for token_id in request.stop_token_ids or ():
+        if token_id >= vocab:
+            raise bad_request(f"stop_token_ids has token id {token_id}, outside the vocabulary (0..{vocab - 1}).", "stop_token_ids")
 
 
 def check_n(n: int, max_n: int) -> None:
@@ -119,6 +133,7 @@ def completion_inputs(
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
     structured = structured_output_of(request)
+    check_token_ids(request, tokenizer)
     inputs = []
     for prompt_index, ids in enumerate(encode_completion_prompts(tokenizer, request.prompt)):
         check_length(len(ids), request.max_tokens, max_model_len)
@@ -134,6 +149,7 @@ def chat_inputs(
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
     structured = tools.chat_structured_output(request, tools.tool_mode(request, tool_parser, getattr(tokenizer, "chat_template", None)))
+    check_token_ids(request, tokenizer)
     ids = encode_chat(tokenizer, request)
     requested = request.max_output_tokens
     check_length(len(ids), requested, max_model_len)
@@ -244,9 +260,16 @@ class CompletionFormatter:
         self.texts = texts
         self.want_logprobs = want_logprobs
         self._offsets: dict[int, int] = {}
+        # echo: each choice's prompt text, by choice index (OpenAI's `echo` puts it before
+        # the completion; streamed as the choice's first chunk, as vLLM does).
+        self.echo: dict[int, str] = {}
 
     def start_chunks(self, indices: list[int]) -> list[p.BaseModel]:
-        return []
+        return [
+            p.CompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                              choices=[p.CompletionChoice(index=i, text=self.echo[i])])
+            for i in indices if self.echo.get(i)
+        ]
 
     def delta_chunk(self, index: int, out: RequestOutput) -> p.CompletionChunk | None:
         if not out.text_delta and not out.finished and not (self.want_logprobs and out.logprobs):
@@ -272,7 +295,7 @@ class CompletionFormatter:
         choices = [
             p.CompletionChoice(
                 index=s.index,
-                text=s.text,
+                text=self.echo.get(s.index, "") + s.text,
                 logprobs=completion_logprobs(s.logprobs, self.texts, 0) if self.want_logprobs else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,

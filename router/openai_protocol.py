@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from worker.api import MAX_LOGPROBS, MAX_STOP_STRINGS
+from worker.api import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_STRINGS
 
 
 class _Strict(BaseModel):
@@ -94,10 +94,28 @@ class _SamplingFields(_Strict):
             raise ValueError("token ids must be >= 0")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        """OpenAI's shape: token id (a JSON string key) -> bias in [-100, 100]. Ids past
+        the vocabulary are checked where the tokenizer is known (openai_convert.py)."""
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for key, bias in v.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key[:40]!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
+
     @model_validator(mode="after")
     def _unsupported(self) -> _SamplingFields:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -130,8 +148,10 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_completion(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
+        if self.echo and self.logprobs is not None:
+            # The prompt's logprobs would be needed (vLLM's prompt_logprobs), which the
+            # engine does not compute yet.
+            raise ValueError("echo together with logprobs is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:

@@ -101,6 +101,20 @@ def grpc_servicer_functions() -> list[str]:
     return list(config.grpc_servicer_functions)
 
 
+async def grpc_proxy_port() -> int:
+    """The port Serve's gRPC proxies listen on, read from the controller (for the health
+    service in the proxy, router/grpc_health.py, which probes the app through it).
+
+    Public API it stands in for: none. Private: the same controller call as
+    `grpc_servicer_functions`. (A worker node's proxy may listen on
+    RAY_SERVE_WORKER_PROXY_GRPC_PORT instead; kvserve does not set it.)
+    """
+    from ray.serve.context import _get_global_client
+
+    config = await _get_global_client()._controller.get_grpc_config.remote()
+    return int(config.port)
+
+
 # -- the registry the unit test checks ------------------------------------------------------------
 @dataclass(frozen=True)
 class PrivateApi:
@@ -176,5 +190,5 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                _handle_router),
     PrivateApi("gRPCGenericServer.service_handler_factory", "router/grpc_proxy.py", _grpc_handler_factory),
     PrivateApi("ray.serve.context._get_global_client()._controller.get_grpc_config",
-               "serve_internals.grpc_servicer_functions", _controller_grpc_config),
+               "serve_internals.grpc_servicer_functions, serve_internals.grpc_proxy_port", _controller_grpc_config),
 )

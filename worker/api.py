@@ -21,6 +21,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# OpenAI's logit_bias: at most this many entries, each bias in [-100, 100].
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingParamsError(ValueError):
@@ -73,6 +76,8 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # constrain the output (a grammar)
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +134,16 @@ class SamplingParams:
             raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise SamplingParamsError(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
+        for token_id, bias in self.logit_bias:
+            if not isinstance(token_id, int) or token_id < 0:
+                raise SamplingParamsError(f"logit_bias keys must be token ids >= 0, got {token_id!r}")
+            if not isinstance(bias, (int, float)) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
 
 
 # -- requests and their outputs ---------------------------------------------------------

@@ -4,6 +4,7 @@ Pipeline (each stage runs only when some row in the batch needs it):
 
     raw logits (B, V) ──────────────────────────────────────────────┐ (logprobs read these)
       │ repetition / presence / frequency penalties  (rows that ask) │
+      │ logit_bias: one index_put_ for the batch      (rows that ask) │
       │ min_tokens: ban EOS + stop token ids          (rows that ask) │
       ├─> greedy rows: argmax                                         │
       └─> random rows: / temperature → min_p → top_k / top_p          │
@@ -68,6 +69,9 @@ class Sampler:
         penalty_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalty_rows:
             work = self._apply_penalties(work, seqs, penalty_rows)
+
+        if any(p.logit_bias for p in params):
+            work = self._apply_logit_bias(work, raw, seqs)
 
         work = self._apply_min_tokens(work, raw, seqs)
         if bitmask is None and any(s.grammar is not None for s in seqs):
@@ -166,6 +170,33 @@ class Sampler:
         out = logits.clone()
         out.index_copy_(0, index, sub)
         return out
+
+    def _apply_logit_bias(
+        self, logits: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence]
+    ) -> torch.Tensor:
+        """OpenAI's logit_bias: every (row, token, bias) of the batch added in one
+        index_put_. Ids past the lm_head's vocabulary are skipped (the ingress rejects
+        ids past the tokenizer's)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        vocab = logits.shape[1]
+        for i, seq in enumerate(seqs):
+            for token_id, bias in seq.params.logit_bias:
+                if token_id < vocab:
+                    rows.append(i)
+                    cols.append(token_id)
+                    values.append(float(bias))
+        if not rows:
+            return logits
+        if logits is raw:
+            logits = logits.clone()  # `raw` stays as it was for logprobs
+        logits.index_put_(
+            (self._to_device(rows, torch.long), self._to_device(cols, torch.long)),
+            self._to_device(values, logits.dtype),
+            accumulate=True,
+        )
+        return logits
 
     def _apply_min_tokens(
         self, logits: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence]

@@ -136,6 +136,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "imagePullSecrets": [{"name": "regcred"}],
         "image": {"repository": "registry.example.com/kvserve", "tag": "1.2.3"},
         "apiKeys": {"existingSecret": "kvserve-api-keys"},
+        "grpcTLS": {"existingSecret": "kvserve-grpc-tls", "clientCAKey": "ca.crt"},
         "rayAuth": {"mode": "secret", "existingSecret": "kvserve-ray-token"},
         "modelSource": {"type": "hostPath", "mountPath": "/models/llama", "hostPath": {"path": "/data/models/llama"},
                         "initContainer": {"enabled": True, "command": ["sh", "-c"],

@@ -297,6 +297,33 @@ def test_everything_on(rendered: dict[str, Rendered]) -> None:
     assert head_spec["nodeSelector"] == {"node-role": "cpu"}
 
 
+def test_grpc_tls_from_a_secret(rendered: dict[str, Rendered]) -> None:
+    """grpcTLS.existingSecret: every Ray pod mounts it and gets router/grpc_tls.py's
+    environment (mutual TLS with clientCAKey); the gRPC Service and the NetworkPolicy open
+    the TLS port beside the plaintext one; the app name the proxy's health probe names."""
+    r = rendered["everything_on"]
+    for _, template in r.pod_templates():
+        spec = template["spec"]
+        (container,) = spec["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["KVSERVE_GRPC_TLS_PORT"] == "9443"
+        assert env["KVSERVE_GRPC_TLS_CERT_FILE"] == "/etc/kvserve/grpc-tls/tls.crt"
+        assert env["KVSERVE_GRPC_TLS_KEY_FILE"] == "/etc/kvserve/grpc-tls/tls.key"
+        assert env["KVSERVE_GRPC_TLS_CLIENT_CA_FILE"] == "/etc/kvserve/grpc-tls/ca.crt"
+        assert env["KVSERVE_APP_NAME"] == "llm"
+        assert {"name": "grpc-tls", "mountPath": "/etc/kvserve/grpc-tls", "readOnly": True} in container["volumeMounts"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["grpc-tls"]["secret"]["secretName"] == "kvserve-grpc-tls"
+        assert {"name": "grpc-tls", "containerPort": 9443, "protocol": "TCP"} in container["ports"]
+    grpc = next(s for s in r.kind("Service") if s["metadata"]["name"].endswith("-grpc"))
+    assert {p["name"]: p["port"] for p in grpc["spec"]["ports"]} == {"grpc": 9000, "grpc-tls": 9443}
+    (policy,) = r.kind("NetworkPolicy")
+    assert 9443 in {p["port"] for p in policy["spec"]["ingress"][0]["ports"]}
+    for _, template in rendered["default"].pod_templates():
+        (container,) = template["spec"]["containers"]
+        assert not any(e["name"].startswith("KVSERVE_GRPC_TLS") for e in container["env"])
+
+
 # ----------------------------------------------------------------------------- security
 
 def _containers(r: Rendered) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -371,7 +398,9 @@ def test_no_secrets_in_the_output(rendered: dict[str, Rendered], scenario: str) 
     assert not r.kind("Secret")
     for _, container, _ in _containers(r):
         for env in container.get("env", []):
-            if re.search(r"TOKEN|PASSWORD|KEY", env["name"]):
+            if env["name"].endswith("_FILE"):  # a path to a mounted Secret's file, not its content
+                assert env.get("value", "/").startswith("/"), env
+            elif re.search(r"TOKEN|PASSWORD|KEY", env["name"]):
                 assert "value" not in env or env["name"] == "RAY_AUTH_MODE", env
 
 

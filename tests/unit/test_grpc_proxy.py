@@ -94,7 +94,12 @@ class FakeServeServer:
 
     def __init__(self) -> None:
         self.handlers: dict[str, dict[str, Any]] = {}
+        self.passthrough: dict[str, Any] = {}
+        self.passthrough_services: set[str] = set()
         self.service_handler_factory = self._factory
+
+    def add_passthrough_service(self, service_name: str) -> None:
+        self.passthrough_services.add(service_name)
 
     def _factory(self, service_method: str, streaming_type: str) -> Any:
         async def stream(request: Any, context: Any) -> AsyncIterator[bytes]:
@@ -106,7 +111,10 @@ class FakeServeServer:
         return stream if streaming_type == "stream" else unary
 
     def add_generic_rpc_handlers(self, generic_handlers: Any) -> None:
-        for name in generic_handlers[0]._method_handlers:
+        for name, handler in generic_handlers[0]._method_handlers.items():
+            if name.split("/")[1] in self.passthrough_services:  # Serve registers these unmodified
+                self.passthrough[name] = handler
+                continue
             self.handlers[name] = {
                 kind: self.service_handler_factory(service_method=name, streaming_type=kind) for kind in ("stream", "unary")
             }
@@ -125,6 +133,8 @@ def test_only_the_kvserve_streaming_handlers_are_wrapped() -> None:
         assert "cancel_safe_stream" in built["stream"].__qualname__
         assert inspect.iscoroutinefunction(built["stream"])
         assert "cancel_safe_stream" not in built["unary"].__qualname__
+    # grpc.health.v1 answers in the proxy itself, next to KVServe (router/grpc_health.py).
+    assert {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"} <= set(server.passthrough)
 
 
 def test_a_plain_grpc_server_gets_the_generated_registration() -> None:

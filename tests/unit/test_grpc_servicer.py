@@ -35,6 +35,9 @@ class FakeTokenizer:
         def __init__(self, ids: list[int]) -> None:
             self.input_ids = ids
 
+    def __len__(self) -> int:  # the vocabulary: ids 0..209
+        return 210
+
     def __call__(self, text: str, add_special_tokens: bool = True) -> FakeTokenizer._Encoding:
         return self._Encoding(([1] if add_special_tokens else []) + [10 + ord(c) % 200 for c in text])
 
@@ -371,3 +374,19 @@ def test_status_error_survives_pickling() -> None:
 
     error = pickle.loads(pickle.dumps(GrpcStatusError(grpc.StatusCode.NOT_FOUND, "gone")))
     assert (error.code, error.details, str(error)) == (grpc.StatusCode.NOT_FOUND, "gone", "NOT_FOUND: gone")
+
+
+def test_engine_inputs_n_and_logit_bias() -> None:
+    inputs = engine_inputs(request(n=3, seed=4, logit_bias={7: 100.0, 9: -0.7}), "tiny", FakeTokenizer(), MAX_MODEL_LEN, max_n=4)
+    assert [inp.index for inp in inputs] == [0, 1, 2]
+    assert [inp.params.seed for inp in inputs] == [4, 5, 6]  # seed + choice, as over HTTP
+    assert dict(inputs[0].params.logit_bias) == {7: 100.0, 9: -0.7}  # the float32 back to its decimal
+
+
+@pytest.mark.parametrize(("kwargs", "fragment"), [({"n": 5}, "n must be at most 4"), ({"logit_bias": {7: 150.0}}, "[-100, 100]")])
+def test_engine_inputs_reject_bad_n_and_logit_bias(kwargs: dict[str, Any], fragment: str) -> None:
+    from router.errors import APIError
+
+    with pytest.raises(APIError) as info:
+        engine_inputs(request(**kwargs), "tiny", FakeTokenizer(), MAX_MODEL_LEN, max_n=4)
+    assert info.value.status == 400 and fragment in info.value.message

@@ -51,7 +51,7 @@ def test_missing_and_out_of_range() -> None:
 
 @pytest.mark.parametrize(
     "extra",
-    [{"top_logprobs": 2}, {"logit_bias": {"5": 1.0}}, {"functions": [{"name": "f"}]}],
+    [{"top_logprobs": 2}, {"functions": [{"name": "f"}]}],
 )
 def test_known_but_unsupported_chat_fields_are_400(extra: dict) -> None:
     error = validation_error(p.ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **extra})
@@ -85,6 +85,27 @@ def test_completion_inputs(tokenizer) -> None:  # noqa: ANN001
     assert (params.max_tokens, params.stop, params.top_k, params.logprobs, params.ignore_eos, params.stop_token_ids) == (
         5, ("x",), 0, 3, True, (7,),
     )
+
+
+def test_logit_bias_reaches_sampling_params(tokenizer) -> None:  # noqa: ANN001
+    req = p.CompletionRequest.model_validate({"model": "m", "prompt": "Hello", "logit_bias": {"5": 100, "7": -100.0}})
+    [inp] = convert.completion_inputs(req, tokenizer, 64, 4)
+    assert inp.params.logit_bias == ((5, 100.0), (7, -100.0))
+
+
+@pytest.mark.parametrize("bias", [{"5": 100.5}, {"5": -101}, {"x": 1.0}, {"-3": 1.0}])
+def test_logit_bias_out_of_range_or_not_an_id_is_400(bias: dict) -> None:
+    error = validation_error(p.CompletionRequest, {"model": "m", "prompt": "x", "logit_bias": bias})
+    assert error.status == 400 and error.param == "logit_bias"
+
+
+@pytest.mark.parametrize("field", ["logit_bias", "stop_token_ids"])
+def test_token_ids_outside_the_vocabulary_are_400(tokenizer, field: str) -> None:  # noqa: ANN001
+    value = {str(len(tokenizer)): 1.0} if field == "logit_bias" else [len(tokenizer)]
+    req = p.ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}], field: value})
+    with pytest.raises(errors.APIError) as info:
+        convert.chat_inputs(req, tokenizer, 64, 4)
+    assert info.value.status == 400 and info.value.param == field and "outside the vocabulary" in info.value.message
 
 
 def test_token_id_prompt_is_used_as_is(tokenizer) -> None:  # noqa: ANN001

@@ -404,3 +404,42 @@ def test_logprobs_when_every_row_asks() -> None:
         assert lp is not None and lp.token_id == out.token_ids[i]
         assert lp.logprob == pytest.approx(reference[i, lp.token_id].item(), abs=1e-5)
         assert [t for t, _ in lp.top] == reference[i].topk(i + 1).indices.tolist()
+
+
+# ---------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_forces_and_bans_tokens_per_row() -> None:
+    logits = random_logits(3, 30, seed=7)
+    best = logits.argmax(dim=-1).tolist()
+    seqs = [
+        make_seq(SamplingParams(temperature=0.0, logit_bias=((5, 100.0),))),  # forced
+        make_seq(SamplingParams(temperature=0.0, logit_bias=((best[1], -100.0),))),  # banned
+        make_seq(SamplingParams(temperature=0.0)),  # untouched
+    ]
+    out = Sampler(30, CPU)(logits, seqs)
+    assert out.token_ids[0] == 5
+    second = logits[1].clone()
+    second[best[1]] -= 100.0
+    assert out.token_ids[1] == int(second.argmax())
+    assert out.token_ids[2] == best[2]
+
+
+def test_logit_bias_forces_a_token_when_sampling_and_keeps_raw_logprobs() -> None:
+    logits = random_logits(1, 30, seed=8)
+    before = logits.clone()
+    seq = make_seq(SamplingParams(temperature=1.0, logit_bias=((11, 100.0),), logprobs=0))
+    out = Sampler(30, CPU)(logits, [seq])
+    assert out.token_ids == [11]
+    assert torch.equal(logits, before)  # the caller's logits are not modified
+    # logprobs come from the raw logits, as vLLM's default ("raw_logprobs")
+    assert math.isclose(out.logprobs[0].logprob, float(before.log_softmax(-1)[0, 11]), rel_tol=1e-5)
+
+
+def test_logit_bias_validation() -> None:
+    from worker.api import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError, match="\\[-100, 100\\]"):
+        SamplingParams(logit_bias=((1, 101.0),))
+    with pytest.raises(SamplingParamsError, match=">= 0"):
+        SamplingParams(logit_bias=((-1, 1.0),))

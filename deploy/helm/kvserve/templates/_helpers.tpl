@@ -58,6 +58,11 @@ app.kubernetes.io/part-of: kvserve
 {{- if hasKey $grpc "enabled" -}}{{ ternary "true" "false" (eq (toString $grpc.enabled) "true") }}{{- else -}}true{{- end -}}
 {{- end -}}
 
+{{/* gRPC TLS is on when gRPC is and a Secret is named (router/grpc_tls.py reads the env). */}}
+{{- define "kvserve.grpcTLS" -}}
+{{- and (eq (include "kvserve.grpcEnabled" .) "true") (ne (.Values.grpcTLS.existingSecret | default "") "") -}}
+{{- end -}}
+
 {{- define "kvserve.tensorParallelSize" -}}
 {{- $workers := .Values.kvserve.workers | default dict -}}
 {{- $workers.tensor_parallel_size | default 1 | int -}}
@@ -293,6 +298,23 @@ root filesystem can stay read-only. */}}
       name: {{ .Values.rayAuth.existingSecret }}
       key: {{ .Values.rayAuth.key }}
 {{- end }}
+{{- if eq (include "kvserve.grpcTLS" .) "true" }}
+{{- $tls := .Values.grpcTLS }}
+- name: KVSERVE_GRPC_TLS_PORT
+  value: {{ $tls.port | quote }}
+- name: KVSERVE_GRPC_TLS_CERT_FILE
+  value: /etc/kvserve/grpc-tls/{{ $tls.certKey }}
+- name: KVSERVE_GRPC_TLS_KEY_FILE
+  value: /etc/kvserve/grpc-tls/{{ $tls.keyKey }}
+{{- if $tls.clientCAKey }}
+- name: KVSERVE_GRPC_TLS_CLIENT_CA_FILE
+  value: /etc/kvserve/grpc-tls/{{ $tls.clientCAKey }}
+{{- end }}
+{{- end }}
+{{- if eq (include "kvserve.grpcEnabled" .) "true" }}
+- name: KVSERVE_APP_NAME
+  value: {{ include "kvserve.appName" . | quote }}
+{{- end }}
 {{- if .Values.apiKeys.existingSecret }}
 - name: KVSERVE_API_KEYS
   valueFrom:
@@ -329,6 +351,11 @@ root filesystem can stay read-only. */}}
   subPath: {{ .Values.modelSource.pvc.subPath }}
   {{- end }}
 {{- end }}
+{{- if eq (include "kvserve.grpcTLS" .) "true" }}
+- name: grpc-tls
+  mountPath: /etc/kvserve/grpc-tls
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- define "kvserve.volumes" -}}
@@ -349,6 +376,12 @@ root filesystem can stay read-only. */}}
   hostPath:
     path: {{ .Values.modelSource.hostPath.path }}
     type: {{ .Values.modelSource.hostPath.type }}
+{{- end }}
+{{- if eq (include "kvserve.grpcTLS" .) "true" }}
+- name: grpc-tls
+  secret:
+    secretName: {{ .Values.grpcTLS.existingSecret }}
+    defaultMode: 0400
 {{- end }}
 {{- end -}}
 
@@ -395,6 +428,11 @@ root filesystem can stay read-only. */}}
 {{- if eq (include "kvserve.grpcEnabled" .) "true" }}
 - name: grpc
   containerPort: {{ include "kvserve.grpcPort" . }}
+  protocol: TCP
+{{- end }}
+{{- if eq (include "kvserve.grpcTLS" .) "true" }}
+- name: grpc-tls
+  containerPort: {{ .Values.grpcTLS.port }}
   protocol: TCP
 {{- end }}
 - name: metrics
