@@ -21,12 +21,12 @@ known key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.config_errors import ConfigError, format_validation_error
-from cluster.config_fields import ByteSize, Section, build, default_of, parse_bytes
+from cluster.config_fields import ByteSize, OrString, Section, build, default_of, parse_bytes
 from cluster.pool_config import (  # noqa: F401 -- re-exported: part of the one schema
     KVSERVE_POLICIES,
     KVSERVE_POLICY,
@@ -49,6 +49,9 @@ __all__ = [
 _CACHE_RENAMES = {"num_blocks_override": "num_blocks"}
 # StateSection.redis_password_env is RedisStoreSpec.password_env.
 _REDIS_RENAMES = {"password_env": "redis_password_env"}
+# StateSection.redis_url as a JSON-schema pattern: redis:// or rediss://, a host, an optional
+# port and db, and no password (a user part without ':' is allowed).
+REDIS_URL_PATTERN = r"^rediss?://([^\s:@/]+@)?(\[[0-9a-fA-F:.]+\]|[^\s:@/\[\]]+)(:[0-9]{1,5})?(/[0-9]*)?$"
 
 
 class ModelSection(Section):
@@ -177,8 +180,11 @@ class StateSection(Section):
 
     # redis://host:6379/0 or rediss:// (TLS). No password here: it would show in the
     # Serve config; it is read from the environment variable below.
-    redis_url: str | None = None
-    redis_password_env: str | None = default_of(RedisStoreSpec, "password_env")
+    # The pattern publishes _redis_url's rule in the JSON schema (the Helm chart's
+    # values.schema.json), so `helm install` rejects a URL with a password before any pod.
+    redis_url: str | None = Field(None, json_schema_extra={"pattern": REDIS_URL_PATTERN})
+    redis_password_env: str | None = Field(default_of(RedisStoreSpec, "password_env"),
+                                           json_schema_extra={"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"})
     # Prefix of every Redis key this app writes. Default: "kvserve:<app_name>".
     key_prefix: str | None = Field(None, min_length=1, max_length=128)
     # Each Redis call waits at most this long before the replica falls back to its own counts.
@@ -280,8 +286,9 @@ class DisaggregationSection(Section):
 
 class KVServeConfig(Section):
     app_name: str = "kvserve"
-    route_prefix: str = "/"
-    model: ModelSection = ModelSection()
+    route_prefix: str = Field("/", json_schema_extra={"pattern": "^/"})  # see _prefix
+    # `model: /path/or/hub-id` is short for `model: {path: ...}` (_model_shorthand below).
+    model: Annotated[ModelSection, OrString("short for {path: ...}")] = ModelSection()
     engine: EngineSection = EngineSection()
     workers: WorkersSection = WorkersSection()
     ingress: IngressSection = IngressSection()

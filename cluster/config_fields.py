@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, GetJsonSchemaHandler
 
 T = TypeVar("T")
 
@@ -93,5 +93,25 @@ def parse_bytes(value: Any) -> Any:
     return int(number * scale)
 
 
+# The strings parse_bytes accepts, as a JSON-schema pattern (no inline flags: draft 7).
+BYTE_SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([KkMmGgTt][Ii]?[Bb]?|[Bb])?\s*$"
+
+
+class OrString:
+    """JSON-schema side of a field that also accepts a string form (a before-validator turns
+    it into the typed value): the published schema (`model_json_schema`, the Helm chart's
+    values.schema.json) says `anyOf: [typed, string]`, so it accepts what the model does."""
+
+    def __init__(self, description: str, pattern: str | None = None) -> None:
+        self.string: dict[str, Any] = {"type": "string", "description": description}
+        if pattern is not None:
+            self.string["pattern"] = pattern
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        return {"anyOf": [handler(core_schema), dict(self.string)]}
+
+
 # A section field holding a byte size: accepts parse_bytes' forms, stores the int.
-ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
+ByteSize = Annotated[
+    int, BeforeValidator(parse_bytes), OrString("a byte size: '256MiB', '2GiB', '512MB'", BYTE_SIZE_PATTERN),
+]

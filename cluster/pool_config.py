@@ -129,7 +129,7 @@ class WorkersSection(Section):
     # {kvserve_pool_decode: 1} to pin a pool to the nodes that advertise it (the Helm chart
     # sets this from its pools' roles).
     resources: CustomResources = Field(default_factory=dict)
-    tensor_parallel_size: int = default_of(ModelConfig, "tensor_parallel_size")
+    tensor_parallel_size: int = Field(default_of(ModelConfig, "tensor_parallel_size"), json_schema_extra={"minimum": 1})
     autoscaling: AutoscalingSection | None = None
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)

@@ -146,8 +146,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "ingress": {"enabled": True, "className": "nginx",
                     "hosts": [{"host": "llm.example.com", "paths": [{"path": "/", "pathType": "Prefix"}]}],
                     "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]},
-        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
-        "networkPolicy": {"enabled": True},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"},
+                           "bearerTokenSecret": {"name": "kvserve-metrics-key", "key": "api-key"}},
+        "networkPolicy": {"enabled": True, "clientNamespaces": ["monitoring"], "clientCIDRs": ["203.0.113.0/24"]},
         "service": {"grpc": {"type": "LoadBalancer"}},
         "head": {"nodeSelector": {"node-role": "cpu"}, "tolerations": [{"key": "dedicated", "operator": "Equal",
                                                                           "value": "ray", "effect": "NoSchedule"}]},
@@ -157,6 +158,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "ingressGroup": {"enabled": False},
         "head": {"numCpus": 4},
         "kvserve": {"ingress": {"num_replicas": 1}},
+    },
+    # Every secure default explicitly switched off (each opt-out renders and lints clean).
+    "insecure_opt_outs": {
+        "apiKeys": {"required": False, "existingSecret": ""},
+        "networkPolicy": {"enabled": False},
+        "serviceMonitor": {"enabled": True},
     },
     "grpc_off_hub_model": {
         "modelSource": {"type": "none"},
@@ -210,6 +217,16 @@ class Rendered:
             yield group["groupName"], group["template"]
 
 
-def render_job(values: dict[str, Any], skip_schema: bool = False) -> dict[str, Any]:
-    return {"op": "render", "chart": str(CHART), "values": values, "release": RELEASE, "namespace": NAMESPACE,
-            "skip_schema": skip_schema}
+# The chart requires API keys (apiKeys.required, on by default): every install names the
+# keys' Secret, and so does every rendering here unless a test asks for the bare values
+# (tests of that requirement and its opt-out, tests/helm/test_chart_secure_defaults.py).
+API_KEYS = {"apiKeys": {"existingSecret": "kvserve-api-keys"}}
+
+
+def with_api_keys(values: dict[str, Any]) -> dict[str, Any]:
+    return merge(API_KEYS, values)
+
+
+def render_job(values: dict[str, Any], skip_schema: bool = False, bare: bool = False) -> dict[str, Any]:
+    return {"op": "render", "chart": str(CHART), "values": values if bare else with_api_keys(values),
+            "release": RELEASE, "namespace": NAMESPACE, "skip_schema": skip_schema}

@@ -270,7 +270,10 @@ def test_everything_on(rendered: dict[str, Rendered]) -> None:
     assert ingress["spec"]["ingressClassName"] == "nginx"
     (monitor,) = r.kind("ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
-    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/api/metrics", "interval": "15s", "scrapeTimeout": "10s"}]
+    assert monitor["spec"]["endpoints"] == [{
+        "port": "http", "path": "/api/metrics", "interval": "15s", "scrapeTimeout": "10s",
+        "authorization": {"type": "Bearer", "credentials": {"name": "kvserve-metrics-key", "key": "api-key"}},
+    }]
     assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "serve-http"
     (policy,) = r.kind("NetworkPolicy")
     operator_rule = policy["spec"]["ingress"][2]
@@ -451,7 +454,9 @@ def test_grafana_dashboard(rendered: dict[str, Rendered]) -> None:
 def test_notes_render(rendered: dict[str, Rendered]) -> None:
     notes = rendered["default"].notes
     assert "kubectl -n llm port-forward svc/kvs-kvserve-http 8000" in notes
-    assert "apiKeys.existingSecret is empty" in notes
-    assert "apiKeys.existingSecret is empty" not in rendered["everything_on"].notes
+    assert "apiKeys.existingSecret is empty" not in notes and "networkPolicy.enabled is false" not in notes
+    opted_out = rendered["insecure_opt_outs"].notes
+    assert "apiKeys.required is false and apiKeys.existingSecret is empty" in opted_out
+    assert "networkPolicy.enabled is false" in opted_out
     assert "/api/v1/models" in rendered["everything_on"].notes
 

@@ -28,6 +28,8 @@ MODEL = "kv-tiny-helm"
 def chart_values(model_dir: str) -> dict[str, Any]:
     """Chart values for a CPU-only cluster: the model on a hostPath, no GPUs per replica."""
     return {
+        # The local Ray cluster has no key Secret; the serve config is what is tested here.
+        "apiKeys": {"required": False, "existingSecret": ""},
         "modelSource": {"type": "hostPath", "mountPath": model_dir, "hostPath": {"path": model_dir}},
         "pools": [{"name": "cpu", "role": "mixed", "replicas": 1, "minReplicas": 1, "maxReplicas": 1,
                    "gpusPerPod": 1}],

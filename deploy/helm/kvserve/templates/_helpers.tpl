@@ -251,6 +251,14 @@ runs it. */}}
 {{- if and (eq .Values.rayAuth.mode "secret") (not .Values.rayAuth.existingSecret) -}}
   {{- fail "rayAuth.mode is 'secret' but rayAuth.existingSecret is empty: name the Secret that holds the Ray auth token" -}}
 {{- end -}}
+{{- /* Secure by default: no keys only when the values say so. */ -}}
+{{- if and .Values.apiKeys.required (not .Values.apiKeys.existingSecret) -}}
+  {{- fail "apiKeys.existingSecret is empty: the OpenAI/gRPC APIs would accept any caller. Create a Secret with the keys (kubectl create secret generic kvserve-api-keys --from-literal=api-keys=KEY1,KEY2) and set apiKeys.existingSecret=kvserve-api-keys, or set apiKeys.required=false to serve without API keys" -}}
+{{- end -}}
+{{- $ingressCfg := .Values.kvserve.ingress | default dict -}}
+{{- if and .Values.serviceMonitor.enabled .Values.apiKeys.existingSecret (not $ingressCfg.metrics_public) (not .Values.serviceMonitor.bearerTokenSecret.name) -}}
+  {{- fail "serviceMonitor.enabled with API keys on: /metrics needs a key. Set serviceMonitor.bearerTokenSecret.name (a Secret whose key serviceMonitor.bearerTokenSecret.key holds one plaintext API key), or make /metrics public explicitly with kvserve.ingress.metrics_public=true" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* ---------------------------------------------------------------- pod pieces */}}
