@@ -68,12 +68,14 @@ class Plan:
     max_steps_out: int = 6
 
 
-# --quick: 4 replicas, 1 seed, 3 s of arrivals a run (50..400 requests), no bisection (the
-# rate ladder's x1.5 steps only).
+# --quick: 4 replicas, 1 seed, 2 s of arrivals a run (25..150 requests at 4 replicas), no
+# bisection (the rate ladder's x1.5 steps only, at most 3 out), 2 processes (the machine's
+# cores): sized to finish within 10 minutes on an unloaded 2-core machine.
 # Coarse: in 3 s a run only misses the TTFT SLO once the offered rate exceeds capacity by
 # well over 50% (the queue needs time to grow to 2 s), so quick goodputs over-estimate
 # capacity alike for every router; the full run's 30 s windows and bisection resolve ~7%.
-QUICK = Plan(replicas=(4,), seeds=(0,), window=Window(3.0, 100, 800), bisect_steps=0, max_steps_out=4)
+QUICK = Plan(replicas=(4,), seeds=(0,), window=Window(2.0, 50, 300), bisect_steps=0, max_steps_out=3)
+QUICK_JOBS = 2
 FULL = Plan(replicas=(8, 32), seeds=(0, 1, 2), window=Window(30.0, 300, 4000), bisect_steps=3)
 
 
@@ -98,10 +100,30 @@ class Cell:
         return statistics.fmean(values) if values else math.nan
 
 
+def modelled_prefill_tokens_per_s(shape: str = SHAPE, profile: str = PROFILE) -> float:
+    """One replica's prefill throughput by the cost model: a full chunk (the scheduler's
+    max_num_batched_tokens) of a fresh prompt per step. What llm-d's sticky router takes
+    from a profile of the serving device (router/policies/sticky.py)."""
+    from worker.sim.cost_model import SeqWork, StepCostModel
+    from worker.sim.profiles import load_profile
+    from worker.sim.shapes import load_shape
+
+    chunk = SimConfig().max_num_batched_tokens
+    cost = StepCostModel(load_shape(shape), load_profile(profile))
+    return chunk / cost.step_time_s([SeqWork(num_new_tokens=chunk, context_len=0)])
+
+
+def policy_options(router: str) -> tuple[tuple[str, float], ...]:
+    if router == "sticky":
+        return (("prefill_tokens_per_s", modelled_prefill_tokens_per_s()),)
+    return ()
+
+
 def sim_config(router: str, num_replicas: int, num_ingress: int = 1) -> SimConfig:
     params = HeadroomParams(stats_period_s=STATS_PERIOD_S, report_lag_s=0.05, headroom_share=1.0 / num_ingress)
     return SimConfig(shape=SHAPE, profile=PROFILE, num_replicas=num_replicas, router=router, num_ingress=num_ingress,
-                     policy_params=params, stats_period_s=STATS_PERIOD_S, max_model_len=MAX_MODEL_LEN)
+                     policy_params=params, policy_options=policy_options(router), stats_period_s=STATS_PERIOD_S,
+                     max_model_len=MAX_MODEL_LEN)
 
 
 def log(msg: str) -> None:
@@ -189,13 +211,14 @@ def header(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks.routing", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 seed, 4 replicas, 3 s of arrivals a run, no bisection")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 4 replicas, 2 s of arrivals a run, no bisection")
     parser.add_argument("--skip-validation", action="store_true", help="the router table only")
     parser.add_argument("--trace", metavar="FILE", help="also replay this Mooncake-style JSONL trace")
     parser.add_argument("--cpu-profile", metavar="FILE",
                         help="validation 1: a calibrated CPU profile (default: calibrate now)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
-    parser.add_argument("--jobs", type=int, default=0, help="parallel processes (default: one per table row group)")
+    parser.add_argument("--jobs", type=int, default=0,
+                        help=f"parallel processes (default: {QUICK_JOBS} with --quick, else one per table row group)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     header(argv)
@@ -209,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     # Every (workload, replica count) and the multi-ingress search run in parallel processes
     # (independent seeded simulations; the log interleaves their progress lines).
     keys = [(w, n) for n in plan.replicas for w in workloads]
-    with ProcessPoolExecutor(max_workers=args.jobs or len(keys) + 1) as pool:
+    jobs = args.jobs or (QUICK_JOBS if args.quick else len(keys) + 1)
+    log(f"sticky's prefill_tokens_per_s (cost model, {PROFILE}, {SHAPE}): {modelled_prefill_tokens_per_s():.0f}")
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
         futures = {key: pool.submit(table_for, key[0], key[1], plan, kw_of[key[0]]) for key in keys}
         ingress_futures = ({k: pool.submit(multi_ingress_goodput, plan, k) for k in MULTI_INGRESS}
                            if "b2b" in workloads else {})

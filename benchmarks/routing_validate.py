@@ -10,7 +10,10 @@
    router, driven over HTTP at the workload's arrival times x D (cluster/bench's streaming
    client; prompts sent as token ids so both sides see the same tokens), against
    `simulate` with the same config, its stats period and report lag divided by D. Real
-   times are divided by D (tokens/s multiplied) before comparing.
+   times are divided by D (tokens/s multiplied) before comparing. The HTTP proxy ->
+   ingress -> Serve dispatch path is not dilated, so it is MEASURED in the same run (idle
+   probes' TTFT less their modelled prefill) and given to the simulator as
+   SimConfig.dispatch_latency_s; the log also shows the simulation without it.
 
 Figures: TTFT p50, TTFT p99, output tokens/s (all output tokens / (last finish - first
 arrival)), relative error (sim - real) / real.
@@ -107,44 +110,71 @@ def run_engine_real_time(engine, requests: Sequence[SimRequest]) -> Figures:  # 
     return Figures.of(arrivals, [first[r.request_id] for r in requests], list(finish.values()), num_tokens)
 
 
-def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str, float]:
+ENGINE_NUM_THREADS = 1  # torch threads: the engine here and the calibration that priced it
+ENGINE_LOAD_FRACTION = 0.5  # the run's rate: this fraction of the modelled saturation rate
+ENGINE_REQUESTS = {True: 40, False: 150}  # --quick, full
+
+
+def engine_profile(profile_path: str | None, log: Log):  # noqa: ANN201 (worker.sim.profiles.DeviceProfile)
+    """The CPU profile to price the engine with: `profile_path`; else the committed fit
+    (worker/sim/profiles/cpu-calibrated.json) when it was fitted with the engine's thread
+    count, model and block size; else a calibration now, with that thread count."""
     from cluster.calibrate import calibrate
+    from worker.sim.profiles import PROFILES_DIR, load_profile
+
+    if profile_path:
+        profile = load_profile(profile_path)
+        log(f"validation 1: CPU profile {profile_path} ({profile.source})")
+        return profile
+    committed = os.path.join(PROFILES_DIR, "cpu-calibrated.json")
+    if os.path.exists(committed):
+        profile = load_profile(committed)
+        fit = profile.fit or {}
+        if (fit.get("num_threads") == ENGINE_NUM_THREADS and fit.get("model") == "kvserve-tiny"
+                and fit.get("block_size") == 16 and fit.get("dtype_bytes") == 4):
+            log(f"validation 1: the committed CPU profile {committed} (fitted {fit.get('date')}, "
+                f"{fit.get('num_threads')} thread, {fit.get('clock')} clock, fit error mean "
+                f"{100 * fit.get('mean_rel_error', math.nan):.1f}%, max {100 * fit.get('max_rel_error', math.nan):.1f}%)")
+            return profile
+        log(f"validation 1: the committed CPU profile was fitted with {fit.get('num_threads')} threads / "
+            f"{fit.get('model')}: calibrating now with {ENGINE_NUM_THREADS}")
+    t0 = time.perf_counter()
+    profile, report, points = calibrate(None, "cpu-validation", ENGINE_NUM_THREADS, 16)
+    saved = os.path.join(tempfile.gettempdir(), f"kvserve-cpu-validation-{os.getpid()}.json")
+    profile.save(saved)
+    log(f"validation 1: calibrated a CPU profile now ({len(points)} engine steps, {time.perf_counter() - t0:.0f} s, "
+        f"{ENGINE_NUM_THREADS} thread, saved to {saved}): fit error mean {100 * report.mean_rel_error:.1f}%, "
+        f"max {100 * report.max_rel_error:.1f}%")
+    log(f"  profile: {profile.to_dict()}")
+    return profile
+
+
+def modelled_saturation_rps(config: SimConfig, device: SimDevice, kind: str, num_requests: int, seed: int,
+                            vocab_size: int, **kw) -> float:
+    """Requests/s the modelled replica completes when every request is waiting at once
+    (the workload's requests, all arriving within a millisecond): its capacity."""
+    burst = into_vocab(make_workload(kind, num_requests, num_requests / 1e-3, seed, **kw), vocab_size)
+    summary = simulate(config, burst, device).summary()
+    return num_requests / summary["duration_s"]
+
+
+def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str, float]:
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from worker.default_model import default_model_path
     from worker.engine import Engine
     from worker.sim.cost_model import StepCostModel
-    from worker.sim.profiles import load_profile
     from worker.sim.runner import SimRunner
     from worker.sim.shapes import load_shape
 
     path = default_model_path()
-    if profile_path:
-        profile = load_profile(profile_path)
-        log(f"validation 1: CPU profile {profile_path} ({profile.source})")
-    else:
-        t0 = time.perf_counter()
-        profile, report, points = calibrate(None, "cpu-validation", None, 16)
-        saved = os.path.join(tempfile.gettempdir(), f"kvserve-cpu-validation-{os.getpid()}.json")
-        profile.save(saved)
-        log(f"validation 1: calibrated a CPU profile now ({len(points)} engine steps, {time.perf_counter() - t0:.0f} s, "
-            f"saved to {saved}): fit error mean {100 * report.mean_rel_error:.1f}%, max {100 * report.max_rel_error:.1f}%")
-        log(f"  profile: {profile.to_dict()}")
+    profile = engine_profile(profile_path, log)
     scheduler = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048)  # prompt + output <= 1536
     cache = CacheConfig(block_size=16, kv_cache_bytes=64 * 1024**2, enable_prefix_caching=True)
-    engine = Engine.from_config(EngineConfig(model=ModelConfig(model=path, device="cpu", dtype="float32"),
-                                             cache=cache, scheduler=scheduler))
+    engine = Engine.from_config(EngineConfig(
+        model=ModelConfig(model=path, device="cpu", dtype="float32", num_threads=ENGINE_NUM_THREADS),
+        cache=cache, scheduler=scheduler))
     num_blocks = engine.runner.num_blocks
     shape = load_shape(path, dtype_bytes=4)
-    kind = ENGINE_WORKLOAD["kind"]
-    kw = {k: v for k, v in ENGINE_WORKLOAD.items() if k != "kind"}
-    num_requests, rate = (60, 3.0) if quick else (200, 3.0)
-    requests = into_vocab(make_workload(kind, num_requests, rate, 7, **kw), shape.vocab_size)
-    log(f"  workload: {kind} {kw}, {num_requests} requests at {rate} req/s (Poisson, seed 7); "
-        f"engine max_num_seqs {scheduler.max_num_seqs}, max_num_batched_tokens {scheduler.max_num_batched_tokens}, "
-        f"{num_blocks} KV blocks")
-    engine.step()  # warm-up (first-step allocations), before the clock starts
-    real = run_engine_real_time(engine, requests)
-
     cost = StepCostModel(shape, profile)
     device = SimDevice(make_runner=lambda n: SimRunner(cost, n, 16, shape.vocab_size, sleep=False),
                        num_blocks=num_blocks, vocab_size=shape.vocab_size,
@@ -152,6 +182,20 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str
     config = SimConfig(shape=path, profile=profile.name, num_replicas=1, router="round_robin",
                        max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
                        max_model_len=scheduler.max_model_len, block_size=16, num_blocks=num_blocks, seed=7)
+    kind = ENGINE_WORKLOAD["kind"]
+    kw = {k: v for k, v in ENGINE_WORKLOAD.items() if k != "kind"}
+    num_requests = ENGINE_REQUESTS[quick]
+    capacity = modelled_saturation_rps(config, device, kind, num_requests, 7, shape.vocab_size, **kw)
+    rate = ENGINE_LOAD_FRACTION * capacity
+    requests = into_vocab(make_workload(kind, num_requests, rate, 7, **kw), shape.vocab_size)
+    log(f"  workload: {kind} {kw}, {num_requests} requests at {rate:.2f} req/s (Poisson, seed 7) = "
+        f"{ENGINE_LOAD_FRACTION:.0%} of the modelled saturation rate {capacity:.2f} req/s; engine "
+        f"{ENGINE_NUM_THREADS} torch thread, max_num_seqs {scheduler.max_num_seqs}, max_num_batched_tokens "
+        f"{scheduler.max_num_batched_tokens}, {num_blocks} KV blocks; load average {os.getloadavg()[0]:.1f} at start")
+    engine.step()  # warm-up (first-step allocations), before the clock starts
+    real = run_engine_real_time(engine, requests)
+    log(f"  load average {os.getloadavg()[0]:.1f} at end (the real engine runs on the wall clock: a machine "
+        f"shared with other jobs slows it, the calibrated profile does not)")
     sim = Figures.of_sim(simulate(config, requests, device).summary())
     return compare("engine (1 CPU replica)", real, sim, log)
 
@@ -166,6 +210,35 @@ CLUSTER_STATS_PERIOD_S = 1.0  # real seconds
 # The controller's broadcast of a report to the routers (real seconds; an estimate).
 CLUSTER_REPORT_LAG_S = 0.1
 CLUSTER_WORKLOAD = dict(kind="b2b", num_groups=8, prefix_len=1024, question_len=128, output_len=32)
+# Idle requests sent one at a time to measure the dispatch path (proxy -> ingress -> Serve
+# -> replica -> first token back) that the engine does not see: SimConfig.dispatch_latency_s.
+NUM_PROBES = 8
+PROBE_PROMPT_LEN = 16
+
+
+def measure_dispatch_latency(url: str, dilation: float, log: Log) -> float:
+    """The path outside the engine, in modelled seconds: each idle probe's real TTFT less
+    the modelled time of its one prefill step (times the dilation, as the sim device
+    sleeps), divided by the dilation (the path is not dilated; the run's real times are
+    divided by it). The median over NUM_PROBES fresh prompts (no prefix hits)."""
+    from worker.sim.cost_model import SeqWork, StepCostModel
+    from worker.sim.profiles import load_profile
+    from worker.sim.shapes import load_shape
+
+    cost = StepCostModel(load_shape("llama-3-8b"), load_profile("h200"))
+    step_s = cost.step_time_s([SeqWork(num_new_tokens=PROBE_PROMPT_LEN, context_len=0)])
+    rng = np.random.default_rng(12345)
+    ttfts = []
+    for i in range(NUM_PROBES):
+        prompt = tuple(int(t) for t in rng.integers(1000, 100_000, PROBE_PROMPT_LEN))
+        probe = SimRequest(f"probe-{i}", 0.0, prompt, 1)
+        ttfts.append(asyncio.run(_drive(url, "sim", [probe], 1.0)).ttft_p50_s)
+    real = float(np.median(ttfts))
+    latency = max(real - step_s * dilation, 0.0) / dilation
+    log(f"  dispatch path: idle TTFT median {1000 * real:.0f} ms real over {NUM_PROBES} probes "
+        f"(min {1000 * min(ttfts):.0f}, max {1000 * max(ttfts):.0f}), modelled prefill step {1000 * step_s:.2f} ms "
+        f"x {dilation:g} -> dispatch_latency_s {1000 * latency:.2f} ms modelled; load average {os.getloadavg()[0]:.1f}")
+    return latency
 
 
 async def _drive(url: str, model: str, requests: Sequence[SimRequest], dilation: float) -> Figures:
@@ -243,15 +316,22 @@ def validate_cluster(quick: bool, log: Log) -> dict[str, float]:
         asyncio.run(_drive(url, "sim", [replace(r, arrival_s=0.0) for r in make_workload(
             "sharegpt", CLUSTER_REPLICAS, 1.0, 99, output_mean=4.0, input_mean=16.0)], 1.0))
         log(f"  cluster up in {time.perf_counter() - t0:.0f} s")
+        dispatch_latency_s = measure_dispatch_latency(url, d, log)
         real = (asyncio.run(_drive(url, "sim", requests, d))).scaled(d)
+        log(f"  load average {os.getloadavg()[0]:.1f} after the run")
     finally:
         serve.shutdown()
         ray.shutdown()
     sim_config = SimConfig(shape="llama-3-8b", profile="h200", num_replicas=CLUSTER_REPLICAS, router=CLUSTER_POLICY,
                            stats_period_s=CLUSTER_STATS_PERIOD_S / d, report_lag_s=CLUSTER_REPORT_LAG_S / d,
                            max_model_len=4096, seed=11)
+    bare = Figures.of_sim(simulate(sim_config, requests).summary())
+    log(f"  simulated without the dispatch path: TTFT p50 {bare.ttft_p50_s:.4f} s, p99 {bare.ttft_p99_s:.4f} s, "
+        f"{bare.output_tokens_per_s:.1f} tok/s")
+    sim_config = replace(sim_config, dispatch_latency_s=dispatch_latency_s)
     sim = Figures.of_sim(simulate(sim_config, requests).summary())
-    return compare(f"cluster ({CLUSTER_REPLICAS} sim replicas)", real, sim, log)
+    return compare(f"cluster ({CLUSTER_REPLICAS} sim replicas, dispatch path {1000 * dispatch_latency_s:.1f} ms)",
+                   real, sim, log)
 
 
 def validate_all(quick: bool, cpu_profile: str | None, log: Log) -> float:

@@ -51,7 +51,8 @@ class Orchestrator:
 
     def start(self, flight: Flight) -> None:
         req = flight.request
-        flight.record = self.sim.tracker.add(req.request_id, self.sim.clock.now, len(req.prompt_token_ids),
+        # Counted from the arrival, not from now: now is later by SimConfig.dispatch_latency_s.
+        flight.record = self.sim.tracker.add(req.request_id, req.arrival_s, len(req.prompt_token_ids),
                                              req.max_tokens)
         flight.record.ingress = flight.router.index
         flight.routing_request = RoutingRequest(req.request_id, req.prompt_token_ids, req.max_tokens, req.session_id)

@@ -45,6 +45,15 @@ class SimConfig:
     num_replicas: int = 8  # the mixed pool (ignored when disaggregated)
     router: str = "round_robin"  # router.policies.POLICY_NAMES
     policy_params: HeadroomParams | None = None  # None: defaults, with this config's period and lag
+    # The policy's own options (router.policies.make_policy's **options, e.g. sticky's
+    # prefill_tokens_per_s), as (name, value) pairs so the config stays frozen and hashable.
+    policy_options: tuple[tuple[str, Any], ...] = ()
+    # The request path outside the engine that a real cluster adds before the router's
+    # decision: HTTP proxy -> ingress -> Serve dispatch (and the first token's way back,
+    # lumped in here). Each request reaches its ingress router this long after its arrival;
+    # TTFT and E2E still count from the arrival. 0: not modelled. A MEASURED input (see
+    # benchmarks/routing_validate.py), never fitted to a result.
+    dispatch_latency_s: float = 0.0
     num_ingress: int = 1
     ingress_assignment: str = "round_robin"  # or "session": a session always uses one router
     stats_period_s: float = 1.0
@@ -75,6 +84,8 @@ class SimConfig:
             raise ValueError("stats_period_s must be > 0 and report_lag_s >= 0")
         if self.max_ongoing_requests < 1:
             raise ValueError("max_ongoing_requests must be >= 1")
+        if self.dispatch_latency_s < 0:
+            raise ValueError("dispatch_latency_s must be >= 0")
 
     def headroom_params(self) -> HeadroomParams:
         if self.policy_params is not None:
@@ -131,7 +142,8 @@ class Simulation:
 
         params = config.headroom_params()
         self.routers = [
-            SimRouter(k, {role: make_policy(config.router, params, seed=config.seed * 1009 + k * 31 + i)
+            SimRouter(k, {role: make_policy(config.router, params, seed=config.seed * 1009 + k * 31 + i,
+                                            **dict(config.policy_options))
                           for i, role in enumerate(roles)}, self.pools, self.clock, config.max_ongoing_requests)
             for k in range(config.num_ingress)
         ]
@@ -230,7 +242,7 @@ class Simulation:
             for pool in self.pools.values():
                 self.autoscalers.append(SimAutoscaler(self, pool, self.config.autoscale))
         for i, request in enumerate(requests):
-            self.clock.at(request.arrival_s, self._arrive, i, request)
+            self.clock.at(request.arrival_s + self.config.dispatch_latency_s, self._arrive, i, request)
         if requests:
             self.clock.run(stop=self.done)
         return SimResult(

@@ -65,3 +65,17 @@ def test_search_marks_a_goodput_it_never_saw_fail_as_a_lower_bound() -> None:
     calls: list[float] = []
     best = goodput_at_slo(fake_run(1e9, calls), 10.0, Search(bisect_steps=3, step=2.0, max_steps_out=2))
     assert calls == [10.0, 20.0, 40.0] and best.lower_bound and best.rate_rps == 40.0
+
+
+def test_sticky_gets_the_cost_models_prefill_throughput_and_only_sticky() -> None:
+    from benchmarks.routing import modelled_prefill_tokens_per_s, sim_config
+    from worker.sim.cost_model import SeqWork, StepCostModel
+    from worker.sim.profiles import load_profile
+    from worker.sim.shapes import load_shape
+
+    config = sim_config("sticky", 4)
+    chunk = config.max_num_batched_tokens
+    step = StepCostModel(load_shape("llama-3-8b"), load_profile("h200")).step_time_s([SeqWork(chunk, 0)])
+    assert dict(config.policy_options) == {"prefill_tokens_per_s": modelled_prefill_tokens_per_s()}
+    assert math.isclose(modelled_prefill_tokens_per_s(), chunk / step)
+    assert sim_config("headroom", 4).policy_options == ()

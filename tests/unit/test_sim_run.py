@@ -202,3 +202,25 @@ def test_a_policy_that_offers_no_replica_stalls_loudly_instead_of_spinning(monke
 def test_a_long_idle_gap_between_arrivals_is_not_a_stall() -> None:
     result = simulate(SimConfig(num_replicas=1, stats_period_s=60.0), _requests([(0.0, 10, 2), (5000.0, 10, 2)]))
     assert result.summary()["num_finished"] == 2
+
+
+def test_dispatch_latency_delays_routing_and_counts_from_the_arrival() -> None:
+    prompt, latency = 300, 0.17
+    cfg = SimConfig(num_replicas=1, dispatch_latency_s=latency, keep_token_times=True)
+    rec = simulate(cfg, _requests([(0.25, prompt, 2)])).records[0]
+    assert rec.arrival_s == 0.25
+    assert rec.ttft_s == pytest.approx(latency + COST.step_time_s([SeqWork(prompt, 0)]), rel=1e-12)
+    with pytest.raises(ValueError, match="dispatch_latency_s"):
+        SimConfig(dispatch_latency_s=-1.0)
+
+
+def test_policy_options_reach_the_policy_and_unknown_ones_fail() -> None:
+    reqs = _requests([(0.0, 64, 2)])
+    cfg = SimConfig(num_replicas=2, router="sticky", policy_options=(("prefill_tokens_per_s", 1234.0),))
+    from cluster.sim.run import SimDevice, Simulation
+
+    sim = Simulation(cfg, SimDevice.from_config(cfg))
+    assert sim.routers[0].policies["mixed"].options.prefill_tokens_per_s == 1234.0
+    assert sim.run(reqs).summary()["num_finished"] == 1
+    with pytest.raises(ValueError):
+        simulate(SimConfig(num_replicas=1, router="round_robin", policy_options=(("target_s", 1.0),)), reqs)
