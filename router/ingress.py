@@ -222,10 +222,7 @@ class Ingress(GrpcMethods):
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        principal = self._authenticate(request)
-        body, num_bytes = await read_json(request, self.settings.max_body_bytes)
-        req = parse(p.CompletionRequest, body)
-        self._check_model(req.model)
+        principal, req, num_bytes = await self._read(request, p.CompletionRequest)
         convert.check_n(req.n, self.settings.max_n)
         num_prompts = 1 if isinstance(req.prompt, str) or all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
         # A list of prompts multiplies the engine requests as n does: bounded the same way
@@ -252,10 +249,7 @@ class Ingress(GrpcMethods):
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        principal = self._authenticate(request)
-        body, num_bytes = await read_json(request, self.settings.max_body_bytes)
-        req = parse(p.ChatCompletionRequest, body)
-        self._check_model(req.model)
+        principal, req, num_bytes = await self._read(request, p.ChatCompletionRequest)
         convert.check_n(req.n, self.settings.max_n)
         tokenizer, max_n, parser = self.pipeline.tokenizer, self.settings.max_n, self.settings.tool_call_parser
         stream = await self.pipeline.start(
@@ -278,11 +272,7 @@ class Ingress(GrpcMethods):
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: the ids generation would see, with the context length."""
-        self._authenticate(request)
-        body, num_bytes = await read_json(request, self.settings.max_body_bytes)
-        req = parse(tk.TokenizeRequest, body)
-        if req.model is not None:
-            self._check_model(req.model)
+        _, req, num_bytes = await self._read(request, tk.TokenizeRequest)
         tokenizer = self.pipeline.tokenizer
         ids = await self._off_loop(num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
         info = await self.pipeline.workers.model_info()
@@ -293,11 +283,7 @@ class Ingress(GrpcMethods):
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:
         """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM)."""
-        self._authenticate(request)
-        body, num_bytes = await read_json(request, self.settings.max_body_bytes)
-        req = parse(tk.DetokenizeRequest, body)
-        if req.model is not None:
-            self._check_model(req.model)
+        _, req, num_bytes = await self._read(request, tk.DetokenizeRequest)
         tokenizer = self.pipeline.tokenizer
         text = await self._off_loop(num_bytes, lambda: tk.detokenize_text(req, tokenizer))
         return JSONResponse(tk.DetokenizeResponse(prompt=text).model_dump())
@@ -344,6 +330,17 @@ class Ingress(GrpcMethods):
         if num_bytes > LARGE_REQUEST_BYTES:
             return await asyncio.to_thread(work)
         return work()
+
+    async def _read(self, request: Request, model: type[M]) -> tuple[Principal, M, int]:
+        """Authenticate, read the JSON body (bounded), validate it and check its `model`
+        (optional where the endpoint allows it): every POST endpoint starts so."""
+        principal = self._authenticate(request)
+        body, num_bytes = await read_json(request, self.settings.max_body_bytes)
+        req = parse(model, body)
+        name = getattr(req, "model", None)
+        if name is not None:
+            self._check_model(name)
+        return principal, req, num_bytes
 
     def _check_model(self, model: str) -> None:
         if model != self.settings.served_model_name:
