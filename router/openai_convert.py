@@ -9,16 +9,14 @@ prompt_index * n + i, as OpenAI does; chat has one prompt, so index = i.
 """
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from router import openai_protocol as p
 from router import tools
 from router.errors import bad_request
 from router.structured import structured_output_of
-from worker.api import RequestOutput, SamplingParams, SamplingParamsError, StructuredOutput, TokenLogprob
+from worker.api import SamplingParams, SamplingParamsError, StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -159,254 +157,15 @@ def chat_inputs(
     return [EngineInput(i, 0, ids, sampling_params(request, max_tokens, logprobs, i, structured)) for i in range(request.n)]
 
 
-# -- engine outputs -> bodies -------------------------------------------------------------
-class TokenTexts:
-    """Token id -> its text, cached (the vocabulary bounds the cache)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            self._cache[token_id] = text
-        return text
-
-
-@dataclass
-class ChoiceState:
-    """What one choice has produced so far."""
-
-    index: int
-    prompt_index: int
-    text_parts: list[str] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
-
-    def add(self, out: RequestOutput) -> None:
-        if out.text_delta:
-            self.text_parts.append(out.text_delta)
-        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
-        self.num_output_tokens = max(self.num_output_tokens, out.num_output_tokens)
-        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
-        if out.logprobs:
-            self.logprobs.extend(out.logprobs)
-        if out.finished:
-            self.finish_reason = out.finish_reason
-            self.stop_reason = out.stop_reason
-
-
-def usage_of(states: list[ChoiceState], prompt_lengths: list[int]) -> p.Usage:
-    prompt_tokens = sum(prompt_lengths)
-    completion_tokens = sum(s.num_output_tokens for s in states)
-    cached: dict[int, int] = {}
-    for s in states:
-        cached[s.prompt_index] = max(cached.get(s.prompt_index, 0), s.num_cached_tokens)
-    return p.Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(cached.values())),
-    )
-
-
-def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, offset: int) -> p.CompletionLogprobs:
-    """OpenAI's legacy shape: parallel lists; `text_offset` counts from the choice's start."""
-    out = p.CompletionLogprobs()
-    for entry in entries:
-        token = texts(entry.token_id)
-        out.tokens.append(token)
-        out.token_logprobs.append(entry.logprob)
-        out.top_logprobs.append({texts(t): lp for t, lp in entry.top} if entry.top else None)
-        out.text_offset.append(offset)
-        offset += len(token)
-    return out
-
-
-def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> p.ChatLogprobs:
-    content = []
-    for entry in entries:
-        token = texts(entry.token_id)
-        content.append(
-            p.TokenLogprobContent(
-                token=token,
-                logprob=entry.logprob,
-                bytes=list(token.encode()),
-                top_logprobs=[
-                    p.TopLogprob(token=texts(t), logprob=lp, bytes=list(texts(t).encode())) for t, lp in entry.top
-                ],
-            )
-        )
-    return p.ChatLogprobs(content=content)
-
-
-class CompletionFormatter:
-    """Builds /v1/completions bodies and chunks."""
-
-    def __init__(self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.texts = texts
-        self.want_logprobs = want_logprobs
-        self._offsets: dict[int, int] = {}
-        # echo: each choice's prompt text, by choice index (OpenAI's `echo` puts it before
-        # the completion; streamed as the choice's first chunk, as vLLM does).
-        self.echo: dict[int, str] = {}
-
-    def start_chunks(self, indices: list[int]) -> list[p.BaseModel]:
-        return [
-            p.CompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                              choices=[p.CompletionChoice(index=i, text=self.echo[i])])
-            for i in indices if self.echo.get(i)
-        ]
-
-    def delta_chunk(self, index: int, out: RequestOutput) -> p.CompletionChunk | None:
-        if not out.text_delta and not out.finished and not (self.want_logprobs and out.logprobs):
-            return None
-        logprobs = None
-        if self.want_logprobs:
-            offset = self._offsets.get(index, 0)
-            logprobs = completion_logprobs(out.logprobs or [], self.texts, offset)
-            self._offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
-        choice = p.CompletionChoice(
-            index=index,
-            text=out.text_delta,
-            logprobs=logprobs,
-            finish_reason=out.finish_reason if out.finished else None,
-            stop_reason=out.stop_reason if out.finished else None,
-        )
-        return p.CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
-
-    def usage_chunk(self, usage: p.Usage) -> p.CompletionChunk:
-        return p.CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
-
-    def response(self, states: list[ChoiceState], usage: p.Usage) -> p.CompletionResponse:
-        choices = [
-            p.CompletionChoice(
-                index=s.index,
-                text=self.echo.get(s.index, "") + s.text,
-                logprobs=completion_logprobs(s.logprobs, self.texts, 0) if self.want_logprobs else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in sorted(states, key=lambda s: s.index)
-        ]
-        return p.CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-
-class ChatFormatter:
-    """Builds /v1/chat/completions bodies and chunks."""
-
-    def __init__(
-        self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, tool_mode: tools.ToolMode | None = None
-    ) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.texts = texts
-        self.want_logprobs = want_logprobs
-        # Tool calling: one parser per streamed choice, and how many calls each has sent.
-        self.tool_mode = tool_mode
-        self._parsers: dict[int, tools.ToolParser] = {}
-        self._num_calls: dict[int, int] = {}
-
-    def _chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
-        return p.ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
-
-    def start_chunks(self, indices: list[int]) -> list[p.BaseModel]:
-        """OpenAI opens each choice with a delta that carries only the role."""
-        return [self._chunk([p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))]) for i in indices]
-
-    def delta_chunk(self, index: int, out: RequestOutput) -> p.ChatCompletionChunk | None:
-        if self.tool_mode is not None:
-            return self._tool_delta_chunk(index, out)
-        if not out.text_delta and not out.finished and not (self.want_logprobs and out.logprobs):
-            return None
-        choice = p.ChatChunkChoice(
-            index=index,
-            delta=p.ChatDelta(content=out.text_delta) if out.text_delta or not out.finished else p.ChatDelta(),
-            logprobs=chat_logprobs(out.logprobs or [], self.texts) if self.want_logprobs else None,
-            finish_reason=out.finish_reason if out.finished else None,
-            stop_reason=out.stop_reason if out.finished else None,
-        )
-        return self._chunk([choice])
-
-    def _tool_delta_chunk(self, index: int, out: RequestOutput) -> p.ChatCompletionChunk | None:
-        """Text flows as content until a call may start; complete calls go out as
-        tool_calls deltas; finish_reason "tool_calls" when the choice made any."""
-        assert self.tool_mode is not None
-        parser = self._parsers.setdefault(index, self.tool_mode.new_parser())
-        content, calls = parser.feed(out.text_delta) if out.text_delta else ("", [])
-        if out.finished:
-            rest, more = parser.finish()
-            content, calls = content + rest, calls + more
-        num_before = self._num_calls.get(index, 0)
-        self._num_calls[index] = num_before + len(calls)
-        want_logprobs = self.want_logprobs and bool(out.logprobs)
-        if not content and not calls and not out.finished and not want_logprobs:
-            return None
-        finish_reason = out.finish_reason if out.finished else None
-        if finish_reason == "stop" and self._num_calls[index]:
-            finish_reason = self.tool_mode.finish_reason
-        delta = p.ChatDelta(content=content or None, tool_calls=tools.delta_tool_calls(calls, num_before) or None)
-        choice = p.ChatChunkChoice(
-            index=index,
-            delta=delta,
-            logprobs=chat_logprobs(out.logprobs or [], self.texts) if self.want_logprobs else None,
-            finish_reason=finish_reason,
-            stop_reason=out.stop_reason if out.finished else None,
-        )
-        return self._chunk([choice])
-
-    def _message(self, state: ChoiceState) -> tuple[p.ChatResponseMessage, str | None]:
-        if self.tool_mode is None:
-            return p.ChatResponseMessage(content=state.text), state.finish_reason
-        content, calls = self.tool_mode.new_parser().parse(state.text)
-        if not calls:
-            return p.ChatResponseMessage(content=content), state.finish_reason
-        reason = self.tool_mode.finish_reason if state.finish_reason == "stop" else state.finish_reason
-        return p.ChatResponseMessage(content=content or None, tool_calls=tools.tool_calls_of(calls)), reason
-
-    def usage_chunk(self, usage: p.Usage) -> p.ChatCompletionChunk:
-        return self._chunk([], usage)
-
-    def response(self, states: list[ChoiceState], usage: p.Usage) -> p.ChatCompletionResponse:
-        choices = []
-        for s in sorted(states, key=lambda s: s.index):
-            message, finish_reason = self._message(s)
-            choices.append(p.ChatChoice(
-                index=s.index,
-                message=message,
-                logprobs=chat_logprobs(s.logprobs, self.texts) if self.want_logprobs else None,
-                finish_reason=finish_reason,
-                stop_reason=s.stop_reason,
-            ))
-        return p.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
-
-
-def sse(obj: p.BaseModel | dict[str, Any]) -> str:
-    """One server-sent event. Chunks leave out null fields as OpenAI's stream does, except
-    a choice's `finish_reason` and `logprobs`, which OpenAI always sends."""
-    if isinstance(obj, p.BaseModel):
-        data = obj.model_dump(exclude_none=True)
-        for choice in data.get("choices", ()):
-            choice.setdefault("logprobs", None)
-            choice.setdefault("finish_reason", None)
-        obj = data
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
+# The outgoing half (router/openai_format.py), re-exported for `convert.` users.
+from router.openai_format import (  # noqa: E402,F401
+    TokenTexts,
+    ChoiceState,
+    usage_of,
+    completion_logprobs,
+    chat_logprobs,
+    CompletionFormatter,
+    ChatFormatter,
+    sse,
+    SSE_DONE,
+)
