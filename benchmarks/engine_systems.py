@@ -62,7 +62,7 @@ def run_kvserve(
 ) -> tuple[SystemResult, list[StepRecord], str | None]:
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from worker.engine import Engine
-    from worker.sampling_params import SamplingParams
+    from worker.api import SamplingParams
 
     engine = Engine.from_config(
         EngineConfig(

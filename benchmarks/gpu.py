@@ -153,7 +153,7 @@ def _drain(engine: Any) -> dict[str, list[int]]:
 
 def decode_tokens_per_s(engine: Any, cfg: Settings, batch: int, tag: str) -> float:
     """Prefill `batch` prompts of context_len tokens, then time decode_steps decode-only steps."""
-    from worker.sampling_params import SamplingParams
+    from worker.api import SamplingParams
 
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=cfg.decode_steps + 2, temperature=0, ignore_eos=True)
@@ -175,7 +175,7 @@ def decode_tokens_per_s(engine: Any, cfg: Settings, batch: int, tag: str) -> flo
 
 
 def ttft_s(engine: Any, cfg: Settings, repeats: int = 3) -> float:
-    from worker.sampling_params import SamplingParams
+    from worker.api import SamplingParams
 
     times = []
     for r in range(repeats):
@@ -191,7 +191,7 @@ def ttft_s(engine: Any, cfg: Settings, repeats: int = 3) -> float:
 
 def run_workload_kvserve(engine: Any, requests: list[Request], concurrency: int) -> tuple[PeerRun, float]:
     """(the run, scheduler share of step time) over the mixed workload, all submitted at t=0."""
-    from worker.sampling_params import SamplingParams
+    from worker.api import SamplingParams
 
     # The same concurrency as the peers' batch (the engine was built with room for the
     # largest decode batch); the scheduler reads its limits from this config every step.

@@ -81,7 +81,7 @@ ENGINE_WORKLOAD = dict(kind="sharegpt", input_mean=160.0, output_mean=48.0, max_
 
 
 def run_engine_real_time(engine, requests: Sequence[SimRequest]) -> Figures:  # noqa: ANN001 (worker.engine.Engine)
-    from worker.sampling_params import SamplingParams
+    from worker.api import SamplingParams
 
     pending = deque(requests)
     first: dict[str, float] = {}

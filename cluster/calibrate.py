@@ -130,7 +130,7 @@ class _Grid:
         return out
 
     def decode(self, batch: int, context: int) -> Point:
-        from worker.sampling_params import SamplingParams
+        from worker.api import SamplingParams
 
         engine = self.engine(batch, max(2048, batch * context))  # every prompt in one step
         params = SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
@@ -140,7 +140,7 @@ class _Grid:
         return _median_point(f"decode b={batch} ctx={context}", steps)
 
     def prefill(self, chunk: int) -> list[Point]:
-        from worker.sampling_params import SamplingParams
+        from worker.api import SamplingParams
 
         runs = []
         for _ in range(NUM_REPEATS):

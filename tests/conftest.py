@@ -14,8 +14,8 @@ import torch
 
 from tests.redis_server import REDIS_SERVER, RedisServer
 from worker.engine import Engine
-from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.api import RequestOutput
+from worker.api import SamplingParams
 
 # The test models are tiny (hidden 64, 2 layers): one intra-op thread is several times
 # faster than two on a shared 2-core machine (spinning workers fight for the cores), and

@@ -4,8 +4,7 @@ sampling parameters, the runner's output and the routing-stats record.
 Torch-free and Ray-free by design: router/ imports only this module of worker/, so the
 ingress process never loads torch (tests/unit/test_layering.py asserts both). Everything
 here is plain data; the engine, runner and replica that produce or consume it live in
-their own modules and import it from here (worker/outputs.py and
-worker/sampling_params.py re-export it for worker/ internals).
+their own modules and import it from here.
 """
 from __future__ import annotations
 

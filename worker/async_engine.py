@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.config import EngineConfig
-from worker.engine import Engine, EngineStats, RequestError
+from worker.engine import Engine, EngineStats
+from worker.api import RequestError
 from worker.output_processor import RequestOutputProcessor
-from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.api import RequestOutput
+from worker.api import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ from typing import TypeVar
 from kv.cache_manager import KVCacheManager, cdiv
 from kv.stats import KVStats
 from kv.transfer import KVExport, KVTransferError
-from worker.api import KVImportError, RequestError  # noqa: F401  (importers of worker.engine)
+from worker.api import KVImportError, RequestError
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from worker.kv_connector import KVConnector, SavedKV, make_connector
-from worker.outputs import RequestOutput
+from worker.api import RequestOutput
 from worker.runner_protocols import Runner
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
 from worker.structured.compiler import GrammarCompiler

@@ -31,7 +31,7 @@ from kv.block_pool import Block
 from kv.cache_manager import KVCacheManager, cdiv
 from kv.transfer import DEFAULT_PIN_TIMEOUT_S, KVExport, KVTransferError, dtype_name
 from worker.runner_protocols import KVTransferRunner, Runner
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
 

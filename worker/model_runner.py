@@ -22,7 +22,7 @@ from worker.memory_profile import activation_peak_bytes
 from worker.model.llama import LlamaArch
 from worker.model.loader import load_model, resolve_model_path
 from worker.model.parallel import SINGLE, TPContext, kv_head_range
-from worker.outputs import TokenLogprob
+from worker.api import TokenLogprob
 from worker.sampler import Sampler
 from worker.structured.bitmask import MaskPrefetcher
 from worker.scheduler import SchedulerOutput

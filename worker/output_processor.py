@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from worker.detokenizer import IncrementalDetokenizer
-from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.api import RequestOutput
+from worker.api import SamplingParams
 
 
 class RequestOutputProcessor:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from kv.kv_cache import KVCacheSpec
-    from worker.model_runner import RunnerOutput
+    from worker.api import RunnerOutput
     from worker.scheduler import SchedulerOutput
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.outputs import TokenLogprob
-from worker.sampling_params import SamplingParams
+from worker.api import TokenLogprob
+from worker.api import SamplingParams
 from worker.sequence import Sequence
 from worker.structured.bitmask import apply_bitmask, compute_bitmask
 

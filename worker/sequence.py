@@ -16,7 +16,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 
 if TYPE_CHECKING:
     from kv.transfer import KVExport

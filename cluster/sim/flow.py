@@ -21,8 +21,8 @@ from cluster.sim.replica import SimReplica
 from cluster.sim.workloads import SimRequest
 from kv.transfer import KVExport
 from router.policies import RoutingRequest
-from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.api import RequestOutput
+from worker.api import SamplingParams
 
 if TYPE_CHECKING:
     from cluster.sim.run import Simulation

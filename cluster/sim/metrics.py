@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from cluster.sim.replica import SimReplica
-from worker.outputs import RequestOutput
+from worker.api import RequestOutput
 
 PERCENTILES = (50, 90, 99)
 

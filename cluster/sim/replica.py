@@ -26,9 +26,10 @@ from cluster.sim.clock import EventQueue
 from kv.kv_cache import KVCacheSpec
 from kv.transfer import KVExport
 from worker.async_engine import MAX_PREFIX_HASHES
-from worker.engine import Engine, RequestError
-from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.engine import Engine
+from worker.api import RequestError
+from worker.api import RequestOutput
+from worker.api import SamplingParams
 from worker.scheduler import SchedulerOutput
 
 OutputSink = Callable[["SimReplica", RequestOutput, float], None]

@@ -19,8 +19,9 @@ from tests.fake_runner import TOKEN, VOCAB, FakeRunner
 from worker.async_engine import AsyncEngine
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
-from worker.outputs import RequestOutput
-from worker.replica import GenerateRequest, WorkerReplica, _replica_id
+from worker.api import RequestOutput
+from worker.replica import WorkerReplica, _replica_id
+from worker.api import GenerateRequest
 
 __all__ = ["TOKEN", "FakeEngineWorker", "make_fake_engine"]  # TOKEN: every sampled token (no EOS ids here)
 

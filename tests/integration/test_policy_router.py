@@ -22,8 +22,8 @@ from cluster.app import POLICY_ROUTER, worker_options  # noqa: E402
 from cluster.config import KVServeConfig  # noqa: E402
 from tests.integration.fake_engine_worker import FakeEngineWorker  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
-from worker.replica import GenerateRequest  # noqa: E402
-from worker.sampling_params import SamplingParams  # noqa: E402
+from worker.api import GenerateRequest  # noqa: E402
+from worker.api import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

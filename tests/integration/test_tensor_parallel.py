@@ -18,7 +18,7 @@ from tests.conftest import run_engine
 from tests.tiny_models import make_tiny_model
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine import Engine
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 
 import ray
 

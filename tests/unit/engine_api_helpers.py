@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerFast
 from worker.async_engine import AsyncEngine
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine import Engine
-from worker.outputs import RequestOutput
+from worker.api import RequestOutput
 
 VOCAB = 512  # tests/tiny_models.py; the tokenizer below has exactly this many tokens
 NUM_BLOCKS = 64

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from kv.cache_manager import KVCacheManager
 from worker.config import SchedulerConfig
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence
 

@@ -14,7 +14,7 @@ from fractions import Fraction
 from tests.fake_runner import FakeRunner
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 
 OUTPUT_LENS = [5, 50, 8, 12, 40, 3, 30, 7]
 NUM_SLOTS = 4

@@ -15,8 +15,9 @@ from kv.transfer import KVExport, LocalKVTransport
 from worker.async_engine import AsyncEngine
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine import Engine
-from worker.replica import GenerateRequest, WorkerReplica
-from worker.sampling_params import SamplingParams
+from worker.replica import WorkerReplica
+from worker.api import GenerateRequest
+from worker.api import SamplingParams
 
 if TYPE_CHECKING:
     from tests.conftest import HFReference, TinyModels
@@ -190,7 +191,7 @@ def test_prefill_of_a_one_token_request_exports_nothing(tiny_model: TinyModels) 
 
 @pytest.mark.parametrize("field", ["block_size"])
 def test_decode_engine_with_another_block_size_rejects_the_export(tiny_model: TinyModels, field: str) -> None:
-    from worker.engine import KVImportError
+    from worker.api import KVImportError
 
     model_dir = tiny_model("llama")
     prefill = _engine(model_dir)

@@ -16,8 +16,8 @@ from tests.unit.engine_api_helpers import all_free, await_condition, collect, ra
 # pytest fixtures, used by name (async_engine needs engine and tokenizer here too)
 from tests.unit.engine_api_helpers import async_engine, engine, tokenizer  # noqa: F401
 from worker.async_engine import AsyncEngine
-from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.api import RequestOutput
+from worker.api import SamplingParams
 
 
 # -- abort and leaving early -----------------------------------------------------------------------

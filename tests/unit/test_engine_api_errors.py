@@ -24,8 +24,9 @@ from tests.unit.engine_api_helpers import (
 # pytest fixtures, used by name (async_engine needs engine and tokenizer here too)
 from tests.unit.engine_api_helpers import async_engine, engine, tokenizer  # noqa: F401
 from worker.async_engine import AsyncEngine
-from worker.engine import Engine, RequestError
-from worker.sampling_params import SamplingParams, SamplingParamsError
+from worker.engine import Engine
+from worker.api import RequestError
+from worker.api import SamplingParams, SamplingParamsError
 
 
 # -- bad requests ------------------------------------------------------------------------------------

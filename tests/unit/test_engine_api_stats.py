@@ -19,7 +19,7 @@ from tests.unit.engine_api_helpers import (
 # pytest fixtures, used by name (async_engine needs engine and tokenizer here too)
 from tests.unit.engine_api_helpers import async_engine, engine, tokenizer  # noqa: F401
 from worker.async_engine import AsyncEngine
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 
 
 # -- stats ---------------------------------------------------------------------------------------------

@@ -10,9 +10,10 @@ import pytest
 from tests.fake_runner import EOS, VOCAB, FakeRunner
 from tests.fault_runner import install_failing_runner
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine, RequestError
-from worker.outputs import RequestOutput
-from worker.sampling_params import (
+from worker.engine import Engine
+from worker.api import RequestError
+from worker.api import RequestOutput
+from worker.api import (
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,

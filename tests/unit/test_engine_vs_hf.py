@@ -17,8 +17,8 @@ import pytest
 from kv.cache_manager import cdiv
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine import Engine
-from worker.outputs import RequestOutput
-from worker.sampling_params import SamplingParams
+from worker.api import RequestOutput
+from worker.api import SamplingParams
 
 if TYPE_CHECKING:
     from tests.conftest import HFReference, TinyModels

@@ -7,7 +7,7 @@ import pytest
 
 from tests.fault_runner import install_failing_runner
 from tests.unit.test_engine_core_fake import make_engine
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 
 
 def test_injected_step_failure_fails_that_step_only() -> None:

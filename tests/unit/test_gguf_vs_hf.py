@@ -19,7 +19,7 @@ from tests.real_models import require_smollm2_gguf
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine import Engine
 from worker.model_config import load_tokenizer
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 
 pytestmark = pytest.mark.gguf
 

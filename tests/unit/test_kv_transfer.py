@@ -20,8 +20,9 @@ from kv.transfer import (
 )
 from tests.fake_runner import FakeRunner, FakeRunnerOutput
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine, KVImportError
-from worker.sampling_params import SamplingParams
+from worker.engine import Engine
+from worker.api import KVImportError
+from worker.api import SamplingParams
 from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
 

@@ -18,7 +18,7 @@ from router.metrics import IngressMetrics
 from router.migration import Migration, is_replica_failure
 from router.openai_convert import EngineInput
 from worker.output_processor import RequestOutputProcessor
-from worker.api import GenerateRequest, RequestOutput, SamplingParams
+from worker.api import GenerateRequest, ReplicaDrainingError, RequestOutput, SamplingParams
 
 
 class ActorDiedError(RuntimeError):
@@ -29,10 +29,6 @@ class RayTaskError(RuntimeError):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
-
-
-class ReplicaDrainingError(RuntimeError):
-    pass
 
 
 def next_token(tokens: list[int]) -> int:

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.integration.fake_engine_worker import TOKEN, FakeEngineWorker
-from worker.outputs import RequestOutput
-from worker.replica import GenerateRequest, ReplicaDrainingError
-from worker.sampling_params import SamplingParams
+from worker.api import RequestOutput
+from worker.api import GenerateRequest, ReplicaDrainingError
+from worker.api import SamplingParams
 
 
 def request(request_id: str, max_tokens: int) -> GenerateRequest:

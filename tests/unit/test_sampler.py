@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from worker.sampler import Sampler
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 from worker.sequence import Sequence
 
 CPU = torch.device("cpu")

@@ -3,7 +3,7 @@ the prompt runs as chunked prefill."""
 from __future__ import annotations
 
 from tests.unit.scheduler_helpers import TOKEN, all_free, make_scheduler, rids, step
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 from worker.sequence import Sequence
 
 

@@ -10,7 +10,7 @@ import pytest
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.default_model import default_model_path
 from worker.engine import Engine
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 from worker.sim import runner as sim_runner
 from worker.sim.cost_model import SeqWork, StepCostModel
 from worker.sim.profiles import load_profile

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from kv.cache_manager import KVCacheManager
 from worker.config import SchedulerConfig
-from worker.sampling_params import SamplingParams
+from worker.api import SamplingParams
 from worker.scheduler import Scheduler
 from worker.sequence import Sequence
 from worker.tp.plan_codec import PlanDecoder, PlanEncoder, stop_message

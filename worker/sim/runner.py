@@ -35,8 +35,8 @@ import numpy as np
 
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from worker.engine import Engine
-from worker.model_runner import RunnerOutput
-from worker.outputs import TokenLogprob
+from worker.api import RunnerOutput
+from worker.api import TokenLogprob
 from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
 from worker.sim.cost_model import StepCostModel
