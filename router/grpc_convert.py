@@ -213,4 +213,5 @@ def replica_stats(stats: Mapping[str, Any]) -> pb.ReplicaStats:
         tokens_per_s=float(stats.get("tokens_per_s", 0.0)),
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         num_cached_blocks=int(stats.get("num_cached_blocks", 0)),
+        pool=str(stats.get("pool", "")),
     )

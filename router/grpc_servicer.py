@@ -253,7 +253,7 @@ class GrpcServicer:
             response.free_tokens += replica.free_blocks * replica.block_size
             response.num_running += replica.num_running
             response.num_waiting += replica.num_waiting
-        response.replicas.sort(key=lambda r: r.replica_id)
+        response.replicas.sort(key=lambda r: (r.pool, r.replica_id))
         return response
 
     # -- conversion ------------------------------------------------------------------------

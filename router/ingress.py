@@ -207,7 +207,7 @@ class Ingress(GrpcMethods):
         generate = worker.options(stream=True)
         if prefill_worker is not None:  # prefill/decode disaggregation (router/disagg.py)
             generate = DisaggregatedGenerate(prefill_worker, worker, max_waiting_for_decode)
-        workers = Workers(worker, generate, settings.stats_timeout_s)
+        workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill_worker)
         # Digests only (router/auth.py); a malformed entry fails the replica's start.
         api_keys = ApiKeys.from_env(settings.api_keys_env)
         api_keys.log_startup(settings.api_keys_env)
@@ -215,7 +215,9 @@ class Ingress(GrpcMethods):
         store = settings.state_store.build() if settings.state_store is not None else None
         key_limits = KeyLimits(settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key, store=store)
         tokenizer = load_tokenizer(settings.tokenizer_path, settings.trust_remote_code)
-        self.pipeline = RequestPipeline(settings, workers, tokenizer, IngressMetrics(settings.served_model_name), api_keys, key_limits)
+        # Every series this replica serves carries its id (router/metrics.py: no double counting).
+        metrics = IngressMetrics(settings.served_model_name, ingress_replica=serve.get_replica_context().replica_id.unique_id)
+        self.pipeline = RequestPipeline(settings, workers, tokenizer, metrics, api_keys, key_limits)
         self.grpc = GrpcServicer(self.pipeline)
 
     # -- OpenAI endpoints ------------------------------------------------------------------

@@ -11,6 +11,16 @@ Two sources:
   worker replica with `DeploymentHandle.broadcast` (Serve 2.60) and renders one series
   per replica (label `replica`), plus cluster-wide aggregates under `kvserve:cluster_*`
   (separate names, so that `sum()` over the per-replica series never double counts).
+  Disaggregated, both pools answer, each series labelled `pool` (prefill | decode).
+
+Scraped per pod (the chart's ServiceMonitor: one target per pod with a Serve proxy), the
+same source reaches Prometheus through several targets: every scrape carries every worker
+replica's series, and a pod's proxy may hand the scrape to another pod's ingress replica.
+So every series names its source, and a cluster-wide figure takes each source once before
+summing over sources (the dashboard's `max by (<source>)`, tests/helm/test_dashboard_sums.py):
+- worker series: `replica` (and `pool`); they are the same whichever ingress answered;
+- everything this ingress replica answers carries `ingress_replica` (its Serve replica id),
+  so that two targets that reached the same ingress replica are seen as one source.
 """
 from __future__ import annotations
 
@@ -19,6 +29,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -31,8 +42,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class IngressMetrics:
     """Request-level metrics of one ingress replica, in its own registry."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, ingress_replica: str | None = None) -> None:
         self.model_name = model_name
+        # The label every rendered series gets (None: none, for a single-process use).
+        self.source_labels = {"ingress_replica": ingress_replica} if ingress_replica else {}
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         r = self.registry
@@ -65,7 +78,7 @@ class IngressMetrics:
     def render(self, worker_stats: list[dict[str, Any]]) -> bytes:
         # Synchronous from here to the end: a concurrent scrape cannot interleave.
         self.workers.latest = worker_stats
-        return generate_latest(self.registry)
+        return generate_latest(_Labelled(self.registry, self.source_labels))
 
 
 # name, help, stats key, kind
@@ -85,8 +98,10 @@ _PER_REPLICA = (
 class WorkerStatsCollector:
     """Renders the latest per-replica engine stats (set just before each render)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, ingress_replica: str | None = None) -> None:
         self.model_name = model_name
+        # The label every rendered series gets (None: none, for a single-process use).
+        self.source_labels = {"ingress_replica": ingress_replica} if ingress_replica else {}
         self.latest: list[dict[str, Any]] = []
 
     def describe(self) -> list[Metric]:
@@ -94,12 +109,15 @@ class WorkerStatsCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.latest
+        # Disaggregated, replicas of two pools answer (router/workers.py tags each with its pool).
+        pooled = any("pool" in s for s in stats)
         for name, doc, key, kind in _PER_REPLICA:
             family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            family = family_cls(f"kvserve:{name}", doc, labels=["model_name", "replica"])
+            family = family_cls(f"kvserve:{name}", doc, labels=["model_name", "replica"] + (["pool"] if pooled else []))
             for i, s in enumerate(stats):
                 if key in s:
-                    family.add_metric([self.model_name, str(s.get("replica_id", i))], float(s[key]))
+                    labels = [self.model_name, str(s.get("replica_id", i))] + ([str(s.get("pool", ""))] if pooled else [])
+                    family.add_metric(labels, float(s[key]))
             yield family
         yield from self._aggregates(stats)
 
@@ -125,3 +143,19 @@ class WorkerStatsCollector:
             c = CounterMetricFamily(f"kvserve:cluster_{name}", f"Sum over worker replicas of kvserve:{name}.", labels=labels)
             c.add_metric(value, total(name))
             yield c
+
+
+class _Labelled:
+    """A registry's families with constant labels added to every sample (prometheus_client
+    has no constant labels; `generate_latest` takes any object with `collect`)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry = registry
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if self.labels:
+                family.samples = [Sample(s.name, {**s.labels, **self.labels}, s.value, s.timestamp, s.exemplar)
+                                  for s in family.samples]
+            yield family

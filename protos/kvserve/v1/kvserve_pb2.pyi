@@ -274,7 +274,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "free_blocks", "total_blocks", "block_size", "kv_usage", "num_running", "num_waiting", "num_waiting_prompt_tokens", "num_preemptions", "num_generated_tokens", "tokens_per_s", "prefix_cache_hit_rate", "num_cached_blocks")
+    __slots__ = ("replica_id", "free_blocks", "total_blocks", "block_size", "kv_usage", "num_running", "num_waiting", "num_waiting_prompt_tokens", "num_preemptions", "num_generated_tokens", "tokens_per_s", "prefix_cache_hit_rate", "num_cached_blocks", "pool")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,7 @@ class ReplicaStats(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     free_blocks: int
     total_blocks: int
@@ -301,7 +302,8 @@ class ReplicaStats(_message.Message):
     tokens_per_s: float
     prefix_cache_hit_rate: float
     num_cached_blocks: int
-    def __init__(self, replica_id: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    pool: str
+    def __init__(self, replica_id: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_prompt_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_cached_blocks: _Optional[int] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("replicas", "free_blocks", "total_blocks", "free_tokens", "num_running", "num_waiting", "ingress_in_flight", "ingress_max_in_flight", "timestamp")
