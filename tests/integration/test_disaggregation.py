@@ -84,3 +84,19 @@ def test_no_blocks_left_on_either_pool(apps: str) -> None:
 
     wait_for(lambda: free("prefill"), "the prefill replica to unpin every exported block", 40)
     wait_for(lambda: free("decode"), "the decode replica to free every block", 40)
+
+
+def test_prefill_pool_is_visible(apps: str) -> None:
+    """/metrics, /health and gRPC Stats show the prefill pool next to the decode pool."""
+    from ray import serve
+
+    from protos.kvserve.v1 import kvserve_pb2 as pb
+
+    text = httpx.get(f"{apps}/{DISAGG}/metrics", timeout=60).text
+    pools = {line.split('pool="')[1].split('"')[0] for line in text.splitlines()
+             if line.startswith("kvserve:kv_cache_total_blocks{")}
+    assert pools == {"prefill", "decode"}, text
+    assert httpx.get(f"{apps}/{DISAGG}/health", timeout=60).status_code == 200
+    stats = serve.get_deployment_handle("ingress", DISAGG).Stats.remote(pb.StatsRequest()).result(timeout_s=60)
+    assert sorted(r.pool for r in stats.replicas) == ["decode", "prefill"]
+    assert stats.total_blocks == sum(r.total_blocks for r in stats.replicas) > 0
