@@ -48,6 +48,7 @@ needs no Ray; `QueueDepthPolicy.__call__` adapts Serve's AutoscalingContext to i
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -109,8 +110,24 @@ def _ceil_ratio(total: float, per_replica: float) -> int:
     return max(0, math.ceil(total / per_replica - 1e-9))
 
 
-def desired_replicas(loads: Iterable[ReplicaLoad], targets: PoolTargets, queued_elsewhere: float = 0.0) -> int:
-    """Replicas this pool needs for the reported load, before bounds and delays.
+@dataclass(frozen=True)
+class Demand:
+    """What a pool's reported load asks for, signal by signal (exported as metrics:
+    cluster/autoscaling_metrics.py)."""
+
+    signals: dict[str, float]  # the pool's summed signals: waiting, waiting_prompt_tokens, running, kv_usage
+    wanted: dict[str, int]  # replicas each sizing signal asks for, "floor" included
+    replicas: int  # max(wanted.values()): before bounds and delays
+
+    @property
+    def signal(self) -> str:
+        """The signal that set `replicas` (the first of equals: the queue before KV usage)."""
+        return max(self.wanted, key=lambda k: self.wanted[k])
+
+
+def demand(loads: Iterable[ReplicaLoad], targets: PoolTargets, queued_elsewhere: float = 0.0) -> Demand:
+    """Replicas this pool needs for the reported load, before bounds and delays, with the
+    signals that asked for them.
 
     `queued_elsewhere`: requests not yet at any replica (queued at handles), which also
     count as waiting requests (they matter most when the pool has no replica at all).
@@ -121,14 +138,21 @@ def desired_replicas(loads: Iterable[ReplicaLoad], targets: PoolTargets, queued_
     running = sum(x.num_running for x in loads)
     kv = sum(min(max(x.kv_usage, 0.0), 1.0) for x in loads)
 
-    needs = [_ceil_ratio(kv, targets.kv_usage_ceiling)]
+    wanted: dict[str, int] = {}
     if targets.role == "prefill":
-        needs.append(_ceil_ratio(waiting_tokens, targets.target_waiting_prompt_tokens_per_replica))
+        wanted[NUM_WAITING_PROMPT_TOKENS] = _ceil_ratio(waiting_tokens, targets.target_waiting_prompt_tokens_per_replica)
     else:
-        needs.append(_ceil_ratio(waiting, targets.target_waiting_per_replica))
+        wanted[NUM_WAITING] = _ceil_ratio(waiting, targets.target_waiting_per_replica)
+    wanted[KV_USAGE] = _ceil_ratio(kv, targets.kv_usage_ceiling)
     busy = waiting > 0 or waiting_tokens > 0 or running > 0
-    floor = 1 if busy or not targets.scale_to_zero else 0
-    return max(floor, *needs)
+    wanted["floor"] = 1 if busy or not targets.scale_to_zero else 0
+    signals = {NUM_WAITING: waiting, NUM_WAITING_PROMPT_TOKENS: waiting_tokens, NUM_RUNNING: running, KV_USAGE: kv}
+    return Demand(signals, wanted, max(wanted.values()))
+
+
+def desired_replicas(loads: Iterable[ReplicaLoad], targets: PoolTargets, queued_elsewhere: float = 0.0) -> int:
+    """Replicas this pool needs for the reported load, before bounds and delays."""
+    return demand(loads, targets, queued_elsewhere).replicas
 
 
 def apply_delays(
@@ -207,11 +231,16 @@ def loads_from_metrics(aggregated: Mapping[str, Mapping[Any, float]] | None) -> 
 
 class QueueDepthPolicy:
     """Serve custom autoscaling policy (a class: Serve instantiates it once per deployment
-    with `AutoscalingPolicy.policy_kwargs`, then calls it on every autoscaling tick)."""
+    with `AutoscalingPolicy.policy_kwargs`, then calls it on every autoscaling tick).
+
+    Each tick also exports the decision (cluster/autoscaling_metrics.py: the pool's
+    signals, the replicas each asks for, the target, and every change Serve applied, by
+    direction) through Ray's metrics, from the Serve controller's process."""
 
     def __init__(self, **targets: Any) -> None:
         # PoolTargets' fields, with its defaults (written there once); a wrong name is a TypeError.
         self.targets = PoolTargets(**targets)
+        self._metrics: Any = None  # created on the first tick, in the controller's process
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         """ctx: ray.serve.config.AutoscalingContext."""
@@ -226,10 +255,33 @@ class QueueDepthPolicy:
         except Exception:  # not every Serve version tracks handle queues
             queued = 0.0
         now = ctx.current_time if ctx.current_time is not None else 0.0
-        return decide(
-            loads_from_metrics(ctx.aggregated_metrics), int(ctx.target_num_replicas), float(now),
-            ctx.policy_state or {}, bounds, self.targets, queued_elsewhere=queued,
+        loads = loads_from_metrics(ctx.aggregated_metrics)
+        replicas, state = decide(
+            loads, int(ctx.target_num_replicas), float(now), ctx.policy_state or {}, bounds, self.targets,
+            queued_elsewhere=queued,
         )
+        self._export(ctx, None if loads is None else demand(loads, self.targets, queued), replicas)
+        return replicas, state
+
+    def _export(self, ctx: Any, pool_demand: Demand | None, replicas: int) -> None:
+        # Metrics must never take scaling down with them: a failure is logged, once per kind.
+        try:
+            if self._metrics is None:
+                from cluster.autoscaling_metrics import PolicyMetrics
+
+                self._metrics = PolicyMetrics(str(ctx.app_name or ""), str(ctx.deployment_name), self.targets.role)
+            self._metrics.record(int(ctx.target_num_replicas), replicas, pool_demand)
+        except Exception as e:  # pragma: no cover - reported, not raised
+            _log_once(f"autoscaling metrics unavailable: {type(e).__name__}: {e}")
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logging.getLogger(__name__).warning(message)
 
 
 _DEFAULT_POLICY = QueueDepthPolicy()
