@@ -96,12 +96,40 @@ def state_store_spec(config: KVServeConfig) -> RedisStoreSpec | None:
 
 def ingress_options(config: KVServeConfig) -> dict[str, Any]:
     i = config.ingress
-    return {
+    options: dict[str, Any] = {
         "num_replicas": i.num_replicas,
         # Above the 429 bound, so that the ingress itself answers 429 (with an OpenAI
         # error body) instead of requests queueing in the proxy.
         "max_ongoing_requests": i.max_queued_requests + _INGRESS_CONTROL_HEADROOM,
         "ray_actor_options": {"num_cpus": i.num_cpus, **({"resources": dict(i.resources)} if i.resources else {})},
+    }
+    if i.autoscaling is not None:
+        options.update(ingress_autoscaling(config))
+    return options
+
+
+def ingress_autoscaling(config: KVServeConfig) -> dict[str, Any]:
+    """Serve's own policy on ongoing requests per ingress replica. A replica Serve removes
+    stops taking requests and is killed once its last stream ends: given as long as a
+    request may run (request_timeout_s), a scale-down never cuts a client's stream."""
+    a = config.ingress.autoscaling
+    assert a is not None
+    fields: dict[str, Any] = {
+        "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+        "target_ongoing_requests": a.target_ongoing_requests,
+        "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
+        "look_back_period_s": a.look_back_period_s,
+    }
+    if a.metrics_interval_s != _SERVE_METRICS_INTERVAL_S:  # Serve warns on any explicit value
+        fields["metrics_interval_s"] = a.metrics_interval_s
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*metrics_interval_s.*deprecated", category=DeprecationWarning)
+        autoscaling = AutoscalingConfig(**fields)
+    return {
+        "num_replicas": "auto",
+        "autoscaling_config": autoscaling,
+        "graceful_shutdown_timeout_s": config.ingress.request_timeout_s,
+        "graceful_shutdown_wait_loop_s": _DRAIN_POLL_S,
     }
 
 
@@ -213,7 +241,7 @@ def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
         return None
     # With several ingress replicas each router copy has a private view, so each may promise
     # only its share; Serve's report period comes from the same params (one value).
-    share = 1.0 / config.ingress.num_replicas
+    share = 1.0 / config.ingress.max_num_replicas()
     if name == "kv_headroom":
         params = config.routing.headroom_params(headroom_share=share)
         return RequestRouterConfig(request_router_class=KV_HEADROOM_ROUTER, **params.serve_router_config())

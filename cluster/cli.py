@@ -214,7 +214,7 @@ def local_num_cpus(config: KVServeConfig) -> int:
 
     d = config.disaggregation
     pools = [config.workers] if d is None else [d.prefill, d.decode]
-    wanted = config.ingress.num_replicas * config.ingress.num_cpus
+    wanted = config.ingress.max_num_replicas() * config.ingress.num_cpus
     for pool in pools:
         replicas = pool.autoscaling.max_replicas if pool.autoscaling else pool.num_replicas
         wanted += replicas * worker_resources(config.model_copy(update={"workers": pool}))["num_cpus"]

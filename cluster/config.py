@@ -33,6 +33,7 @@ from cluster.pool_config import (  # noqa: F401 -- re-exported: part of the one 
     KVSERVE_POLICY_FIELDS,
     AutoscalingSection,
     CustomResources,
+    IngressAutoscalingSection,
     WorkersSection,
 )
 from cluster.state_store import RedisStoreSpec
@@ -142,6 +143,8 @@ class IngressSection(Section):
     # The chart runs two or more, on a CPU node group (README "Reliability": a node that
     # hosts an ingress replica takes that replica's streams with it when it dies).
     num_replicas: int = Field(1, ge=1)
+    # Scale the ingress on streams per replica (Serve's policy); then num_replicas is unused.
+    autoscaling: IngressAutoscalingSection | None = None
     num_cpus: float = Field(0.5, ge=0)
     # Custom Ray resources per ingress replica, e.g. {kvserve_ingress: 0.01} to keep the
     # ingress on the nodes that advertise it (the chart's ingress group) and off GPU hosts.
@@ -170,6 +173,16 @@ class IngressSection(Section):
     # Tool calls in chat output: hermes (Hermes / Qwen <tool_call>), llama3_json (Llama 3.x),
     # or auto (chosen from the chat template's text).
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = default_of(IngressSettings, "tool_call_parser")
+
+    @model_validator(mode="after")
+    def _one_replica_count(self) -> IngressSection:
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("set ingress.num_replicas or ingress.autoscaling, not both")
+        return self
+
+    def max_num_replicas(self) -> int:
+        """The most ingress replicas that run at once (each holds a private router view)."""
+        return self.autoscaling.max_replicas if self.autoscaling is not None else self.num_replicas
 
 
 class StateSection(Section):

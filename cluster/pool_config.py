@@ -103,6 +103,28 @@ class AutoscalingSection(Section):
         return dataclasses.asdict(self.pool_targets())
 
 
+class IngressAutoscalingSection(Section):
+    """The ingress deployment's own scaling: Serve's built-in policy on ongoing requests
+    (streams, weighted by nothing: each HTTP/gRPC call is one) per ingress replica. The
+    ingress does no engine work; what fills it is open streams, whatever the pools do."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(4, ge=1)
+    # Streams one ingress replica carries on average before another is added; keep it
+    # well under ingress.max_queued_requests (the 429 bound).
+    target_ongoing_requests: float = Field(256.0, gt=0)
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(120.0, ge=0)
+    look_back_period_s: float = Field(30.0, gt=0)
+    metrics_interval_s: float = Field(10.0, gt=0)  # as AutoscalingSection's
+
+    @model_validator(mode="after")
+    def _bounds(self) -> IngressAutoscalingSection:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
+
+
 def custom_resources(v: dict[str, float]) -> dict[str, float]:
     """Check a Ray custom-resource map (workers' and the ingress's `resources`)."""
     for name, amount in v.items():

@@ -157,7 +157,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "ingress_group_off": {
         "ingressGroup": {"enabled": False},
         "head": {"numCpus": 4},
-        "kvserve": {"ingress": {"num_replicas": 1}},
+        "kvserve": {"ingress": {"autoscaling": None, "num_replicas": 1}},
     },
     # Every secure default explicitly switched off (each opt-out renders and lints clean).
     "insecure_opt_outs": {

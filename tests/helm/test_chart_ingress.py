@@ -21,7 +21,10 @@ def test_ingress_group_holds_the_ingress_and_the_client_proxies(rendered: dict[s
     assert not any("gpu" in k for k in container["resources"].get("limits", {}))
     assert "tolerations" not in group["template"]["spec"]  # not on tainted GPU nodes
     args = r.serve_config["applications"][0]["args"]
-    assert args["ingress"]["num_replicas"] == 2
+    # At least two at all times, scaling on open streams within the ingress group's pods.
+    scaling = args["ingress"]["autoscaling"]
+    assert "num_replicas" not in args["ingress"]
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (group["minReplicas"], group["maxReplicas"]) == (2, 4)
     assert args["ingress"]["resources"] == {"kvserve_ingress": 1}  # one unit per pod: one replica per pod
     # No GPU pool advertises the ingress resource.
     for pool_group in cluster["workerGroupSpecs"][1:]:

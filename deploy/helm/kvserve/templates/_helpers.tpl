@@ -209,8 +209,13 @@ runs it. */}}
 {{- if $ig.enabled -}}
   {{- $ingress := .Values.kvserve.ingress | default dict -}}
   {{- $numIngress := $ingress.num_replicas | default 1 | int -}}
+  {{- $numIngressKey := "num_replicas" -}}
+  {{- if $ingress.autoscaling -}}
+    {{- $numIngress = $ingress.autoscaling.max_replicas | default 4 | int -}}
+    {{- $numIngressKey = "autoscaling.max_replicas" -}}
+  {{- end -}}
   {{- if and (not (hasKey $ingress "resources")) (gt $numIngress ($ig.maxReplicas | int)) -}}
-    {{- fail (printf "kvserve.ingress.num_replicas=%d is more than ingressGroup.maxReplicas=%d: each ingress replica takes one ingress pod" $numIngress ($ig.maxReplicas | int)) -}}
+    {{- fail (printf "kvserve.ingress.%s=%d is more than ingressGroup.maxReplicas=%d: each ingress replica takes one ingress pod" $numIngressKey $numIngress ($ig.maxReplicas | int)) -}}
   {{- end -}}
   {{- if gt ($ig.minReplicas | int) ($ig.maxReplicas | int) -}}
     {{- fail (printf "ingressGroup: minReplicas=%d is greater than maxReplicas=%d" ($ig.minReplicas | int) ($ig.maxReplicas | int)) -}}
