@@ -60,6 +60,22 @@ def build_disaggregated_app(config: KVServeConfig) -> Application:
     """ingress -> prefill pool (exports KV) -> decode pool (imports it): router/disagg.py."""
     assert config.disaggregation is not None
     pools = {}
+    for name, (pool_config, options) in pool_options(config).items():
+        deployment = serve.deployment(WorkerReplica, name=name).options(**options)
+        pools[name] = deployment.bind(pool_config.engine_config(), drain_timeout_s=pool_config.workers.drain_timeout_s)
+    ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
+    return ingress.bind(
+        pools[DECODE_DEPLOYMENT], ingress_settings(config),
+        prefill_worker=pools[PREFILL_DEPLOYMENT],
+        max_waiting_for_decode=config.disaggregation.max_waiting_for_decode,
+    )
+
+
+def pool_options(config: KVServeConfig) -> dict[str, tuple[KVServeConfig, dict[str, Any]]]:
+    """Disaggregated: each pool's deployment name -> (the config with that pool as its
+    `workers`, the pool's Serve options: its own replicas, resources and autoscaling)."""
+    assert config.disaggregation is not None
+    out = {}
     for name, section in ((PREFILL_DEPLOYMENT, config.disaggregation.prefill), (DECODE_DEPLOYMENT, config.disaggregation.decode)):
         pool_config = config.model_copy(update={"workers": section})
         options = worker_options(pool_config)
@@ -71,14 +87,8 @@ def build_disaggregated_app(config: KVServeConfig) -> Application:
             # (Rebuilt, not model_copy'd: the config serializes the class when validated.)
             fields = {k: getattr(router, k) for k in type(router).model_fields if k != "request_router_class"}
             options["request_router_config"] = RequestRouterConfig(request_router_class=PREFILL_POOL_ROUTER, **fields)
-        deployment = serve.deployment(WorkerReplica, name=name).options(**options)
-        pools[name] = deployment.bind(pool_config.engine_config(), drain_timeout_s=section.drain_timeout_s)
-    ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
-    return ingress.bind(
-        pools[DECODE_DEPLOYMENT], ingress_settings(config),
-        prefill_worker=pools[PREFILL_DEPLOYMENT],
-        max_waiting_for_decode=config.disaggregation.max_waiting_for_decode,
-    )
+        out[name] = (pool_config, options)
+    return out
 
 
 def app_builder(args: dict[str, Any]) -> Application:
