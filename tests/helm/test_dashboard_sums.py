@@ -55,7 +55,7 @@ class ScrapeConfig:
 
 
 def scrape_config(r: Rendered) -> ScrapeConfig:
-    (monitor,) = r.kind("ServiceMonitor")
+    (monitor,) = [m for m in r.kind("ServiceMonitor") if not m["metadata"]["name"].endswith("-ray")]
     (endpoint,) = monitor["spec"]["endpoints"]
     selector = monitor["spec"]["selector"]["matchLabels"]
     (service,) = [s for s in r.kind("Service") if selector.items() <= s["metadata"]["labels"].items()]
@@ -254,3 +254,27 @@ def test_naive_sums_count_every_worker_once_per_pod(rendered: dict[str, Rendered
     # One ingress replica per pod, each scraped once: a sum over ingress series is right.
     tokens = f'sum(rate(kvserve:generation_tokens_total[{rate_window(config)}]))'
     assert same(cluster.evaluator().query(tokens, at), truth.evaluator().query(tokens, at))
+
+
+def test_ray_metrics_are_scraped_once_per_pod(rendered: dict[str, Rendered]) -> None:
+    """The autoscaling decisions (ray_kvserve_autoscaling_*) come from Ray's metrics agent:
+    a second ServiceMonitor scrapes it on every Ray pod through a headless Service (one
+    target per pod, each process on exactly one), on the port every pod exports on, open
+    to Prometheus's namespace only."""
+    r = rendered["everything_on"]
+    monitor = next(m for m in r.kind("ServiceMonitor") if m["metadata"]["name"].endswith("-ray"))
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    (service,) = [s for s in r.kind("Service") if selector.items() <= s["metadata"]["labels"].items()]
+    assert service["spec"]["clusterIP"] == "None"
+    assert "app.kubernetes.io/component" not in service["spec"]["selector"]  # every Ray pod, head included
+    (port,) = service["spec"]["ports"]
+    assert monitor["spec"]["endpoints"][0]["port"] == port["name"]
+    cluster = r.rayservice["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    assert {g["rayStartParams"]["metrics-export-port"] for g in groups} == {str(port["port"])}
+    (policy,) = r.kind("NetworkPolicy")
+    metrics_rules = [rule for rule in policy["spec"]["ingress"]
+                     if rule.get("ports") == [{"port": port["port"], "protocol": "TCP"}]]
+    assert [[f["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] for f in rule["from"]]
+            for rule in metrics_rules] == [["monitoring"]]
+    assert not [s for s in rendered["default"].kind("Service") if s["metadata"]["name"].endswith("-ray-metrics")]
