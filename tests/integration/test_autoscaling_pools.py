@@ -187,7 +187,7 @@ def test_prefill_and_decode_scale_independently(serve_cluster: Any) -> None:
         # 4. The decisions, as Prometheus would scrape them from the head's metrics agent.
         def exported() -> bool:
             text = ray_metrics()
-            return all(metric(text, "kvserve_autoscaling_decisions(?:_total)?", deployment=d, direction=direction)
+            return all(metric(text, "kvserve_autoscaling_decisions_total", deployment=d, direction=direction)
                        for d in (prefill, decode) for direction in ("up", "down"))
 
         wait_until(exported, 90.0, 1.0, message=lambda: "decision metrics in Ray's metrics agent:\n" + "\n".join(
