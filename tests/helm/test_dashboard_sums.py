@@ -162,10 +162,6 @@ def target_labels(config: ScrapeConfig, pod: str, index: int) -> TargetLabels:
             "pod": pod, "instance": f"10.0.0.{index + 10}:8000", "container": "ray-worker"}
 
 
-# A pod's proxy answers a scrape with the /metrics text of some ingress replica.
-Answer = Callable[[int], bytes]  # scrape round -> body
-
-
 def run(config: ScrapeConfig, route: Callable[[int, int], int], num_extra_targets: int = 0) -> tuple[Prometheus, Prometheus, float]:
     """Simulates NUM_ROUNDS scrapes of the cluster (config.num_pods ingress pods, plus extra
     targets) and of the single source. `route(pod, round)` -> the ingress replica that

@@ -29,15 +29,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
+from ray import serve
 
-from ray import serve  # noqa: E402
-
-from cluster.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, pool_options  # noqa: E402
-from cluster.config import KVServeConfig  # noqa: E402
-from tests.integration.fake_engine_worker import TOKEN, FakeEngineWorker  # noqa: E402
-from tests.integration.test_autoscaling import Result, consume  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
-from worker.api import GenerateRequest, SamplingParams  # noqa: E402
+from cluster.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, pool_options
+from cluster.config import KVServeConfig
+from tests.integration.fake_engine_worker import TOKEN, FakeEngineWorker
+from tests.integration.test_autoscaling import Result, consume
+from tests.waiting import wait_until
+from worker.api import GenerateRequest, SamplingParams
 
 pytestmark = [
     pytest.mark.integration,

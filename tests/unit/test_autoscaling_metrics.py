@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from cluster.autoscaling import QueueDepthPolicy, ReplicaLoad, PoolTargets, demand
+from cluster.autoscaling import PoolTargets, QueueDepthPolicy, ReplicaLoad, demand
 from cluster.autoscaling_metrics import PolicyMetrics
 
 
