@@ -47,11 +47,14 @@ pytestmark = [
 STEP_S = 0.05
 MAX_NUM_SEQS = 2
 DRAIN_TIMEOUT_S = 45.0
-PROMPT_TOKENS = 600  # a prefill request: one long prompt, one token
+# A prefill-pool request: a long prompt. It runs 20 fake steps (~1 s) rather than one, so
+# that its queue of waiting prompt tokens lasts between the test's top-ups however slowly a
+# loaded machine polls (the policy sees only the queue).
+PROMPT_TOKENS, PREFILL_TOKENS = 600, 20
 DECODE_BURST, DECODE_TOKENS = 8, 40  # ~2 s each, two at a time: six wait
 LONG, LONG_TOKENS = 2, 300  # ~15 s: still streaming when their replica is removed
 POLL_S = 0.1
-SCALE_WAIT_S = 120.0  # a new replica is a new Ray worker process: slow on a loaded 2-core box
+SCALE_WAIT_S = 150.0  # a new replica is a new Ray worker process: slow on a loaded 2-core box
 
 
 def pool(role: str, **targets: float) -> dict[str, Any]:
@@ -139,13 +142,13 @@ def test_prefill_and_decode_scale_independently(serve_cluster: Any) -> None:
     try:
         wait_until(lambda: sizes() == (1, 1), SCALE_WAIT_S, POLL_S, message=lambda: f"both pools at one replica: {sizes()}")
 
-        # 1. Prompt-heavy load on the prefill pool: its waiting prompt tokens (kept above
-        # 1000 by topping up) ask for two replicas; the decode pool has no work.
+        # 1. Prompt-heavy load on the prefill pool: its waiting prompt tokens (eight requests
+        # kept in flight, two run: ~3600 waiting) ask for two replicas; the decode pool has no work.
         def prefill_up() -> bool:
             assert live(apps[decode], decode) == 1, "the decode pool moved on the prefill pool's load"
             if running(apps[prefill], prefill) == 2:
                 return True
-            sent.extend(send(prefill, 8 - sum(not f.done() for f in sent), PROMPT_TOKENS, 1))
+            sent.extend(send(prefill, 8 - sum(not f.done() for f in sent), PROMPT_TOKENS, PREFILL_TOKENS))
             return False
 
         wait_until(prefill_up, SCALE_WAIT_S, POLL_S, message=lambda: f"prefill to run 2 replicas: {sizes()}")
@@ -175,7 +178,7 @@ def test_prefill_and_decode_scale_independently(serve_cluster: Any) -> None:
         results = [f.result(timeout=SCALE_WAIT_S) for f in sent + burst + long]
         for r in results:
             assert r.error is None, r.error
-        assert all(r.tokens == [TOKEN] for r in results[:len(sent)])
+        assert all(r.tokens == [TOKEN] * PREFILL_TOKENS for r in results[:len(sent)])
         assert all(r.tokens == [TOKEN] * DECODE_TOKENS for r in results[len(sent):len(sent) + len(burst)])
         long_results = results[len(sent) + len(burst):]
         assert all(r.tokens == [TOKEN] * LONG_TOKENS and r.finish_reason == "length" for r in long_results)
