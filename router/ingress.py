@@ -203,6 +203,8 @@ class Ingress(GrpcMethods):
         self, worker: Any, settings: IngressSettings, prefill_worker: Any = None,
         max_waiting_for_decode: int = MAX_WAITING_FOR_DECODE,
     ) -> None:
+        if settings.setup is not None:  # this process's set-up from cluster/ (tracing: cluster/tracing.py)
+            settings.setup()
         self.settings = settings
         generate = worker.options(stream=True)
         if prefill_worker is not None:  # prefill/decode disaggregation (router/disagg.py)
