@@ -109,3 +109,40 @@ def test_one_request_is_one_trace_across_ingress_router_and_replica(app: App) ->
     assert route.attributes["kvserve.routing.replica"] == replica.attributes["kvserve.replica"] != "local"
     assert route.attributes["kvserve.routing.num_candidates"] == NUM_WORKERS
     assert route.attributes["kvserve.routing.mode"] in ("headroom", "load_gate", "pow2")
+
+
+def test_status_shows_pools_replicas_per_node_and_kv(app: App) -> None:
+    """`kvserve status --json` in its own process, joining the session cluster as a driver."""
+    import ray
+
+    complete(app, "Status please")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    address = ray.get_runtime_context().gcs_address
+    result = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--address", address, "--app", APP, "--json"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    status = json.loads(result.stdout)
+    assert status["app_name"] == APP and status["app_status"] == "RUNNING"
+    pools = {p["name"]: p for p in status["pools"]}
+    assert [p["name"] for p in status["pools"]] == ["ingress", "worker"]
+    ingress, worker = pools["ingress"], pools["worker"]
+    assert ingress["role"] == "ingress" and ingress["num_running_replicas"] == ingress["target_num_replicas"] == 1
+    assert ingress["num_in_flight"] == 0  # nothing running now: the request above has ended
+    assert worker["role"] == "worker" and worker["status"] == "HEALTHY"
+    assert worker["num_running_replicas"] == worker["target_num_replicas"] == NUM_WORKERS
+    assert worker["autoscaling"] is None  # a fixed number of replicas
+    assert worker["kv_total_blocks"] == NUM_WORKERS * tiny_app.NUM_BLOCKS
+    assert worker["num_running"] == worker["num_waiting"] == 0
+    # Replicas per node: one node here, holding the ingress replica and both workers.
+    (node,) = status["nodes"].values()
+    assert node["node_ip"] == "127.0.0.1"
+    replicas = node["replicas"]
+    assert sorted(r["pool"] for r in replicas) == ["ingress", "worker", "worker"]
+    for r in replicas:
+        assert r["state"] == "RUNNING" and r["pid"]
+        if r["pool"] == "worker":  # the engine's own numbers, as its routing stats carry them
+            assert r["kv_total_blocks"] == tiny_app.NUM_BLOCKS and 0 <= r["kv_used_blocks"] <= tiny_app.NUM_BLOCKS
+            assert r["kv_usage"] == r["kv_used_blocks"] / r["kv_total_blocks"]
+            assert r["num_waiting"] == 0 and r["num_waiting_prompt_tokens"] == 0
+        else:
+            assert r["kv_total_blocks"] is None
