@@ -268,3 +268,49 @@ def test_the_config_section_validates_the_endpoint() -> None:
     assert TracingSetup.of(config.observability, "ingress").trace_sample_ratio == 0.5
     with pytest.raises(ConfigError, match="otlp_endpoint"):
         KVServeConfig.from_dict({"observability": {"otlp_endpoint": "collector:4317"}})
+
+
+async def test_disaggregated_calls_trace_their_own_phases(
+    spans: InMemorySpanExporter, tiny_llama: Path, tokenizer: Any  # noqa: F811
+) -> None:
+    """A prefill replica's call ends at its first token (queue, prefill); the decode
+    replica's call imported the KV (queue, decode; no prefill there). Both under the one
+    engine request's span."""
+    from kv.transfer import LocalKVTransport
+
+    def worker() -> WorkerReplica:
+        r = WorkerReplica.__new__(WorkerReplica)
+        r._attach(AsyncEngine(make_engine(tiny_llama), tokenizer), block_size=16, drain_timeout_s=5.0)
+        r.kv_transport = transport
+        return r
+
+    transport = LocalKVTransport()
+    prefill, decode = worker(), worker()
+    try:
+        trace = router_tracing.RequestTrace.start("cmpl-disagg", 0.0, 1, len(PROMPT))
+        assert trace is not None
+        request, generate = trace.engine_request(
+            GenerateRequest("cmpl-disagg-0", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)))
+        first, kv_handle = await prefill.prefill(request)
+        assert kv_handle is not None
+        outputs = [first] + [out async for out in decode.decode(request, kv_handle)]
+        await prefill.release_kv(request.request_id)
+        router_tracing.RequestTrace.end_engine_request(generate, MAX_TOKENS, 0, None)
+        trace.end(MAX_TOKENS, None)
+    finally:
+        prefill.engine.shutdown()
+        decode.engine.shutdown()
+    assert sum(len(o.new_token_ids) for o in outputs) == MAX_TOKENS
+
+    named = by_name(spans.get_finished_spans())
+    calls = {s.attributes["kvserve.replica.call"]: s for s in named["kvserve.replica"]}
+    assert set(calls) == {"prefill", "decode"}
+    (generate_span,) = named["kvserve.generate"]
+    for call, expected in (("prefill", ["kvserve.engine.prefill", "kvserve.engine.queue"]),
+                           ("decode", ["kvserve.engine.decode", "kvserve.engine.queue"])):
+        span = calls[call]
+        assert parent_of(span) == generate_span.context.span_id
+        children = sorted(s.name for group in named.values() for s in group if parent_of(s) == span.context.span_id)
+        assert children == expected
+    assert [e.name for e in calls["prefill"].events] == ["first_token"]
+    assert calls["prefill"].attributes["gen_ai.usage.output_tokens"] == 1
