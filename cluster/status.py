@@ -252,8 +252,9 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "status", help="pools, replicas per node, KV usage, queues and autoscaling of a running app")
-    parser.add_argument("--address", help="the Ray cluster's GCS address, HOST:PORT "
-                                          "(default: the local cluster a running `kvserve serve` started)")
+    parser.add_argument("--address", help="the Ray cluster's GCS address, HOST:PORT, or `auto` (the cluster "
+                                          "`ray start` started on this machine, e.g. a KubeRay head pod); "
+                                          "default: the local cluster a running `kvserve serve` started")
     parser.add_argument("--app", help=f"the application's name (default: the local one's, else {DEFAULT_APP_NAME!r})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--timeout", type=float, default=STATS_TIMEOUT_S, help="seconds to wait for the replicas' stats")
