@@ -31,11 +31,11 @@ from cluster.deps import missing
 
 logger = logging.getLogger(__name__)
 
-Protocol = Literal["grpc", "http/protobuf"]
+OTLPProtocol = Literal["grpc", "http/protobuf"]
 PROTOCOLS: tuple[str, ...] = ("grpc", "http/protobuf")
 ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 PROTOCOL_ENVS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-DEFAULT_PROTOCOL: Protocol = "grpc"
+DEFAULT_PROTOCOL: OTLPProtocol = "grpc"
 DEFAULT_SERVICE_NAME = "kvserve"
 # OTLP/HTTP's path for traces, appended to a base endpoint (as the OTel spec does for
 # OTEL_EXPORTER_OTLP_ENDPOINT).
@@ -50,7 +50,7 @@ class ObservabilitySection(Section):
     # (http/protobuf, /v1/traces is appended).
     otlp_endpoint: str | None = Field(None, json_schema_extra={"pattern": "^https?://"})
     # None: OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL, else grpc.
-    otlp_protocol: Protocol | None = None
+    otlp_protocol: OTLPProtocol | None = None
     # Share of requests traced (parent-based: a request's spans are all kept or all dropped).
     trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
     # OTEL_SERVICE_NAME wins when set.
@@ -103,11 +103,11 @@ class TracingSetup:
         endpoint = self.endpoint()
         if endpoint is None:
             return False
-        exporter = make_exporter(endpoint, self.protocol())
-        _provider = self.provider(exporter)
+        protocol = self.protocol()
+        _provider = self.provider(make_exporter(endpoint, protocol))
         install(_provider)
         logger.info("tracing on: OTLP %s to %s (component %s, sample ratio %g)",
-                    self.protocol(), endpoint, self.component, self.trace_sample_ratio)
+                    protocol, endpoint, self.component, self.trace_sample_ratio)
         return True
 
     def provider(self, exporter: Any, batch: bool = True) -> Any:
