@@ -55,6 +55,9 @@ class ObservabilitySection(Section):
     trace_sample_ratio: float = Field(1.0, ge=0.0, le=1.0)
     # OTEL_SERVICE_NAME wins when set.
     service_name: str = Field(DEFAULT_SERVICE_NAME, min_length=1)
+    # Continue the trace of a client's W3C `traceparent` HTTP header instead of starting a new
+    # one. Off by default: a client's header also decides whether its request is sampled.
+    accept_client_trace_context: bool = False
 
     @field_validator("otlp_endpoint")
     @classmethod
@@ -76,11 +79,12 @@ class TracingSetup:
     otlp_protocol: str | None = None
     trace_sample_ratio: float = 1.0
     service_name: str = DEFAULT_SERVICE_NAME
+    accept_client_trace_context: bool = False
 
     @classmethod
     def of(cls, section: ObservabilitySection, component: str) -> TracingSetup:
         return cls(component, section.otlp_endpoint, section.otlp_protocol, section.trace_sample_ratio,
-                   section.service_name)
+                   section.service_name, section.accept_client_trace_context)
 
     def endpoint(self, environ: dict[str, str] | Any = os.environ) -> str | None:
         """The configured endpoint, else the environment's; None: tracing is off."""
@@ -105,7 +109,7 @@ class TracingSetup:
             return False
         protocol = self.protocol()
         _provider = self.provider(make_exporter(endpoint, protocol))
-        install(_provider)
+        install(_provider, self.accept_client_trace_context)
         logger.info("tracing on: OTLP %s to %s (component %s, sample ratio %g)",
                     protocol, endpoint, self.component, self.trace_sample_ratio)
         return True
@@ -131,13 +135,13 @@ class TracingSetup:
 _provider: Any = None
 
 
-def install(provider: Any) -> None:
+def install(provider: Any, accept_client_context: bool = False) -> None:
     """Hand `provider` to every layer that traces (None: off). Tests install one with an
     in-memory exporter the same way."""
     from router import tracing as router_tracing
     from worker import tracing as worker_tracing
 
-    router_tracing.install(provider)
+    router_tracing.install(provider, accept_client_context)
     worker_tracing.install(provider)
 
 

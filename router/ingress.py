@@ -54,6 +54,7 @@ from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.workers import Workers
 from worker.api import load_tokenizer
 from router.tools import tool_mode
+from router.tracing import ClientTraceContext
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ except PackageNotFoundError:  # run from a source tree without an install
     KVSERVE_VERSION = "0+unknown"
 
 app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
+app.add_middleware(ClientTraceContext)  # a client's traceparent, when accepted (router/tracing.py)
 
 
 @app.exception_handler(errors.APIError)

@@ -12,6 +12,10 @@ router reads from the pending call's arguments and the worker replica from its a
 A migration (router/migration.py) is an event on `kvserve.generate`; the resumed call gets a
 route and a replica span of its own under the same parent.
 
+A request's trace is a new one, or, with observability.accept_client_trace_context, the
+trace of the client's HTTP `traceparent` header (ClientTraceContext; off by default: it lets
+clients choose which requests are sampled).
+
 Off (no tracer installed: no OTLP endpoint configured, cluster/tracing.py) every entry
 point returns at its first check, `_tracer is None`, once per request or routing
 decision; nothing is done per token, on or off. A request the sampler drops is traced
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -38,12 +43,40 @@ _MAX_RANKED = 4
 
 # What this process traces with; None: tracing is off here.
 _tracer: Tracer | None = None
+# Whether a client's own W3C context (HTTP `traceparent`) becomes the request span's parent.
+_accept_client_context = False
+# That context while the ingress handles the client's HTTP request (ClientTraceContext).
+_client_context: ContextVar[dict[str, str] | None] = ContextVar("kvserve_client_trace_context", default=None)
+_CLIENT_HEADERS = (b"traceparent", b"tracestate")
 
 
-def install(provider: TracerProvider | None) -> None:
-    """Trace the ingress and request routers of this process with `provider` (None: off)."""
-    global _tracer
+def install(provider: TracerProvider | None, accept_client_context: bool = False) -> None:
+    """Trace the ingress and request routers of this process with `provider` (None: off);
+    `accept_client_context`: continue the traces clients send (observability.accept_client_trace_context)."""
+    global _tracer, _accept_client_context
     _tracer = provider.get_tracer("kvserve.router") if provider is not None else None
+    _accept_client_context = accept_client_context and provider is not None
+
+
+class ClientTraceContext:
+    """ASGI middleware of the HTTP ingress: while a request is handled, the client's
+    `traceparent` / `tracestate` headers are what RequestTrace.start continues. Off (the
+    default, or tracing off): one check per request, then the app as it is."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if not _accept_client_context or scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        carrier = {name.decode("latin-1"): value.decode("latin-1")
+                   for name, value in scope.get("headers") or () if name in _CLIENT_HEADERS}
+        token = _client_context.set(carrier or None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _client_context.reset(token)
 
 
 def _propagator() -> Any:
@@ -71,7 +104,9 @@ class RequestTrace:
         from opentelemetry.trace import SpanKind
 
         start_ns = time.time_ns() - int((time.monotonic() - arrival) * 1e9)
-        span = tracer.start_span(REQUEST_SPAN, kind=SpanKind.SERVER, start_time=start_ns, attributes={
+        carrier = _client_context.get()
+        parent = _propagator().extract(carrier) if carrier else None
+        span = tracer.start_span(REQUEST_SPAN, context=parent, kind=SpanKind.SERVER, start_time=start_ns, attributes={
             "kvserve.request_id": request_id, "kvserve.num_choices": num_choices,
             "gen_ai.usage.input_tokens": prompt_tokens,
         })

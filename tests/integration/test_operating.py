@@ -52,6 +52,7 @@ def app(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "workers.num_replicas": NUM_WORKERS,
         "observability.otlp_endpoint": receiver.endpoint,
         "observability.otlp_protocol": "http/protobuf",
+        "observability.accept_client_trace_context": True,
     })
     tiny_app.deploy(config)
     try:
@@ -61,9 +62,9 @@ def app(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         receiver.close()
 
 
-def complete(app: App, prompt: str) -> dict[str, Any]:
+def complete(app: App, prompt: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(f"{app.root}/v1/completions", json=body, timeout=60)
+    response = httpx.post(f"{app.root}/v1/completions", json=body, headers=headers, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -77,15 +78,19 @@ def trace_of(request_id: str, spans: list[ReceivedSpan]) -> list[ReceivedSpan] |
     return trace if TRACE_NAMES <= {s.name for s in trace} else None
 
 
+CLIENT_TRACE, CLIENT_SPAN = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+
+
 def test_one_request_is_one_trace_across_ingress_router_and_replica(app: App) -> None:
-    answer = complete(app, "Hello world")
+    # The client's own trace continues (observability.accept_client_trace_context).
+    answer = complete(app, "Hello world", {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
     trace = app.receiver.wait_for(lambda spans: trace_of(answer["id"], spans), f"the trace of {answer['id']}")
     one = {s.name: s for s in trace}
     assert sorted(s.name for s in trace) == sorted(TRACE_NAMES)  # one of each: n=1, no migration
     request, generate, route, replica = (one[f"kvserve.{n}"] for n in ("request", "generate", "route", "replica"))
 
     # Parent links across three hops: ingress -> its router thread -> a worker process.
-    assert request.parent_span_id == ""
+    assert request.trace_id == CLIENT_TRACE and request.parent_span_id == CLIENT_SPAN
     assert generate.parent_span_id == request.span_id
     assert route.parent_span_id == generate.span_id
     assert replica.parent_span_id == generate.span_id

@@ -314,3 +314,29 @@ async def test_disaggregated_calls_trace_their_own_phases(
         assert children == expected
     assert [e.name for e in calls["prefill"].events] == ["first_token"]
     assert calls["prefill"].attributes["gen_ai.usage.output_tokens"] == 1
+
+
+@pytest.mark.parametrize("accept", [True, False])
+async def test_a_client_traceparent_is_continued_only_when_accepted(accept: bool) -> None:
+    import time
+
+    exporter = InMemorySpanExporter()
+    cluster_tracing.install(TracingSetup("test").provider(exporter, batch=False), accept_client_context=accept)
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+    async def ingress(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        trace = router_tracing.RequestTrace.start("cmpl-client", time.monotonic(), 1, len(PROMPT))
+        assert trace is not None
+        trace.end(0, None)
+
+    try:
+        headers = [(b"traceparent", f"00-{client_trace}-{client_span}-01".encode()), (b"x-other", b"1")]
+        await router_tracing.ClientTraceContext(ingress)({"type": "http", "headers": headers}, None, None)
+    finally:
+        cluster_tracing.install(None)
+    (span,) = exporter.get_finished_spans()
+    if accept:
+        assert format(span.context.trace_id, "032x") == client_trace
+        assert span.parent is not None and format(span.parent.span_id, "016x") == client_span
+    else:
+        assert format(span.context.trace_id, "032x") != client_trace and span.parent is None
