@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -22,6 +23,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 from cluster.config import KVSERVE_POLICY, AutoscalingSection, KVServeConfig
 from cluster.deps import missing
 from cluster.state_store import RedisStoreSpec
+from cluster.tracing import TracingSetup, check_exporter
 from router.ingress import Ingress
 from router.settings import IngressSettings
 from worker.replica import WorkerReplica
@@ -47,7 +49,8 @@ def build_app(config: KVServeConfig) -> Application:
         return build_disaggregated_app(config)
     worker = serve.deployment(WorkerReplica, name=WORKER_DEPLOYMENT).options(**worker_options(config))
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
-    engine = worker.bind(config.engine_config(), drain_timeout_s=config.workers.drain_timeout_s)
+    engine = worker.bind(config.engine_config(), drain_timeout_s=config.workers.drain_timeout_s,
+                         setup=tracing_setup(config, WORKER_DEPLOYMENT))
     return ingress.bind(engine, ingress_settings(config))
 
 
@@ -62,7 +65,8 @@ def build_disaggregated_app(config: KVServeConfig) -> Application:
     pools = {}
     for name, (pool_config, options) in pool_options(config).items():
         deployment = serve.deployment(WorkerReplica, name=name).options(**options)
-        pools[name] = deployment.bind(pool_config.engine_config(), drain_timeout_s=pool_config.workers.drain_timeout_s)
+        pools[name] = deployment.bind(pool_config.engine_config(), drain_timeout_s=pool_config.workers.drain_timeout_s,
+                                      setup=tracing_setup(config, name))
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
     return ingress.bind(
         pools[DECODE_DEPLOYMENT], ingress_settings(config),
@@ -97,7 +101,18 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def ingress_settings(config: KVServeConfig) -> IngressSettings:
-    return config.ingress_settings(state_store=state_store_spec(config))
+    settings = config.ingress_settings(state_store=state_store_spec(config))
+    return replace(settings, setup=tracing_setup(config, INGRESS_DEPLOYMENT))
+
+
+def tracing_setup(config: KVServeConfig, component: str) -> TracingSetup:
+    """What each replica calls to set tracing up in its process (cluster/tracing.py). Always
+    given: a replica's own OTEL_EXPORTER_OTLP_ENDPOINT may turn tracing on. An endpoint in
+    the config without the exporter installed fails here, before anything is deployed."""
+    setup = TracingSetup.of(config.observability, component)
+    if setup.otlp_endpoint:
+        check_exporter(setup.protocol())
+    return setup
 
 
 def state_store_spec(config: KVServeConfig) -> RedisStoreSpec | None:

@@ -7,6 +7,7 @@
     kvserve serve --device sim:h200 --model-shape llama-3-8b --num-workers 16   # simulated GPUs
     kvserve config [--config FILE]      # print the effective configuration as YAML
     kvserve calibrate                   # fit a device profile of this machine (worker/sim/)
+    kvserve status [--address HOST:PORT] [--json]   # pools, replicas per node, KV, queues
 
 Subcommands live in a table of "module:function" registrars, imported lazily; each adds
 its own argparse subparser and sets `func`. Another command (e.g. `kvserve bench ...`,
@@ -38,6 +39,7 @@ SUBCOMMANDS: dict[str, str] = {
     "bench": "cluster.bench_serve:register",
     "simulate": "cluster.sim.cli:register",
     "calibrate": "cluster.calibrate:register",
+    "status": "cluster.status:register",
 }
 
 
@@ -253,7 +255,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_config = config.engine_config()  # fails early (and readably) on a missing model
     # ... and on a checkpoint the workers would refuse (quantized, another architecture).
     check_local_model(engine_config.model.model, engine_config.model.trust_remote_code)
-    from cluster.local_ray import keep_ray_on_loopback, start_local_ray
+    from cluster.local_ray import forget_local_cluster, keep_ray_on_loopback, remember_local_cluster, start_local_ray
 
     if args.address is None:
         keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
@@ -269,6 +271,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # (router/grpc_tls.py): a local cluster inherits this process's.
     os.environ.update(config.grpc.tls_env if config.grpc.enabled else {})
     os.environ[APP_NAME_ENV] = config.app_name  # the app the proxy's health service probes
+    record = None  # the local cluster's record for `kvserve status` (cluster/local_ray.py)
     if args.address is None:
         # Always a NEW cluster of its own, with Ray's traffic on loopback (cluster/local_ray.py),
         # never whatever $RAY_ADDRESS or /tmp/ray/ray_current_cluster point at.
@@ -276,12 +279,13 @@ def run_serve(args: argparse.Namespace) -> int:
         # works without installing it).
         root = str(Path(__file__).resolve().parent.parent)
         pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        start_local_ray(
+        address_info = start_local_ray(
             log_to_driver=False,
             include_dashboard=args.dashboard,
             num_cpus=args.num_cpus or local_num_cpus(config),
             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
         )
+        record = remember_local_cluster(address_info, config.app_name)
     else:
         ray.init(address=args.address, log_to_driver=False)
     stop = threading.Event()
@@ -325,6 +329,7 @@ def run_serve(args: argparse.Namespace) -> int:
             serve.shutdown()
         finally:
             ray.shutdown()
+            forget_local_cluster(record)
     return 0
 
 

@@ -37,6 +37,7 @@ from cluster.pool_config import (  # noqa: F401 -- re-exported: part of the one 
     WorkersSection,
 )
 from cluster.state_store import RedisStoreSpec
+from cluster.tracing import ObservabilitySection
 from router.headroom import HeadroomParams
 from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -310,6 +311,7 @@ class KVServeConfig(Section):
     routing: RoutingSection = RoutingSection()
     state: StateSection = StateSection()
     disaggregation: DisaggregationSection | None = None
+    observability: ObservabilitySection = ObservabilitySection()  # tracing: cluster/tracing.py
 
     @field_validator("model", mode="before")
     @classmethod

@@ -15,6 +15,8 @@ _DISTRIBUTIONS = {
     "google": "protobuf",
     "yaml": "pyyaml",
     "ray": "'ray[serve]'",
+    # The OpenTelemetry SDK and OTLP exporters of tracing (cluster/tracing.py).
+    "opentelemetry": "'kvserve[otel]'",
 }
 
 

@@ -22,7 +22,10 @@ interface; neither depends on this (cluster/cli.py:listen_warnings says so at st
 """
 from __future__ import annotations
 
+import json
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 # Ray's switch for "this machine is the whole cluster": loopback node IP and servers.
@@ -59,3 +62,42 @@ def start_local_ray(**init_kwargs: Any) -> dict[str, Any]:
     init_kwargs.pop("address", None)
     context = ray.init(address="local", **init_kwargs)
     return dict(context.address_info)
+
+
+# -- where `kvserve status` finds the local cluster `kvserve serve` started ---------------------
+# Ray itself records only clusters started with `ray start` (ray_current_cluster); a local
+# cluster of `kvserve serve` (address="local") is recorded here, per user, while it runs.
+def local_cluster_record_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"kvserve-{os.getuid()}" / "local_cluster.json"
+
+
+def remember_local_cluster(address_info: dict[str, Any], app_name: str) -> Path:
+    """Record the GCS address and app of the local cluster this process started."""
+    path = local_cluster_record_path()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    record = {"address": address_info.get("gcs_address") or address_info["address"], "app_name": app_name,
+              "pid": os.getpid()}
+    path.write_text(json.dumps(record))
+    return path
+
+
+def forget_local_cluster(path: Path | None) -> None:
+    """Remove the record at shutdown, unless another `kvserve serve` has replaced it."""
+    if path is None:
+        return
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def read_local_cluster() -> dict[str, Any] | None:
+    """The record of the running local `kvserve serve` cluster, None when there is none. A
+    record whose process has exited is stale (its cluster went with it): None too."""
+    try:
+        record = json.loads(local_cluster_record_path().read_text())
+        os.kill(int(record["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return dict(record)

@@ -21,14 +21,18 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from router import errors
 from router.metrics import IngressMetrics
 from router.migration import Migration, is_replica_failure
 from router.openai_convert import EngineInput
 from router.serve_internals import use_child_request_id
+from router.tracing import RequestTrace
 from worker.api import GenerateRequest, RequestError, RequestOutput, SamplingParamsError
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +166,9 @@ class GenerationStream:
         self._prompt_tokens = sum({inp.prompt_index: len(inp.prompt_token_ids) for inp in inputs}.values())
         self._output_tokens = {inp.index: 0 for inp in inputs}
         self._started = False
+        # OpenTelemetry spans of this request (router/tracing.py); None when tracing is off.
+        self._trace = RequestTrace.start(request_id, self._start_time, len(inputs), self._prompt_tokens)
+        self._error: BaseException | None = None
 
     @property
     def used_tokens(self) -> int:
@@ -180,7 +187,24 @@ class GenerationStream:
 
     async def _feed(self, index: int, request: GenerateRequest) -> None:
         use_child_request_id(index)  # this task's own context: the others are untouched
+        if self._trace is None:
+            await self._stream_choice(index, Migration(request, self._max_migrations), None)
+            return
+        request, span = self._trace.engine_request(request)
         migration = Migration(request, self._max_migrations)
+        error: BaseException | None = None
+        try:
+            error = await self._stream_choice(index, migration, span)
+        except BaseException as e:  # cancelled: the client left or the request ended
+            error = e
+            raise
+        finally:
+            RequestTrace.end_engine_request(span, len(migration.generated_token_ids), migration.num_migrations, error)
+
+    async def _stream_choice(self, index: int, migration: Migration, span: Span | None) -> BaseException | None:
+        """Stream one engine request into the queue, migrating it when its replica dies.
+        Returns the error that ended it (also queued for the consumer), or None."""
+        request = migration.request
         while True:
             response = self._handle.generate.remote(migration.request)
             finished = False
@@ -188,7 +212,7 @@ class GenerationStream:
                 async for out in response:
                     finished = out.finished
                     self._queue.put_nowait((index, migration.observe(out)))
-                return
+                return None
             except asyncio.CancelledError:
                 raise
             except BaseException as e:
@@ -199,7 +223,9 @@ class GenerationStream:
                         logger.warning("request %s: replica failed again after %d migrations: %r",
                                        request.request_id, migration.num_migrations, e)
                     self._queue.put_nowait((index, e))
-                    return
+                    return e
+                if span is not None:
+                    RequestTrace.migrated(span, e, len(migration.generated_token_ids), migration.num_migrations)
                 self.num_migrations += 1
                 self._metrics.migrations.labels(self._metrics.model_name).inc()
                 logger.warning("request %s: replica failed (%s); migrating with %d tokens (%d/%d)",
@@ -215,11 +241,14 @@ class GenerationStream:
             async with asyncio.timeout(max(self._deadline - time.monotonic(), 0.0)):
                 index, item = await self._queue.get()
         except TimeoutError:
-            raise errors.timed_out(self._timeout_s) from None
+            self._error = errors.timed_out(self._timeout_s)
+            raise self._error from None
         if isinstance(item, BaseException):
-            raise api_error_of(item)
+            self._error = api_error_of(item)
+            raise self._error
         if item.finish_reason == "error":
-            raise errors.internal(item.error or "The engine failed this request.")
+            self._error = errors.internal(item.error or "The engine failed this request.")
+            raise self._error
         self._observe(index, item)
         if item.finished:
             self._unfinished.discard(index)
@@ -260,6 +289,8 @@ class GenerationStream:
         for task in self._tasks:
             if not task.done():
                 task.cancel()
+        if self._trace is not None:
+            self._trace.end(sum(self._output_tokens.values()), self._error)
         try:
             self._permit.settle(self.used_tokens)
         finally:

@@ -54,6 +54,7 @@ from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.workers import Workers
 from worker.api import load_tokenizer
 from router.tools import tool_mode
+from router.tracing import ClientTraceContext
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ except PackageNotFoundError:  # run from a source tree without an install
     KVSERVE_VERSION = "0+unknown"
 
 app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
+app.add_middleware(ClientTraceContext)  # a client's traceparent, when accepted (router/tracing.py)
 
 
 @app.exception_handler(errors.APIError)
@@ -203,6 +205,8 @@ class Ingress(GrpcMethods):
         self, worker: Any, settings: IngressSettings, prefill_worker: Any = None,
         max_waiting_for_decode: int = MAX_WAITING_FOR_DECODE,
     ) -> None:
+        if settings.setup is not None:  # this process's set-up from cluster/ (tracing: cluster/tracing.py)
+            settings.setup()
         self.settings = settings
         generate = worker.options(stream=True)
         if prefill_worker is not None:  # prefill/decode disaggregation (router/disagg.py)

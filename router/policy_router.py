@@ -28,6 +28,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
+from router import tracing
 from router.headroom import ReplicaReport, ReplicaView, power_of_two
 from router.policies import RoutingPolicy, RoutingRequest, make_policy, split_policy_kwargs
 from router.policies.base import healthy
@@ -79,11 +80,12 @@ class PolicyRouter(ReplicaStateRouter):
         views = [self._view(replica, now) for replica in candidate_replicas]
         request = self._routing_request(pending_request)
         if request is None:
-            order = power_of_two(healthy(views), self._rng)
-            self.num_decisions_by_mode["pow2"] += 1
+            order, mode = power_of_two(healthy(views), self._rng), "pow2"
         else:
             order = self.policy.rank(request, views, now)
-            self.num_decisions_by_mode[getattr(self.policy, "last_mode", "") or self.policy.name] += 1
+            mode = getattr(self.policy, "last_mode", "") or self.policy.name
+        self.num_decisions_by_mode[mode] += 1
+        tracing.record_route(pending_request, mode, order, len(candidate_replicas), now)
         return self._ranks(candidate_replicas, order)
 
     def _routing_request(self, pending_request: PendingRequest | None) -> RoutingRequest | None:

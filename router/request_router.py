@@ -60,6 +60,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from router import tracing
 from router.reservations import ReservationLedger
 from router.serve_internals import cached_queue_len, router_now_s
 from router.headroom import (
@@ -171,6 +172,7 @@ class KVHeadroomRouter(ReplicaStateRouter):
             # Counted at dispatch time: the next choice (maybe microseconds later, in the
             # same burst) already sees these blocks as taken.
             self._ledger.reserve(request_id, ranking.order[0], ranking.need_blocks, now)
+        tracing.record_route(pending_request, ranking.mode, ranking.order, len(candidate_replicas), now)
         return self._ranks(candidate_replicas, ranking.order)
 
     def _profile(self, request_id: str | None, pending_request: PendingRequest | None) -> RequestProfile | None:

@@ -115,6 +115,23 @@ async def grpc_proxy_port() -> int:
     return int(config.port)
 
 
+# -- the controller's view of every application -----------------------------------------------------
+def serve_instance_details() -> dict[str, Any]:
+    """Serve's ServeInstanceDetails as a dict: every application, its deployments (status,
+    target_num_replicas, deployment_config, autoscaling_detail) and their replicas (state,
+    node_id, node_ip, pid), for `kvserve status` (cluster/status.py). Blocks (ray.get): call
+    it from synchronous code only. Raises when no Serve instance runs on the cluster.
+
+    Public API it stands in for: the dashboard's REST GET /api/serve/applications/ (the same
+    schema, but only with the dashboard running; kvserve serve starts it only on request);
+    serve.status() has neither the replicas' nodes nor the target counts. Private:
+    `ray.serve.context._get_global_client()` and its `get_serve_details()`.
+    """
+    from ray.serve.context import _get_global_client
+
+    return dict(_get_global_client().get_serve_details())
+
+
 # -- the registry the unit test checks ------------------------------------------------------------
 @dataclass(frozen=True)
 class PrivateApi:
@@ -179,6 +196,18 @@ def _controller_grpc_config() -> bool:
     )
 
 
+def _serve_details() -> bool:
+    from ray.serve import context as serve_context
+    from ray.serve._private.client import ServeControllerClient
+    from ray.serve._private.controller import ServeController
+
+    return (
+        callable(getattr(serve_context, "_get_global_client", None))
+        and callable(getattr(ServeControllerClient, "get_serve_details", None))
+        and callable(getattr(ServeController, "get_serve_instance_details", None))
+    )
+
+
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("ray.serve.context._serve_request_context / _RequestContext._internal_request_id",
                "serve_internals.use_child_request_id", _context_api),
@@ -191,4 +220,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     PrivateApi("gRPCGenericServer.service_handler_factory", "router/grpc_proxy.py", _grpc_handler_factory),
     PrivateApi("ray.serve.context._get_global_client()._controller.get_grpc_config",
                "serve_internals.grpc_servicer_functions, serve_internals.grpc_proxy_port", _controller_grpc_config),
+    PrivateApi("ray.serve.context._get_global_client().get_serve_details", "serve_internals.serve_instance_details",
+               _serve_details),
 )

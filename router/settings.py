@@ -4,6 +4,7 @@ A frozen dataclass (not the pydantic schema) so that router/ does not depend on 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.auth import DEFAULT_API_KEYS_ENV
@@ -44,3 +45,6 @@ class IngressSettings:
     # Tool calls in chat output (router/tool_parsers.py): hermes | llama3_json | auto (from
     # the chat template's text).
     tool_call_parser: str = "auto"
+    # Set-up of the replica's own process, called first thing by the ingress (cluster/
+    # injects it: tracing, cluster/tracing.py). None: nothing to set up.
+    setup: Callable[[], object] | None = None

@@ -158,6 +158,10 @@ class GenerateRequest:
     # A migrated request (router/migration.py): the last this-many prompt tokens are output
     # the client already has; the detokenizer replays them so text continues seamlessly.
     num_resumed_tokens: int = 0
+    # The W3C trace context (`traceparent`, maybe `tracestate`) of the ingress span this
+    # engine request belongs to, set only when tracing is on and the trace is sampled
+    # (router/tracing.py). None: nothing on the worker side traces it (worker/tracing.py).
+    trace_context: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,9 @@ class RequestOutput:
     error: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    # time.monotonic() when the scheduler first admitted it (the end of its queue wait).
+    scheduled_time: float | None = None
+    num_preemptions: int = 0
     extra: dict = field(default_factory=dict)
 
 

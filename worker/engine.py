@@ -333,6 +333,7 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
+            scheduled_time=seq.scheduled_time, num_preemptions=seq.num_preemptions,
         )
 
     def stats(self) -> EngineStats:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
 from kv.transfer import KVHandle, KVTransport, make_transport
+from worker import tracing
 from worker.api import GenerateRequest, ReplicaDrainingError, RequestOutput, RoutingStats
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
@@ -31,7 +32,11 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerReplica:
-    def __init__(self, engine_config: EngineConfig, drain_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, engine_config: EngineConfig, drain_timeout_s: float = 60.0, setup: Callable[[], object] | None = None
+    ) -> None:
+        if setup is not None:  # this process's set-up from cluster/ (tracing: cluster/tracing.py)
+            setup()
         self._attach(AsyncEngine.from_config(engine_config), engine_config.cache.block_size, drain_timeout_s)
         logger.info("worker replica ready: %s", engine_config.model.model)
 
@@ -59,7 +64,10 @@ class WorkerReplica:
             resumed = {"num_resumed_tokens": request.num_resumed_tokens} if request.num_resumed_tokens else {}
             if kv_handle is not None:  # disaggregation: decode after a prefill replica's export
                 resumed["kv_import"] = await self._kv_transport().receive(kv_handle)
-            async for out in self.engine.generate(request.prompt_token_ids, request.params, request.request_id, **resumed):
+            outputs = self.engine.generate(request.prompt_token_ids, request.params, request.request_id, **resumed)
+            if tracing.is_traced(request):  # worker/tracing.py: spans at the end, from recorded times
+                outputs = tracing.traced(outputs, request, _replica_id(), "decode" if kv_handle is not None else "generate")
+            async for out in outputs:
                 if key in self._cut and out.finished and out.finish_reason == "abort":
                     # Not "abort" to the client: a replica failure, which the ingress
                     # resumes on another replica (router/migration.py).
@@ -86,7 +94,10 @@ class WorkerReplica:
             return last, None
         prefill_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         last = None
-        async for out in self.engine.generate(prompt, prefill_params, request.request_id, export_kv=True):
+        outputs = self.engine.generate(prompt, prefill_params, request.request_id, export_kv=True)
+        if tracing.is_traced(request):
+            outputs = tracing.traced(outputs, request, _replica_id(), "prefill")
+        async for out in outputs:
             last = out
         export = last.extra.pop("kv_export", None) if last is not None else None
         if last is None or last.finished or export is None:

@@ -17,6 +17,7 @@ Torch-free on purpose: it is unit-tested on its own.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -127,6 +128,8 @@ class Scheduler:
                 seq.num_cached_tokens = num_computed
             seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_time is None:  # once per request, not per step (tracing, worker/tracing.py)
+                seq.scheduled_time = time.monotonic()
             self.waiting.popleft()
             self.running.append(seq)
             self._add_to_plan(out, seq, num_new, block_ids)

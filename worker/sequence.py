@@ -42,6 +42,7 @@ class Sequence:
         "stop_reason",
         "arrival_time",
         "first_token_time",
+        "scheduled_time",
         "num_preemptions",
         "sampler_state",
         "eos_token_ids",
@@ -68,6 +69,9 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
+        # When the scheduler first admitted it (queue wait = scheduled - arrival); set once,
+        # a preempted sequence's readmission does not move it.
+        self.scheduled_time: float | None = None
         self.num_preemptions = 0
         # Opaque per-request state owned by the sampler (e.g. a seeded torch.Generator).
         self.sampler_state: Any = None
