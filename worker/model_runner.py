@@ -22,6 +22,7 @@ from worker.memory_profile import activation_peak_bytes
 from worker.model.llama import LlamaArch
 from worker.model.loader import load_model, resolve_model_path
 from worker.model.parallel import SINGLE, TPContext, kv_head_range
+from worker import prompt_logprobs
 from worker.api import TokenLogprob
 from worker.sampler import Sampler
 from worker.structured.bitmask import MaskPrefetcher
@@ -175,6 +176,8 @@ class ModelRunner:
         sampling = [plan.seqs[i] for i in batch.sample_rows]
         masks = self.masks.start(sampling, self.arch.vocab_size) if self.sampler is not None else None
         hidden = self._forward(batch)
+        if self.supports_prompt_logprobs:
+            self._prompt_logprobs(plan, order, batch, hidden)
         token_ids: list[int | None] = [None] * len(plan.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(plan.seqs)
         sample_rows = batch.sample_rows
@@ -193,6 +196,17 @@ class ModelRunner:
             token_ids[i] = sampled.token_ids[row]
             logprobs[i] = sampled.logprobs[row]
         return RunnerOutput(token_ids, logprobs, self.timer.elapsed_s())
+
+    @property
+    def supports_prompt_logprobs(self) -> bool:
+        """The engine refuses prompt_logprobs where this is False: under TP the extra
+        lm_head call would be a collective the other ranks do not know to join."""
+        return self.tp.size == 1
+
+    def _prompt_logprobs(self, plan: SchedulerOutput, order: list[int], batch: HostBatch, hidden: torch.Tensor) -> None:
+        rows = prompt_logprobs.rows_for_step(plan.seqs, plan.num_new_tokens, order, batch.query_start)
+        if rows is not None:
+            prompt_logprobs.compute(rows, plan.seqs, hidden, self.model.compute_logits, self.arch.vocab_size)
 
     def _forward(self, batch: HostBatch) -> torch.Tensor:
         """Hidden states of every flat token: a graph replay for a decode-only step that
