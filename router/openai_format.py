@@ -254,10 +254,9 @@ class ChatFormatter:
         self.texts = texts
         self.want_logprobs = want_logprobs
         self.prompt_logprobs = prompt_logprobs  # vLLM's k, None when not asked
-        # Tool calling: one parser per streamed choice, and how many calls each has sent.
+        # Tool calling: one parser per streamed choice (it counts the calls it has sent).
         self.tool_mode = tool_mode
         self._parsers: dict[int, tools.ToolParser] = {}
-        self._num_calls: dict[int, int] = {}
 
     def _chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
@@ -287,19 +286,18 @@ class ChatFormatter:
         tool_calls deltas; finish_reason "tool_calls" when the choice made any."""
         assert self.tool_mode is not None
         parser = self._parsers.setdefault(index, self.tool_mode.new_parser())
-        content, calls = parser.feed(out.text_delta) if out.text_delta else ("", [])
+        content, calls = parser.stream(out.text_delta) if out.text_delta else ("", [])
         if out.finished:
-            rest, more = parser.finish()
+            rest, more = parser.stream_end()
             content, calls = content + rest, calls + more
-        num_before = self._num_calls.get(index, 0)
-        self._num_calls[index] = num_before + len(calls)
+        tool_calls = tools.delta_tool_calls(calls)
         want_logprobs = self.want_logprobs and bool(out.logprobs)
-        if not content and not calls and not out.finished and not want_logprobs:
+        if not content and not tool_calls and not out.finished and not want_logprobs:
             return None
         finish_reason = out.finish_reason if out.finished else None
-        if finish_reason == "stop" and self._num_calls[index]:
+        if finish_reason == "stop" and parser.num_streamed_calls:
             finish_reason = self.tool_mode.finish_reason
-        delta = p.ChatDelta(content=content or None, tool_calls=tools.delta_tool_calls(calls, num_before) or None)
+        delta = p.ChatDelta(content=content or None, tool_calls=tool_calls or None)
         choice = p.ChatChunkChoice(
             index=index,
             delta=delta,
