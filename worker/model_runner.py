@@ -100,7 +100,7 @@ class ModelRunner:
         # K/V (worker/cuda_graphs.py); the block pool never hands it out.
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks + int(use_graphs), self.device)
         self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
-        self.masks = MaskPrefetcher()
+        self.masks = MaskPrefetcher(self.device)
         self.timer = ForwardTimer(self.device)
         self.graphs = self._capture_graphs(max_model_len) if use_graphs else None
 
@@ -172,7 +172,8 @@ class ModelRunner:
         batch = self._host_batch(plan, order)
         dev = self.device
         last_token_idx = torch.tensor(batch.last_token_idx, dtype=torch.long).to(dev, non_blocking=True)
-        # Structured outputs: the grammar masks are computed while the forward runs.
+        # Structured outputs: on an accelerator the grammar masks are computed while the
+        # forward runs (on a CPU device the sampler computes them: worker/structured/bitmask.py).
         sampling = [plan.seqs[i] for i in batch.sample_rows]
         masks = self.masks.start(sampling, self.arch.vocab_size) if self.sampler is not None else None
         hidden = self._forward(batch)
