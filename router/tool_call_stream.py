@@ -138,3 +138,47 @@ class CallStream:
             self.opened = True
         elif ch in "}]":
             self.depth -= 1
+
+
+@dataclass
+class CallListStream:
+    """A list of call objects with separators between them, fed in pieces: Llama 3's
+    `{...}; {...}` (after `<|python_tag|>`) or a forced `required` choice's JSON array
+    `[{...}, {...}]`. Each object streams through its own CallStream as it comes."""
+
+    skip: str  # characters between (and around) the objects
+    prefix: str = ""  # a marker that may lead the list (held back while partial)
+    num_calls: int = 0  # calls named so far (the next call's index)
+    _pending: str = ""
+    _call: CallStream | None = None
+
+    def feed(self, piece: str) -> list[CallDelta]:
+        self._pending += piece
+        deltas: list[CallDelta] = []
+        while self._pending:
+            if self._call is None:
+                text = self._pending.lstrip().removeprefix(self.prefix).lstrip(self.skip)
+                if not text or (self.prefix and self.prefix.startswith(text)):
+                    self._pending = text
+                    break
+                self._call, self._pending = CallStream(self.num_calls), text
+            more, rest = self._call.feed(self._pending)
+            deltas += more
+            self._pending = rest or ""
+            if rest is None:
+                break
+            self._end_call()
+        return deltas
+
+    def end(self) -> list[CallDelta]:
+        """The text has ended: what the open call can still send."""
+        if self._call is None:
+            return []
+        deltas = self._call.end()
+        self._end_call()
+        return deltas
+
+    def _end_call(self) -> None:
+        call, self._call = self._call, None
+        if call is not None and call.named:
+            self.num_calls += 1

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.tool_call_stream import CallDelta, CallStream, new_call_id
+from router.tool_call_stream import CallDelta, CallListStream, CallStream, new_call_id
 
 
 @dataclass(frozen=True)
@@ -216,8 +216,7 @@ class Llama3JsonParser(ToolParser):
 
 
     # -- streaming: each object of the `;`-separated list streams as it comes ----------
-    _calls_buf = ""
-    _call: CallStream | None = None
+    _list: CallListStream | None = None
     _all_text = ""
 
     def stream(self, delta: str) -> tuple[str, list[CallDelta]]:
@@ -226,41 +225,19 @@ class Llama3JsonParser(ToolParser):
             if self._mode != "calls":
                 return content, []
             delta, self._buf = self._buf, ""  # the head decided it: calls from here on
+            self._list = CallListStream(skip=" \t\r\n;", prefix=self.PYTHON_TAG)
+        assert self._list is not None
         self._all_text += delta
-        self._calls_buf += delta
-        return "", self._stream_objects()
-
-    def _stream_objects(self) -> list[CallDelta]:
-        deltas: list[CallDelta] = []
-        while self._calls_buf:
-            if self._call is None:
-                text = self._calls_buf.lstrip().removeprefix(self.PYTHON_TAG).lstrip(" \t\r\n;")
-                if not text or self.PYTHON_TAG.startswith(text):
-                    self._calls_buf = text
-                    break
-                self._call = CallStream(self.num_streamed_calls)
-                self._calls_buf = text
-            more, rest = self._call.feed(self._calls_buf)
-            deltas += more
-            self._calls_buf = rest or ""
-            if rest is None:
-                break
-            self._finish_call()
-        return deltas
-
-    def _finish_call(self) -> None:
-        call, self._call = self._call, None
-        if call is not None and call.named:
-            self.num_streamed_calls += 1
+        deltas = self._list.feed(delta)
+        self.num_streamed_calls = self._list.num_calls
+        return "", deltas
 
     def stream_end(self) -> tuple[str, list[CallDelta]]:
-        if self._mode != "calls":
+        if self._list is None:
             content, _ = self.finish()
             return content, []
-        deltas: list[CallDelta] = []
-        if self._call is not None:
-            deltas += self._call.end()
-            self._finish_call()
+        deltas = self._list.end()
+        self.num_streamed_calls = self._list.num_calls
         if self.num_streamed_calls == 0:  # no call after all: all of it is content
             return self._all_text, deltas
         return "", deltas
@@ -299,6 +276,23 @@ class JsonArrayParser(BufferedParser):
     def _calls(self, value: object) -> list[ParsedCall]:
         calls = [call_from_json(item) for item in value] if isinstance(value, list) else []
         return [] if any(c is None for c in calls) else [c for c in calls if c is not None]
+
+    # Streaming: each array element streams as it comes (the schema puts "name" first).
+    _list: CallListStream | None = None
+
+    def stream(self, delta: str) -> tuple[str, list[CallDelta]]:
+        self._buf += delta
+        if self._list is None:
+            self._list = CallListStream(skip=" \t\r\n[,]")
+        deltas = self._list.feed(delta)
+        self.num_streamed_calls = self._list.num_calls
+        return "", deltas
+
+    def stream_end(self) -> tuple[str, list[CallDelta]]:
+        deltas = self._list.end() if self._list is not None else []
+        self.num_streamed_calls = self._list.num_calls if self._list is not None else 0
+        buf, self._buf = self._buf, ""
+        return ("", deltas) if self.num_streamed_calls else (buf, deltas)
 
 
 class NamedParser(BufferedParser):

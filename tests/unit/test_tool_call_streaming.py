@@ -32,11 +32,19 @@ LLAMA3 = (
 )
 
 
+REQUIRED = (
+    '[{"name": "get_weather", "parameters": {"city": "Oslo, [north]", "days": 3}}, '
+    '{"name": "get_time", "parameters": {}}]'
+)
+
+
 def _chat(parser: str) -> tuple[ChatFormatter, tools.ToolMode]:
+    """`parser` "required": a forced `required` choice (a JSON array of calls)."""
+    choice = {"tool_choice": "required"} if parser == "required" else {}
     request = p.ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER, TIME]}
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER, TIME], **choice}
     )
-    mode = tools.tool_mode(request, parser, None)
+    mode = tools.tool_mode(request, "hermes" if parser == "required" else parser, None)
     assert mode is not None
     return ChatFormatter("id", "m", TokenTexts(None), False, mode), mode
 
@@ -65,7 +73,7 @@ def _whole(text: str, parser: str) -> p.ChatResponseMessage:
     return formatter.response([ChoiceState(0, 0, text_parts=[text], finish_reason="stop")], usage).choices[0].message
 
 
-@pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA3)])
+@pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA3), ("required", REQUIRED)])
 @pytest.mark.parametrize("step", [1, 2, 5, 13, 10_000])
 def test_streamed_arguments_rebuild_the_non_streamed_calls(parser: str, text: str, step: int) -> None:
     chunks, state = _stream(text, parser, step)
