@@ -163,6 +163,7 @@ def test_bitmask_unpacking_and_when_masks_overlap(compiler: GrammarCompiler, hf_
         seqs.append(seq)
     bitmask = compute_bitmask(seqs, vocab)
     assert bitmask is not None and (bitmask[1] == -1).all()
+    assert np.array_equal(compute_bitmask(seqs, vocab, parallel=False), bitmask)  # the CPU device's way
     logits = torch.randn(2, vocab)
     words = torch.from_numpy(bitmask)
     allowed = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :vocab]
