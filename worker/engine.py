@@ -286,8 +286,11 @@ class Engine:
                 del self.seqs[seq.request_id]
             lp = logprobs_of.get(seq.request_id)
             out = self._output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None)
-            if seq.prompt_logprobs is not None and seq.num_output_tokens == 1:  # the first output
-                out.prompt_logprobs = [None, *seq.prompt_logprobs]
+            # On the first output, when complete (a decode-side import computed no prompt:
+            # its prefill replica's first output carried them).
+            entries = seq.prompt_logprobs
+            if entries is not None and seq.num_output_tokens == 1 and len(entries) == seq.num_prompt_tokens - 1:
+                out.prompt_logprobs = [None, *entries]
             kv = saved.get(seq.request_id)
             if isinstance(kv, str):  # its KV export failed: an error, not a clean finish
                 out = self._fail_one(seq, kv)
