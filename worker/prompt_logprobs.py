@@ -14,7 +14,9 @@ two entries. Prefix-cache hits never reach here: the scheduler does not read the
 these requests (a cached block has no logits), as vLLM does.
 
 Batched: one lm_head call, one log_softmax, one gather, one topk over all rows of every
-sequence that asked, then one host copy per result tensor.
+sequence that asked, then one host copy per result tensor. A long prefill chunk is cut
+into slices of at most MAX_SLICE_ELEMENTS logits (rows x vocabulary), so that a 2k-token
+chunk of a 128k vocabulary never holds GBs of fp32 logits at once.
 """
 from __future__ import annotations
 
@@ -63,6 +65,9 @@ def rows_for_step(
     return PromptLogprobRows(flat_idx, targets, owners)
 
 
+MAX_SLICE_ELEMENTS = 1 << 26  # 256 MiB of fp32 logits (and as much for their log_softmax)
+
+
 @torch.inference_mode()
 def compute(
     rows: PromptLogprobRows,
@@ -72,21 +77,21 @@ def compute(
     vocab_size: int,
 ) -> None:
     """Append each asking sequence's new entries to its `prompt_logprobs`."""
-    dev = hidden.device
-    index = torch.tensor(rows.flat_idx, dtype=torch.long).to(dev, non_blocking=True)
-    targets = torch.tensor(rows.targets, dtype=torch.long).to(dev, non_blocking=True).unsqueeze(1)
-    logits = compute_logits(hidden.index_select(0, index))[:, :vocab_size].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    del logits
-    chosen = logprobs.gather(1, targets)
-    # Rank as vLLM counts it: 1 + how many tokens are strictly more likely.
-    ranks = (logprobs > chosen).sum(dim=-1)
     max_k = max(seqs[i].params.prompt_logprobs or 0 for i, _, _ in rows.owners)
-    chosen_host = chosen.squeeze(1).tolist()
-    ranks_host = ranks.tolist()
-    if max_k > 0:
-        top_values, top_ids = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
-        top_values_host, top_ids_host = top_values.tolist(), top_ids.tolist()
+    chosen_host: list[float] = []
+    ranks_host: list[int] = []
+    top_values_host: list[list[float]] = []
+    top_ids_host: list[list[int]] = []
+    step = max(1, MAX_SLICE_ELEMENTS // vocab_size)
+    for lo in range(0, len(rows.flat_idx), step):
+        chosen, ranks, top_k = _slice(
+            rows.flat_idx[lo : lo + step], rows.targets[lo : lo + step], hidden, compute_logits, vocab_size, max_k
+        )
+        chosen_host += chosen
+        ranks_host += ranks
+        if top_k is not None:
+            top_values_host += top_k[0]
+            top_ids_host += top_k[1]
     for i, lo, hi in rows.owners:
         seq = seqs[i]
         k = seq.params.prompt_logprobs or 0
@@ -94,4 +99,29 @@ def compute(
         assert entries is not None
         for r in range(lo, hi):
             top = tuple(zip(top_ids_host[r][:k], top_values_host[r][:k])) if k else ()
-            entries.append(TokenLogprob(rows.targets[r], chosen_host[r], top, ranks_host[r] + 1))
+            entries.append(TokenLogprob(rows.targets[r], chosen_host[r], top, ranks_host[r]))
+
+
+def _slice(
+    flat_idx: list[int],
+    targets: list[int],
+    hidden: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+    max_k: int,
+) -> tuple[list[float], list[int], tuple[list[list[float]], list[list[int]]] | None]:
+    """Chosen logprobs, ranks and top-k (values, ids) of some rows, on the host."""
+    dev = hidden.device
+    index = torch.tensor(flat_idx, dtype=torch.long).to(dev, non_blocking=True)
+    target = torch.tensor(targets, dtype=torch.long).to(dev, non_blocking=True).unsqueeze(1)
+    logits = compute_logits(hidden.index_select(0, index))[:, :vocab_size].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    del logits
+    chosen = logprobs.gather(1, target)
+    # Rank as vLLM counts it: 1 + how many tokens are strictly more likely.
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top = None
+    if max_k > 0:
+        values, ids = logprobs.topk(min(max_k, logprobs.shape[1]), dim=-1)
+        top = (values.tolist(), ids.tolist())
+    return chosen.squeeze(1).tolist(), ranks.tolist(), top

@@ -96,6 +96,21 @@ def test_prompt_logprobs_match_hf(tiny_model: TinyModels, run_engine: Callable, 
         _check(entries, prompt, _hf_logprobs(model_dir, prompt) if len(prompt) > 1 else torch.empty(0, VOCAB), TOP_K)
 
 
+def test_prompt_logprobs_in_slices(tiny_model: TinyModels, run_engine: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's rows are cut into slices of bounded logits (5 rows here): same entries."""
+    from worker import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "MAX_SLICE_ELEMENTS", 5 * VOCAB)
+    model_dir = tiny_model("llama")
+    prompts = _prompts(2, seed=5, lengths=[33, 12])
+    engine = _engine(model_dir)
+    firsts = _first_outputs(engine, prompts, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3), run_engine)
+    for i, prompt in enumerate(prompts):
+        entries = firsts[str(i)].prompt_logprobs
+        assert entries is not None
+        _check(entries, prompt, _hf_logprobs(model_dir, prompt), 3)
+
+
 def test_prompt_logprobs_with_a_cached_prefix(tiny_model: TinyModels, run_engine: Callable) -> None:
     """A second request with the same prompt would hit the prefix cache; it recomputes
     instead (as vLLM), so its entries are complete and exact, and it reports no cached
