@@ -280,7 +280,7 @@ def test_structured_outputs(app: GrpcApp) -> None:
     assert set(value) == {"n"} and 3 <= value["n"] <= 9
     assert isinstance(json.loads(constrained(json_object=True, max_tokens=200)), dict)
     for bad in ({"regex": "("}, {"json_schema": "{not json"}):
-        error = rpc_error(lambda: app.call("Generate", pb.GenerateRequest(prompt="x", **bad)))
+        error = rpc_error(lambda bad=bad: app.call("Generate", pb.GenerateRequest(prompt="x", **bad)))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     app.wait_idle()
 

@@ -151,8 +151,8 @@ def test_auto_hermes_call_streams_its_arguments_in_fragments(base_url: str) -> N
     must carry the arguments in fragments that rebuild the non-streamed call."""
     regex = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", '
              r'"unit": "(celsius|fahrenheit)"\}\}\n</tool_call>')
-    kwargs: dict[str, Any] = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="auto", temperature=0,
-                                  max_tokens=80, extra_body={"guided_regex": regex})
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "tool_choice": "auto",
+                              "temperature": 0, "max_tokens": 80, "extra_body": {"guided_regex": regex}}
     with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300) as client:
         whole = client.chat.completions.create(**kwargs).choices[0]
         fragments, names = 0, []
