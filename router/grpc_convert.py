@@ -85,10 +85,29 @@ def sampling_body(request: pb.GenerateRequest) -> dict[str, Any]:
         body["logit_bias"] = {str(t): _proto_float(b) for t, b in request.logit_bias.items()}
     if request.HasField("n"):
         body["n"] = request.n
+    if request.HasField("prompt_logprobs"):
+        body["prompt_logprobs"] = request.prompt_logprobs
+    body.update(_constraint_body(request))
     body["ignore_eos"] = request.ignore_eos
     body["min_tokens"] = request.min_tokens
     body["include_stop_str_in_output"] = request.include_stop_str_in_output
     return body
+
+
+def _constraint_body(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The `constraint` oneof as the HTTP API's fields (router/structured.py checks it)."""
+    kind = request.WhichOneof("constraint")
+    if kind == "json_schema":
+        return {"guided_json": request.json_schema}
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}} if request.json_object else {}
+    if kind == "regex":
+        return {"guided_regex": request.regex}
+    if kind == "choice":
+        return {"guided_choice": list(request.choice.choices)}
+    if kind == "grammar":
+        return {"guided_grammar": request.grammar}
+    return {}
 
 
 def num_choices(request: pb.GenerateRequest, max_n: int) -> int:
@@ -118,6 +137,8 @@ def engine_inputs(
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, **sampling_body(request)}
     logprobs = request.logprobs if request.HasField("logprobs") else None
     if request.messages:
+        if request.echo:
+            raise errors.bad_request("echo needs prompt or prompt_token_ids, not messages.", "echo")
         body["messages"] = _messages(request.messages)
         if logprobs is not None:
             body.update(logprobs=True, top_logprobs=logprobs)
@@ -126,6 +147,7 @@ def engine_inputs(
         return convert.chat_inputs(_parse(p.ChatCompletionRequest, body), tokenizer, max_model_len, max_n)
     body["prompt"] = request.prompt or list(request.prompt_token_ids)
     body["logprobs"] = logprobs
+    body["echo"] = request.echo
     return convert.completion_inputs(_parse(p.CompletionRequest, body), tokenizer, max_model_len, max_n)
 
 
@@ -152,6 +174,29 @@ def token_logprobs(entries: list[TokenLogprob] | None, texts: Callable[[int], st
         )
         for e in entries or ()
     ]
+
+
+def prompt_logprobs(
+    entries: list[TokenLogprob | None] | None, prompt_token_ids: list[int], texts: Callable[[int], str]
+) -> list[pb.PromptLogprob]:
+    """The engine's prompt logprobs (first entry None) as messages, one per prompt token."""
+    out = []
+    for token_id, e in zip(prompt_token_ids, entries or ()):
+        if e is None:
+            out.append(pb.PromptLogprob(token_id=token_id, token=texts(token_id)))
+            continue
+        out.append(pb.PromptLogprob(
+            token_id=e.token_id, token=texts(e.token_id), logprob=e.logprob, rank=e.rank or 0,
+            top_logprobs=[pb.TopLogprob(token_id=t, token=texts(t), logprob=lp) for t, lp in e.top],
+        ))
+    return out
+
+
+def echo_text(request: pb.GenerateRequest, prompt_token_ids: list[int], tokenizer: Any) -> str:
+    """What `echo` puts before the completion: the prompt as sent, or its ids decoded."""
+    if not request.echo:
+        return ""
+    return request.prompt or tokenizer.decode(prompt_token_ids)
 
 
 def set_stop(message: pb.GenerateResponse | pb.GenerateStreamResponse | pb.Choice, out: RequestOutput) -> None:

@@ -52,7 +52,8 @@ from router import errors
 from router.auth import ANONYMOUS, Principal, grpc_authorization
 from router.generation import GenerationStream
 from router.grpc_convert import (
-    Clock, engine_inputs, num_choices, replica_stats, set_finish, set_stop, status_code_of, token_logprobs, tokenize,
+    Clock, echo_text, engine_inputs, num_choices, prompt_logprobs, replica_stats, set_finish, set_stop, status_code_of,
+    token_logprobs, tokenize,
 )
 from router.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
 
@@ -127,12 +128,15 @@ class GrpcServicer:
         clock = Clock()
         stream = await self._start(request, clock, self._authenticate(grpc_context))
         response = pb.GenerateResponse(request_id=stream.request_id, model=self.pipeline.settings.served_model_name)
-        choices = {inp.index: pb.Choice(index=inp.index) for inp in stream.inputs}
+        tokenizer, prompts = self.pipeline.tokenizer, {inp.index: inp.prompt_token_ids for inp in stream.inputs}
+        choices = {i: pb.Choice(index=i, text=echo_text(request, ids, tokenizer)) for i, ids in prompts.items()}
         usage = pb.Usage()
         try:
             async for event in stream:
                 out, choice = event.output, choices[event.index]
                 clock.observe(out)
+                if out.prompt_logprobs is not None:
+                    choice.prompt_logprobs.extend(prompt_logprobs(out.prompt_logprobs, prompts[event.index], self.pipeline.texts))
                 choice.text += out.text_delta
                 choice.token_ids.extend(out.new_token_ids)
                 choice.logprobs.extend(token_logprobs(out.logprobs, self.pipeline.texts))
@@ -149,6 +153,7 @@ class GrpcServicer:
         response.text, response.finish_reason = first.text, first.finish_reason
         response.token_ids.extend(first.token_ids)
         response.logprobs.extend(first.logprobs)
+        response.prompt_logprobs.extend(first.prompt_logprobs)
         if first.HasField("stop_reason"):
             setattr(response, first.WhichOneof("stop_reason"), getattr(first, first.WhichOneof("stop_reason")))
         response.usage.CopyFrom(usage)
@@ -163,18 +168,22 @@ class GrpcServicer:
             stream = await self._start(request, clock, self._authenticate(grpc_context))
         except errors.APIError as e:
             raise _fail(grpc_context, e) from None
+        # Each choice's first message leads with the echo and carries the prompt logprobs.
+        prompts = {inp.index: inp.prompt_token_ids for inp in stream.inputs}
         try:
             async for event in stream:
                 out = event.output
                 if not (out.new_token_ids or out.text_delta or out.finished):
                     continue
                 clock.observe(out)
+                ids = prompts.pop(event.index, None)
                 message = pb.GenerateStreamResponse(
                     request_id=stream.request_id,
                     index=event.index,
                     token_ids=out.new_token_ids,
-                    text=out.text_delta,
+                    text=(echo_text(request, ids, self.pipeline.tokenizer) if ids is not None else "") + out.text_delta,
                     logprobs=token_logprobs(out.logprobs, self.pipeline.texts),
+                    prompt_logprobs=prompt_logprobs(out.prompt_logprobs, ids or [], self.pipeline.texts),
                 )
                 if out.finished:
                     set_finish(message, out)

@@ -247,9 +247,10 @@ class Ingress(GrpcMethods):
             lambda max_model_len: convert.completion_inputs(req, tokenizer, max_model_len, max_n),
             f"cmpl-{uuid.uuid4().hex}", arrival,
         )
-        formatter = convert.CompletionFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs is not None)
+        formatter = convert.CompletionFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs is not None, req.prompt_logprobs)
         if req.echo:
-            formatter.echo = echo_texts(req.prompt, stream.inputs, tokenizer)
+            ids = {inp.index: inp.prompt_token_ids for inp in stream.inputs}
+            formatter.set_echo(echo_texts(req.prompt, stream.inputs, tokenizer), ids, req.logprobs)
         return await _respond(stream, formatter, req)
 
     @app.post("/v1/chat/completions")
@@ -264,7 +265,7 @@ class Ingress(GrpcMethods):
             f"chatcmpl-{uuid.uuid4().hex}", arrival,
         )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
-        formatter = convert.ChatFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs, mode)
+        formatter = convert.ChatFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)
         return await _respond(stream, formatter, req)
 
     @app.get("/v1/models")

@@ -80,6 +80,7 @@ def sampling_params(
     logprobs: int | None,
     choice: int,
     structured: StructuredOutput | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Choice i of a seeded request uses seed + i: reproducible, yet the n choices differ."""
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
@@ -99,6 +100,7 @@ def sampling_params(
             ignore_eos=request.ignore_eos,
             include_stop_str_in_output=request.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             min_tokens=min(request.min_tokens, max_tokens),
             skip_special_tokens=request.skip_special_tokens,
             structured=structured,
@@ -137,7 +139,7 @@ def completion_inputs(
         check_length(len(ids), request.max_tokens, max_model_len)
         max_tokens = request.max_tokens or max_model_len - len(ids)
         for i in range(request.n):
-            params = sampling_params(request, max_tokens, request.logprobs, i, structured)
+            params = sampling_params(request, max_tokens, request.logprobs, i, structured, request.engine_prompt_logprobs)
             inputs.append(EngineInput(prompt_index * request.n + i, prompt_index, ids, params))
     return inputs
 
@@ -154,7 +156,10 @@ def chat_inputs(
     # No max_tokens in chat means "as long as the context allows", as with OpenAI.
     max_tokens = requested or max_model_len - len(ids)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    return [EngineInput(i, 0, ids, sampling_params(request, max_tokens, logprobs, i, structured)) for i in range(request.n)]
+    return [
+        EngineInput(i, 0, ids, sampling_params(request, max_tokens, logprobs, i, structured, request.prompt_logprobs))
+        for i in range(request.n)
+    ]
 
 
 # The outgoing half (router/openai_format.py), re-exported for `convert.` users.

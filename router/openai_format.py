@@ -42,6 +42,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # from the first output
 
     @property
     def text(self) -> str:
@@ -55,6 +56,8 @@ class ChoiceState:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
@@ -87,6 +90,54 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, offset: 
     return out
 
 
+def prompt_logprobs_body(entries: list[TokenLogprob | None] | None, texts: TokenTexts, k: int | None) -> p.PromptLogprobs | None:
+    """vLLM's shape: per prompt token {token id: {logprob, rank, decoded_token}} with the
+    token itself and its top-k (the engine may have computed more; cut to this use's k)."""
+    if entries is None or k is None:
+        return None
+    body: p.PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            body.append(None)
+            continue
+        row = {str(entry.token_id): p.PromptLogprob(logprob=entry.logprob, rank=entry.rank, decoded_token=texts(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top[:k], start=1):
+            row[str(token_id)] = p.PromptLogprob(logprob=logprob, rank=rank, decoded_token=texts(token_id))
+        body.append(row)
+    return body
+
+
+def echo_logprobs(
+    prompt_token_ids: list[int], entries: list[TokenLogprob | None], texts: TokenTexts, k: int
+) -> p.CompletionLogprobs:
+    """OpenAI's echo + logprobs: the prompt's tokens lead the legacy lists, the first
+    with a null logprob (nothing precedes it); offsets count from the prompt's start."""
+    out = p.CompletionLogprobs()
+    offset = 0
+    for token_id, entry in zip(prompt_token_ids, entries):
+        token = texts(token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(entry.logprob if entry is not None else None)
+        out.top_logprobs.append({texts(t): lp for t, lp in entry.top[:k]} if entry is not None and k else None)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def _joined(first: p.CompletionLogprobs, second: p.CompletionLogprobs) -> p.CompletionLogprobs:
+    return p.CompletionLogprobs(
+        tokens=first.tokens + second.tokens,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+        text_offset=first.text_offset + second.text_offset,
+    )
+
+
+def _end(logprobs: p.CompletionLogprobs) -> int:
+    """The text offset just past the last token."""
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else 0
+
+
 def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> p.ChatLogprobs:
     content = []
     for entry in entries:
@@ -107,40 +158,70 @@ def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> p.ChatLogpr
 class CompletionFormatter:
     """Builds /v1/completions bodies and chunks."""
 
-    def __init__(self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, prompt_logprobs: int | None = None
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.texts = texts
         self.want_logprobs = want_logprobs
+        self.prompt_logprobs = prompt_logprobs  # vLLM's k, None when not asked
         self._offsets: dict[int, int] = {}
         # echo: each choice's prompt text, by choice index (OpenAI's `echo` puts it before
         # the completion; streamed as the choice's first chunk, as vLLM does).
         self.echo: dict[int, str] = {}
+        # echo + logprobs: each choice's prompt ids and the top-k its echoed tokens carry.
+        self.echo_token_ids: dict[int, list[int]] = {}
+        self.echo_k = 0
+
+    def set_echo(self, texts: dict[int, str], prompt_token_ids: dict[int, list[int]], logprobs: int | None) -> None:
+        self.echo = texts
+        if logprobs is not None:
+            self.echo_token_ids, self.echo_k = prompt_token_ids, logprobs
 
     def start_chunks(self, indices: list[int]) -> list[p.BaseModel]:
+        # With logprobs the echo waits for the first output: its logprobs come with it.
         return [
             p.CompletionChunk(id=self.request_id, created=self.created, model=self.model,
                               choices=[p.CompletionChoice(index=i, text=self.echo[i])])
-            for i in indices if self.echo.get(i)
+            for i in indices if self.echo.get(i) and i not in self.echo_token_ids
         ]
+
+    def _echoed(self, index: int, entries: list[TokenLogprob | None] | None) -> p.CompletionLogprobs:
+        ids = self.echo_token_ids[index]
+        return echo_logprobs(ids, entries or [None] * len(ids), self.texts, self.echo_k)
 
     def delta_chunk(self, index: int, out: RequestOutput) -> p.CompletionChunk | None:
         if not out.text_delta and not out.finished and not (self.want_logprobs and out.logprobs):
             return None
         logprobs = None
+        text = out.text_delta
         if self.want_logprobs:
-            offset = self._offsets.get(index, 0)
+            first = index not in self._offsets
+            prefix = self._echoed(index, out.prompt_logprobs) if first and index in self.echo_token_ids else None
+            # As vLLM: offsets run on over the echoed tokens' texts.
+            offset = self._offsets.get(index, _end(prefix) if prefix is not None else 0)
             logprobs = completion_logprobs(out.logprobs or [], self.texts, offset)
             self._offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
+            if prefix is not None:
+                logprobs, text = _joined(prefix, logprobs), self.echo[index] + text
         choice = p.CompletionChoice(
             index=index,
-            text=out.text_delta,
+            text=text,
             logprobs=logprobs,
             finish_reason=out.finish_reason if out.finished else None,
             stop_reason=out.stop_reason if out.finished else None,
         )
         return p.CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
+
+    def _logprobs(self, state: ChoiceState) -> p.CompletionLogprobs | None:
+        if not self.want_logprobs:
+            return None
+        if state.index not in self.echo_token_ids:
+            return completion_logprobs(state.logprobs, self.texts, 0)
+        echoed = self._echoed(state.index, state.prompt_logprobs)
+        return _joined(echoed, completion_logprobs(state.logprobs, self.texts, _end(echoed)))
 
     def usage_chunk(self, usage: p.Usage) -> p.CompletionChunk:
         return p.CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
@@ -150,7 +231,8 @@ class CompletionFormatter:
             p.CompletionChoice(
                 index=s.index,
                 text=self.echo.get(s.index, "") + s.text,
-                logprobs=completion_logprobs(s.logprobs, self.texts, 0) if self.want_logprobs else None,
+                logprobs=self._logprobs(s),
+                prompt_logprobs=prompt_logprobs_body(s.prompt_logprobs, self.texts, self.prompt_logprobs),
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
             )
@@ -163,17 +245,18 @@ class ChatFormatter:
     """Builds /v1/chat/completions bodies and chunks."""
 
     def __init__(
-        self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, tool_mode: tools.ToolMode | None = None
+        self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, tool_mode: tools.ToolMode | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self.texts = texts
         self.want_logprobs = want_logprobs
-        # Tool calling: one parser per streamed choice, and how many calls each has sent.
+        self.prompt_logprobs = prompt_logprobs  # vLLM's k, None when not asked
+        # Tool calling: one parser per streamed choice (it counts the calls it has sent).
         self.tool_mode = tool_mode
         self._parsers: dict[int, tools.ToolParser] = {}
-        self._num_calls: dict[int, int] = {}
 
     def _chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
@@ -203,19 +286,18 @@ class ChatFormatter:
         tool_calls deltas; finish_reason "tool_calls" when the choice made any."""
         assert self.tool_mode is not None
         parser = self._parsers.setdefault(index, self.tool_mode.new_parser())
-        content, calls = parser.feed(out.text_delta) if out.text_delta else ("", [])
+        content, calls = parser.stream(out.text_delta) if out.text_delta else ("", [])
         if out.finished:
-            rest, more = parser.finish()
+            rest, more = parser.stream_end()
             content, calls = content + rest, calls + more
-        num_before = self._num_calls.get(index, 0)
-        self._num_calls[index] = num_before + len(calls)
+        tool_calls = tools.delta_tool_calls(calls)
         want_logprobs = self.want_logprobs and bool(out.logprobs)
-        if not content and not calls and not out.finished and not want_logprobs:
+        if not content and not tool_calls and not out.finished and not want_logprobs:
             return None
         finish_reason = out.finish_reason if out.finished else None
-        if finish_reason == "stop" and self._num_calls[index]:
+        if finish_reason == "stop" and parser.num_streamed_calls:
             finish_reason = self.tool_mode.finish_reason
-        delta = p.ChatDelta(content=content or None, tool_calls=tools.delta_tool_calls(calls, num_before) or None)
+        delta = p.ChatDelta(content=content or None, tool_calls=tool_calls or None)
         choice = p.ChatChunkChoice(
             index=index,
             delta=delta,
@@ -248,7 +330,12 @@ class ChatFormatter:
                 finish_reason=finish_reason,
                 stop_reason=s.stop_reason,
             ))
-        return p.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
+        # One prompt for every choice: vLLM puts its logprobs at the top level.
+        prompt = next((s.prompt_logprobs for s in states if s.prompt_logprobs is not None), None)
+        return p.ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage,
+            prompt_logprobs=prompt_logprobs_body(prompt, self.texts, self.prompt_logprobs),
+        )
 
 
 def sse(obj: p.BaseModel | dict[str, Any]) -> str:

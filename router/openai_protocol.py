@@ -68,6 +68,8 @@ class _SamplingFields(_Strict):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: every prompt token's logprob and top-k (not with stream, as vLLM).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Structured outputs (router/structured.py): OpenAI's response_format, vLLM's guided_*
     # and structured_outputs. At most one per request.
     response_format: dict[str, Any] | None = None
@@ -117,6 +119,8 @@ class _SamplingFields(_Strict):
     def _unsupported(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream is true")
         return self
 
     @property
@@ -145,12 +149,15 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("the prompt must not be empty")
         return v
 
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """What the engine computes: prompt_logprobs, and with echo + logprobs the
+        echoed tokens' logprobs too (OpenAI's shape; each use is cut to its own k)."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
+
     @model_validator(mode="after")
     def _unsupported_completion(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            # The prompt's logprobs would be needed (vLLM's prompt_logprobs), which the
-            # engine does not compute yet.
-            raise ValueError("echo together with logprobs is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
@@ -271,6 +278,7 @@ class ChatCompletionRequest(_SamplingFields):
 from router.openai_responses import (  # noqa: E402,F401
     PromptTokensDetails,
     Usage,
+    PromptLogprob,
     CompletionLogprobs,
     CompletionChoice,
     CompletionResponse,

@@ -27,10 +27,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one entry of a prompt token's {token id: ...} map."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, {token id: PromptLogprob} (the token itself
+# and its top-k), the first token None.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, per choice on completions
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string / token that ended it
 
@@ -105,6 +119,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, top level on chat (one prompt)
     system_fingerprint: str | None = None
 
 

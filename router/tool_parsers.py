@@ -7,23 +7,26 @@ template's text when "auto"):
   llama3_json  Llama 3.x: the whole message is a JSON call `{"name": ..., "parameters":
                {...}}` (optionally after `<|python_tag|>`), several separated by `;`.
 
-Streaming keeps free text flowing and holds back only what may be the start of a call;
-a call is emitted when it is complete (its name, then its arguments in one delta), which
-is what OpenAI clients accumulate.
+Two ways to read an output: `parse(text)` whole (non-streamed responses), and
+`stream(delta)` ... `stream_end()` for streamed ones. Streaming keeps free text flowing,
+holds back only what may be the start of a call, and streams each call as OpenAI does:
+a first delta with id, type and name as soon as the name is known, then `arguments` in
+fragments as the model writes them (router/tool_call_stream.py), never the wrapper.
 """
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from router.tool_call_stream import CallDelta, CallListStream, CallStream, new_call_id
 
 
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
     arguments: str  # JSON text
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
 
 def call_from_json(obj: Any) -> ParsedCall | None:
@@ -56,6 +59,26 @@ class ToolParser:
         content, calls = self.feed(text)
         rest, more = self.finish()
         return content + rest, calls + more
+
+    # -- streaming: content and call deltas. This default sends each call when complete
+    # (name, then its arguments whole); the model formats override it with fragments.
+    num_streamed_calls = 0
+
+    def stream(self, delta: str) -> tuple[str, list[CallDelta]]:
+        content, calls = self.feed(delta)
+        return content, self._whole_deltas(calls)
+
+    def stream_end(self) -> tuple[str, list[CallDelta]]:
+        content, calls = self.finish()
+        return content, self._whole_deltas(calls)
+
+    def _whole_deltas(self, calls: list[ParsedCall]) -> list[CallDelta]:
+        deltas = []
+        for call in calls:
+            index = self.num_streamed_calls
+            self.num_streamed_calls += 1
+            deltas += [CallDelta(index, call.id, call.name), CallDelta(index, arguments=call.arguments)]
+        return deltas
 
 
 class HermesParser(ToolParser):
@@ -99,6 +122,62 @@ class HermesParser(ToolParser):
         return buf, []
 
 
+    # -- streaming -------------------------------------------------------------------
+    _stream_buf = ""
+    _call: CallStream | None = None
+    _call_text = ""
+
+    def stream(self, delta: str) -> tuple[str, list[CallDelta]]:
+        self._stream_buf += delta
+        content: list[str] = []
+        deltas: list[CallDelta] = []
+        while True:
+            buf = self._stream_buf
+            if self._call is None:
+                start = buf.find(self.OPEN)
+                if start < 0:
+                    keep = _partial_suffix(buf, self.OPEN)
+                    content.append(buf[: len(buf) - keep])
+                    self._stream_buf = buf[len(buf) - keep :]
+                    break
+                content.append(buf[:start])
+                buf = self._stream_buf = buf[start + len(self.OPEN) :]
+                self._call, self._call_text = CallStream(self.num_streamed_calls), ""
+            end = buf.find(self.CLOSE)
+            body = buf[:end] if end >= 0 else buf[: len(buf) - _partial_suffix(buf, self.CLOSE)]
+            self._stream_buf = buf[len(body) :]
+            self._call_text += body
+            if self._call.mode != "closed":
+                deltas += self._call.feed(body)[0]  # text after the object inside the tag: dropped
+            if end < 0:
+                break
+            self._stream_buf = self._stream_buf[len(self.CLOSE) :]
+            content.append(self._end_call(deltas))
+        return "".join(content), deltas
+
+    def stream_end(self) -> tuple[str, list[CallDelta]]:
+        content, deltas = self.stream("")
+        buf, self._stream_buf = self._stream_buf, ""
+        if self._call is None:
+            return content + buf, deltas
+        self._call_text += buf
+        if self._call.mode != "closed":
+            deltas += self._call.feed(buf)[0]
+        rest = self._end_call(deltas, closed=False)
+        return content + rest, deltas
+
+    def _end_call(self, deltas: list[CallDelta], closed: bool = True) -> str:
+        """The call's tag has ended: its last deltas join `deltas`; a body that was no call
+        comes back as the text it was (content), as the whole parse leaves it."""
+        call, self._call = self._call, None
+        assert call is not None
+        deltas += call.end()
+        if call.named:
+            self.num_streamed_calls += 1
+            return ""
+        return f"{self.OPEN}{self._call_text}{self.CLOSE if closed else ''}"
+
+
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
@@ -136,6 +215,34 @@ class Llama3JsonParser(ToolParser):
         return "", calls
 
 
+    # -- streaming: each object of the `;`-separated list streams as it comes ----------
+    _list: CallListStream | None = None
+    _all_text = ""
+
+    def stream(self, delta: str) -> tuple[str, list[CallDelta]]:
+        if self._mode != "calls":
+            content, _ = self.feed(delta)
+            if self._mode != "calls":
+                return content, []
+            delta, self._buf = self._buf, ""  # the head decided it: calls from here on
+            self._list = CallListStream(skip=" \t\r\n;", prefix=self.PYTHON_TAG)
+        assert self._list is not None
+        self._all_text += delta
+        deltas = self._list.feed(delta)
+        self.num_streamed_calls = self._list.num_calls
+        return "", deltas
+
+    def stream_end(self) -> tuple[str, list[CallDelta]]:
+        if self._list is None:
+            content, _ = self.finish()
+            return content, []
+        deltas = self._list.end()
+        self.num_streamed_calls = self._list.num_calls
+        if self.num_streamed_calls == 0:  # no call after all: all of it is content
+            return self._all_text, deltas
+        return "", deltas
+
+
 class BufferedParser(ToolParser):
     """An output whose grammar forced a tool call: nothing streams as content; the whole
     text is parsed when it ends. Text that does not parse (cut by max_tokens) comes back
@@ -170,6 +277,23 @@ class JsonArrayParser(BufferedParser):
         calls = [call_from_json(item) for item in value] if isinstance(value, list) else []
         return [] if any(c is None for c in calls) else [c for c in calls if c is not None]
 
+    # Streaming: each array element streams as it comes (the schema puts "name" first).
+    _list: CallListStream | None = None
+
+    def stream(self, delta: str) -> tuple[str, list[CallDelta]]:
+        self._buf += delta
+        if self._list is None:
+            self._list = CallListStream(skip=" \t\r\n[,]")
+        deltas = self._list.feed(delta)
+        self.num_streamed_calls = self._list.num_calls
+        return "", deltas
+
+    def stream_end(self) -> tuple[str, list[CallDelta]]:
+        deltas = self._list.end() if self._list is not None else []
+        self.num_streamed_calls = self._list.num_calls if self._list is not None else 0
+        buf, self._buf = self._buf, ""
+        return ("", deltas) if self.num_streamed_calls else (buf, deltas)
+
 
 class NamedParser(BufferedParser):
     """The output of a named tool choice: the function's arguments as JSON."""
@@ -182,6 +306,20 @@ class NamedParser(BufferedParser):
 
     def _calls(self, value: object) -> list[ParsedCall]:
         return [ParsedCall(self.function, json.dumps(value, ensure_ascii=False))]
+
+    def stream(self, delta: str) -> tuple[str, list[CallDelta]]:
+        """The whole output is the arguments (its grammar says so): the name goes out at
+        once, then every piece of text as an arguments fragment."""
+        deltas = []
+        if self.num_streamed_calls == 0:
+            self.num_streamed_calls = 1
+            deltas.append(CallDelta(0, new_call_id(), self.function))
+        if delta:
+            deltas.append(CallDelta(0, arguments=delta))
+        return "", deltas
+
+    def stream_end(self) -> tuple[str, list[CallDelta]]:
+        return "", []
 
 
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

@@ -20,6 +20,7 @@ from typing import Any
 from router import openai_protocol as p
 from router.errors import bad_request
 from router.structured import structured_output_of
+from router.tool_call_stream import CallDelta
 from router.tool_parsers import PARSERS, JsonArrayParser, NamedParser, ParsedCall, ToolParser, parser_for_template
 from worker.api import SamplingParamsError, StructuredOutput, check_structured_output
 
@@ -119,14 +120,17 @@ def tool_calls_of(calls: list[ParsedCall]) -> list[p.ToolCall]:
     return [p.ToolCall(id=c.id, function=p.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
 
 
-def delta_tool_calls(calls: list[ParsedCall], first_index: int) -> list[p.DeltaToolCall]:
-    """Stream deltas for complete calls: id, type and name first, then the arguments, as
-    OpenAI clients accumulate them."""
-    deltas = []
-    for i, c in enumerate(calls, start=first_index):
-        deltas.append(p.DeltaToolCall(index=i, id=c.id, type="function", function=p.DeltaFunctionCall(name=c.name, arguments="")))
-        deltas.append(p.DeltaToolCall(index=i, function=p.DeltaFunctionCall(arguments=c.arguments)))
-    return deltas
+def delta_tool_calls(deltas: list[CallDelta]) -> list[p.DeltaToolCall]:
+    """The parser's call deltas on the wire, as OpenAI streams them: a call's first delta
+    has id, type and name (and empty arguments), the later ones argument fragments only."""
+    out = []
+    for d in deltas:
+        if d.id is not None:
+            out.append(p.DeltaToolCall(index=d.index, id=d.id, type="function",
+                                       function=p.DeltaFunctionCall(name=d.name, arguments=d.arguments)))
+        elif d.arguments:
+            out.append(p.DeltaToolCall(index=d.index, function=p.DeltaFunctionCall(arguments=d.arguments)))
+    return out
 
 
 def chat_structured_output(request: p.ChatCompletionRequest, mode: ToolMode | None) -> StructuredOutput | None:

@@ -71,6 +71,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = off; k >= 0 = chosen token + top-k
+    # vLLM's prompt_logprobs: every prompt token's logprob (+ top-k) from the prefill's
+    # own logits. Such a request never reads the prefix cache (a cached block has no logits).
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     detokenize: bool = True
     skip_special_tokens: bool = True
@@ -131,6 +134,10 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
         self._validate_logit_bias()
@@ -170,6 +177,8 @@ class TokenLogprob:
     logprob: float
     # The top-n alternatives, best first: (token_id, logprob).
     top: tuple[tuple[int, float], ...] = ()
+    # 1-based rank of token_id in its distribution (set for prompt logprobs, as vLLM's).
+    rank: int | None = None
 
 
 @dataclass
@@ -186,6 +195,9 @@ class RequestOutput:
     # The stop string or stop token id that ended the request, when one did.
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    # On the request's first output only, when it asked for prompt_logprobs: one entry per
+    # prompt token, the first None (nothing precedes it), as vLLM's.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -147,6 +147,8 @@ class Engine:
             raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         if params.structured is not None and self.grammar is None:
             raise RequestError("this engine has no tokenizer, so it cannot constrain outputs")
+        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
+            raise RequestError("prompt_logprobs is not supported by this engine (tensor parallelism or a simulated device)")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be in [0, {self.vocab_size})")
         need = cdiv(min(n + params.max_tokens, self.max_model_len), self.kv.block_size)
@@ -284,6 +286,11 @@ class Engine:
                 del self.seqs[seq.request_id]
             lp = logprobs_of.get(seq.request_id)
             out = self._output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None)
+            # On the first output, when complete (a decode-side import computed no prompt:
+            # its prefill replica's first output carried them).
+            entries = seq.prompt_logprobs
+            if entries is not None and seq.num_output_tokens == 1 and len(entries) == seq.num_prompt_tokens - 1:
+                out.prompt_logprobs = [None, *entries]
             kv = saved.get(seq.request_id)
             if isinstance(kv, str):  # its KV export failed: an error, not a clean finish
                 out = self._fail_one(seq, kv)

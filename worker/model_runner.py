@@ -22,6 +22,7 @@ from worker.memory_profile import activation_peak_bytes
 from worker.model.llama import LlamaArch
 from worker.model.loader import load_model, resolve_model_path
 from worker.model.parallel import SINGLE, TPContext, kv_head_range
+from worker import prompt_logprobs
 from worker.api import TokenLogprob
 from worker.sampler import Sampler
 from worker.structured.bitmask import MaskPrefetcher
@@ -99,7 +100,7 @@ class ModelRunner:
         # K/V (worker/cuda_graphs.py); the block pool never hands it out.
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks + int(use_graphs), self.device)
         self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
-        self.masks = MaskPrefetcher()
+        self.masks = MaskPrefetcher(self.device)
         self.timer = ForwardTimer(self.device)
         self.graphs = self._capture_graphs(max_model_len) if use_graphs else None
 
@@ -171,10 +172,13 @@ class ModelRunner:
         batch = self._host_batch(plan, order)
         dev = self.device
         last_token_idx = torch.tensor(batch.last_token_idx, dtype=torch.long).to(dev, non_blocking=True)
-        # Structured outputs: the grammar masks are computed while the forward runs.
+        # Structured outputs: on an accelerator the grammar masks are computed while the
+        # forward runs (on a CPU device the sampler computes them: worker/structured/bitmask.py).
         sampling = [plan.seqs[i] for i in batch.sample_rows]
         masks = self.masks.start(sampling, self.arch.vocab_size) if self.sampler is not None else None
         hidden = self._forward(batch)
+        if self.supports_prompt_logprobs:
+            self._prompt_logprobs(plan, order, batch, hidden)
         token_ids: list[int | None] = [None] * len(plan.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(plan.seqs)
         sample_rows = batch.sample_rows
@@ -193,6 +197,17 @@ class ModelRunner:
             token_ids[i] = sampled.token_ids[row]
             logprobs[i] = sampled.logprobs[row]
         return RunnerOutput(token_ids, logprobs, self.timer.elapsed_s())
+
+    @property
+    def supports_prompt_logprobs(self) -> bool:
+        """The engine refuses prompt_logprobs where this is False: under TP the extra
+        lm_head call would be a collective the other ranks do not know to join."""
+        return self.tp.size == 1
+
+    def _prompt_logprobs(self, plan: SchedulerOutput, order: list[int], batch: HostBatch, hidden: torch.Tensor) -> None:
+        rows = prompt_logprobs.rows_for_step(plan.seqs, plan.num_new_tokens, order, batch.query_start)
+        if rows is not None:
+            prompt_logprobs.compute(rows, plan.seqs, hidden, self.model.compute_logits, self.arch.vocab_size)
 
     def _forward(self, batch: HostBatch) -> torch.Tensor:
         """Hidden states of every flat token: a graph replay for a decode-only step that

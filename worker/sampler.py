@@ -75,7 +75,7 @@ class Sampler:
 
         work = self._apply_min_tokens(work, raw, seqs)
         if bitmask is None and any(s.grammar is not None for s in seqs):
-            bitmask = compute_bitmask(seqs, self.vocab_size)
+            bitmask = compute_bitmask(seqs, self.vocab_size, parallel=self.device.type != "cpu")
         if bitmask is not None:  # structured outputs: one masked_fill for the batch
             work = apply_bitmask(work, bitmask)
 

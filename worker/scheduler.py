@@ -114,6 +114,10 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.kv_import is not None:  # its prompt's KV arrives with it
                 hits, num_computed = [], seq.kv_import.num_tokens
+            elif seq.params.prompt_logprobs is not None:
+                # As vLLM: a cached prefix has no logits, so such a request recomputes its
+                # whole prompt (its blocks still enter the cache for others).
+                hits, num_computed = [], 0
             else:
                 hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids)
                 num_computed = len(hits) * self.kv.block_size

@@ -16,7 +16,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
-from worker.api import SamplingParams
+from worker.api import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from kv.transfer import KVExport
@@ -48,6 +48,7 @@ class Sequence:
         "eos_token_ids",
         "kv_import",
         "grammar",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -81,6 +82,10 @@ class Sequence:
         self.kv_import: KVExport | None = None
         # Structured outputs: the request's grammar (worker/structured/state.py), else None.
         self.grammar: GrammarState | None = None
+        # prompt_logprobs requests: entries for prompt tokens 1..len (token 0 has none),
+        # appended by the runner chunk by chunk; their count says where the next chunk
+        # resumes, so a preempted prefill never emits a token's entry twice.
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
 
     @property
     def num_tokens(self) -> int:

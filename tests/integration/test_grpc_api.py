@@ -236,6 +236,55 @@ def test_token_ids_chat_stop_and_seed(app: GrpcApp) -> None:
     assert list(app.call("Generate", seeded).token_ids) == list(app.call("Generate", seeded).token_ids)
 
 
+def test_echo_and_prompt_logprobs(app: GrpcApp) -> None:
+    """echo puts the prompt before the text; prompt_logprobs (or echo with logprobs) give
+    one entry per prompt token, the first without a logprob; the stream carries them in
+    each choice's first message. Values are HF-exact in tests/unit/test_prompt_logprobs_vs_hf.py."""
+    prompt = "Echo this prompt back"
+    ids = app.ids(prompt)
+    plain = app.call("Generate", greedy(prompt, max_tokens=5))
+    unary = app.call("Generate", greedy(prompt, max_tokens=5, echo=True, logprobs=2))
+    assert unary.text == prompt + plain.text and list(unary.token_ids) == list(plain.token_ids)
+    entries = unary.prompt_logprobs
+    assert [e.token_id for e in entries] == ids
+    assert not entries[0].HasField("logprob") and entries[0].rank == 0
+    assert all(e.HasField("logprob") and e.logprob <= 0 and e.rank >= 1 and len(e.top_logprobs) == 2 for e in entries[1:])
+    assert unary.usage.cached_prompt_tokens == 0  # prompt logprobs never read the prefix cache
+    messages = list(app.stream(greedy(prompt, max_tokens=5, echo=True, logprobs=2)))
+    assert "".join(m.text for m in messages) == unary.text and messages[0].text.startswith(prompt)
+    assert [e.logprob for e in messages[0].prompt_logprobs[1:]] == pytest.approx([e.logprob for e in entries[1:]], abs=1e-6)
+    assert all(not m.prompt_logprobs for m in messages[1:])
+    chat = app.call("Generate", pb.GenerateRequest(
+        messages=[pb.ChatMessage(role="user", content="Hi")], max_tokens=2, temperature=0.0, prompt_logprobs=1, n=2,
+    ))
+    assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens
+    assert all(len(c.prompt_logprobs) == chat.usage.prompt_tokens for c in chat.choices)
+    assert all(len(e.top_logprobs) == 1 for e in chat.prompt_logprobs[1:])
+    error = rpc_error(lambda: app.call("Generate", pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="Hi")], echo=True)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "echo" in error.details()
+    app.wait_idle()
+
+
+def test_structured_outputs(app: GrpcApp) -> None:
+    import json
+    import re
+
+    def constrained(max_tokens: int = 40, **constraint: Any) -> str:
+        return app.call("Generate", pb.GenerateRequest(prompt="Answer:", max_tokens=max_tokens, temperature=0.0, **constraint)).text
+
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", constrained(regex=r"[0-9]{3}-[a-z]{2}"))
+    assert constrained(choice=pb.Choices(choices=["yes", "no", "maybe"])) in {"yes", "no", "maybe"}
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    value = json.loads(constrained(json_schema=json.dumps(schema)))
+    assert set(value) == {"n"} and 3 <= value["n"] <= 9
+    assert isinstance(json.loads(constrained(json_object=True, max_tokens=200)), dict)
+    for bad in ({"regex": "("}, {"json_schema": "{not json"}):
+        error = rpc_error(lambda bad=bad: app.call("Generate", pb.GenerateRequest(prompt="x", **bad)))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    app.wait_idle()
+
+
 def test_stats(app: GrpcApp) -> None:
     stats = app.call("Stats", pb.StatsRequest())
     [replica] = stats.replicas

@@ -177,5 +177,50 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI, http: httpx.Client, ser
     # Streamed: the prompt comes first, then the completion.
     stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, stream=True)
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == PROMPT + plain.text
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and "echo together with logprobs" in r.json()["error"]["message"].lower()
+
+
+# -- prompt logprobs and echo with logprobs (the engine's values are HF-exact: tests/unit/test_prompt_logprobs_vs_hf.py)
+def test_echo_with_logprobs_leads_with_the_prompt_tokens(client: openai.OpenAI, served: tuple[str, Any]) -> None:
+    num_prompt = len(served[1](PROMPT).input_ids)
+    plain = greedy(client, logprobs=2)
+    echoed = greedy(client, echo=True, logprobs=2, extra_body={"prompt_logprobs": 3})
+    assert echoed.text == PROMPT + plain.text
+    lp = echoed.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num_prompt + len(plain.logprobs.tokens)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.tokens[num_prompt:] == plain.logprobs.tokens
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])  # echo's k, not prompt_logprobs' 3
+    assert lp.text_offset == sorted(lp.text_offset)
+    # vLLM's prompt_logprobs agree with the echoed values, token by token.
+    prompt_lp = echoed.model_extra["prompt_logprobs"]
+    assert len(prompt_lp) == num_prompt and prompt_lp[0] is None
+    ids = served[1](PROMPT).input_ids
+    for q in range(1, num_prompt):
+        entry = prompt_lp[q][str(ids[q])]
+        assert entry["logprob"] == pytest.approx(lp.token_logprobs[q], abs=1e-6)
+        assert entry["rank"] >= 1 and entry["decoded_token"] == served[1].decode([ids[q]])
+        assert len(prompt_lp[q]) in (3, 4)  # top-3, plus the token when it is not among them
+        assert all(1 <= e["rank"] <= 3 for k, e in prompt_lp[q].items() if k != str(ids[q]))
+    # Streamed: the echo (with its logprobs) leads the first chunk.
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, echo=True, logprobs=2, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == PROMPT + plain.text
+    streamed = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_prompt_logprobs_on_chat(client: openai.OpenAI, http: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "Say hi"}]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, extra_body={"prompt_logprobs": 0}
+    )
+    prompt_lp = response.model_extra["prompt_logprobs"]
+    assert len(prompt_lp) == response.usage.prompt_tokens and prompt_lp[0] is None
+    assert all(len(row) == 1 for row in prompt_lp[1:])  # k=0: the prompt token alone
+    assert response.usage.prompt_tokens_details.cached_tokens == 0  # never read from the cache
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "stream": True, "prompt_logprobs": 1})
+    assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"].lower()
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "prompt_logprobs": 21})
+    assert r.status_code == 400

@@ -143,3 +143,30 @@ def test_tool_choice_none_and_auto_answer_text(base_url: str) -> None:
                                                temperature=0, max_tokens=20)
             assert r.choices[0].message.content  # the tiny model talks; it does not call
             assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_auto_hermes_call_streams_its_arguments_in_fragments(base_url: str) -> None:
+    """`auto` with the model's own (Hermes) format. The tiny model never calls by itself,
+    so a regex makes it write a call in that format (it still picks the city); the stream
+    must carry the arguments in fragments that rebuild the non-streamed call."""
+    regex = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", '
+             r'"unit": "(celsius|fahrenheit)"\}\}\n</tool_call>')
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "tool_choice": "auto",
+                              "temperature": 0, "max_tokens": 80, "extra_body": {"guided_regex": regex}}
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300) as client:
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        fragments, names = 0, []
+        with client.chat.completions.stream(**kwargs) as stream:
+            for event in stream:
+                if event.type == "tool_calls.function.arguments.delta":
+                    fragments += 1
+                elif event.type == "tool_calls.function.arguments.done":
+                    names.append(event.name)
+            final = stream.get_final_completion().choices[0]
+    assert whole.finish_reason == final.finish_reason == "tool_calls"
+    [expected] = whole.message.tool_calls or []
+    [call] = final.message.tool_calls or []
+    assert names == [call.function.name] == [expected.function.name] == ["get_weather"]
+    assert json.loads(call.function.arguments) == json.loads(expected.function.arguments)
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+    assert fragments > 3  # token by token, not in one piece

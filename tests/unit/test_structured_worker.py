@@ -146,6 +146,36 @@ def test_sampler_masks_constrained_rows_only(compiler: GrammarCompiler, hf_token
     )
 
 
+def test_bitmask_unpacking_and_when_masks_overlap(compiler: GrammarCompiler, hf_tokenizer: Any) -> None:
+    """The CPU unpack (numpy) equals the device path's shift-and-mask; the mask thread
+    runs only for accelerators (on CPU the sampler computes the mask inline)."""
+    import numpy as np
+
+    from worker.structured.bitmask import MaskPrefetcher, apply_bitmask, compute_bitmask
+
+    vocab = len(hf_tokenizer)
+    seqs = []
+    for so in [StructuredOutput("regex", r"\d{1,3}"), None]:
+        seq = Sequence("r", [5, 6], SamplingParams(temperature=0.0, structured=so))
+        if so is not None:
+            seq.grammar = GrammarState(compiler.submit(so))
+            assert seq.grammar.start() is None
+        seqs.append(seq)
+    bitmask = compute_bitmask(seqs, vocab)
+    assert bitmask is not None and (bitmask[1] == -1).all()
+    assert np.array_equal(compute_bitmask(seqs, vocab, parallel=False), bitmask)  # the CPU device's way
+    logits = torch.randn(2, vocab)
+    words = torch.from_numpy(bitmask)
+    allowed = ((words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :vocab]
+    assert torch.equal(apply_bitmask(logits, bitmask), logits.masked_fill(~allowed, float("-inf")))
+    assert 0 < int(allowed[0].sum()) < vocab and bool(allowed[1].all())
+
+    assert MaskPrefetcher("cpu").start(seqs, vocab) is None
+    future = MaskPrefetcher("cuda").start(seqs, vocab)  # no CUDA call: a thread computes it
+    assert future is not None and np.array_equal(future.result(), bitmask)
+    assert MaskPrefetcher("cuda").start([seqs[1]], vocab) is None  # nothing constrained
+
+
 def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple[list[int], str]]:
     for rid, (ids, params) in requests.items():
         engine.add_request(rid, ids, params)

@@ -1,10 +1,16 @@
 """Token bitmasks for the constrained rows of a batch, and their application in one op.
 
 A bitmask row has ceil(V / 32) int32 words; bit j of word w allows token 32 w + j.
-Unconstrained rows are all ones, so one masked_fill over the whole (B, V) batch applies
+Unconstrained rows are all ones, so one `where` over the whole (B, V) batch applies
 every constraint at once. The masks are computed by llguidance's executor (Rust, in
-parallel, without the GIL), so the runner starts them before the forward and they are
-ready when the logits are (`MaskPrefetcher`).
+parallel, without the GIL).
+
+When to overlap (`MaskPrefetcher`): on an accelerator the host only waits while the
+forward runs, so the masks are computed on a helper thread then and are ready with the
+logits. On a CPU device the host IS the device: the forward already uses the cores, and
+the thread hand-off (submit, wake, result) cost more CPU per step than the mask itself
+(profiled: ~0.2 ms vs ~0.1 ms for 8 constrained rows of a 16-row batch, 1460-token
+vocabulary), so the sampler computes them inline there.
 """
 from __future__ import annotations
 
@@ -31,15 +37,24 @@ def constrained_rows(seqs: SequenceT[Any]) -> list[int]:
     return [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.matcher is not None]
 
 
-def compute_bitmask(seqs: SequenceT[Any], vocab_size: int) -> np.ndarray | None:
-    """(B, ceil(V/32)) int32 for the batch, or None when no row is constrained."""
+def compute_bitmask(seqs: SequenceT[Any], vocab_size: int, parallel: bool = True) -> np.ndarray | None:
+    """(B, ceil(V/32)) int32 for the batch, or None when no row is constrained.
+
+    `parallel`: fill the rows on llguidance's thread pool. On a CPU device the rows are
+    filled one by one on the calling thread instead: the pool's threads compete with the
+    forward for the same cores, and on a loaded host waiting for them to be scheduled
+    took milliseconds per step (profiled) for ~0.1 ms of work."""
     rows = constrained_rows(seqs)
     if not rows:
         return None
     bitmask = np.full((len(seqs), (vocab_size + 31) // 32), -1, dtype=np.int32)
-    from llguidance.numpy import fill_next_token_bitmask_par
+    from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
-    fill_next_token_bitmask_par(_executor(), [(seqs[i].grammar.matcher, i) for i in rows], bitmask)
+    if parallel:
+        fill_next_token_bitmask_par(_executor(), [(seqs[i].grammar.matcher, i) for i in rows], bitmask)
+    else:
+        for i in rows:
+            fill_next_token_bitmask(seqs[i].grammar.matcher, bitmask, i)
     return bitmask
 
 
@@ -48,19 +63,31 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray) -> torch.Tensor:
     """A new tensor: `logits` with every disallowed token at -inf (one op for the batch)."""
-    mask = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
-    bits = _BITS.to(logits.device)
-    allowed = ((mask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, : logits.shape[1]]
-    return logits.masked_fill(~allowed, float("-inf"))
+    vocab = logits.shape[1]
+    if logits.device.type == "cpu":
+        # One numpy unpack (little-endian bit order = bit j of word w is token 32 w + j)
+        # is ~2x cheaper than the shift-and-mask below; 0/1 bytes are valid bools.
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        allowed = torch.from_numpy(bits.view(np.bool_))
+    else:  # the compact words cross to the device (V/8 bytes a row), unpacked there
+        mask = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
+        allowed = ((mask.unsqueeze(-1) >> _BITS.to(logits.device)) & 1).bool().flatten(1)[:, :vocab]
+    return torch.where(allowed, logits, _NEG_INF.to(logits.device))
+
+
+_NEG_INF = torch.tensor(float("-inf"))
 
 
 class MaskPrefetcher:
-    """Computes a step's bitmask on a helper thread while the forward runs."""
+    """Computes a step's bitmask on a helper thread while the forward runs, on an
+    accelerator only (see the module doc); `start` returns None otherwise and the sampler
+    computes the mask itself."""
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-mask")
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        self.enabled = torch.device(device).type != "cpu"
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvserve-mask") if self.enabled else None
 
     def start(self, seqs: SequenceT[Any], vocab_size: int) -> Future[np.ndarray | None] | None:
-        if not constrained_rows(seqs):
+        if self._pool is None or not constrained_rows(seqs):
             return None
         return self._pool.submit(compute_bitmask, list(seqs), vocab_size)
