@@ -97,7 +97,14 @@ async def test_autoscaling_stats_count_the_waiting_queue() -> None:
     started = asyncio.Event()
     streams = [asyncio.create_task(collect(worker.generate(request(f"q{i}", 30)), started)) for i in range(4)]
     await asyncio.wait_for(started.wait(), timeout=10)
+    # The engine thread takes new requests in at its next step: on a loaded machine the
+    # first token can arrive before it has taken the other three, so wait for that step.
     stats = worker.record_autoscaling_stats()
+    for _ in range(1000):
+        if stats["num_waiting"] == 3.0:
+            break
+        await asyncio.sleep(0.01)  # poll the condition, bounded (10 s)
+        stats = worker.record_autoscaling_stats()
     assert stats["num_running"] == 1.0 and stats["num_waiting"] == 3.0
     assert stats["num_waiting_prompt_tokens"] == 12.0 and 0.0 < stats["kv_usage"] < 1.0
     await asyncio.wait_for(asyncio.gather(*streams), timeout=20)
