@@ -255,6 +255,10 @@ class ReplicaView:
     unreflected_blocks: int = 0  # reserved by this router, not yet in a report
     unreflected_requests: int = 0
     queue_len: int = 0  # requests outstanding there as far as this router knows (pow2)
+    # Work promised since the report (the ledger's Unreflected): uncached prompt tokens still
+    # to prefill, and the decode blocks those requests will grow into.
+    unreflected_prefill_tokens: int = 0
+    unreflected_decode_blocks: int = 0
 
 
 @dataclass(frozen=True)
