@@ -200,11 +200,11 @@ class KVHeadroomRouter(ReplicaStateRouter):
     def _view(self, replica: RunningReplica) -> ReplicaView:
         replica_id = replica.replica_id
         report = self._report(replica)
-        blocks, requests = self._ledger.unreflected(replica_id)
+        unreflected = self._ledger.unreflected(replica_id)
         queue_len = cached_queue_len(self, replica_id)
         if queue_len is None:
             queue_len = self._ledger.outstanding(replica_id)
-        return ReplicaView(replica_id, report, blocks, requests, queue_len)
+        return ReplicaView(replica_id, report, unreflected.blocks, unreflected.requests, queue_len)
 
     # ------------------------------------------------------------------ lifecycle hooks
 
@@ -248,11 +248,11 @@ class KVHeadroomRouter(ReplicaStateRouter):
                 for replica in replicas:
                     stats = dict(replica.routing_stats or {})
                     stats["prefix_hashes"] = len(stats.get("prefix_hashes") or ())
-                    blocks, requests = self._ledger.unreflected(replica.replica_id)
+                    unreflected = self._ledger.unreflected(replica.replica_id)
                     out[replica.replica_id.unique_id] = {
                         "stats": stats,
-                        "unreflected_blocks": blocks,
-                        "unreflected_requests": requests,
+                        "unreflected_blocks": unreflected.blocks,
+                        "unreflected_requests": unreflected.requests,
                         "outstanding": self._ledger.outstanding(replica.replica_id),
                     }
                 return out

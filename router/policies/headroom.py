@@ -30,8 +30,8 @@ class HeadroomPolicy:
     def _view(self, view: ReplicaView) -> ReplicaView:
         if view.report is not None:
             self.ledger.observe_report(view.key, view.report.timestamp)
-        blocks, requests = self.ledger.unreflected(view.key)
-        return replace(view, unreflected_blocks=blocks, unreflected_requests=requests)
+        unreflected = self.ledger.unreflected(view.key)
+        return replace(view, unreflected_blocks=unreflected.blocks, unreflected_requests=unreflected.requests)
 
     def rank(self, request: RoutingRequest, views: Sequence[ReplicaView], now: float) -> list[ReplicaKey]:
         if now - self._last_prune_s >= _PRUNE_INTERVAL_S:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import pytest
 
 from kv.block_hash import hash_full_blocks
-from router.reservations import ReservationLedger
+from router.reservations import ReservationLedger, Unreflected
 from router.headroom import (
     MODE_HEADROOM,
     MODE_LOAD_GATE,
@@ -67,8 +67,8 @@ def views_for(reports: Mapping[str, ReplicaReport | None], ledger: ReservationLe
     for key, rep in reports.items():
         if rep is not None:
             ledger.observe_report(key, rep.timestamp)
-        blocks, requests = ledger.unreflected(key)
-        views.append(ReplicaView(key, rep, blocks, requests, queue_len=ledger.outstanding(key)))
+        u = ledger.unreflected(key)
+        views.append(ReplicaView(key, rep, u.blocks, u.requests, queue_len=ledger.outstanding(key)))
     return views
 
 
@@ -369,11 +369,11 @@ def test_reservation_counts_until_a_report_taken_after_dispatch() -> None:
     ledger = ReservationLedger(report_lag_s=0.05)
     ledger.observe_report("r", NOW - 1.0)
     ledger.reserve("x", "r", {"r": 7}, now=NOW)
-    assert ledger.unreflected("r") == (7, 1)
+    assert ledger.unreflected("r") == Unreflected(7, 1)
     ledger.observe_report("r", NOW + 0.01)  # taken before the request can have arrived
-    assert ledger.unreflected("r") == (7, 1)
+    assert ledger.unreflected("r") == Unreflected(7, 1)
     ledger.observe_report("r", NOW + 0.2)  # reflects it
-    assert ledger.unreflected("r") == (0, 0)
+    assert ledger.unreflected("r") == Unreflected(0, 0)
     assert ledger.outstanding("r") == 1  # still running there
     ledger.complete("x", "r")
     assert ledger.outstanding("r") == 0 and len(ledger) == 0
@@ -384,18 +384,18 @@ def test_completion_releases_an_unreflected_reservation() -> None:
     ledger.reserve("x", "r", {"r": 4}, now=NOW)
     ledger.reserve("y", "r", {"r": 2}, now=NOW)
     ledger.complete("x", "r")
-    assert ledger.unreflected("r") == (2, 1)
+    assert ledger.unreflected("r") == Unreflected(2, 1)
 
 
 def test_reservation_moves_when_serve_sends_the_request_elsewhere() -> None:
     ledger = ReservationLedger()
     ledger.reserve("x", "top", {"top": 1, "second": 33}, now=NOW)
     ledger.routed("x", "second")  # "top" refused (max_ongoing_requests)
-    assert ledger.unreflected("top") == (0, 0)
-    assert ledger.unreflected("second") == (33, 1)
+    assert ledger.unreflected("top") == Unreflected(0, 0)
+    assert ledger.unreflected("second") == Unreflected(33, 1)
     # A late completion of the refused attempt on "top" must not drop the live reservation.
     ledger.complete("x", "top")
-    assert ledger.unreflected("second") == (33, 1)
+    assert ledger.unreflected("second") == Unreflected(33, 1)
     ledger.complete("x", "second")
     assert len(ledger) == 0
 
@@ -404,8 +404,8 @@ def test_rechoice_replaces_the_earlier_reservation() -> None:
     ledger = ReservationLedger()
     ledger.reserve("x", "a", {"a": 5, "b": 6}, now=NOW)
     ledger.reserve("x", "b", {"a": 5, "b": 6}, now=NOW + 0.1)
-    assert ledger.unreflected("a") == (0, 0)
-    assert ledger.unreflected("b") == (6, 1)
+    assert ledger.unreflected("a") == Unreflected(0, 0)
+    assert ledger.unreflected("b") == Unreflected(6, 1)
     assert len(ledger) == 1
 
 
@@ -414,7 +414,7 @@ def test_routed_after_completion_is_a_no_op() -> None:
     ledger.reserve("x", "a", {"a": 5}, now=NOW)
     ledger.complete("x", "a")  # a fast request finished before Serve reported it routed
     ledger.routed("x", "a")
-    assert len(ledger) == 0 and ledger.unreflected("a") == (0, 0)
+    assert len(ledger) == 0 and ledger.unreflected("a") == Unreflected(0, 0)
 
 
 def test_prune_drops_gone_replicas_and_abandoned_reservations() -> None:
@@ -426,8 +426,8 @@ def test_prune_drops_gone_replicas_and_abandoned_reservations() -> None:
     dropped = ledger.prune(NOW, {"a"}, unconfirmed_ttl_s=60, ttl_s=3600)
     assert dropped == 2
     assert "running" in ledger and len(ledger) == 1
-    assert ledger.unreflected("a") == (4, 1)
-    assert ledger.unreflected("dead") == (0, 0)
+    assert ledger.unreflected("a") == Unreflected(4, 1)
+    assert ledger.unreflected("dead") == Unreflected(0, 0)
 
 
 def test_burst_then_fresh_reports_resets_the_view() -> None:
@@ -435,7 +435,7 @@ def test_burst_then_fresh_reports_resets_the_view() -> None:
     ledger = ReservationLedger(PARAMS.report_lag_s)
     reports = {"a": report(100), "b": report(100)}
     dispatch(reports, [small_request(i) for i in range(50)], ledger=ledger)
-    assert ledger.unreflected("a")[0] + ledger.unreflected("b")[0] == 50
+    assert ledger.unreflected("a").blocks + ledger.unreflected("b").blocks == 50
     # The replicas now report what the burst holds (25 blocks each), taken after it.
     later = {"a": report(75, timestamp=NOW + 0.5), "b": report(75, timestamp=NOW + 0.5)}
     views = views_for(later, ledger)

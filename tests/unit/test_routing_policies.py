@@ -7,6 +7,7 @@ from kv.block_hash import hash_full_blocks
 from router.headroom import HeadroomParams, ReplicaReport, ReplicaView
 from router.policies import POLICY_NAMES, RoutingPolicy, RoutingRequest, make_policy, split_policy_kwargs
 from router.policies.prefix_index import PrefixIndex
+from router.reservations import Unreflected
 
 BS = 16
 
@@ -181,13 +182,13 @@ def test_headroom_spreads_a_burst_by_reservations_and_forgets_them_on_report() -
     # b: (20-4-2)/20 = 0.7 < 0.8
     assert policy.rank(req("3", prompt), views, 0.1) == ["a", "b"]
     assert policy.last_mode == "headroom"
-    assert policy.ledger.unreflected("b") == (4, 2)
+    assert policy.ledger.unreflected("b") == Unreflected(4, 2)
     policy.on_dispatch(req("3", prompt), "b", 0.1)  # Serve sent #3 to b after all
-    assert policy.ledger.unreflected("b") == (6, 3)
+    assert policy.ledger.unreflected("b") == Unreflected(6, 3)
     policy.on_complete("1", "b", 0.2)
-    assert policy.ledger.unreflected("b") == (4, 2)
+    assert policy.ledger.unreflected("b") == Unreflected(4, 2)
     policy.on_report("b", report(free=14, ts=0.2), 0.2)
-    assert policy.ledger.unreflected("b") == (0, 0)
+    assert policy.ledger.unreflected("b") == Unreflected(0, 0)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
