@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from router.headroom import HeadroomParams, ReplicaKey, ReplicaReport, ReplicaView, rank_replicas
 from router.policies.base import RoutingRequest
-from router.reservations import ReservationLedger
+from router.routing_view import LocalRoutingView, RoutingView
 
 # Ledger housekeeping at most this often (as router/request_router.py).
 _PRUNE_INTERVAL_S = 1.0
@@ -20,9 +20,11 @@ _PRUNE_INTERVAL_S = 1.0
 class HeadroomPolicy:
     name = "headroom"
 
-    def __init__(self, params: HeadroomParams | None = None, seed: int = 0) -> None:
+    def __init__(self, params: HeadroomParams | None = None, seed: int = 0, view: RoutingView | None = None) -> None:
         self.params = params or HeadroomParams()
-        self.ledger = ReservationLedger(self.params.report_lag_s)
+        # The routing view (router/routing_view.py): private unless the caller shares one
+        # between routers (Redis under Serve, one object in the simulator).
+        self.ledger: RoutingView = view if view is not None else LocalRoutingView(self.params.report_lag_s)
         self._rng = random.Random(seed)
         self._last_prune_s = -float("inf")
         self.last_mode = ""  # router/headroom.py's MODE_*
