@@ -84,6 +84,21 @@ def request_router_of(handle: Any) -> Any:
     return router._asyncio_router.request_router
 
 
+def initialized_request_router_of(handle: Any) -> Any:
+    """The RequestRouter behind a DeploymentHandle in this process once Serve's router
+    thread has created it (when the first replica set arrived), else None. Unlike
+    `request_router_of` it never creates the router itself, so it is safe to call from
+    another thread than the router's (the ingress's admission control reads its reports).
+
+    Public API it stands in for: none. Private: `DeploymentHandle._router`, its
+    `_asyncio_router` and that one's `_request_router` attribute.
+    """
+    router = getattr(handle, "_router", None)
+    if router is None:
+        return None
+    return getattr(router._asyncio_router, "_request_router", None)
+
+
 # -- the controller's gRPC options --------------------------------------------------------------
 def grpc_servicer_functions() -> list[str]:
     """The servicer functions ("module.function") the running Serve instance's gRPC proxy
@@ -161,6 +176,12 @@ def _handle_router() -> bool:
     )
 
 
+def _handle_router_no_init() -> bool:
+    from ray.serve._private.router import AsyncioRouter
+
+    return _handle_router() and "self._request_router" in inspect.getsource(AsyncioRouter.__init__)
+
+
 def _grpc_handler_factory() -> bool:
     from ray.serve._private import grpc_util
 
@@ -188,6 +209,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                _router_instance_attribute("_get_curr_time_s")),
     PrivateApi("DeploymentHandle._router._asyncio_router.request_router", "serve_internals.request_router_of",
                _handle_router),
+    PrivateApi("DeploymentHandle._router._asyncio_router._request_router",
+               "serve_internals.initialized_request_router_of", _handle_router_no_init),
     PrivateApi("gRPCGenericServer.service_handler_factory", "router/grpc_proxy.py", _grpc_handler_factory),
     PrivateApi("ray.serve.context._get_global_client()._controller.get_grpc_config",
                "serve_internals.grpc_servicer_functions, serve_internals.grpc_proxy_port", _controller_grpc_config),
