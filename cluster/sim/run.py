@@ -24,10 +24,13 @@ from cluster.sim.clock import EventQueue
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.flow import Flight, Orchestrator
 from cluster.sim.ingress import Pool, SimRouter
+from cluster.sim.shared_view import pool_views
 from cluster.sim.metrics import SimResult, Tracker
 from cluster.sim.replica import SimReplica, VirtualDevice
 from cluster.sim.workloads import SimRequest
 from router.headroom import HeadroomParams, ReplicaReport
+from router.policies.base import check_options
+from router.routing_view import RoutingView
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
 
@@ -36,6 +39,8 @@ _SCHEDULER = SchedulerConfig()
 # as stalled (far longer than any step, transfer or replica start-up).
 STALL_TIMEOUT_S = 3600.0
 _CACHE = CacheConfig()
+# Policies built on a RoutingView (router/routing_view.py), which SimConfig.shared_view can share.
+VIEW_POLICIES = frozenset({"headroom"})
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,13 @@ class SimConfig:
     # benchmarks/routing_validate.py), never fitted to a result.
     dispatch_latency_s: float = 0.0
     num_ingress: int = 1
+    # Several ingress routers: True gives every router of a pool the SAME routing view (the
+    # unreflected work and prefix hints they all promised: what Redis shares in a real
+    # deployment, cluster/sim/shared_view.py), False a private one each (each router sees
+    # only its own dispatches: the herding failure). Only policies that read a view
+    # (headroom) can share one.
+    shared_view: bool = False
+    shared_view_rtt_s: float = 0.0  # a shared view's writes reach the others this much later (Redis RTT)
     ingress_assignment: str = "round_robin"  # or "session": a session always uses one router
     stats_period_s: float = 1.0
     report_lag_s: float = 0.05  # a report reaches the routers this long after it is taken
@@ -86,6 +98,11 @@ class SimConfig:
             raise ValueError("max_ongoing_requests must be >= 1")
         if self.dispatch_latency_s < 0:
             raise ValueError("dispatch_latency_s must be >= 0")
+        if self.shared_view_rtt_s < 0:
+            raise ValueError("shared_view_rtt_s must be >= 0")
+        if self.shared_view and self.router not in VIEW_POLICIES:
+            raise ValueError(f"shared_view needs a policy that reads a routing view {sorted(VIEW_POLICIES)}, "
+                             f"not {self.router!r}")
 
     def headroom_params(self) -> HeadroomParams:
         if self.policy_params is not None:
@@ -138,12 +155,12 @@ class Simulation:
         self.replica_count: list[tuple[float, int]] = []
         roles = ("prefill", "decode") if config.disagg.enabled else ("mixed",)
         self.pools = {role: Pool(role) for role in roles}
-        from router.policies import make_policy
-
         params = config.headroom_params()
+        # Private views are the policies' own (make_policy); shared ones are built here.
+        views = {role: pool_views(config.num_ingress, config.shared_view_rtt_s, params.report_lag_s, self.clock)
+                 if config.shared_view else [None] * config.num_ingress for role in roles}
         self.routers = [
-            SimRouter(k, {role: make_policy(config.router, params, seed=config.seed * 1009 + k * 31 + i,
-                                            **dict(config.policy_options))
+            SimRouter(k, {role: _make_policy(config, params, config.seed * 1009 + k * 31 + i, views[role][k])
                           for i, role in enumerate(roles)}, self.pools, self.clock, config.max_ongoing_requests)
             for k in range(config.num_ingress)
         ]
@@ -254,6 +271,19 @@ class Simulation:
             router_stats=[r.stats() for r in self.routers],
             replica_count=self.replica_count,
         )
+
+
+def _make_policy(config: SimConfig, params: HeadroomParams, seed: int, view: RoutingView | None) -> Any:
+    """The router's policy object (router.policies.make_policy); with a shared view, the
+    view-reading policy is built on its pool's view instead of a private one."""
+    if view is None:
+        from router.policies import make_policy
+
+        return make_policy(config.router, params, seed=seed, **dict(config.policy_options))
+    from router.policies.headroom import HeadroomPolicy
+
+    check_options(config.router, dict(config.policy_options), ())
+    return HeadroomPolicy(params, seed, view=view)
 
 
 def simulate(config: SimConfig, requests: Sequence[SimRequest], device: SimDevice | None = None) -> SimResult:
