@@ -12,6 +12,7 @@ clock run in scheduling order; so the same config and requests give the same res
 """
 from __future__ import annotations
 
+import math
 import random
 import zlib
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from cluster.sim.disagg import DisaggOptions
 from cluster.sim.flow import Flight, Orchestrator
 from cluster.sim.ingress import Pool, SimRouter
 from cluster.sim.shared_view import pool_views
-from cluster.sim.metrics import SimResult, Tracker
+from cluster.sim.metrics import SimResult, Tracker, late_requests_proving_p99_miss
 from cluster.sim.replica import SimReplica, VirtualDevice
 from cluster.sim.workloads import SimRequest
 from router.headroom import HeadroomParams, ReplicaReport
@@ -82,6 +83,10 @@ class SimConfig:
     autoscale: AutoscaleOptions | None = None
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 100.0
+    # End the run as soon as enough requests missed the TTFT SLO that its TTFT p99 misses it
+    # whatever the rest do (metrics.late_requests_proving_p99_miss): a rate search needs
+    # only the verdict, and an overloaded run is the most expensive one to finish.
+    stop_at_slo_miss: bool = False
     keep_token_times: bool = False
     seed: int = 0
 
@@ -147,7 +152,7 @@ class Simulation:
         self.device = device
         self.clock = EventQueue()
         self.rng = random.Random(config.seed)
-        self.tracker = Tracker(config.keep_token_times)
+        self.tracker = Tracker(config.keep_token_times, config.slo_ttft_ms / 1000.0)
         max_model_len = config.max_model_len or device.max_model_len
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
         self.cache_config = CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
@@ -170,6 +175,7 @@ class Simulation:
         self.autoscalers: list[SimAutoscaler] = []
         self._next_key = 0
         self._num_requests = 0
+        self._late_limit: float = math.inf  # late first tokens that prove the TTFT p99 misses
         self.last_progress_s = 0.0  # virtual time of the latest token or dispatch (stall detection)
 
     # -- replicas --------------------------------------------------------------------------------
@@ -249,8 +255,12 @@ class Simulation:
     def done(self) -> bool:
         return self.tracker.num_done >= self._num_requests
 
+    def missed_slo(self) -> bool:
+        return self.tracker.num_late >= self._late_limit
+
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         self._num_requests = len(requests)
+        self._late_limit = late_requests_proving_p99_miss(len(requests)) if self.config.stop_at_slo_miss else math.inf
         for role, pool in self.pools.items():
             n = self.config.disagg.num_replicas(role) if self.config.disagg.enabled else self.config.num_replicas
             for _ in range(n):
@@ -261,7 +271,7 @@ class Simulation:
         for i, request in enumerate(requests):
             self.clock.at(request.arrival_s + self.config.dispatch_latency_s, self._arrive, i, request)
         if requests:
-            self.clock.run(stop=self.done)
+            self.clock.run(stop=lambda: self.done() or self.missed_slo())
         return SimResult(
             config=self.config,
             records=list(self.tracker.records.values()),
@@ -270,6 +280,7 @@ class Simulation:
             num_events=self.clock.num_events,
             router_stats=[r.stats() for r in self.routers],
             replica_count=self.replica_count,
+            stopped_at_slo_miss=not self.done() and self.missed_slo(),
         )
 
 
