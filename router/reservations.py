@@ -178,6 +178,18 @@ class ReservationLedger:
         led = self._replicas.get(replica)
         return led.snapshot() if led is not None else NOTHING
 
+    def report_cutoff(self, replica: ReplicaKey) -> float:
+        """Dispatches to `replica` at or before this time are shown by a report seen here."""
+        led = self._replicas.get(replica)
+        return led.cutoff if led is not None else -math.inf
+
+    def newest_unreflected(self, replica: ReplicaKey) -> float:
+        """The latest dispatch time among `replica`'s unreflected reservations (-inf: none)."""
+        led = self._replicas.get(replica)
+        if led is None or not led.unreflected:
+            return -math.inf
+        return max(self._entries[request_id].dispatched_at for request_id in led.unreflected)
+
     def outstanding(self, replica: ReplicaKey) -> int:
         """Requests this router has on `replica` that have not completed."""
         led = self._replicas.get(replica)

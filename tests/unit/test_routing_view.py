@@ -96,3 +96,188 @@ def test_private_views_herd_onto_the_prefix_owner_and_a_shared_view_does_not() -
     assert shared_view.unreflected("a").requests == on_a["shared"]
     assert shared_view.unreflected("a").blocks <= 12
     assert sum(p.ledger.unreflected("a").blocks for p in privates) > 12
+
+
+# ---------------------------------------------------------------- the view shared through Redis
+# Two RedisRoutingView objects on one real redis-server play two ingress replicas' routers.
+import asyncio  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Awaitable, Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+from router.redis_view import RedisRoutingView, SharedViewSpec  # noqa: E402
+from router.reservations import Unreflected  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+
+def redis_views(server: RedisServer, n: int = 2, **fields: Any) -> list[RedisRoutingView]:
+    # socket timeout 1 s: a loaded CI machine must not look like an outage here; a decision
+    # waits up to 1 s for its read, so that every read lands before the test looks.
+    spec = SharedViewSpec(url=server.url, key_prefix=f"kvserve-test:{uuid.uuid4().hex[:8]}",
+                          **{"socket_timeout_s": 1.0, "decision_wait_s": 1.0, **fields})
+    return [RedisRoutingView(spec, report_lag_s=0.05) for _ in range(n)]
+
+
+async def eventually(condition: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 10.0) -> None:
+    """Polls `condition` on the running loop (the views' background tasks run meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def close(*views: RedisRoutingView) -> None:
+    for v in views:
+        await v.aclose()
+
+
+def test_redis_view_is_a_routing_view(redis_server: RedisServer) -> None:
+    assert isinstance(redis_views(redis_server, 1)[0], RoutingView)
+
+
+def test_each_router_sees_the_others_work_once(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        a, b = redis_views(redis_server)
+        await a.sync(["r1", "r2"])
+        a.reserve("x", "r1", {"r1": 3, "r2": 5}, time.time(), prefill_tokens={"r1": 40, "r2": 80}, decode_blocks=2)
+        b.reserve("y", "r1", {"r1": 1}, time.time(), prefill_tokens=10)
+
+        async def b_sees_a() -> bool:
+            await b.sync(["r1", "r2"])
+            return b.unreflected("r1") == Unreflected(4, 2, 50, 2)
+
+        await eventually(b_sees_a, "b to read a's reservation")
+        a.routed("x", "r2")  # Serve sent it to a lower rank: the reservation moves there
+
+        async def b_sees_the_move() -> bool:
+            await b.sync(["r1", "r2"])
+            return b.unreflected("r1") == Unreflected(1, 1, 10, 0) and b.unreflected("r2") == Unreflected(5, 1, 80, 2)
+
+        await eventually(b_sees_the_move, "the move")
+        await a.sync(["r1", "r2"])
+        assert a.unreflected("r1") == Unreflected(1, 1, 10, 0)  # own work counted once
+        a.complete("x", "r2")
+
+        async def gone() -> bool:
+            await b.sync(["r1", "r2"])
+            return b.unreflected("r2") == Unreflected()
+
+        await eventually(gone, "the completion")
+        assert a.num_round_trips > 0
+        await close(a, b)
+
+    asyncio.run(main())
+
+
+def test_a_report_that_reflects_the_others_dispatch_stops_counting_it(redis_server: RedisServer) -> None:
+    """Router a is idle after its dispatch and never sees the replica's next report; b
+    does: b stops counting a's work at once, without waiting for a."""
+    async def main() -> None:
+        a, b = redis_views(redis_server)
+        t = time.time()
+        a.reserve("x", "r1", {"r1": 7}, t)
+        await a.sync(["r1"])
+
+        async def b_sees_a() -> bool:
+            await b.sync(["r1"])
+            return b.unreflected("r1").blocks == 7
+
+        await eventually(b_sees_a, "b to read a's reservation")
+        b.observe_report("r1", t + 1.0)
+        assert b.unreflected("r1") == Unreflected()
+        await close(a, b)
+
+    asyncio.run(main())
+
+
+def test_hints_are_shared_and_a_new_router_starts_with_them(redis_server: RedisServer) -> None:
+    chain = hash_full_blocks(list(range(64)), BS)
+
+    async def main() -> None:
+        a, b = redis_views(redis_server)
+        await a.sync(["r1"])
+        a.learn_prefix("r1", chain, time.time())
+
+        async def b_learns() -> bool:
+            await b.sync(["r1", "r2"])
+            return b.prefix_owner_hints(chain) == {"r1": 4}
+
+        await eventually(b_learns, "b to learn a's hint")
+        late = RedisRoutingView(a.spec)  # started after the hint was learned (warm start)
+        await late.sync(["r1", "r2"])
+        assert late.prefix_owner_hints(chain[:2]) == {"r1": 2}
+        assert late.prefix_owner_hints(hash_full_blocks(list(range(500, 564)), BS)) == {}
+        await close(a, b, late)
+
+    asyncio.run(main())
+
+
+def test_cached_mode_reads_in_the_background(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        a, b = redis_views(redis_server, mode="cached", refresh_s=0.01)
+        await a.sync(["r1"])
+        await b.sync(["r1"])
+        a.reserve("x", "r1", {"r1": 2}, time.time())
+        trips = b.num_round_trips
+
+        async def b_sees_a() -> bool:
+            await b.sync(["r1"])  # never waits on Redis in this mode
+            return b.unreflected("r1").blocks == 2
+
+        await eventually(b_sees_a, "the background read")
+        assert b.num_round_trips > trips
+        await close(a, b)
+
+    asyncio.run(main())
+
+
+def test_redis_down_falls_back_to_the_private_view_and_back(redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        a, b = redis_views(redis_server, socket_timeout_s=0.2)
+        await b.sync(["r1"])  # binds b to this loop: its writes go out from here
+        b.reserve("y", "r1", {"r1": 1}, time.time())
+        a.reserve("x", "r1", {"r1": 3}, time.time())
+
+        async def both() -> bool:
+            await a.sync(["r1"])
+            return a.unreflected("r1").blocks == 4
+
+        await eventually(both, "a to read b's reservation")
+        redis_server.stop()
+        try:
+            with caplog.at_level(logging.WARNING, logger="router.redis_view"):
+                a.reserve("z", "r1", {"r1": 5}, time.time())  # the write finds Redis down
+                await eventually(lambda: _true_after(a.sync(["r1"]), lambda: not a.up), "a to notice the outage")
+                started = time.monotonic()
+                await a.sync(["r1"])
+                assert time.monotonic() - started < 0.1  # down: nothing waits on Redis
+                assert a.unreflected("r1") == Unreflected(8, 2)  # exactly the private view
+        finally:
+            redis_server.start()
+        await eventually(lambda: _true_after(asyncio.sleep(0), lambda: a.up), "a to reconnect")
+        b.reserve("y2", "r1", {"r1": 10}, time.time())  # b's client reconnects on its own
+
+        async def shared_again() -> bool:
+            await a.sync(["r1"])
+            await b.sync(["r1"])
+            return a.unreflected("r1").blocks == 19 and b.unreflected("r1").blocks == 19
+
+        await eventually(shared_again, "both views shared again (Redis restarted empty: republished)")
+        # One line each way per router (b may find Redis down too: its connection was reset).
+        for view, times in ((a, {1}), (b, {0, 1})):
+            lines = [r.getMessage() for r in caplog.records if r.name == "router.redis_view" and view.router_id in r.getMessage()]
+            down, back = sum("unreachable" in m for m in lines), sum("is back;" in m for m in lines)
+            assert down == back and down in times, lines
+        await close(a, b)
+
+    asyncio.run(main())
+
+
+async def _true_after(step: Awaitable[Any], condition: Callable[[], bool]) -> bool:
+    await step
+    return condition()
