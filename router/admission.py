@@ -61,6 +61,7 @@ REASON_STALE = "stale"  # some replica without fresh stats: pow2 fallback, never
 REASON_NO_ROUTER = "no_router"  # no kvserve router (yet): nothing to judge with
 REASON_IDLE = "idle"  # nothing of this ingress in flight
 REASON_OFF = "off"
+REASON_TOO_LARGE = "too_large"  # more blocks than any replica has at all: the engine answers it
 
 
 @dataclass(frozen=True)
@@ -118,18 +119,22 @@ def judge(
             assert r is not None  # fresh
             best = max(best, profile.cached_blocks(r.block_size, r.prefix_hashes) * r.block_size)
         predicted += best
+    too_large = True
     for r in reports:
         assert r is not None
         need = 0
         for profile in profiles:
             cached = profile.cached_blocks(r.block_size, r.prefix_hashes)
             need += max(profile.total_blocks(r.block_size, params.expected_output_tokens) - cached, 0)
+        too_large = too_large and need > r.total_blocks
         available = r.free_blocks - r.reserved_blocks
         if available < need:
             continue
         slots += max(max_waiting_per_replica - r.num_waiting, 0)
         free += available
         min_need = need if min_need is None else min(min_need, need)
+    if too_large:  # holding cannot help: let the engine refuse it (400) now
+        return Verdict(True, REASON_TOO_LARGE, predicted)
     num_pending = sum(p.num_requests for p in pending)
     pending_blocks = sum(p.blocks for p in pending)
     fits = min_need is not None and slots - num_pending >= len(profiles) and free - pending_blocks >= min_need

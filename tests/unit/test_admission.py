@@ -4,6 +4,7 @@ Retry-After hint). Reports are fakes built here; the clock is explicit."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -16,6 +17,7 @@ from router.admission import (
     REASON_NO_ROUTER,
     REASON_OFF,
     REASON_STALE,
+    REASON_TOO_LARGE,
     AdmissionController,
     RoutingSnapshot,
     _Pending,
@@ -89,6 +91,12 @@ def test_a_request_is_held_when_no_replica_has_the_blocks() -> None:
     verdict = judge([profile()], snapshot(report(free=10, reserved=5)), [], 4)
     assert not verdict.admit
     assert judge([profile()], snapshot(report(free=11, reserved=5)), [], 4).admit
+
+
+def test_a_request_larger_than_any_replica_is_never_held() -> None:
+    # 6 blocks needed, pools of 5: the engine refuses it (400); holding it would only delay that.
+    small = replace(report(free=0, waiting=9), total_blocks=5)
+    assert judge([profile()], snapshot(small), [], 4).reason == REASON_TOO_LARGE
 
 
 def test_cached_prefix_blocks_are_not_needed_again_and_are_predicted() -> None:
