@@ -1,4 +1,4 @@
-"""The KV-headroom routing policy (router/headroom.py), without Ray."""
+"""The KV-headroom routing policy (router/headroom.py, router/ranking.py, router/work.py), without Ray."""
 from __future__ import annotations
 
 import random
@@ -8,21 +8,19 @@ from collections.abc import Mapping
 import pytest
 
 from kv.block_hash import hash_full_blocks
-from router.reservations import ReservationLedger, Unreflected
-from router.headroom import (
+from router.headroom import HeadroomParams, ReplicaReport, ReplicaView, RequestProfile
+from router.ranking import (
+    MODE_AFFINITY,
     MODE_HEADROOM,
     MODE_LOAD_GATE,
     MODE_NONE_HEALTHY,
     MODE_POW2,
-    HeadroomParams,
     Ranking,
-    ReplicaReport,
-    ReplicaView,
-    RequestProfile,
     load_gate_tripped,
     rank_replicas,
     score_replica,
 )
+from router.reservations import ReservationLedger, Unreflected
 
 BS = 16
 NOW = 1_000.0
@@ -125,7 +123,9 @@ def test_score_formula() -> None:
     view = ReplicaView("r", report(100, reserved_blocks=10, num_waiting=3), unreflected_blocks=5, unreflected_requests=2)
     s = score_replica(req, view, PARAMS)
     assert (s.capacity, s.need_blocks, s.score, s.fits, s.queue_depth) == (90, 9, 76, True, 5)
-    assert s.rank_key == pytest.approx(76 / 90)
+    # TTFT term: (3 waiting x 16 prompt tokens + 40 uncached) / 40k tok/s, over the 2 s target.
+    assert s.ttft_s == pytest.approx(88 / 40_000)
+    assert s.rank_key == pytest.approx(76 / 90 - 88 / 40_000 / 2.0)
     # headroom_share: this router may promise only half of the free blocks.
     half = score_replica(req, view, HeadroomParams(headroom_share=0.5, stats_period_s=1.0))
     assert (half.capacity, half.score) == (40, 26)
@@ -139,8 +139,10 @@ def test_score_subtracts_cached_blocks_and_adds_prefix_credit() -> None:
     hot, cold = score_replica(req, cached_view, PARAMS), score_replica(req, cold_view, PARAMS)
     assert (hot.cached_blocks, hot.need_blocks, hot.score) == (32, 1, 199)  # ceil(528/16) - 32
     assert (cold.cached_blocks, cold.need_blocks, cold.score) == (0, 33, 167)
-    assert hot.rank_key == pytest.approx(199 / 200 + 1.0)  # fully cached: credit = prefix_weight
-    assert cold.rank_key == pytest.approx(167 / 200)
+    # Fully cached: credit = prefix_weight; only 8 tokens left to prefill there, 520 elsewhere.
+    assert (hot.uncached_tokens, cold.uncached_tokens) == (8, 520)
+    assert hot.rank_key == pytest.approx(199 / 200 + 1.0 - 8 / 80_000)
+    assert cold.rank_key == pytest.approx(167 / 200 - 520 / 80_000)
 
 
 # ---------------------------------------------------------------- herding
@@ -241,7 +243,7 @@ def test_prefix_affinity_wins_while_the_cached_replica_has_headroom() -> None:
                             load_gate_threshold=16.0)
     counts, rankings = dispatch(reports, prefix_requests(prefix, 10), params)
     assert counts == {"cached": 10}
-    assert {r.mode for r in rankings} == {MODE_HEADROOM}
+    assert {r.mode for r in rankings} == {MODE_AFFINITY}
 
 
 def test_prefix_affinity_ends_when_the_cached_replica_runs_out_of_headroom() -> None:
@@ -259,7 +261,7 @@ def test_partial_prefix_match_earns_partial_credit() -> None:
     ranking = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
     half = ranking.scores["half"]
     assert half.cached_blocks == 16
-    assert half.rank_key == pytest.approx((200 - 17) / 200 + 16 / 32)
+    assert half.rank_key == pytest.approx((200 - 17) / 200 + 16 / 32 - (520 - 256) / 80_000)
     assert ranking.order[0] == "half"
 
 
@@ -277,7 +279,7 @@ def test_prefix_affinity_loses_to_the_load_gate_when_overloaded() -> None:
     # Without the gate the cached replica would have won.
     no_gate = HeadroomParams(stats_period_s=1.0, load_gate_threshold=1e9)
     ungated = rank_replicas(prefix_requests(prefix, 1)[0], views_for(reports, ReservationLedger()), no_gate, NOW, random.Random(0))
-    assert ungated.mode == MODE_HEADROOM and ungated.order[0] == "cached"
+    assert ungated.mode == MODE_AFFINITY and ungated.order[0] == "cached"
 
 
 def test_affinity_hot_spot_built_in_one_burst_is_capped_by_the_gate() -> None:
@@ -288,12 +290,13 @@ def test_affinity_hot_spot_built_in_one_burst_is_capped_by_the_gate() -> None:
         "b": report(1000),
     }
     counts, rankings = dispatch(reports, prefix_requests(prefix, 90))
-    # Affinity until "cached" holds more than its fair third + the gate (4), then least-loaded.
-    assert rankings[0].mode == MODE_HEADROOM
+    # Affinity until "cached" holds more than its fair third + the gate (8), then the others.
+    assert [r.mode for r in rankings[:13]] == [MODE_AFFINITY] * 13  # 13 - 13/3 = 8.67 > 8 after the 13th
+    assert rankings[13].mode == MODE_LOAD_GATE
     assert MODE_LOAD_GATE in {r.mode for r in rankings}
     assert counts["cached"] - 90 / 3 <= PARAMS.load_gate_threshold + 1
     assert counts["a"] > 0 and counts["b"] > 0
-    assert counts == {"cached": 34, "a": 28, "b": 28}  # 34 = fair 30 + threshold 4
+    assert counts == {"cached": 38, "a": 26, "b": 26}  # 38 = fair 30 + threshold 8
 
 
 def test_kv_usage_alone_hides_a_long_waiting_queue() -> None:
@@ -309,7 +312,7 @@ def test_load_gate_counts_unreflected_dispatches_as_queue_depth() -> None:
     balanced = [score_replica(small_request(), ReplicaView(k, r, unreflected_requests=n), PARAMS) for k, n in (("a", 10), ("b", 10))]
     assert not load_gate_tripped(balanced, PARAMS)
     skewed = [score_replica(small_request(), ReplicaView(k, r, unreflected_requests=n), PARAMS) for k, n in (("a", 40), ("b", 0))]
-    assert load_gate_tripped(skewed, PARAMS)  # excess 40 - 20 = 20 > 4
+    assert load_gate_tripped(skewed, PARAMS)  # excess 40 - 20 = 20 > 8
 
 
 # ---------------------------------------------------------------- stale / missing stats
