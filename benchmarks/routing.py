@@ -142,8 +142,9 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def table_for(workload: str, num_replicas: int, seed: int, plan: Plan, workload_kw: dict) -> dict[str, Cell]:
-    """One seed of one (workload, replica count): every router's search, then the 80% runs."""
+def table_for(workload: str, num_replicas: int, seed: int, plan: Plan, workload_kw: dict) -> tuple[dict[str, Cell], float]:
+    """One seed of one (workload, replica count): every router's search, then the 80% runs.
+    Returns the cells and the CPU seconds they took."""
     cells = {r: Cell([], []) for r in ROUTERS}
     runner = Runner(workload, seed, plan.window_for(workload), workload_kw, log)
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -163,9 +164,22 @@ def table_for(workload: str, num_replicas: int, seed: int, plan: Plan, workload_
     for router in ROUTERS:
         if at > 0:
             cells[router].at_80.append(runner.run(sim_config(router, num_replicas), at, stop_at_slo_miss=False))
+    cpu_s = time.process_time() - cpu0
     log(f"  {workload} x{num_replicas} seed {seed}: {runner.num_runs} simulations in {time.perf_counter() - t0:.0f} s "
-        f"({time.process_time() - cpu0:.0f} s CPU)")
-    return cells
+        f"({cpu_s:.0f} s CPU)")
+    return cells, cpu_s
+
+
+def full_table_cpu_s(quick_cpu_s: float) -> float:
+    """The full table's CPU seconds, scaled from the quick table's measured CPU: a run's cost
+    grows with the tokens it simulates (replicas x arrival window at a rate near capacity),
+    times the runs per cell (the quick ladder's ~2.5 search runs + 1 at 80%, plus
+    FULL.bisect_steps), times the seeds. An estimate (the capacity per replica does not
+    depend on N, so rates and tokens scale with N), not a measurement."""
+    replicas = sum(FULL.replicas) / sum(QUICK.replicas)
+    window = dict(FULL.window_s)["sharegpt"] / dict(QUICK.window_s)["sharegpt"]
+    runs = (3.5 + FULL.bisect_steps) / (3.5 + QUICK.bisect_steps)
+    return quick_cpu_s * replicas * window * runs * len(FULL.seeds) / len(QUICK.seeds)
 
 
 def merged(parts: list[dict[str, Cell]]) -> dict[str, Cell]:
@@ -256,13 +270,19 @@ def main(argv: list[str] | None = None) -> int:
                    for key in keys}
         ingress_futures = ({shared: pool.submit(multi_ingress_goodput, plan, shared) for shared in (False, True)}
                            if "b2b" in workloads else {})
-        rows = {key: merged([f.result() for f in fs]) for key, fs in futures.items()}
+        done = {key: [f.result() for f in fs] for key, fs in futures.items()}
+        rows = {key: merged([cells for cells, _ in parts]) for key, parts in done.items()}
+        table_cpu_s = sum(cpu for parts in done.values() for _, cpu in parts)
         ingress = {k: f.result() for k, f in ingress_futures.items()}
     print_table(rows)
     one = rows[("b2b", plan.replicas[0])][HEADROOM].goodput() if ingress else math.nan
     if ingress:
         print_multi_ingress(plan.replicas[0], one, ingress[False], ingress[True])
 
+    log(f"\nrouter table: {table_cpu_s:.0f} s of simulation CPU"
+        + (f"; the full table (replicas {FULL.replicas}, {len(FULL.seeds)} seeds, {dict(FULL.window_s)['sharegpt']:g} s "
+           f"windows, {FULL.bisect_steps} bisection steps) would take ~{full_table_cpu_s(table_cpu_s) / 3600:.0f} "
+           f"CPU-hours by the same measure (wall: that / the cores given to --jobs)" if args.quick else ""))
     sim_error = math.nan
     if not args.skip_validation:
         from benchmarks.routing_validate import validate_all
