@@ -281,3 +281,27 @@ def test_redis_down_falls_back_to_the_private_view_and_back(redis_server: RedisS
 async def _true_after(step: Awaitable[Any], condition: Callable[[], bool]) -> bool:
     await step
     return condition()
+
+
+# ---------------------------------------------------------------- the config wires it
+def test_the_config_shares_the_view_when_redis_is_set_and_never_splits_the_headroom() -> None:
+    from cluster.app import request_router_config
+    from cluster.config import KVServeConfig
+
+    private = request_router_config(KVServeConfig.from_dict({"ingress": {"num_replicas": 4}}))
+    assert private is not None
+    kwargs = private.request_router_kwargs
+    assert "shared_view" not in kwargs and kwargs["warm_start"] is True
+    assert kwargs["headroom_share"] == 1.0  # no static 1/N patch: 4 ingress replicas, whole headroom
+
+    shared = request_router_config(KVServeConfig.from_dict({
+        "app_name": "a", "ingress": {"num_replicas": 2}, "state": {"redis_url": "redis://r:6379/0"},
+        "routing": {"shared_view_mode": "cached", "shared_view_refresh_s": 0.1, "warm_start": False}}))
+    assert shared is not None
+    spec = SharedViewSpec.from_dict(shared.request_router_kwargs["shared_view"])
+    assert (spec.url, spec.key_prefix, spec.mode, spec.refresh_s) == ("redis://r:6379/0", "kvserve:a", "cached", 0.1)
+    assert shared.request_router_kwargs["warm_start"] is False
+
+    baseline = request_router_config(KVServeConfig.from_dict({
+        "routing": {"router": "sticky", "shared_view": False}, "state": {"redis_url": "redis://r:6379/0"}}))
+    assert baseline is not None and "shared_view" not in baseline.request_router_kwargs
