@@ -107,7 +107,7 @@ class Runner:
                      f"{f' ingress {config.num_ingress}' if config.num_ingress > 1 else ''} seed {self.seed} "
                      f"rate {rate:8.2f} ({len(requests)} req): {'meets' if fig.meets_slo else 'misses'} SLO"
                      f"{' (stopped at the miss)' if fig.stopped else ''}, TTFT p99 {fig.ttft_p99_s:7.3f} s, "
-                     f"ITL p99 {1000 * fig.itl_p99_s:6.1f} ms, goodput {fig.goodput_rps:7.2f}, "
+                     f"ITL p99 {1000 * fig.itl_p99_s:6.1f} ms, goodput {'-' if fig.stopped else f'{fig.goodput_rps:.2f}':>7}, "
                      f"hit {fig.hit_rate:.3f}, imbalance {fig.imbalance:.2f} "
                      f"({time.perf_counter() - t0:.1f} s)")
         return fig
