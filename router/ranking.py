@@ -17,6 +17,7 @@ r's prompt tokens; router/work.py has the work model):
                      + session_weight if r served q's session last  # a soft preference
     ttft(q, r)     = (prefill backlog(r) + uncached(q, r)) / prefill rate(r)   (router/work.py)
     rank_key(q, r) = score / capacity + credit - ttft / target_ttft_s
+                     (no credit once r cannot prefill q within target_ttft_s: released)
 
 Modes, decided among the replicas where q fits (the others come last, least deficit first):
   * "affinity": the owner (highest credit > 0; ties: lower ttft) first, while its prefill
@@ -142,6 +143,7 @@ def score_replica(
     backlog = work.prefill_backlog(view)
     uncached = work.uncached_tokens(request, cached, bs)
     ttft = work.predicted_ttft_s(backlog, uncached, rate)
+    within = work.within_target(backlog, uncached, rate, params)
     return ReplicaScore(
         key=view.key,
         fits=score >= 0,
@@ -154,8 +156,9 @@ def score_replica(
         prefill_backlog=backlog,
         prefill_rate=rate,
         ttft_s=ttft,
-        within_target=work.within_target(backlog, uncached, rate, params),
-        rank_key=fill + credit - ttft / params.target_ttft_s,
+        within_target=within,
+        # Past its target a replica's cache earns nothing: released, it competes on time.
+        rank_key=fill + (credit if within else 0.0) - ttft / params.target_ttft_s,
         num_waiting=report.num_waiting,
         unreflected_requests=view.unreflected_requests,
         capacity_weight=report.capacity_weight,

@@ -4,11 +4,15 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pytest
 
 from kv.block_hash import hash_full_blocks
+from router import work
 from router.headroom import HeadroomParams, ReplicaReport, ReplicaView, RequestProfile
+from router.policies.base import RoutingRequest
+from router.policies.headroom import HeadroomPolicy
 from router.ranking import (
     MODE_AFFINITY,
     MODE_HEADROOM,
@@ -66,7 +70,8 @@ def views_for(reports: Mapping[str, ReplicaReport | None], ledger: ReservationLe
         if rep is not None:
             ledger.observe_report(key, rep.timestamp)
         u = ledger.unreflected(key)
-        views.append(ReplicaView(key, rep, u.blocks, u.requests, queue_len=ledger.outstanding(key)))
+        views.append(ReplicaView(key, rep, u.blocks, u.requests, queue_len=ledger.outstanding(key),
+                                 unreflected_prefill_tokens=u.prefill_tokens, unreflected_decode_blocks=u.decode_blocks))
     return views
 
 
@@ -87,7 +92,8 @@ def dispatch(
     for i, req in enumerate(requests):
         ranking = rank_replicas(req, views_for(reports, ledger), params, now, rng)
         top = ranking.order[0]
-        ledger.reserve(f"req-{i}-{len(ledger)}", top, ranking.need_blocks, now)
+        ledger.reserve(f"req-{i}-{len(ledger)}", top, ranking.need_blocks, now,
+                       prefill_tokens=dict(ranking.prefill_tokens), decode_blocks=ranking.decode_blocks)
         counts[top] += 1
         rankings.append(ranking)
     return counts, rankings
@@ -459,6 +465,12 @@ def test_report_parsing() -> None:
     )
     assert rep is not None and rep.prefix_hashes == frozenset({3, 4}) and rep.num_waiting == 0
     assert rep.healthy  # reports without the field (older replicas) count as healthy
+    # Older replicas send no capacity fields: the reference device, rate unknown.
+    assert (rep.capacity_weight, rep.prefill_tokens_per_s) == (1.0, 0.0)
+    base = {"free_blocks": 5, "total_blocks": 9, "block_size": 16, "timestamp": 2.0}
+    fast = ReplicaReport.from_stats({**base, "capacity_weight": 2.5, "prefill_tokens_per_s": 90_000.0})
+    assert fast is not None and (fast.capacity_weight, fast.prefill_tokens_per_s) == (2.5, 90_000.0)
+    assert ReplicaReport.from_stats({**base, "capacity_weight": -1.0}) is None
 
 
 def test_params_from_kwargs() -> None:
@@ -468,3 +480,103 @@ def test_params_from_kwargs() -> None:
         HeadroomParams.from_kwargs({"load_gate": 4})
     with pytest.raises(ValueError, match="headroom_share"):
         HeadroomParams(headroom_share=0.0)
+
+
+# ---------------------------------------------------------------- work, affinity release, weights
+
+
+def test_prefill_rate_is_measured_or_reference_times_weight() -> None:
+    base = report(100)
+    assert work.prefill_rate(base, PARAMS) == 40_000.0
+    assert work.prefill_rate(replace(base, capacity_weight=0.5), PARAMS) == 20_000.0
+    assert work.prefill_rate(replace(base, capacity_weight=0.5, prefill_tokens_per_s=55_000.0), PARAMS) == 55_000.0
+
+
+def test_affinity_released_once_the_owner_cannot_prefill_within_target() -> None:
+    prefix = list(range(512))
+    req = prefix_requests(prefix, 1)[0]  # 520 tokens, 32 blocks cached on the owner: 8 uncached
+    hashes = hash_full_blocks(prefix, BS)
+    # 40k tok/s x 2 s = 80_000 tokens the owner may have queued, this request's 8 included.
+    for waiting_tokens, owner_first in ((79_992, True), (79_993, False)):
+        owner = replace(report(1000, prefix_hashes=hashes), num_waiting_prompt_tokens=waiting_tokens)
+        reports = {"owner": owner, "cold": report(1000)}
+        ranking = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
+        assert ranking.scores["owner"].within_target is owner_first
+        if owner_first:
+            assert (ranking.mode, ranking.order) == (MODE_AFFINITY, ("owner", "cold"))
+        else:
+            # Released: ranked by rank_key, where the owner's 2 s of queued prefill outweighs its credit.
+            assert ranking.mode == MODE_HEADROOM and ranking.order == ("cold", "owner")
+            s_owner, s_cold = ranking.scores["owner"], ranking.scores["cold"]
+            assert s_owner.rank_key == pytest.approx((1000 - 1) / 1000 - 80_001 / 40_000 / 2.0)  # no credit
+            assert s_cold.rank_key == pytest.approx((1000 - 33) / 1000 - 520 / 40_000 / 2.0)
+
+
+def test_owner_work_counts_from_dispatch_time() -> None:
+    # Frozen reports: only the ledger's unreflected prefill tokens show the owner filling up.
+    prefix = list(range(512))
+    reports = {"owner": report(100_000, total_blocks=100_000, prefix_hashes=hash_full_blocks(prefix, BS)),
+               "cold": report(100_000, total_blocks=100_000)}
+    big = [RequestProfile(prompt_token_ids=prefix + [7000 + i] * 9_992, max_tokens=1) for i in range(10)]
+    params = replace(PARAMS, load_gate_threshold=1e9)  # the prefill target alone
+    _, rankings = dispatch(reports, big, params)
+    # 10_000 uncached tokens each on the owner: 8 fit in 80_000, the 9th would not.
+    assert [r.mode for r in rankings[:8]] == [MODE_AFFINITY] * 8
+    assert rankings[8].mode == MODE_HEADROOM and rankings[8].order[0] == "cold"
+
+
+def test_a_faster_replica_takes_more_of_a_burst() -> None:
+    # Equal KV, one replica twice as fast: cold prompts of 4000 tokens split ~2:1 by work.
+    reports = {"fast": replace(report(100_000, total_blocks=100_000), capacity_weight=2.0),
+               "slow": report(100_000, total_blocks=100_000)}
+    burst = [RequestProfile(prompt_token_ids=[50_000 + i] * 4000, max_tokens=1) for i in range(30)]
+    counts, rankings = dispatch(reports, burst)
+    assert counts == {"fast": 20, "slow": 10}
+    assert {r.mode for r in rankings} == {MODE_HEADROOM}
+
+
+def test_session_is_a_soft_preference() -> None:
+    reports = {"a": report(500), "b": report(500)}
+    req = small_request()
+    plain = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
+    assert plain.order == ("a", "b")  # a tie: candidate order
+    sticky = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0),
+                           session_replica="b")
+    assert (sticky.mode, sticky.order) == (MODE_AFFINITY, ("b", "a"))
+    assert sticky.scores["b"].credit == PARAMS.session_weight
+    # Soft: a session replica far over its share of the load loses it.
+    busy = {"a": report(500), "b": report(500, num_waiting=20)}
+    gated = rank_replicas(req, views_for(busy, ReservationLedger()), PARAMS, NOW, random.Random(0), session_replica="b")
+    assert (gated.mode, gated.order) == (MODE_LOAD_GATE, ("a", "b"))
+
+
+def test_hints_count_as_cached_before_any_report_shows_the_prefix() -> None:
+    prefix = list(range(512))
+    req = prefix_requests(prefix, 1)[0]
+    reports = {"a": report(500), "b": report(500)}
+    ranking = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0), hints={"b": 20})
+    assert ranking.scores["b"].cached_blocks == 20 and ranking.scores["a"].cached_blocks == 0
+    assert (ranking.mode, ranking.order) == (MODE_AFFINITY, ("b", "a"))
+    assert ranking.prefill_tokens == {"a": 520, "b": 520 - 20 * BS}
+    # A hint deeper than what a hit can cover is capped like a reported match (31 of 32 + 1).
+    capped = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0), hints={"b": 99})
+    assert capped.scores["b"].cached_blocks == req.cacheable_blocks(BS) == 32
+
+
+def test_policy_learns_prefix_owners_and_sessions_from_its_dispatches() -> None:
+    policy = HeadroomPolicy(PARAMS)
+    views = [ReplicaView("a", report(500)), ReplicaView("b", report(500))]
+    for key, rep in (("a", views[0].report), ("b", views[1].report)):
+        policy.on_report(key, rep, NOW)
+    prefix = list(range(512))
+    first = RoutingRequest("1", prefix + [1] * 8, 8)
+    assert policy.rank(first, views, NOW)[0] == "a"
+    policy.on_dispatch(first, "b", NOW)  # Serve sent it to b: b now holds the prefix
+    second = RoutingRequest("2", prefix + [2] * 8, 8)
+    assert policy.rank(second, views, NOW)[0] == "b" and policy.last_mode == MODE_AFFINITY
+    # Sessions: the replica that served the session last, with no shared prefix at all.
+    turn1 = RoutingRequest("3", [5] * 8, 8, session_id="s")
+    policy.rank(turn1, views, NOW)
+    policy.on_dispatch(turn1, "b", NOW)
+    turn2 = RoutingRequest("4", [6] * 8, 8, session_id="s")
+    assert policy.rank(turn2, views, NOW)[0] == "b" and policy.last_mode == MODE_AFFINITY
