@@ -305,3 +305,14 @@ def test_the_config_shares_the_view_when_redis_is_set_and_never_splits_the_headr
     baseline = request_router_config(KVServeConfig.from_dict({
         "routing": {"router": "sticky", "shared_view": False}, "state": {"redis_url": "redis://r:6379/0"}}))
     assert baseline is not None and "shared_view" not in baseline.request_router_kwargs
+
+
+def test_the_view_benchmark_measures_what_it_claims(redis_server: RedisServer) -> None:
+    """benchmarks/routing_view.py on a short burst: the per-decision shared view never
+    over-commits the prefix owner, private views fill it once per router."""
+    from benchmarks.routing_view import run
+
+    per_decision = asyncio.run(run("per_decision", redis_server.url, 24, 0.0))
+    private = asyncio.run(run("private", redis_server.url, 24, 0.0))
+    assert per_decision["overcommit"] == 1.0 and private["overcommit"] == 2.0
+    assert per_decision["round_trips_per_decision"] >= 1.0 and private["round_trips_per_decision"] == 0.0
