@@ -50,6 +50,7 @@ class HeadroomPolicy:
         bs = next((v.report.block_size for v in views if v.report is not None), None)
         if bs is None:
             return {}
+        self._block_size = bs  # on_dispatch learns the prefix at this block size
         return self.ledger.prefix_owner_hints(request.profile.block_hashes(bs))
 
     def rank(self, request: RoutingRequest, views: Sequence[ReplicaView], now: float) -> list[ReplicaKey]:
