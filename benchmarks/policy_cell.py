@@ -15,7 +15,16 @@ import math
 import sys
 import time
 
-from benchmarks.routing import BASELINE, HEADROOM, QUICK, RATE_STEP, ROUTERS, START_RPS_PER_REPLICA, log, sim_config
+from benchmarks.routing import (
+    BASELINE,
+    HEADROOM,
+    QUICK,
+    RATE_STEP,
+    ROUTERS,
+    START_RPS_PER_REPLICA,
+    log,
+    sim_config,
+)
 from benchmarks.routing_search import RunFigures, Runner, Search, goodput_at_slo
 
 NUM_REPLICAS = 4
