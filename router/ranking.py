@@ -236,7 +236,11 @@ def rank_replicas(
     open_ = [s for s in fitting if excess[s.key] <= params.load_gate_threshold]
     gated = [s for s in fitting if excess[s.key] > params.load_gate_threshold]
     owner = _owner([s for s in open_ if s.within_target])
-    open_.sort(key=lambda s: (s is not owner, -s.rank_key, -s.score, index[s.key]))
+    # Between affinity and the gate, load above or below a replica's share tilts the
+    # ranking in proportion: a whole gate's worth of excess weighs as much as a fully
+    # cached prompt. A spread in proportion to headroom has no excess: the fill term rules.
+    scale = max(params.load_gate_threshold, 1.0)
+    open_.sort(key=lambda s: (s is not owner, -(s.rank_key - excess[s.key] / scale), -s.score, index[s.key]))
     gated.sort(key=lambda s: (s.queue_depth, -s.rank_key, index[s.key]))
     mode = MODE_AFFINITY if owner is not None else MODE_LOAD_GATE if gated else MODE_HEADROOM
     fitting = open_ + gated
