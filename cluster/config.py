@@ -171,10 +171,10 @@ class IngressSection(Section):
     # Admission control (router/admission.py): while no worker replica can take a request
     # (KV headroom, and at most admission_max_waiting_per_replica waiting there), hold it in
     # a queue fair between API keys: at most admission_queue_size requests per ingress
-    # replica (0: off), each at most admission_max_wait_s; beyond either: 429 + Retry-After.
-    # Stale routing stats never hold a request.
+    # replica (0: off), each at most admission_max_wait_s (unset: request_timeout_s); beyond
+    # either: 429 + Retry-After. Stale routing stats never hold a request.
     admission_queue_size: int = Field(default_of(IngressSettings, "admission_queue_size"), ge=0)
-    admission_max_wait_s: float = Field(default_of(IngressSettings, "admission_max_wait_s"), gt=0)
+    admission_max_wait_s: float | None = Field(default_of(IngressSettings, "admission_max_wait_s"), gt=0)
     admission_max_waiting_per_replica: int = Field(default_of(IngressSettings, "admission_max_waiting_per_replica"), ge=0)
     # Tool calls in chat output: hermes (Hermes / Qwen <tool_call>), llama3_json (Llama 3.x),
     # or auto (chosen from the chat template's text).

@@ -69,7 +69,7 @@ class RequestPipeline:
         self.api_keys = api_keys
         self.key_limits = key_limits
         self.admission = AdmissionController(
-            routing_source, settings.admission_queue_size, settings.admission_max_wait_s,
+            routing_source, settings.admission_queue_size, settings.admission_max_wait_s or settings.request_timeout_s,
             settings.admission_max_waiting_per_replica, metrics,
         )
 

@@ -45,9 +45,10 @@ class IngressSettings:
     # (KV headroom, and at most `admission_max_waiting_per_replica` requests waiting there),
     # hold it here in a queue fair between API keys, at most `admission_queue_size` requests
     # per ingress replica (one more: 429 with Retry-After) and `admission_max_wait_s` each
-    # (then 429). 0 turns it off. Stale stats never hold a request.
+    # (then 429; None: until the request's own timeout). 0 turns it off. Stale stats never
+    # hold a request.
     admission_queue_size: int = 256
-    admission_max_wait_s: float = 30.0
+    admission_max_wait_s: float | None = None
     admission_max_waiting_per_replica: int = 8
     # Tool calls in chat output (router/tool_parsers.py): hermes | llama3_json | auto (from
     # the chat template's text).
