@@ -496,20 +496,26 @@ def test_affinity_released_once_the_owner_cannot_prefill_within_target() -> None
     prefix = list(range(512))
     req = prefix_requests(prefix, 1)[0]  # 520 tokens, 32 blocks cached on the owner: 8 uncached
     hashes = hash_full_blocks(prefix, BS)
-    # 40k tok/s x 2 s = 80_000 tokens the owner may have queued, this request's 8 included.
-    for waiting_tokens, owner_first in ((79_992, True), (79_993, False)):
+
+    def rank(waiting_tokens: int) -> Ranking:
         owner = replace(report(1000, prefix_hashes=hashes), num_waiting_prompt_tokens=waiting_tokens)
         reports = {"owner": owner, "cold": report(1000)}
-        ranking = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
-        assert ranking.scores["owner"].within_target is owner_first
-        if owner_first:
-            assert (ranking.mode, ranking.order) == (MODE_AFFINITY, ("owner", "cold"))
-        else:
-            # Released: ranked by rank_key, where the owner's 2 s of queued prefill outweighs its credit.
-            assert ranking.mode == MODE_HEADROOM and ranking.order == ("cold", "owner")
-            s_owner, s_cold = ranking.scores["owner"], ranking.scores["cold"]
-            assert s_owner.rank_key == pytest.approx((1000 - 1) / 1000 - 80_001 / 40_000 / 2.0)  # no credit
-            assert s_cold.rank_key == pytest.approx((1000 - 33) / 1000 - 520 / 40_000 / 2.0)
+        return rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
+
+    # 40k tok/s x 2 s = 80_000 tokens the owner may have queued, this request's 8 included.
+    kept = rank(79_992)
+    assert kept.scores["owner"].within_target
+    assert (kept.mode, kept.order) == (MODE_AFFINITY, ("owner", "cold"))
+    # One token more: released (no affinity), ranked by rank_key, where the owner's credit
+    # (1.0) still outweighs its 2 s of queued prefill (-1.0) against the cold fill.
+    released = rank(79_993)
+    assert not released.scores["owner"].within_target
+    assert (released.mode, released.order) == (MODE_HEADROOM, ("owner", "cold"))
+    assert released.scores["owner"].rank_key == pytest.approx((1000 - 1) / 1000 + 1.0 - 80_001 / 40_000 / 2.0)
+    assert released.scores["cold"].rank_key == pytest.approx((1000 - 33) / 1000 - 520 / 40_000 / 2.0)
+    # A deeper queue (2.25 s of prefill there): the cold replica's predicted TTFT wins.
+    deep = rank(90_000)
+    assert (deep.mode, deep.order) == (MODE_HEADROOM, ("cold", "owner"))
 
 
 def test_owner_work_counts_from_dispatch_time() -> None:
