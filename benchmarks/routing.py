@@ -8,9 +8,9 @@
    rate that meets the SLO (TTFT p99 <= 2 s, ITL p99 <= 100 ms; benchmarks/routing_search.py);
    its goodput there is the table's figure (mean over seeds). Then every router runs at 80%
    of round robin's rate: TTFT p99, prefix-cache hit rate, load imbalance there.
-2. Multi-ingress rows: headroom behind 1 vs 4 ingress routers on b2b, each router with its
-   private view and headroom_share 1/N (as cluster/app.py configures several ingress
-   replicas). A shared view across routers is the next issue.
+2. Multi-ingress rows: headroom on b2b behind 1 ingress router (the table's cell) and behind
+   4, each with a private view (the herding failure) or all sharing one view (what Redis
+   shares in a deployment: SimConfig.shared_view); headroom_share is 1.0 in every case.
 3. Validations (benchmarks/routing_validate.py): the real CPU engine vs the simulator with
    the calibrated CPU profile; a real Serve cluster of 8 simulated-device replicas vs the
    simulator. Relative errors of TTFT p50, TTFT p99 and output tokens/s.
@@ -41,42 +41,54 @@ BASELINE = "round_robin"
 HEADROOM = "headroom"
 ROUTERS = (BASELINE,) + tuple(n for n in POLICY_NAMES if n != BASELINE)
 WORKLOADS = ("sharegpt", "b2b", "agentic", "code", "bursty")
-# Round robin's search starts at this many requests/s per replica (then doubles or halves):
-# rough capacities of one H200 on each workload's lengths, so the flip is a step or two away.
-START_RPS_PER_REPLICA = {"sharegpt": 12.0, "b2b": 8.0, "agentic": 8.0, "code": 0.5, "bursty": 6.0, "trace": 4.0}
+# Round robin's search starts at this many requests/s per replica (then x or / RATE_STEP):
+# just below one simulated H200's capacity on each workload's lengths (measured with this
+# simulator at 4 replicas), so the flip is one or two steps away.
+START_RPS_PER_REPLICA = {"sharegpt": 24.0, "b2b": 14.0, "agentic": 24.0, "code": 0.25, "bursty": 24.0, "trace": 4.0}
 RATE_STEP = 1.5  # the search's geometric step (round robin from its start, the others from round robin's rate)
 AT_FRACTION = 0.8  # "TTFT p99 at 80% of round robin's goodput"
-MULTI_INGRESS = (1, 4)
 SHAPE, PROFILE = "llama-3-8b", "h200"
 # The code workload's prompts reach 64K tokens: serve the shape at Llama 3.1's context length.
 MAX_MODEL_LEN = 131_072
 STATS_PERIOD_S = 1.0
+# Multi-ingress rows: headroom on b2b behind this many ingress routers, each with a private
+# view and all sharing one (SimConfig.shared_view); 1 router is the table's own cell.
+NUM_INGRESS = 4
+# A run offers rate x window requests, never clamped from above: a cap would shrink a high
+# rate's arrival window into one burst that the replicas' batch slots absorb, so the run
+# would never queue and the search would never see the SLO flip (the 2026-12-01 06:21 log).
+# Below this many requests a run says too little about a p99: the window grows instead.
+MIN_REQUESTS = 40
+MAX_REQUESTS = 10**7
 
 
 @dataclass(frozen=True)
 class Plan:
     replicas: tuple[int, ...]
     seeds: tuple[int, ...]
-    window: Window  # requests per run: rate x window_s, clamped (at 8 replicas; scaled with N)
+    # Seconds of arrivals a run offers, per workload. Long enough that a rate above capacity
+    # builds a queue worth the TTFT SLO (2 s) after the batch slots fill (sharegpt: ~4 s of
+    # decode), so that "misses the SLO" means overload, not a short burst or a slow request.
+    # The code workload is cheap to simulate (few output tokens) and slow to serve (prompts
+    # of tens of thousands of tokens): its runs need a long window to hold enough requests.
+    window_s: tuple[tuple[str, float], ...]
     bisect_steps: int
-
-    def window_for(self, num_replicas: int) -> Window:
-        w = self.window
-        return Window(w.window_s, w.min_requests * num_replicas // 8, w.max_requests * num_replicas // 8)
-
-
     max_steps_out: int = 6
 
+    def window_for(self, workload: str) -> Window:
+        return Window(dict(self.window_s).get(workload, dict(self.window_s)["sharegpt"]), MIN_REQUESTS, MAX_REQUESTS)
 
-# --quick: 4 replicas, 1 seed, 2 s of arrivals a run (25..150 requests at 4 replicas), no
-# bisection (the rate ladder's x1.5 steps only, at most 3 out), 2 processes (the machine's
-# cores): sized to finish within 10 minutes on an unloaded 2-core machine.
-# Coarse: in 3 s a run only misses the TTFT SLO once the offered rate exceeds capacity by
-# well over 50% (the queue needs time to grow to 2 s), so quick goodputs over-estimate
-# capacity alike for every router; the full run's 30 s windows and bisection resolve ~7%.
-QUICK = Plan(replicas=(4,), seeds=(0,), window=Window(2.0, 50, 300), bisect_steps=0, max_steps_out=3)
+
+# --quick: 4 replicas, 1 seed, every workload, no bisection (the x1.5 rate ladder: a flip
+# brackets the goodput within 1.5x), QUICK_JOBS processes. Sized so that every router's
+# search crosses the SLO (a cell without a flip prints ">=", a lower bound).
+QUICK = Plan(replicas=(4,), seeds=(0,), bisect_steps=0, max_steps_out=4,
+             window_s=(("sharegpt", 10.0), ("b2b", 10.0), ("agentic", 10.0), ("code", 60.0), ("bursty", 12.0),
+                       ("trace", 30.0)))
 QUICK_JOBS = 2
-FULL = Plan(replicas=(8, 32), seeds=(0, 1, 2), window=Window(30.0, 300, 4000), bisect_steps=3)
+FULL = Plan(replicas=(8, 32), seeds=(0, 1, 2), bisect_steps=2,
+            window_s=(("sharegpt", 30.0), ("b2b", 30.0), ("agentic", 30.0), ("code", 180.0), ("bursty", 40.0),
+                      ("trace", 60.0)))
 
 
 @dataclass
@@ -119,42 +131,60 @@ def policy_options(router: str) -> tuple[tuple[str, float], ...]:
     return ()
 
 
-def sim_config(router: str, num_replicas: int, num_ingress: int = 1) -> SimConfig:
-    params = HeadroomParams(stats_period_s=STATS_PERIOD_S, report_lag_s=0.05, headroom_share=1.0 / num_ingress)
+def sim_config(router: str, num_replicas: int, num_ingress: int = 1, shared_view: bool = False) -> SimConfig:
+    params = HeadroomParams(stats_period_s=STATS_PERIOD_S, report_lag_s=0.05)
     return SimConfig(shape=SHAPE, profile=PROFILE, num_replicas=num_replicas, router=router, num_ingress=num_ingress,
-                     policy_params=params, policy_options=policy_options(router), stats_period_s=STATS_PERIOD_S,
-                     max_model_len=MAX_MODEL_LEN)
+                     shared_view=shared_view, policy_params=params, policy_options=policy_options(router),
+                     stats_period_s=STATS_PERIOD_S, max_model_len=MAX_MODEL_LEN)
 
 
 def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def table_for(workload: str, num_replicas: int, plan: Plan, workload_kw: dict) -> dict[str, Cell]:
+def table_for(workload: str, num_replicas: int, seed: int, plan: Plan, workload_kw: dict) -> tuple[dict[str, Cell], float]:
+    """One seed of one (workload, replica count): every router's search, then the 80% runs.
+    Returns the cells and the CPU seconds they took."""
     cells = {r: Cell([], []) for r in ROUTERS}
-    window = plan.window_for(num_replicas)
-    for seed in plan.seeds:
-        runner = Runner(workload, seed, window, workload_kw, log)
-        t0 = time.perf_counter()
-        found: dict[str, RunFigures] = {}
-        for router in ROUTERS:
-            config = sim_config(router, num_replicas)
-            # Every router walks the same geometric grid of rates (round robin's start x 1.5^k),
-            # so that without bisection no router is compared on a coarser ladder than another.
-            if router == BASELINE:
-                start = START_RPS_PER_REPLICA[workload] * num_replicas
-            else:
-                start = found[BASELINE].rate_rps or START_RPS_PER_REPLICA[workload] * num_replicas
-            step = RATE_STEP
-            found[router] = goodput_at_slo(lambda rate, c=config: runner.run(c, rate), start,
-                                           Search(plan.bisect_steps, step, plan.max_steps_out))
-            cells[router].at_slo.append(found[router])
-        at = AT_FRACTION * found[BASELINE].rate_rps
-        for router in ROUTERS:
-            if at > 0:
-                cells[router].at_80.append(runner.run(sim_config(router, num_replicas), at))
-        log(f"  {workload} x{num_replicas} seed {seed}: {runner.num_runs} simulations in {time.perf_counter() - t0:.0f} s")
-    return cells
+    runner = Runner(workload, seed, plan.window_for(workload), workload_kw, log)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    found: dict[str, RunFigures] = {}
+    for router in ROUTERS:
+        config = sim_config(router, num_replicas)
+        # Every router walks the same geometric grid of rates (round robin's start x 1.5^k),
+        # so that without bisection no router is compared on a coarser ladder than another.
+        if router == BASELINE:
+            start = START_RPS_PER_REPLICA[workload] * num_replicas
+        else:
+            start = found[BASELINE].rate_rps or START_RPS_PER_REPLICA[workload] * num_replicas
+        found[router] = goodput_at_slo(lambda rate, c=config: runner.run(c, rate), start,
+                                       Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out))
+        cells[router].at_slo.append(found[router])
+    at = AT_FRACTION * found[BASELINE].rate_rps
+    for router in ROUTERS:
+        if at > 0:
+            cells[router].at_80.append(runner.run(sim_config(router, num_replicas), at, stop_at_slo_miss=False))
+    cpu_s = time.process_time() - cpu0
+    log(f"  {workload} x{num_replicas} seed {seed}: {runner.num_runs} simulations in {time.perf_counter() - t0:.0f} s "
+        f"({cpu_s:.0f} s CPU)")
+    return cells, cpu_s
+
+
+def full_table_cpu_s(quick_cpu_s: float) -> float:
+    """The full table's CPU seconds, scaled from the quick table's measured CPU: a run's cost
+    grows with the tokens it simulates (replicas x arrival window at a rate near capacity),
+    times the runs per cell (the quick ladder's ~2.5 search runs + 1 at 80%, plus
+    FULL.bisect_steps), times the seeds. An estimate (the capacity per replica does not
+    depend on N, so rates and tokens scale with N), not a measurement."""
+    replicas = sum(FULL.replicas) / sum(QUICK.replicas)
+    window = dict(FULL.window_s)["sharegpt"] / dict(QUICK.window_s)["sharegpt"]
+    runs = (3.5 + FULL.bisect_steps) / (3.5 + QUICK.bisect_steps)
+    return quick_cpu_s * replicas * window * runs * len(FULL.seeds) / len(QUICK.seeds)
+
+
+def merged(parts: list[dict[str, Cell]]) -> dict[str, Cell]:
+    """Seeds' cells into one per router."""
+    return {r: Cell([f for p in parts for f in p[r].at_slo], [f for p in parts for f in p[r].at_80]) for r in ROUTERS}
 
 
 def print_table(rows: dict[tuple[str, int], dict[str, Cell]]) -> None:
@@ -174,25 +204,26 @@ def print_table(rows: dict[tuple[str, int], dict[str, Cell]]) -> None:
                 f"{cell.mean('imbalance'):>6.3f}")
 
 
-def multi_ingress_goodput(plan: Plan, num_ingress: int) -> float:
-    """Headroom's goodput on b2b behind `num_ingress` ingress routers, each with a private view."""
+def multi_ingress_goodput(plan: Plan, shared_view: bool) -> float:
+    """Headroom's goodput on b2b behind NUM_INGRESS ingress routers (mean over seeds), each
+    with a private view or all sharing one."""
     n = plan.replicas[0]
     values = []
     for seed in plan.seeds:
-        runner = Runner("b2b", seed, plan.window_for(n), {}, log)
-        config = sim_config(HEADROOM, n, num_ingress=num_ingress)
+        runner = Runner("b2b", seed, plan.window_for("b2b"), {}, log)
+        config = sim_config(HEADROOM, n, num_ingress=NUM_INGRESS, shared_view=shared_view)
         fig = goodput_at_slo(lambda rate, c=config: runner.run(c, rate), START_RPS_PER_REPLICA["b2b"] * n,
                              Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out))
         values.append(fig.goodput_rps)
     return statistics.fmean(values)
 
 
-def print_multi_ingress(n: int, out: dict[int, float]) -> None:
+def print_multi_ingress(n: int, one: float, private: float, shared: float) -> None:
     log("")
-    log(f"Multi-ingress: headroom on b2b, {n} replicas, each ingress router with a PRIVATE view "
-        f"(its own reservations, headroom_share 1/N); a shared view is the next issue")
-    for k, g in out.items():
-        log(f"  {k} ingress router(s): goodput {g:.2f} req/s")
+    log(f"Multi-ingress: headroom on b2b, {n} replicas, goodput at the SLO (headroom_share 1.0 everywhere)")
+    log(f"  1 ingress router:                                {one:7.2f} req/s")
+    log(f"  {NUM_INGRESS} ingress routers, a private view each (herding): {private:7.2f} req/s")
+    log(f"  {NUM_INGRESS} ingress routers sharing one view (Redis):      {shared:7.2f} req/s")
 
 
 def header(argv: list[str]) -> None:
@@ -211,14 +242,14 @@ def header(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m benchmarks.routing", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 seed, 4 replicas, 2 s of arrivals a run, no bisection")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 4 replicas, 10-60 s of arrivals a run, no bisection")
     parser.add_argument("--skip-validation", action="store_true", help="the router table only")
     parser.add_argument("--trace", metavar="FILE", help="also replay this Mooncake-style JSONL trace")
     parser.add_argument("--cpu-profile", metavar="FILE",
                         help="validation 1: a calibrated CPU profile (default: calibrate now)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--jobs", type=int, default=0,
-                        help=f"parallel processes (default: {QUICK_JOBS} with --quick, else one per table row group)")
+                        help=f"parallel processes (default: {QUICK_JOBS} with --quick, else one per CPU)")
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL
     header(argv)
@@ -232,18 +263,26 @@ def main(argv: list[str] | None = None) -> int:
     # Every (workload, replica count) and the multi-ingress search run in parallel processes
     # (independent seeded simulations; the log interleaves their progress lines).
     keys = [(w, n) for n in plan.replicas for w in workloads]
-    jobs = args.jobs or (QUICK_JOBS if args.quick else len(keys) + 1)
+    jobs = args.jobs or (QUICK_JOBS if args.quick else os.cpu_count() or 1)
     log(f"sticky's prefill_tokens_per_s (cost model, {PROFILE}, {SHAPE}): {modelled_prefill_tokens_per_s():.0f}")
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = {key: pool.submit(table_for, key[0], key[1], plan, kw_of[key[0]]) for key in keys}
-        ingress_futures = ({k: pool.submit(multi_ingress_goodput, plan, k) for k in MULTI_INGRESS}
+        futures = {key: [pool.submit(table_for, key[0], key[1], seed, plan, kw_of[key[0]]) for seed in plan.seeds]
+                   for key in keys}
+        ingress_futures = ({shared: pool.submit(multi_ingress_goodput, plan, shared) for shared in (False, True)}
                            if "b2b" in workloads else {})
-        rows = {key: f.result() for key, f in futures.items()}
+        done = {key: [f.result() for f in fs] for key, fs in futures.items()}
+        rows = {key: merged([cells for cells, _ in parts]) for key, parts in done.items()}
+        table_cpu_s = sum(cpu for parts in done.values() for _, cpu in parts)
         ingress = {k: f.result() for k, f in ingress_futures.items()}
     print_table(rows)
+    one = rows[("b2b", plan.replicas[0])][HEADROOM].goodput() if ingress else math.nan
     if ingress:
-        print_multi_ingress(plan.replicas[0], ingress)
+        print_multi_ingress(plan.replicas[0], one, ingress[False], ingress[True])
 
+    log(f"\nrouter table: {table_cpu_s:.0f} s of simulation CPU"
+        + (f"; the full table (replicas {FULL.replicas}, {len(FULL.seeds)} seeds, {dict(FULL.window_s)['sharegpt']:g} s "
+           f"windows, {FULL.bisect_steps} bisection steps) would take ~{full_table_cpu_s(table_cpu_s) / 3600:.0f} "
+           f"CPU-hours by the same measure (wall: that / the cores given to --jobs)" if args.quick else ""))
     sim_error = math.nan
     if not args.skip_validation:
         from benchmarks.routing_validate import validate_all
@@ -261,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"\nwall time {time.perf_counter() - t0:.0f} s")
     log(f"RESULT sim_error_pct={sim_error:.1f} headroom_goodput_vs_rr={min(vs_rr, default=math.nan):.3f} "
         f"headroom_goodput_vs_best={min(vs_best, default=math.nan):.3f} "
-        f"multi_ingress_goodput_ratio={ratio(ingress.get(4, math.nan), ingress.get(1, math.nan)):.3f}")
+        f"multi_ingress_goodput_ratio={ratio(ingress.get(True, math.nan), one):.3f}")
     return 0
 
 

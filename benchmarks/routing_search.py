@@ -44,13 +44,16 @@ class RunFigures:
     imbalance: float
     # The search never reached a rate that misses the SLO: the goodput is a lower bound.
     lower_bound: bool = False
+    # The run ended once its TTFT p99 was sure to miss (SimConfig.stop_at_slo_miss): its
+    # other figures cover the run until then.
+    stopped: bool = False
 
     @classmethod
     def from_summary(cls, rate: float, s: dict[str, Any], slo_ttft_s: float, slo_itl_s: float) -> RunFigures:
         ttft99, itl99 = s["ttft_s"]["p99"], s["itl_s"]["p99"]
         ok = s["num_finished"] == s["num_requests"] and ttft99 <= slo_ttft_s and itl99 <= slo_itl_s
         return cls(rate, ok, s["goodput_rps"], s["ttft_s"]["p50"], ttft99, itl99, s["output_tokens_per_s"],
-                   s["prefix_cache_hit_rate"], s["load_imbalance"])
+                   s["prefix_cache_hit_rate"], s["load_imbalance"], stopped=s["stopped_at_slo_miss"])
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,9 @@ class Runner:
         self.num_runs = 0
         self._devices: dict[tuple[str, str], SimDevice] = {}
 
-    def run(self, config: SimConfig, rate: float) -> RunFigures:
+    def run(self, config: SimConfig, rate: float, stop_at_slo_miss: bool = True) -> RunFigures:
+        """One run; by default it ends as soon as its TTFT p99 is sure to miss the SLO
+        (the search needs only that verdict; figures that must cover the whole run pass False)."""
         requests = make_workload(self.workload, self.window.num_requests(rate), rate, self.seed, **self.workload_kw)
         key = (config.shape, config.profile)
         device = self._devices.get(key)
@@ -95,13 +100,14 @@ class Runner:
             device = self._devices[key] = SimDevice.from_config(config)
         self.num_runs += 1
         t0 = time.perf_counter()
-        summary = simulate(replace(config, seed=self.seed), requests, device).summary()
+        summary = simulate(replace(config, seed=self.seed, stop_at_slo_miss=stop_at_slo_miss), requests, device).summary()
         fig = RunFigures.from_summary(rate, summary, config.slo_ttft_ms / 1000.0, config.slo_itl_ms / 1000.0)
         if self.log is not None:
             self.log(f"    {self.workload} x{config.num_replicas} {config.router}"
                      f"{f' ingress {config.num_ingress}' if config.num_ingress > 1 else ''} seed {self.seed} "
-                     f"rate {rate:8.2f} ({len(requests)} req): {'meets' if fig.meets_slo else 'misses'} SLO, TTFT p99 {fig.ttft_p99_s:7.3f} s, "
-                     f"ITL p99 {1000 * fig.itl_p99_s:6.1f} ms, goodput {fig.goodput_rps:7.2f}, "
+                     f"rate {rate:8.2f} ({len(requests)} req): {'meets' if fig.meets_slo else 'misses'} SLO"
+                     f"{' (stopped at the miss)' if fig.stopped else ''}, TTFT p99 {fig.ttft_p99_s:7.3f} s, "
+                     f"ITL p99 {1000 * fig.itl_p99_s:6.1f} ms, goodput {'-' if fig.stopped else f'{fig.goodput_rps:.2f}':>7}, "
                      f"hit {fig.hit_rate:.3f}, imbalance {fig.imbalance:.2f} "
                      f"({time.perf_counter() - t0:.1f} s)")
         return fig

@@ -11,9 +11,10 @@
    client; prompts sent as token ids so both sides see the same tokens), against
    `simulate` with the same config, its stats period and report lag divided by D. Real
    times are divided by D (tokens/s multiplied) before comparing. The HTTP proxy ->
-   ingress -> Serve dispatch path is not dilated, so it is MEASURED in the same run (idle
-   probes' TTFT less their modelled prefill) and given to the simulator as
-   SimConfig.dispatch_latency_s; the log also shows the simulation without it.
+   ingress -> Serve dispatch path is not dilated, so it is MEASURED under load, on the same
+   cluster, in a calibration run of another seed (per request: real TTFT less the simulated
+   engine's TTFT; the median) and given to the simulator as SimConfig.dispatch_latency_s;
+   the log also shows the simulation without it, and the idle path (probes) for contrast.
 
 Figures: TTFT p50, TTFT p99, output tokens/s (all output tokens / (last finish - first
 arrival)), relative error (sim - real) / real.
@@ -112,7 +113,7 @@ def run_engine_real_time(engine, requests: Sequence[SimRequest]) -> Figures:  # 
 
 ENGINE_NUM_THREADS = 1  # torch threads: the engine here and the calibration that priced it
 ENGINE_LOAD_FRACTION = 0.5  # the run's rate: this fraction of the modelled saturation rate
-ENGINE_REQUESTS = {True: 40, False: 150}  # --quick, full
+ENGINE_REQUESTS = {True: 120, False: 300}  # --quick, full (fewer: the real p50 moves +-13% run to run)
 
 
 def engine_profile(profile_path: str | None, log: Log):  # noqa: ANN201 (worker.sim.profiles.DeviceProfile)
@@ -214,10 +215,15 @@ CLUSTER_WORKLOAD = dict(kind="b2b", num_groups=8, prefix_len=1024, question_len=
 # -> replica -> first token back) that the engine does not see: SimConfig.dispatch_latency_s.
 NUM_PROBES = 8
 PROBE_PROMPT_LEN = 16
+# The validated run's seed, and the calibration run's (the dispatch path under load).
+VALIDATION_SEED, CALIBRATION_SEED = 11, 13
+CLUSTER_RATE = 30.0  # requests/s modelled
+CLUSTER_REQUESTS = {True: (64, 96), False: (160, 240)}  # (calibration, validated run): --quick, full
 
 
-def measure_dispatch_latency(url: str, dilation: float, log: Log) -> float:
-    """The path outside the engine, in modelled seconds: each idle probe's real TTFT less
+def idle_dispatch_latency(url: str, dilation: float, log: Log) -> float:
+    """The path outside the engine on an IDLE cluster, in modelled seconds (shown for
+    comparison; the simulator is given the one measured under load): each probe's real TTFT less
     the modelled time of its one prefill step (times the dilation, as the sim device
     sleeps), divided by the dilation (the path is not dilated; the run's real times are
     divided by it). The median over NUM_PROBES fresh prompts (no prefix hits)."""
@@ -232,16 +238,19 @@ def measure_dispatch_latency(url: str, dilation: float, log: Log) -> float:
     for i in range(NUM_PROBES):
         prompt = tuple(int(t) for t in rng.integers(1000, 100_000, PROBE_PROMPT_LEN))
         probe = SimRequest(f"probe-{i}", 0.0, prompt, 1)
-        ttfts.append(asyncio.run(_drive(url, "sim", [probe], 1.0)).ttft_p50_s)
+        (result,) = asyncio.run(_drive(url, "sim", [probe], 1.0))
+        ttfts.append(result.ttft_s)
     real = float(np.median(ttfts))
     latency = max(real - step_s * dilation, 0.0) / dilation
-    log(f"  dispatch path: idle TTFT median {1000 * real:.0f} ms real over {NUM_PROBES} probes "
+    log(f"  dispatch path idle (for comparison): TTFT median {1000 * real:.0f} ms real over {NUM_PROBES} probes "
         f"(min {1000 * min(ttfts):.0f}, max {1000 * max(ttfts):.0f}), modelled prefill step {1000 * step_s:.2f} ms "
-        f"x {dilation:g} -> dispatch_latency_s {1000 * latency:.2f} ms modelled; load average {os.getloadavg()[0]:.1f}")
+        f"x {dilation:g} -> {1000 * latency:.2f} ms modelled; load average {os.getloadavg()[0]:.1f}")
     return latency
 
 
-async def _drive(url: str, model: str, requests: Sequence[SimRequest], dilation: float) -> Figures:
+async def _drive(url: str, model: str, requests: Sequence[SimRequest], dilation: float) -> list:
+    """Send `requests` at their arrival times x dilation, streaming; every one must succeed.
+    Returns cluster/bench's RequestResult per request, in the order of `requests`."""
     from cluster.bench.run import make_client
     from cluster.bench.stream import send_request
     from cluster.bench.workload import BenchRequest
@@ -271,9 +280,36 @@ async def _drive(url: str, model: str, requests: Sequence[SimRequest], dilation:
     failed = [r for r in results if not r.success]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}: {failed[0].error_detail}")
+    return list(results)
+
+
+def _figures(results: Sequence) -> Figures:
+    """The run's figures in real time; each request's arrival is when it was really sent."""
     arrivals = [r.start_s for r in results]
     return Figures.of(arrivals, [r.start_s + r.ttft_s for r in results], [r.start_s + r.e2e_s for r in results],
                       sum(r.output_tokens for r in results))
+
+
+def calibrate_dispatch_latency(url: str, dilation: float, requests: Sequence[SimRequest], config: SimConfig,
+                               log: Log) -> float:
+    """The path outside the engine UNDER LOAD, in modelled seconds, from a calibration run
+    (a different seed than the validated run, same workload, rate and cluster): the median
+    over its requests of (real TTFT / dilation - the simulated TTFT of the same request
+    without any dispatch path). Idle probes miss what a loaded run adds (the proxy, the
+    ingress and the replicas' host work competing for the same cores); this does not,
+    and it never sees the validated run's requests."""
+    results = asyncio.run(_drive(url, "sim", requests, dilation))
+    sim = simulate(replace(config, dispatch_latency_s=0.0), requests).records
+    by_id = {rec.request_id: rec for rec in sim}
+    residuals = np.array([res.ttft_s / dilation - by_id[req.request_id].ttft_s
+                          for req, res in zip(requests, results)])
+    latency = max(float(np.median(residuals)), 0.0)
+    p10, p90 = np.percentile(residuals, [10, 90])
+    log(f"  dispatch path under load: calibration run of {len(requests)} requests (seed {CALIBRATION_SEED}): "
+        f"real TTFT - simulated engine TTFT per request, median {1000 * latency:.2f} ms modelled "
+        f"({1000 * latency * dilation:.0f} ms real; p10 {1000 * p10:.2f}, p90 {1000 * p90:.2f} ms modelled) "
+        f"-> SimConfig.dispatch_latency_s; load average {os.getloadavg()[0]:.1f}")
+    return latency
 
 
 def validate_cluster(quick: bool, log: Log) -> dict[str, float]:
@@ -290,11 +326,17 @@ def validate_cluster(quick: bool, log: Log) -> dict[str, float]:
     d = TIME_DILATION
     kind = CLUSTER_WORKLOAD["kind"]
     kw = {k: v for k, v in CLUSTER_WORKLOAD.items() if k != "kind"}
-    num_requests, rate = (96, 30.0) if quick else (240, 30.0)
-    requests = make_workload(kind, num_requests, rate, 11, **kw)
+    num_calibration, num_requests = CLUSTER_REQUESTS[quick]
+    rate = CLUSTER_RATE
+    requests = make_workload(kind, num_requests, rate, VALIDATION_SEED, **kw)
+    calibration = make_workload(kind, num_calibration, rate, CALIBRATION_SEED, **kw)
     log(f"validation 2: {CLUSTER_REPLICAS} sim:h200 replicas (llama-3-8b), router {CLUSTER_ROUTER}, time dilation {d:g}, "
         f"stats period {CLUSTER_STATS_PERIOD_S} s real; {kind} {kw}, {num_requests} requests at {rate} req/s "
-        f"modelled ({rate / d:g} req/s real)")
+        f"modelled ({rate / d:g} req/s real, seed {VALIDATION_SEED}), after a calibration run of {num_calibration} "
+        f"(seed {CALIBRATION_SEED}) that measures the dispatch path under the same load")
+    sim_config = SimConfig(shape="llama-3-8b", profile="h200", num_replicas=CLUSTER_REPLICAS, router=CLUSTER_POLICY,
+                           stats_period_s=CLUSTER_STATS_PERIOD_S / d, report_lag_s=CLUSTER_REPORT_LAG_S / d,
+                           max_model_len=4096, seed=VALIDATION_SEED)
     port = 18000 + os.getpid() % 1000
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
@@ -316,21 +358,21 @@ def validate_cluster(quick: bool, log: Log) -> dict[str, float]:
         asyncio.run(_drive(url, "sim", [replace(r, arrival_s=0.0) for r in make_workload(
             "sharegpt", CLUSTER_REPLICAS, 1.0, 99, output_mean=4.0, input_mean=16.0)], 1.0))
         log(f"  cluster up in {time.perf_counter() - t0:.0f} s")
-        dispatch_latency_s = measure_dispatch_latency(url, d, log)
-        real = (asyncio.run(_drive(url, "sim", requests, d))).scaled(d)
+        idle_dispatch_latency(url, d, log)
+        # The calibration run's prefixes are its own seed's: they do not warm the validated run's.
+        dispatch_latency_s = calibrate_dispatch_latency(url, d, calibration, replace(sim_config, seed=CALIBRATION_SEED),
+                                                        log)
+        real = _figures(asyncio.run(_drive(url, "sim", requests, d))).scaled(d)
         log(f"  load average {os.getloadavg()[0]:.1f} after the run")
     finally:
         serve.shutdown()
         ray.shutdown()
-    sim_config = SimConfig(shape="llama-3-8b", profile="h200", num_replicas=CLUSTER_REPLICAS, router=CLUSTER_POLICY,
-                           stats_period_s=CLUSTER_STATS_PERIOD_S / d, report_lag_s=CLUSTER_REPORT_LAG_S / d,
-                           max_model_len=4096, seed=11)
     bare = Figures.of_sim(simulate(sim_config, requests).summary())
     log(f"  simulated without the dispatch path: TTFT p50 {bare.ttft_p50_s:.4f} s, p99 {bare.ttft_p99_s:.4f} s, "
         f"{bare.output_tokens_per_s:.1f} tok/s")
     sim_config = replace(sim_config, dispatch_latency_s=dispatch_latency_s)
     sim = Figures.of_sim(simulate(sim_config, requests).summary())
-    return compare(f"cluster ({CLUSTER_REPLICAS} sim replicas, dispatch path {1000 * dispatch_latency_s:.1f} ms)",
+    return compare(f"cluster ({CLUSTER_REPLICAS} sim replicas, dispatch path {1000 * dispatch_latency_s:.2f} ms under load)",
                    real, sim, log)
 
 

@@ -264,13 +264,18 @@ def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
     name = config.routing.router
     if name == "pow2":
         return None
-    # With several ingress replicas each router copy has a private view, so each may promise
-    # only its share; Serve's report period comes from the same params (one value).
-    share = 1.0 / config.ingress.max_num_replicas()
+    # Every router copy (one per ingress replica) may promise a replica's whole headroom:
+    # with a shared view (state.redis_url) each counts the others' reservations; without one
+    # they re-converge at each report. Serve's report period comes from the same params.
+    shared = config.shared_view_spec()
+    view_kwargs: dict[str, Any] = {"warm_start": config.routing.warm_start}
+    if shared is not None:
+        view_kwargs["shared_view"] = shared.to_dict()
     if name == "kv_headroom":
-        params = config.routing.headroom_params(headroom_share=share)
-        return RequestRouterConfig(request_router_class=KV_HEADROOM_ROUTER, **params.serve_router_config())
-    kwargs = {"policy": name, "stats_period_s": config.routing.stats_period_s, "headroom_share": share,
+        fields = config.routing.headroom_params().serve_router_config()
+        fields["request_router_kwargs"] = {**fields["request_router_kwargs"], **view_kwargs}  # type: ignore[dict-item]
+        return RequestRouterConfig(request_router_class=KV_HEADROOM_ROUTER, **fields)
+    kwargs = {"policy": name, "stats_period_s": config.routing.stats_period_s, **view_kwargs,
               **config.routing.router_kwargs}
     return RequestRouterConfig(
         request_router_class=POLICY_ROUTER,

@@ -38,6 +38,7 @@ from cluster.pool_config import (  # noqa: F401 -- re-exported: part of the one 
 )
 from cluster.state_store import RedisStoreSpec
 from cluster.tracing import ObservabilitySection
+from router.redis_view import SharedViewSpec
 from router.headroom import HeadroomParams
 from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -171,6 +172,14 @@ class IngressSection(Section):
     tokens_per_minute_per_key: int | None = Field(default_of(IngressSettings, "tokens_per_minute_per_key"), ge=1)
     # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
     metrics_public: bool = default_of(IngressSettings, "metrics_public")
+    # Admission control (router/admission.py): while no worker replica can take a request
+    # (KV headroom, and at most admission_max_waiting_per_replica waiting there), hold it in
+    # a queue fair between API keys: at most admission_queue_size requests per ingress
+    # replica (0: off), each at most admission_max_wait_s (unset: request_timeout_s); beyond
+    # either: 429 + Retry-After. Stale routing stats never hold a request.
+    admission_queue_size: int = Field(default_of(IngressSettings, "admission_queue_size"), ge=0)
+    admission_max_wait_s: float | None = Field(default_of(IngressSettings, "admission_max_wait_s"), gt=0)
+    admission_max_waiting_per_replica: int = Field(default_of(IngressSettings, "admission_max_waiting_per_replica"), ge=0)
     # Tool calls in chat output: hermes (Hermes / Qwen <tool_call>), llama3_json (Llama 3.x),
     # or auto (chosen from the chat template's text).
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = default_of(IngressSettings, "tool_call_parser")
@@ -272,17 +281,29 @@ class RoutingSection(Section):
     stats_period_s: float = Field(default_of(HeadroomParams, "stats_period_s"), gt=0)
     # Further HeadroomParams fields (router/headroom.py), e.g. {load_gate_threshold: 2}.
     router_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # With state.redis_url set: the ingress replicas' routers share one routing view in Redis
+    # (every router's reservations and prefix hints: router/redis_view.py), so that several
+    # ingress replicas do not herd onto the replica that looked best at the last report.
+    # Redis down: each router routes on its own view until it is back.
+    shared_view: bool = True
+    # per_decision: one Redis round trip before each decision (what other routers sent a
+    # moment ago counts); cached: read in the background every shared_view_refresh_s (no
+    # round trip in the decision, other routers' last refresh_s of dispatches unseen).
+    shared_view_mode: Literal["per_decision", "cached"] = default_of(SharedViewSpec, "mode")
+    shared_view_refresh_s: float = Field(default_of(SharedViewSpec, "refresh_s"), gt=0)
+    # Before its first decision a router (a started or restarted ingress replica) asks every
+    # worker replica for its routing stats, so it knows what each caches from the start.
+    warm_start: bool = True
 
     @model_validator(mode="after")
     def _known_router_kwargs(self) -> RoutingSection:
         if self.router == "kv_headroom":
-            self.headroom_params(headroom_share=1.0)  # a typo or a bad value fails here, not in Serve
+            self.headroom_params()  # a typo or a bad value fails here, not in Serve
         return self
 
-    def headroom_params(self, headroom_share: float) -> HeadroomParams:
+    def headroom_params(self) -> HeadroomParams:
         """The KV-headroom router's parameters; router_kwargs win over the typed fields."""
-        return HeadroomParams.from_kwargs(
-            {"stats_period_s": self.stats_period_s, "headroom_share": headroom_share, **self.router_kwargs})
+        return HeadroomParams.from_kwargs({"stats_period_s": self.stats_period_s, **self.router_kwargs})
 
 
 class DisaggregationSection(Section):
@@ -378,6 +399,17 @@ class KVServeConfig(Section):
             IngressSettings, self.ingress, self.model,
             served_model_name=self.model.resolved_name(), tokenizer_path=self.model.resolved_path(),
             state_store=state_store,
+        )
+
+    def shared_view_spec(self) -> SharedViewSpec | None:
+        """Where the routers share their view: Redis when state.redis_url is set and
+        routing.shared_view is on, else None (each router's view is private)."""
+        s, r = self.state, self.routing
+        if s.redis_url is None or not r.shared_view:
+            return None
+        return SharedViewSpec(
+            url=s.redis_url, key_prefix=s.key_prefix or f"kvserve:{self.app_name}", password_env=s.redis_password_env,
+            socket_timeout_s=s.socket_timeout_s, mode=r.shared_view_mode, refresh_s=r.shared_view_refresh_s,
         )
 
     def redis_store_spec(self) -> RedisStoreSpec | None:

@@ -262,7 +262,7 @@ class GenerationStream:
         if out.new_token_ids:
             if not timing.first_seen:
                 timing.first_seen = True
-                self._metrics.observe_first_token(now - self._start_time)
+                self._metrics.observe_first_token(now - self._start_time, out.num_cached_tokens)
             else:
                 self._metrics.observe_inter_token(now - timing.last, len(out.new_token_ids))
             timing.last = now

@@ -1,83 +1,12 @@
-"""The KV-headroom routing policy, as pure functions (no Ray import; unit-tested alone).
-
-`router/request_router.py` feeds this module what a Ray Serve request router can see:
-each worker replica's last routing-stats report (seconds old), plus the requests this
-router has dispatched since. It gets back a ranked list of replicas.
-
-Score of replica r for request q (all counts in KV blocks of r's block size):
-
-    available(r) = floor(free_blocks(r) * headroom_share)
-                   - reserved_blocks(r)          # the replica's own waiting queue
-                   - unreflected_blocks(r)       # promised by THIS router since r's report
-    need(q, r)   = blocks(prompt_len + min(max_tokens, expected_output_tokens))
-                   - cached_blocks(q, r)
-    score(q, r)  = available(r) - need(q, r)     # >= 0 means "fits"
-
-    cached_blocks(q, r) = leading matches of q's chained full-block hashes in r's
-                          reported prefix_hashes (at most (prompt_len - 1) // block_size:
-                          the engine always recomputes the last prompt token).
-
-Ranking (mode "headroom"): replicas where the request fits come first, highest rank_key
-first (ties: higher score, then candidate order):
-
-    rank_key(q, r) = score(q, r) / capacity(r)                           # fill term
-                   + prefix_weight * cached_blocks(q, r) / cacheable(q)  # prefix credit
-    capacity(r)    = max(floor(free_blocks(r) * headroom_share) - reserved_blocks(r), 0)
-    cacheable(q)   = (prompt_len - 1) // block_size
-
-  The fill term is the fraction of the replica's report-time headroom that would be left
-  after this request; capacity 0 gives -inf (the request cannot fit there anyway).
-
-  * Why a fraction: picking the replica that keeps the largest FRACTION of its reported
-    headroom, and counting every dispatch against it at once, spreads a burst in
-    proportion to headroom (100/200/300 free blocks -> 1:2:3 of the requests). Ranking by
-    absolute free blocks would pour the whole burst into the emptiest replica until it
-    merely equalled the next one (water-filling), and with stale reports and no
-    reservations it would herd everything onto it.
-  * Prefix credit is dimensionless: with prefix_weight >= 1 a replica caching the whole
-    prompt beats every uncached replica as long as the request fits there; partial
-    matches earn partial credit.
-  * Replicas where the request does not fit come after every fitting replica (and after
-    replicas with stale stats), least deficit first: they are only used when everyone
-    better refuses the request (Serve's max_ongoing_requests), never while others fit.
-
-Load gate (mode "load_gate"). KV usage alone hides a long waiting queue (an engine capped
-by max_num_seqs queues requests while its blocks look free), and cache affinity alone
-builds a hot spot. So:
-
-    depth(r)   = num_waiting(r) + unreflected_requests(r)
-    excess(r)  = num_waiting(r) - min_r' num_waiting(r')                # reported queues
-               + unreflected_requests(r) - U * capacity(r) / sum(capacity)  # own dispatches
-                 (U = sum of unreflected_requests; the second line is the excess over the
-                 replica's headroom-proportional share of this router's recent dispatches)
-    tripped    = max_r excess(r) > load_gate_threshold
-
-When tripped, fitting replicas are ranked least-loaded first (by depth, then rank_key).
-Reported waiting queues are compared absolutely (a queue is compute time to wait behind,
-whatever the KV headroom); recent dispatches are compared with the headroom share, so a
-burst spread in proportion to headroom never trips the gate by itself, while affinity
-piling a burst onto one replica does.
-
-Stale or missing stats (older than stale_after_periods * stats_period_s, or never seen):
-those replicas are ranked by power-of-two-choices on queue length (two random ones, the
-shorter queue first, then the rest), after the fitting fresh replicas and before the
-non-fitting ones. When no replica has fresh stats, or the request carries no token ids
-(calls other than `generate`), the whole ranking is power-of-two (mode "pow2").
-
-Reservations (`ReservationLedger`, router/reservations.py): a request's `need` is reserved on its top-ranked
-replica at dispatch (choice) time, moved if Serve ends up sending it elsewhere, and
-released when it completes. A reservation stops counting (is "reflected") once the replica
-reports with a timestamp at least `report_lag_s` after the dispatch: that report already
-shows the request (in free_blocks if admitted, in reserved_blocks/num_waiting if queued).
-
-Known limits: a reflected request's future decode growth is not counted (the report's
-free_blocks only shows what it holds now); reused cached blocks that were idle also leave
-the free pool, which the prefix credit does not model; each router sees only its own
-reservations (see router/request_router.py for the multi-router mitigation).
+"""What the KV-headroom routing policy reads and is tuned by (pure; no Ray import):
+HeadroomParams, a replica's parsed routing-stats report (ReplicaReport), a request's
+prompt as the policy sees it (RequestProfile), a replica as a router sees it at choice
+time (ReplicaView), staleness, and power of two choices (the fallback when stats are stale
+and Serve's own default). The ranking itself is router/ranking.py; the work model
+router/work.py.
 """
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -86,12 +15,6 @@ from kv.block_hash import hash_full_blocks
 
 ReplicaKey = Hashable
 
-MODE_HEADROOM = "headroom"
-MODE_LOAD_GATE = "load_gate"
-MODE_POW2 = "pow2"
-# Every candidate reported itself unhealthy: none is offered (Serve backs off and retries,
-# by which time the broken replica has been replaced).
-MODE_NONE_HEALTHY = "none_healthy"
 
 
 @dataclass(frozen=True)
@@ -103,12 +26,13 @@ class HeadroomParams:
     expected_output_tokens: int = 256
     # Credit for a fully cached prompt, in rank_key units (1.0 = a whole replica's headroom).
     prefix_weight: float = 1.0
-    # Requests beyond a replica's headroom-proportional share of queue depth that trip the gate.
-    # 4, not 16: with 16 the gate hardly ever tripped at max_num_seqs 16, prefix affinity piled
-    # a prefix group on one replica, and benchmarks.router (2026-11-30, idle 2-core box) gave
-    # headroom a mean TTFT 1.3-2x pow2's and throughput 0.96-0.98x in 4 of 4 runs; with 4:
-    # mean TTFT 0.8-1.3x, throughput 1.006-1.057x, TTFT p99 ratio 0.83-1.99 in 3 runs.
-    load_gate_threshold: float = 4.0
+    # A replica with more than this many requests (per unit of capacity) over the least
+    # loaded one takes no affinity and ranks after the others. History: 4 (counting waiting
+    # plus this router's unreflected dispatches) tripped on every burst a prefix group sent
+    # its owner, so affinity was mostly off (benchmarks.routing b2b: hit rate 0.42, at round
+    # robin's level). Counted on requests ongoing there (Serve's queue length), 8 kept
+    # affinity on for ~85% of b2b's decisions at saturation (hit 0.79, simulator, 4 replicas).
+    load_gate_threshold: float = 8.0
     # The period at which replicas report (RequestRouterConfig.request_routing_stats_period_s):
     # `serve_router_config()` sets Serve's period from this field, so the two cannot differ.
     stats_period_s: float = 1.0
@@ -124,6 +48,17 @@ class HeadroomParams:
     # dropped after this long; any reservation after reservation_ttl_s.
     unconfirmed_ttl_s: float = 60.0
     reservation_ttl_s: float = 3600.0
+    # Prompt tokens per second a reference replica prefills (a replica's capacity_weight
+    # scales it; a replica that reports its own measured figure overrides it). 40k: one
+    # H200 on llama-3-8b at 2048-token chunks (worker/sim's cost model).
+    prefill_tokens_per_s: float = 40_000.0
+    # Affinity release: the prefix owner keeps the request while its queued prefill work
+    # can be done within this long; the TTFT term of rank_key is in these units too. The
+    # reported queue counts waiting prompts whole (their cached prefix is matched only at
+    # admission), so this is generous: 2 s, the simulator's TTFT SLO.
+    target_ttft_s: float = 2.0
+    # rank_key credit for the replica that served the request's session last (soft).
+    session_weight: float = 0.25
 
     def __post_init__(self) -> None:
         if self.expected_output_tokens < 0:
@@ -140,6 +75,10 @@ class HeadroomParams:
             raise ValueError(f"headroom_share must be in (0, 1], got {self.headroom_share}")
         if self.unconfirmed_ttl_s <= 0 or self.reservation_ttl_s <= 0:
             raise ValueError("unconfirmed_ttl_s and reservation_ttl_s must be > 0")
+        if self.prefill_tokens_per_s <= 0 or self.target_ttft_s <= 0:
+            raise ValueError("prefill_tokens_per_s and target_ttft_s must be > 0")
+        if self.session_weight < 0:
+            raise ValueError(f"session_weight must be >= 0, got {self.session_weight}")
 
     @property
     def stale_after_s(self) -> float:
@@ -177,6 +116,10 @@ class ReplicaReport:
     # died): the router stops choosing it at its next report, before Serve's health check
     # replaces it.
     healthy: bool = True
+    # The replica's throughput relative to the reference device (mixed GPU types), and its
+    # own measured prefill rate (0: not measured; params.prefill_tokens_per_s x weight).
+    capacity_weight: float = 1.0
+    prefill_tokens_per_s: float = 0.0
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, object] | None) -> ReplicaReport | None:
@@ -195,10 +138,12 @@ class ReplicaReport:
                 prefix_hashes=frozenset(stats.get("prefix_hashes") or ()),  # type: ignore[arg-type]
                 timestamp=float(stats["timestamp"]),  # type: ignore[arg-type]
                 healthy=bool(stats.get("healthy", True)),
+                capacity_weight=float(stats.get("capacity_weight") or 1.0),  # type: ignore[arg-type]
+                prefill_tokens_per_s=float(stats.get("prefill_tokens_per_s") or 0.0),  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError):
             return None
-        if report.block_size <= 0:
+        if report.block_size <= 0 or report.capacity_weight <= 0 or report.prefill_tokens_per_s < 0:
             return None
         return report
 
@@ -255,79 +200,14 @@ class ReplicaView:
     unreflected_blocks: int = 0  # reserved by this router, not yet in a report
     unreflected_requests: int = 0
     queue_len: int = 0  # requests outstanding there as far as this router knows (pow2)
-
-
-@dataclass(frozen=True)
-class ReplicaScore:
-    key: ReplicaKey
-    fits: bool
-    score: int
-    capacity: int
-    need_blocks: int
-    cached_blocks: int
-    rank_key: float
-    num_waiting: int
-    unreflected_requests: int
-
-    @property
-    def queue_depth(self) -> int:
-        return self.num_waiting + self.unreflected_requests
-
-
-@dataclass(frozen=True)
-class Ranking:
-    order: tuple[ReplicaKey, ...]
-    mode: str
-    # Blocks to reserve if the request ends up on that replica (all candidates, so a
-    # reservation can move when Serve picks a lower rank).
-    need_blocks: Mapping[ReplicaKey, int]
-    scores: Mapping[ReplicaKey, ReplicaScore]
+    # Work promised since the report (the ledger's Unreflected): uncached prompt tokens still
+    # to prefill, and the decode blocks those requests will grow into.
+    unreflected_prefill_tokens: int = 0
+    unreflected_decode_blocks: int = 0
 
 
 def is_fresh(report: ReplicaReport | None, now: float, params: HeadroomParams) -> bool:
     return report is not None and now - report.timestamp <= params.stale_after_s
-
-
-def score_replica(request: RequestProfile, view: ReplicaView, params: HeadroomParams) -> ReplicaScore:
-    """The headroom score of one replica with fresh stats (see the module docstring)."""
-    report = view.report
-    assert report is not None
-    bs = report.block_size
-    cached = request.cached_blocks(bs, report.prefix_hashes)
-    need = max(request.total_blocks(bs, params.expected_output_tokens) - cached, 0)
-    capacity = max(math.floor(report.free_blocks * params.headroom_share) - report.reserved_blocks, 0)
-    score = capacity - view.unreflected_blocks - need
-    cacheable = request.cacheable_blocks(bs)
-    credit = params.prefix_weight * cached / cacheable if cacheable else 0.0
-    fill = score / capacity if capacity > 0 else -math.inf
-    return ReplicaScore(
-        key=view.key,
-        fits=score >= 0,
-        score=score,
-        capacity=capacity,
-        need_blocks=need,
-        cached_blocks=cached,
-        rank_key=fill + credit,
-        num_waiting=report.num_waiting,
-        unreflected_requests=view.unreflected_requests,
-    )
-
-
-def load_gate_tripped(scores: Sequence[ReplicaScore], params: HeadroomParams) -> bool:
-    """True when some replica's queue exceeds the others' by more than load_gate_threshold
-    requests (reported waiting queues absolutely, recent dispatches against the replica's
-    headroom share; see the module docstring)."""
-    if len(scores) < 2:
-        return False
-    min_waiting = min(s.num_waiting for s in scores)
-    total_unreflected = sum(s.unreflected_requests for s in scores)
-    total_capacity = sum(s.capacity for s in scores)
-    for s in scores:
-        share = s.capacity / total_capacity if total_capacity > 0 else 1.0 / len(scores)
-        excess = (s.num_waiting - min_waiting) + (s.unreflected_requests - total_unreflected * share)
-        if excess > params.load_gate_threshold:
-            return True
-    return False
 
 
 def power_of_two(views: Sequence[ReplicaView], rng: random.Random) -> list[ReplicaKey]:
@@ -339,48 +219,3 @@ def power_of_two(views: Sequence[ReplicaView], rng: random.Random) -> list[Repli
     first, rest = order[:2], order[2:]
     first.sort(key=lambda v: v.queue_len)  # stable: ties keep the random order
     return [v.key for v in first + rest]
-
-
-def rank_replicas(
-    request: RequestProfile | None,
-    views: Sequence[ReplicaView],
-    params: HeadroomParams,
-    now: float,
-    rng: random.Random,
-) -> Ranking:
-    """Rank the candidate replicas for one request (best first). A replica whose last
-    report says it is unhealthy is never offered, however old that report."""
-    views = [v for v in views if v.report is None or v.report.healthy]
-    if not views:
-        return Ranking(order=(), mode=MODE_NONE_HEALTHY, need_blocks={}, scores={})
-    fresh = [v for v in views if is_fresh(v.report, now, params)]
-    stale = [v for v in views if not is_fresh(v.report, now, params)]
-
-    if request is None or not fresh:
-        need = {}
-        if request is not None:
-            # No fresh block size to go by: a report's block size, however old, is still right.
-            for v in views:
-                if v.report is not None:
-                    need[v.key] = request.total_blocks(v.report.block_size, params.expected_output_tokens)
-        return Ranking(order=tuple(power_of_two(views, rng)), mode=MODE_POW2, need_blocks=need, scores={})
-
-    index = {v.key: i for i, v in enumerate(views)}
-    scores = [score_replica(request, v, params) for v in fresh]
-    fitting = [s for s in scores if s.fits]
-    not_fitting = [s for s in scores if not s.fits]
-
-    if load_gate_tripped(scores, params):
-        mode = MODE_LOAD_GATE
-        fitting.sort(key=lambda s: (s.queue_depth, -s.rank_key, index[s.key]))
-    else:
-        mode = MODE_HEADROOM
-        fitting.sort(key=lambda s: (-s.rank_key, -s.score, index[s.key]))
-    not_fitting.sort(key=lambda s: (-s.score, s.queue_depth, index[s.key]))
-
-    order = [s.key for s in fitting] + power_of_two(stale, rng) + [s.key for s in not_fitting]
-    need = {s.key: s.need_blocks for s in scores}
-    for v in stale:
-        if v.report is not None:
-            need[v.key] = request.total_blocks(v.report.block_size, params.expected_output_tokens)
-    return Ranking(order=tuple(order), mode=mode, need_blocks=need, scores={s.key: s for s in scores})

@@ -11,6 +11,8 @@ JSON or server-sent events. Limits, checked before any work:
 - unknown model                                  -> 404
 - prompt + max_tokens over max_model_len, n over max_n -> 400
 - more than `max_queued_requests` (weighted by n) in flight on this replica -> 429 at once
+- no worker can take it (KV headroom, queue bound): held (router/admission.py); the hold
+  queue full or `admission_max_wait_s` passed -> 429 with Retry-After
 - over the API key's concurrent requests or tokens per minute -> 429 at once
 - no result within `request_timeout_s`           -> 504
 
@@ -43,6 +45,7 @@ from router import errors
 from router import openai_convert as convert
 from router import openai_protocol as p
 from router import tokenize_api as tk
+from router.admission import RouterSnapshotSource
 from router.auth import ApiKeys, Principal
 from router.disagg import DisaggregatedGenerate
 from router.generation import GenerationStream
@@ -50,6 +53,7 @@ from router.grpc_servicer import GrpcMethods, GrpcServicer
 from router.key_limits import KeyLimits
 from router.metrics import CONTENT_TYPE, IngressMetrics
 from router.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
+from router.serve_internals import initialized_request_router_of
 from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.workers import Workers
 from worker.api import load_tokenizer
@@ -72,7 +76,9 @@ app.add_middleware(ClientTraceContext)  # a client's traceparent, when accepted 
 
 @app.exception_handler(errors.APIError)
 async def _api_error(request: Request, exc: errors.APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    retry_after = getattr(exc, "retry_after_s", None)  # admission control's sheds (router/admission.py)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -219,9 +225,13 @@ class Ingress(GrpcMethods):
         store = settings.state_store.build() if settings.state_store is not None else None
         key_limits = KeyLimits(settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key, store=store)
         tokenizer = load_tokenizer(settings.tokenizer_path, settings.trust_remote_code)
+        # Admission control judges with the reports of this replica's request router for the
+        # worker pool; off when disaggregated (the prefill pool is routed elsewhere).
+        routing_source = RouterSnapshotSource(worker) if prefill_worker is None else None
         # Every series this replica serves carries its id (router/metrics.py: no double counting).
         metrics = IngressMetrics(settings.served_model_name, ingress_replica=serve.get_replica_context().replica_id.unique_id)
-        self.pipeline = RequestPipeline(settings, workers, tokenizer, metrics, api_keys, key_limits)
+        metrics.router.source = lambda: initialized_request_router_of(worker)
+        self.pipeline = RequestPipeline(settings, workers, tokenizer, metrics, api_keys, key_limits, routing_source)
         self.grpc = GrpcServicer(self.pipeline)
 
     # -- OpenAI endpoints ------------------------------------------------------------------

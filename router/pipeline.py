@@ -9,6 +9,8 @@
                 convert  tokenize + sampling params, with the workers' max_model_len,
                          off the event loop when the request is large      -> 400
                 charge   the worst case from the key's tokens-per-minute budget -> 429
+                hold     admission control (router/admission.py): while no worker replica
+                         can take it, held in a queue fair between keys -> 429 at its bound
                 stream   GenerationStream.start(): the engine requests go out through
                          the worker handle (KV-headroom router) and the first output is
                          awaited, so that errors before any token have their status
@@ -25,8 +27,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from router.admission import AdmissionController, SnapshotSource, Ticket
 from router.auth import ANONYMOUS, ApiKeys, Principal
-from router.generation import GenerationStream, InFlightLimiter
+from router.generation import GenerationStream, InFlightLimiter, StreamPermit
+from router.headroom import RequestProfile
 from router.key_limits import JointPermit, KeyLimits, worst_case_tokens
 from router.metrics import IngressMetrics
 from router.openai_convert import EngineInput, TokenTexts
@@ -52,6 +56,9 @@ class RequestPipeline:
         metrics: IngressMetrics,
         api_keys: ApiKeys,
         key_limits: KeyLimits,
+        # The request router's reports for admission control (router/admission.py's
+        # RouterSnapshotSource on the worker handle); None: admission control off.
+        routing_source: SnapshotSource | None = None,
     ) -> None:
         self.settings = settings
         self.workers = workers
@@ -61,6 +68,10 @@ class RequestPipeline:
         self.limiter = InFlightLimiter(settings.max_queued_requests, metrics)
         self.api_keys = api_keys
         self.key_limits = key_limits
+        self.admission = AdmissionController(
+            routing_source, settings.admission_queue_size, settings.admission_max_wait_s or settings.request_timeout_s,
+            settings.admission_max_waiting_per_replica, metrics,
+        )
 
     def authenticate(self, authorization: str | None) -> Principal:
         """The caller of a request with this `Authorization` value (HTTP header or gRPC
@@ -95,11 +106,14 @@ class RequestPipeline:
             inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]))
             if permit.lease is not None:
                 await permit.lease.charge(worst_case_tokens(inputs))
+            profiles = [RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens)) for inp in inputs]
+            ticket = await self.admission.admit(principal.key_id, profiles)
         except BaseException:
             permit.release()
             raise
         stream = GenerationStream(
-            self.workers.generate, inputs, request_id, permit, self.settings.request_timeout_s, self.metrics, arrival,
+            self.workers.generate, inputs, request_id, AdmittedPermit(permit, ticket), self.settings.request_timeout_s,
+            self.metrics, arrival,
             max_migrations=self.settings.max_migrations,
         )
         await stream.start()  # on failure the stream has closed: refunded, released
@@ -110,3 +124,21 @@ class RequestPipeline:
         if request_bytes > LARGE_REQUEST_BYTES:
             return await asyncio.to_thread(to_inputs, max_model_len)
         return to_inputs(max_model_len)
+
+
+class AdmittedPermit:
+    """What a stream holds: the pipeline's JointPermit and its admission Ticket, given
+    back together when the stream closes (the ticket first: it lets a held request go)."""
+
+    def __init__(self, permit: StreamPermit, ticket: Ticket) -> None:
+        self._permit = permit
+        self.ticket = ticket
+
+    def settle(self, used_tokens: int) -> None:
+        self._permit.settle(used_tokens)
+
+    def release(self) -> None:
+        try:
+            self.ticket.release()
+        finally:
+            self._permit.release()

@@ -1,6 +1,7 @@
-"""The router's reservation ledger: blocks and requests promised to each replica since
-that replica's last stats report (counted at dispatch time, since reports are seconds old).
-The policy in router/headroom.py subtracts them from the reported headroom."""
+"""The router's reservation ledger: work promised to each replica since that replica's last
+stats report (counted at dispatch time, since reports are seconds old): KV blocks, requests,
+uncached prefill tokens and the decode blocks those requests will still grow into. The
+policy in router/headroom.py adds them to what the report shows."""
 from __future__ import annotations
 
 import math
@@ -8,6 +9,26 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 ReplicaKey = Hashable
+# A per-request figure that may depend on the replica (uncached prefill tokens do: prefix hits).
+PerReplica = int | Mapping[ReplicaKey, int]
+
+
+@dataclass(frozen=True)
+class Unreflected:
+    """Work promised to one replica and not yet shown by its report."""
+
+    blocks: int = 0
+    requests: int = 0
+    prefill_tokens: int = 0  # uncached prompt tokens still to prefill
+    decode_blocks: int = 0  # blocks the requests' decodes will still grow into
+
+
+NOTHING = Unreflected()
+
+
+def _on(value: PerReplica, replica: ReplicaKey, default: int = 0) -> int:
+    return value if isinstance(value, int) else value.get(replica, default)
+
 
 @dataclass
 class _Reservation:
@@ -15,18 +36,43 @@ class _Reservation:
     blocks: int
     dispatched_at: float
     need_by_replica: Mapping[ReplicaKey, int]
+    prefill: PerReplica = 0
+    decode_blocks: int = 0
     confirmed: bool = False  # Serve reported the request as sent (on_request_routed)
     reflected: bool = False  # a report taken after dispatch already shows it
 
+    @property
+    def prefill_tokens(self) -> int:
+        return _on(self.prefill, self.replica)
+
 
 class _ReplicaLedger:
-    __slots__ = ("unreflected", "unreflected_blocks", "outstanding", "cutoff")
+    __slots__ = ("unreflected", "blocks", "prefill_tokens", "decode_blocks", "outstanding", "cutoff")
 
     def __init__(self) -> None:
         self.unreflected: dict[str, None] = {}  # request ids, insertion (≈ dispatch) order
-        self.unreflected_blocks = 0
+        # Sums over `unreflected` (invariant kept by _add/_remove).
+        self.blocks = 0
+        self.prefill_tokens = 0
+        self.decode_blocks = 0
         self.outstanding = 0
         self.cutoff = -math.inf  # dispatches at or before this are reflected
+
+    def add(self, request_id: str, entry: _Reservation) -> None:
+        self.unreflected[request_id] = None
+        self._count(entry, 1)
+
+    def remove(self, request_id: str, entry: _Reservation) -> None:
+        del self.unreflected[request_id]
+        self._count(entry, -1)
+
+    def _count(self, entry: _Reservation, sign: int) -> None:
+        self.blocks += sign * entry.blocks
+        self.prefill_tokens += sign * entry.prefill_tokens
+        self.decode_blocks += sign * entry.decode_blocks
+
+    def snapshot(self) -> Unreflected:
+        return Unreflected(self.blocks, len(self.unreflected), self.prefill_tokens, self.decode_blocks)
 
 
 class ReservationLedger:
@@ -62,8 +108,7 @@ class ReservationLedger:
         led.outstanding += 1
         entry.reflected = entry.dispatched_at <= led.cutoff
         if not entry.reflected:
-            led.unreflected[request_id] = None
-            led.unreflected_blocks += entry.blocks
+            led.add(request_id, entry)
 
     def _detach(self, request_id: str, entry: _Reservation) -> None:
         led = self._replicas.get(entry.replica)
@@ -71,8 +116,7 @@ class ReservationLedger:
             return
         led.outstanding -= 1
         if not entry.reflected:
-            led.unreflected.pop(request_id, None)
-            led.unreflected_blocks -= entry.blocks
+            led.remove(request_id, entry)
 
     def reserve(
         self,
@@ -80,13 +124,19 @@ class ReservationLedger:
         replica: ReplicaKey,
         need_by_replica: Mapping[ReplicaKey, int],
         now: float,
+        prefill_tokens: PerReplica = 0,
+        decode_blocks: int = 0,
     ) -> None:
         """Reserve at choice time on the top-ranked replica (replaces an earlier choice of
-        the same request: Serve re-runs the choice after a rejection or a backoff)."""
+        the same request: Serve re-runs the choice after a rejection or a backoff).
+        `prefill_tokens` (uncached prompt tokens) may be given per replica, so that a move
+        to another replica (`routed`) counts that replica's figure."""
         old = self._entries.pop(request_id, None)
         if old is not None:
             self._detach(request_id, old)
-        entry = _Reservation(replica, need_by_replica.get(replica, 0), now, need_by_replica)
+        entry = _Reservation(
+            replica, need_by_replica.get(replica, 0), now, need_by_replica, prefill_tokens, decode_blocks
+        )
         self._entries[request_id] = entry
         self._attach(request_id, entry)
 
@@ -121,15 +171,24 @@ class ReservationLedger:
             entry = self._entries[request_id]
             if entry.dispatched_at <= cutoff:
                 entry.reflected = True
-                del led.unreflected[request_id]
-                led.unreflected_blocks -= entry.blocks
+                led.remove(request_id, entry)
 
-    def unreflected(self, replica: ReplicaKey) -> tuple[int, int]:
-        """(blocks, requests) promised to `replica` and not yet shown by a report."""
+    def unreflected(self, replica: ReplicaKey) -> Unreflected:
+        """Work promised to `replica` and not yet shown by a report."""
         led = self._replicas.get(replica)
-        if led is None:
-            return 0, 0
-        return led.unreflected_blocks, len(led.unreflected)
+        return led.snapshot() if led is not None else NOTHING
+
+    def report_cutoff(self, replica: ReplicaKey) -> float:
+        """Dispatches to `replica` at or before this time are shown by a report seen here."""
+        led = self._replicas.get(replica)
+        return led.cutoff if led is not None else -math.inf
+
+    def newest_unreflected(self, replica: ReplicaKey) -> float:
+        """The latest dispatch time among `replica`'s unreflected reservations (-inf: none)."""
+        led = self._replicas.get(replica)
+        if led is None or not led.unreflected:
+            return -math.inf
+        return max(self._entries[request_id].dispatched_at for request_id in led.unreflected)
 
     def outstanding(self, replica: ReplicaKey) -> int:
         """Requests this router has on `replica` that have not completed."""

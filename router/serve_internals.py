@@ -69,6 +69,18 @@ def router_now_s(request_router: Any) -> float:
     return float(request_router._get_curr_time_s())
 
 
+async def fetch_routing_stats(replica: Any) -> dict[str, Any]:
+    """The replica's routing stats taken now, for a router that starts before the controller
+    polled that replica (warm start: its prefix hashes before the first decision).
+
+    Public API it stands in for: none (`RunningReplica.routing_stats` is only the
+    controller's last poll). Private: `RunningReplica._actor_handle` and the replica
+    actor's `record_routing_stats` method (the one the controller calls; it calls the
+    deployment's own `record_routing_stats`).
+    """
+    return dict(await replica._actor_handle.record_routing_stats.remote() or {})
+
+
 # -- a handle's request router ----------------------------------------------------------------
 def request_router_of(handle: Any) -> Any:
     """The RequestRouter instance behind a DeploymentHandle in this process (None until the
@@ -82,6 +94,21 @@ def request_router_of(handle: Any) -> Any:
     if router is None:
         return None
     return router._asyncio_router.request_router
+
+
+def initialized_request_router_of(handle: Any) -> Any:
+    """The RequestRouter behind a DeploymentHandle in this process once Serve's router
+    thread has created it (when the first replica set arrived), else None. Unlike
+    `request_router_of` it never creates the router itself, so it is safe to call from
+    another thread than the router's (the ingress's admission control reads its reports).
+
+    Public API it stands in for: none. Private: `DeploymentHandle._router`, its
+    `_asyncio_router` and that one's `_request_router` attribute.
+    """
+    router = getattr(handle, "_router", None)
+    if router is None:
+        return None
+    return getattr(router._asyncio_router, "_request_router", None)
 
 
 # -- the controller's gRPC options --------------------------------------------------------------
@@ -178,6 +205,20 @@ def _handle_router() -> bool:
     )
 
 
+def _handle_router_no_init() -> bool:
+    from ray.serve._private.router import AsyncioRouter
+
+    return _handle_router() and "self._request_router" in inspect.getsource(AsyncioRouter.__init__)
+
+
+def _replica_stats_on_demand() -> bool:
+    from ray.serve._private.replica import ReplicaActor
+    from ray.serve._private.request_router.replica_wrapper import RunningReplica
+
+    return "self._actor_handle" in inspect.getsource(RunningReplica.__init__) and callable(
+        getattr(ReplicaActor, "record_routing_stats", None))
+
+
 def _grpc_handler_factory() -> bool:
     from ray.serve._private import grpc_util
 
@@ -217,6 +258,10 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                _router_instance_attribute("_get_curr_time_s")),
     PrivateApi("DeploymentHandle._router._asyncio_router.request_router", "serve_internals.request_router_of",
                _handle_router),
+    PrivateApi("DeploymentHandle._router._asyncio_router._request_router",
+               "serve_internals.initialized_request_router_of", _handle_router_no_init),
+    PrivateApi("RunningReplica._actor_handle.record_routing_stats", "serve_internals.fetch_routing_stats",
+               _replica_stats_on_demand),
     PrivateApi("gRPCGenericServer.service_handler_factory", "router/grpc_proxy.py", _grpc_handler_factory),
     PrivateApi("ray.serve.context._get_global_client()._controller.get_grpc_config",
                "serve_internals.grpc_servicer_functions, serve_internals.grpc_proxy_port", _controller_grpc_config),

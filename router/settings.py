@@ -42,6 +42,15 @@ class IngressSettings:
     state_store: StateStoreFactory | None = None
     # /metrics without an API key (e.g. for a Prometheus scraper) when keys are on.
     metrics_public: bool = False
+    # Admission control (router/admission.py): while no worker replica can take a request
+    # (KV headroom, and at most `admission_max_waiting_per_replica` requests waiting there),
+    # hold it here in a queue fair between API keys, at most `admission_queue_size` requests
+    # per ingress replica (one more: 429 with Retry-After) and `admission_max_wait_s` each
+    # (then 429; None: until the request's own timeout). 0 turns it off. Stale stats never
+    # hold a request.
+    admission_queue_size: int = 256
+    admission_max_wait_s: float | None = None
+    admission_max_waiting_per_replica: int = 8
     # Tool calls in chat output (router/tool_parsers.py): hermes | llama3_json | auto (from
     # the chat template's text).
     tool_call_parser: str = "auto"

@@ -258,6 +258,11 @@ class RoutingStats:
     prefix_hashes: list[int]  # cached full-block hashes (kv.block_hash chain)
     timestamp: float  # time.time() when taken
     healthy: bool  # False: the router stops choosing this replica (Serve will replace it)
+    # Mixed GPU types: this replica's throughput relative to the reference device the
+    # router's HeadroomParams.prefill_tokens_per_s describes, and its own prefill rate when
+    # it knows one (0: unknown). The router weighs work and load shares by them.
+    capacity_weight: float = 1.0
+    prefill_tokens_per_s: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

@@ -190,7 +190,10 @@ class AsyncEngine:
                     return
                 outputs = self.engine.step()
                 self._stats = self.engine.stats()
-                self._snapshot_prefix_hashes()
+                # Going idle: snapshot now, whatever the period, so that stats asked for while
+                # idle (a router's warm start, the controller's poll) show the last request's
+                # cached blocks; while busy, at most every 0.5 s (the walk is not free).
+                self._snapshot_prefix_hashes(0.0 if not self.engine.has_unfinished() else 0.5)
                 if outputs:
                     self._publish(outputs)
         except BaseException as e:  # a bug in the core: fail everything, loudly

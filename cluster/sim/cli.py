@@ -38,6 +38,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--router", default=_DEFAULTS.router, choices=POLICY_NAMES)
     p.add_argument("--ingress", type=int, default=_DEFAULTS.num_ingress, help="ingress routers")
     p.add_argument("--ingress-assignment", default=_DEFAULTS.ingress_assignment, choices=("round_robin", "session"))
+    p.add_argument("--shared-view", action="store_true",
+                   help="ingress routers share one routing view (as through Redis); default: a private view each")
+    p.add_argument("--shared-view-rtt-ms", type=float, default=_DEFAULTS.shared_view_rtt_s * 1000,
+                   help="with --shared-view: a router's writes reach the others this much later")
     p.add_argument("--workload", default="sharegpt", choices=WORKLOAD_NAMES)
     p.add_argument("--trace", metavar="JSONL", help="the trace workload's file")
     p.add_argument("--requests", type=int, default=1000)
@@ -78,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         shape=args.shape, profile=args.profile, num_replicas=args.replicas, router=args.router,
         num_ingress=args.ingress, ingress_assignment=args.ingress_assignment,
+        shared_view=args.shared_view, shared_view_rtt_s=args.shared_view_rtt_ms / 1000.0,
         stats_period_s=args.stats_period_s, report_lag_s=args.report_lag_s,
         max_ongoing_requests=args.max_ongoing_requests, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

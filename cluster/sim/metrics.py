@@ -21,6 +21,7 @@ Definitions (every time is virtual, in seconds):
 from __future__ import annotations
 
 import json
+import math
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,13 @@ from cluster.sim.replica import SimReplica
 from worker.api import RequestOutput
 
 PERCENTILES = (50, 90, 99)
+
+
+def late_requests_proving_p99_miss(num_requests: int) -> int:
+    """How many requests over the TTFT SLO make the run's TTFT p99 exceed it whatever the
+    others do. np.percentile (linear) puts p99 between the sorted values at floor(i) and
+    floor(i) + 1, i = 0.99 (n - 1); once the value at floor(i) is late, so is p99."""
+    return num_requests - math.floor(0.99 * (num_requests - 1))
 
 
 class RequestRecord:
@@ -88,11 +96,13 @@ class RequestRecord:
 class Tracker:
     """Receives every output the replicas deliver and keeps the records."""
 
-    def __init__(self, keep_token_times: bool = False) -> None:
+    def __init__(self, keep_token_times: bool = False, slo_ttft_s: float = math.inf) -> None:
         self.records: dict[str, RequestRecord] = {}
         self.keep_token_times = keep_token_times
         self.itl = array("f")  # every inter-token gap (float32: 4 bytes a token)
         self.num_done = 0
+        self.slo_ttft_s = slo_ttft_s
+        self.num_late = 0  # requests whose first token came after slo_ttft_s
 
     def add(self, request_id: str, arrival_s: float, num_prompt_tokens: int, max_tokens: int) -> RequestRecord:
         rec = RequestRecord(request_id, arrival_s, num_prompt_tokens, max_tokens, self.keep_token_times)
@@ -106,6 +116,8 @@ class Tracker:
         if rec.first_token_s is None:
             rec.first_token_s = now
             rec.num_cached_tokens = out.num_cached_tokens
+            if now - rec.arrival_s > self.slo_ttft_s:
+                self.num_late += 1
         else:
             self.itl.append(now - rec.last_token_s)  # type: ignore[operator]
         rec.last_token_s = now
@@ -140,9 +152,13 @@ class SimResult:
     num_events: int
     router_stats: list[dict[str, Any]] = field(default_factory=list)
     replica_count: list[tuple[float, int]] = field(default_factory=list)  # (time, live replicas)
+    # SimConfig.stop_at_slo_miss ended the run once its TTFT p99 was sure to miss the SLO:
+    # the figures cover what happened until then (the verdict is the full run's).
+    stopped_at_slo_miss: bool = False
 
     def ok_records(self) -> list[RequestRecord]:
-        return [r for r in self.records if r.error is None and r.first_token_s is not None]
+        """Finished without an error (every one that was not rejected, unless the run stopped early)."""
+        return [r for r in self.records if r.error is None and r.first_token_s is not None and r.finish_s is not None]
 
     def summary(self) -> dict[str, Any]:
         cfg = self.config
@@ -163,7 +179,9 @@ class SimResult:
             "num_rejected": sum(1 for r in self.records if r.error is not None),
             "rejection_example": next((r.error for r in self.records if r.error is not None), None),
             "duration_s": duration,
-            "ttft_s": _percentiles([r.ttft_s for r in ok]),
+            # TTFT over every request that had its first token (a run stopped at the SLO miss
+            # leaves late ones unfinished: they count here).
+            "ttft_s": _percentiles([r.ttft_s for r in self.records if r.error is None and r.first_token_s is not None]),
             "itl_s": _percentiles(self.itl),
             "tpot_s": _percentiles([r.tpot_s for r in ok]),
             "e2e_s": _percentiles([r.finish_s - r.arrival_s for r in ok]),  # type: ignore[operator]
@@ -181,6 +199,7 @@ class SimResult:
             "max_live_replicas": max((n for _, n in self.replica_count), default=len(self.replicas)),
             "num_router_queued": sum(s["num_queued_total"] for s in self.router_stats),
             "num_events": self.num_events,
+            "stopped_at_slo_miss": self.stopped_at_slo_miss,
             "routers": self.router_stats,
             "replicas": [{"key": r.key, "role": r.role, "busy_s": r.busy_s, "num_steps": r.num_steps,
                           "num_preemptions": r.engine.scheduler.num_preemptions} for r in self.replicas],

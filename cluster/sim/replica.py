@@ -25,6 +25,7 @@ import torch
 from cluster.sim.clock import EventQueue
 from kv.kv_cache import KVCacheSpec
 from kv.transfer import KVExport
+from router.headroom import HeadroomParams
 from worker.async_engine import MAX_PREFIX_HASHES
 from worker.engine import Engine
 from worker.api import RequestError
@@ -33,6 +34,8 @@ from worker.api import SamplingParams
 from worker.scheduler import SchedulerOutput
 
 OutputSink = Callable[["SimReplica", RequestOutput, float], None]
+# The device a capacity weight of 1 means: the router's default prefill rate's.
+_REFERENCE_PREFILL_TOKENS_PER_S = HeadroomParams().prefill_tokens_per_s
 
 
 class VirtualDevice:
@@ -91,6 +94,7 @@ class SimReplica:
         self.removed_at: float | None = None
         self.timeline = ReplicaTimeline()
         self._stepping = False  # a step event or a step in flight is scheduled
+        self._prefill_tokens_per_s: float | None = None  # modelled once, on the first report
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -156,7 +160,21 @@ class SimReplica:
             "prefix_hashes": self.engine.kv.cached_block_hashes(MAX_PREFIX_HASHES),
             "timestamp": self.clock.now,
             "healthy": True,
+            # The device's modelled prefill rate (a full chunk of a fresh prompt per step),
+            # and its throughput relative to the router's reference device (mixed fleets).
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "capacity_weight": self.prefill_tokens_per_s / _REFERENCE_PREFILL_TOKENS_PER_S,
         }
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        if self._prefill_tokens_per_s is None:
+            from worker.sim.cost_model import SeqWork
+
+            chunk = self.engine.scheduler.config.max_num_batched_tokens
+            step_s = self.device.runner.cost.step_time_s([SeqWork(num_new_tokens=chunk, context_len=0)])
+            self._prefill_tokens_per_s = chunk / step_s
+        return self._prefill_tokens_per_s
 
     def sample_timeline(self) -> None:
         kv = self.engine.kv

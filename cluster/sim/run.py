@@ -12,6 +12,7 @@ clock run in scheduling order; so the same config and requests give the same res
 """
 from __future__ import annotations
 
+import math
 import random
 import zlib
 from collections.abc import Callable, Sequence
@@ -24,10 +25,13 @@ from cluster.sim.clock import EventQueue
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.flow import Flight, Orchestrator
 from cluster.sim.ingress import Pool, SimRouter
-from cluster.sim.metrics import SimResult, Tracker
+from cluster.sim.shared_view import pool_views
+from cluster.sim.metrics import SimResult, Tracker, late_requests_proving_p99_miss
 from cluster.sim.replica import SimReplica, VirtualDevice
 from cluster.sim.workloads import SimRequest
 from router.headroom import HeadroomParams, ReplicaReport
+from router.policies.base import check_options
+from router.routing_view import RoutingView
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
 
@@ -36,6 +40,8 @@ _SCHEDULER = SchedulerConfig()
 # as stalled (far longer than any step, transfer or replica start-up).
 STALL_TIMEOUT_S = 3600.0
 _CACHE = CacheConfig()
+# Policies built on a RoutingView (router/routing_view.py), which SimConfig.shared_view can share.
+VIEW_POLICIES = frozenset({"headroom"})
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,13 @@ class SimConfig:
     # benchmarks/routing_validate.py), never fitted to a result.
     dispatch_latency_s: float = 0.0
     num_ingress: int = 1
+    # Several ingress routers: True gives every router of a pool the SAME routing view (the
+    # unreflected work and prefix hints they all promised: what Redis shares in a real
+    # deployment, cluster/sim/shared_view.py), False a private one each (each router sees
+    # only its own dispatches: the herding failure). Only policies that read a view
+    # (headroom) can share one.
+    shared_view: bool = False
+    shared_view_rtt_s: float = 0.0  # a shared view's writes reach the others this much later (Redis RTT)
     ingress_assignment: str = "round_robin"  # or "session": a session always uses one router
     stats_period_s: float = 1.0
     report_lag_s: float = 0.05  # a report reaches the routers this long after it is taken
@@ -70,6 +83,10 @@ class SimConfig:
     autoscale: AutoscaleOptions | None = None
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 100.0
+    # End the run as soon as enough requests missed the TTFT SLO that its TTFT p99 misses it
+    # whatever the rest do (metrics.late_requests_proving_p99_miss): a rate search needs
+    # only the verdict, and an overloaded run is the most expensive one to finish.
+    stop_at_slo_miss: bool = False
     keep_token_times: bool = False
     seed: int = 0
 
@@ -86,6 +103,11 @@ class SimConfig:
             raise ValueError("max_ongoing_requests must be >= 1")
         if self.dispatch_latency_s < 0:
             raise ValueError("dispatch_latency_s must be >= 0")
+        if self.shared_view_rtt_s < 0:
+            raise ValueError("shared_view_rtt_s must be >= 0")
+        if self.shared_view and self.router not in VIEW_POLICIES:
+            raise ValueError(f"shared_view needs a policy that reads a routing view {sorted(VIEW_POLICIES)}, "
+                             f"not {self.router!r}")
 
     def headroom_params(self) -> HeadroomParams:
         if self.policy_params is not None:
@@ -130,7 +152,7 @@ class Simulation:
         self.device = device
         self.clock = EventQueue()
         self.rng = random.Random(config.seed)
-        self.tracker = Tracker(config.keep_token_times)
+        self.tracker = Tracker(config.keep_token_times, config.slo_ttft_ms / 1000.0)
         max_model_len = config.max_model_len or device.max_model_len
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
         self.cache_config = CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
@@ -138,12 +160,12 @@ class Simulation:
         self.replica_count: list[tuple[float, int]] = []
         roles = ("prefill", "decode") if config.disagg.enabled else ("mixed",)
         self.pools = {role: Pool(role) for role in roles}
-        from router.policies import make_policy
-
         params = config.headroom_params()
+        # Private views are the policies' own (make_policy); shared ones are built here.
+        views = {role: pool_views(config.num_ingress, config.shared_view_rtt_s, params.report_lag_s, self.clock)
+                 if config.shared_view else [None] * config.num_ingress for role in roles}
         self.routers = [
-            SimRouter(k, {role: make_policy(config.router, params, seed=config.seed * 1009 + k * 31 + i,
-                                            **dict(config.policy_options))
+            SimRouter(k, {role: _make_policy(config, params, config.seed * 1009 + k * 31 + i, views[role][k])
                           for i, role in enumerate(roles)}, self.pools, self.clock, config.max_ongoing_requests)
             for k in range(config.num_ingress)
         ]
@@ -153,6 +175,7 @@ class Simulation:
         self.autoscalers: list[SimAutoscaler] = []
         self._next_key = 0
         self._num_requests = 0
+        self._late_limit: float = math.inf  # late first tokens that prove the TTFT p99 misses
         self.last_progress_s = 0.0  # virtual time of the latest token or dispatch (stall detection)
 
     # -- replicas --------------------------------------------------------------------------------
@@ -232,8 +255,12 @@ class Simulation:
     def done(self) -> bool:
         return self.tracker.num_done >= self._num_requests
 
+    def missed_slo(self) -> bool:
+        return self.tracker.num_late >= self._late_limit
+
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         self._num_requests = len(requests)
+        self._late_limit = late_requests_proving_p99_miss(len(requests)) if self.config.stop_at_slo_miss else math.inf
         for role, pool in self.pools.items():
             n = self.config.disagg.num_replicas(role) if self.config.disagg.enabled else self.config.num_replicas
             for _ in range(n):
@@ -244,7 +271,7 @@ class Simulation:
         for i, request in enumerate(requests):
             self.clock.at(request.arrival_s + self.config.dispatch_latency_s, self._arrive, i, request)
         if requests:
-            self.clock.run(stop=self.done)
+            self.clock.run(stop=lambda: self.done() or self.missed_slo())
         return SimResult(
             config=self.config,
             records=list(self.tracker.records.values()),
@@ -253,7 +280,21 @@ class Simulation:
             num_events=self.clock.num_events,
             router_stats=[r.stats() for r in self.routers],
             replica_count=self.replica_count,
+            stopped_at_slo_miss=not self.done() and self.missed_slo(),
         )
+
+
+def _make_policy(config: SimConfig, params: HeadroomParams, seed: int, view: RoutingView | None) -> Any:
+    """The router's policy object (router.policies.make_policy); with a shared view, the
+    view-reading policy is built on its pool's view instead of a private one."""
+    if view is None:
+        from router.policies import make_policy
+
+        return make_policy(config.router, params, seed=seed, **dict(config.policy_options))
+    from router.policies.headroom import HeadroomPolicy
+
+    check_options(config.router, dict(config.policy_options), ())
+    return HeadroomPolicy(params, seed, view=view)
 
 
 def simulate(config: SimConfig, requests: Sequence[SimRequest], device: SimDevice | None = None) -> SimResult:

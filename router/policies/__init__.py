@@ -10,7 +10,9 @@ virtual clock. See router/policies/base.py for the protocol.
                      record unless the load is imbalanced, then the shortest queue
     sticky           llm-d: stay on the cache-warm replica until its uncached-token backlog
                      exceeds prefill throughput x target time, then the least-loaded
-    headroom         kvserve: KV headroom with reservations (router/headroom.py)
+    headroom         kvserve: KV headroom with reservations, work-based load (uncached prefill
+                     tokens), prefix and session affinity released at a target TTFT
+                     (router/ranking.py, router/work.py)
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from router.policies.headroom import HeadroomPolicy
 from router.policies.prefix_affinity import PrefixAffinityOptions, PrefixAffinityPolicy
 from router.policies.simple import LeastKVPolicy, PowerOfTwoPolicy, RoundRobinPolicy
 from router.policies.sticky import StickyOptions, StickyPolicy
+from router.routing_view import RoutingView
 
 __all__ = ["POLICY_NAMES", "RoutingPolicy", "RoutingRequest", "make_policy", "split_policy_kwargs"]
 
@@ -32,37 +35,39 @@ def _names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
-def _round_robin(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+def _round_robin(params: HeadroomParams, seed: int, options: dict[str, Any], view: RoutingView | None) -> RoutingPolicy:
     check_options("round_robin", options, ())
     return RoundRobinPolicy()
 
 
-def _pow2(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+def _pow2(params: HeadroomParams, seed: int, options: dict[str, Any], view: RoutingView | None) -> RoutingPolicy:
     check_options("pow2", options, ())
     return PowerOfTwoPolicy(seed)
 
 
-def _least_kv(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+def _least_kv(params: HeadroomParams, seed: int, options: dict[str, Any], view: RoutingView | None) -> RoutingPolicy:
     check_options("least_kv", options, ())
     return LeastKVPolicy()
 
 
-def _prefix_affinity(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+def _prefix_affinity(params: HeadroomParams, seed: int, options: dict[str, Any], view: RoutingView | None) -> RoutingPolicy:
     check_options("prefix_affinity", options, _names(PrefixAffinityOptions))
     return PrefixAffinityPolicy(PrefixAffinityOptions(**options))
 
 
-def _sticky(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+def _sticky(params: HeadroomParams, seed: int, options: dict[str, Any], view: RoutingView | None) -> RoutingPolicy:
     check_options("sticky", options, _names(StickyOptions))
     return StickyPolicy(StickyOptions(**options), params)
 
 
-def _headroom(params: HeadroomParams, seed: int, options: dict[str, Any]) -> RoutingPolicy:
+def _headroom(params: HeadroomParams, seed: int, options: dict[str, Any], view: RoutingView | None) -> RoutingPolicy:
     check_options("headroom", options, ())
-    return HeadroomPolicy(params, seed)
+    return HeadroomPolicy(params, seed, view=view)
 
 
-_FACTORIES: dict[str, Callable[[HeadroomParams, int, dict[str, Any]], RoutingPolicy]] = {
+# Only headroom takes a routing view (router/routing_view.py); the baselines keep their own
+# state, as the routers they reproduce do (each router replica sees its own dispatches).
+_FACTORIES: dict[str, Callable[[HeadroomParams, int, dict[str, Any], RoutingView | None], RoutingPolicy]] = {
     "round_robin": _round_robin,
     "pow2": _pow2,
     "least_kv": _least_kv,
@@ -74,7 +79,9 @@ _FACTORIES: dict[str, Callable[[HeadroomParams, int, dict[str, Any]], RoutingPol
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
 
-def make_policy(name: str, params: HeadroomParams | None = None, seed: int = 0, **options: Any) -> RoutingPolicy:
+def make_policy(
+    name: str, params: HeadroomParams | None = None, seed: int = 0, view: RoutingView | None = None, **options: Any
+) -> RoutingPolicy:
     """A fresh policy instance (one per router: policies keep per-router state).
 
     `params` carries the settings every router shares with the headroom policy (stats
@@ -83,7 +90,7 @@ def make_policy(name: str, params: HeadroomParams | None = None, seed: int = 0, 
     factory = _FACTORIES.get(name)
     if factory is None:
         raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICY_NAMES)}")
-    return factory(params or HeadroomParams(), seed, dict(options))
+    return factory(params or HeadroomParams(), seed, dict(options), view)
 
 
 def split_policy_kwargs(kwargs: Mapping[str, Any]) -> tuple[str, HeadroomParams, dict[str, Any]]:

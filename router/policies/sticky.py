@@ -74,7 +74,7 @@ class StickyPolicy:
 
     def backlog(self, view: ReplicaView) -> int:
         reported = view.report.num_waiting_prompt_tokens if view.report is not None else 0
-        return reported + self.ledger.unreflected(view.key)[0]
+        return reported + self.ledger.unreflected(view.key).blocks
 
     def rank(self, request: RoutingRequest, views: Sequence[ReplicaView], now: float) -> list[ReplicaKey]:
         views = healthy(views)

@@ -413,7 +413,21 @@ REQUIRED_METRICS = (
     "kvserve:time_to_first_token_seconds", "kvserve:inter_token_latency_seconds", "kvserve:e2e_request_latency_seconds",
     "kvserve:num_requests_waiting", "kvserve:num_requests_running", "kvserve:kv_cache_usage_perc",
     "kvserve:num_preemptions", "kvserve:prompt_tokens", "kvserve:generation_tokens",
+    # Router v2 (router/admission.py, the request routers): issue 13's router metrics.
+    "kvserve:router_decisions", "kvserve:ingress_queue_time_seconds", "kvserve:ingress_queue_length",
+    "kvserve:router_prefix_hit_tokens_predicted", "kvserve:router_prefix_hit_tokens_realised",
+    "kvserve:router_requests_outstanding", "kvserve:router_reservations_unreflected", "kvserve:router_stats_age_seconds",
 )
+
+
+class _FakeRouter:
+    """What the metrics read of a request router (router/metrics.py's RouterStatsCollector)."""
+
+    def __init__(self) -> None:
+        self.num_decisions_by_mode = {"headroom": 1}
+
+    def routing_view(self) -> dict:
+        return {"r": {"stats": {"timestamp": 0.0}, "outstanding": 1, "unreflected_requests": 1}}
 
 
 def _exposed_metric_names() -> set[str]:
@@ -424,6 +438,9 @@ def _exposed_metric_names() -> set[str]:
     m.observe_first_token(0.1)
     m.observe_inter_token(0.02, 1)
     m.observe_finished(1.0, 3, 4, "stop")
+    m.observe_admitted(0.5, "fits", 16)
+    m.observe_shed("queue_full")
+    m.router.source = _FakeRouter
     stats = {"num_running": 1, "num_waiting": 2, "kv_usage": 0.5, "free_blocks": 1, "total_blocks": 2,
              "tokens_per_s": 1.0, "prefix_cache_queries": 1, "prefix_cache_hits": 1, "num_preemptions": 1,
              "replica_id": "r"}
@@ -441,7 +458,8 @@ def test_grafana_dashboard(rendered: dict[str, Rendered]) -> None:
     for metric in REQUIRED_METRICS:
         assert metric in text, f"no panel uses {metric}"
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    for word in ("first token", "inter-token", "queue", "kv", "replicas", "preemptions"):
+    for word in ("first token", "inter-token", "queue", "kv", "replicas", "preemptions", "routing decisions",
+                 "ingress queue", "predicted vs realised", "reservations", "stats age"):
         assert word in titles
     used = set(re.findall(r"kvserve:[a-z0-9_:]+", text))
     missing = used - _exposed_metric_names()

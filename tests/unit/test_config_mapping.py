@@ -23,6 +23,7 @@ from cluster.config import (
 from cluster.config_fields import build, default_of, mapped_fields
 from cluster.state_store import RedisStoreSpec
 from router.headroom import HeadroomParams
+from router.redis_view import SharedViewSpec
 from router.settings import IngressSettings
 from worker.config import CacheConfig, ModelConfig, SchedulerConfig
 
@@ -38,6 +39,7 @@ MAPPINGS: list[tuple[type[BaseModel], type, dict[str, str]]] = [
     (StateSection, RedisStoreSpec, {"password_env": "redis_password_env"}),
     (AutoscalingSection, PoolTargets, {}),
     (RoutingSection, HeadroomParams, {}),
+    (RoutingSection, SharedViewSpec, {"mode": "shared_view_mode", "refresh_s": "shared_view_refresh_s"}),
 ]
 # Section fields that configure no dataclass: Serve deployment options, or inputs that are
 # turned into a dataclass field by cluster/config.py or cluster/app.py (path -> model, ...).
@@ -49,7 +51,7 @@ NOT_MAPPED: dict[type[BaseModel], set[str]] = {
     AutoscalingSection: {"min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
                          "upscale_delay_s", "downscale_delay_s", "look_back_period_s", "metrics_interval_s",
                          "policy", "policy_kwargs"},
-    RoutingSection: {"router", "router_kwargs"},
+    RoutingSection: {"router", "router_kwargs", "shared_view", "warm_start"},  # router kwargs (cluster/app.py)
 }
 
 
@@ -105,7 +107,7 @@ def test_the_router_and_serve_share_one_report_period() -> None:
     """HeadroomParams.stats_period_s must equal Serve's request_routing_stats_period_s: the
     latter is derived from the former, whichever way the user sets it."""
     for routing in ({}, {"stats_period_s": 0.5}, {"router_kwargs": {"stats_period_s": 2.0}}):
-        params = RoutingSection.model_validate(routing).headroom_params(headroom_share=0.5)
+        params = RoutingSection.model_validate(routing).headroom_params()
         fields: dict[str, Any] = params.serve_router_config()
         assert fields["request_routing_stats_period_s"] == fields["request_router_kwargs"]["stats_period_s"]
         assert HeadroomParams.from_kwargs(fields["request_router_kwargs"]) == params

@@ -1,28 +1,30 @@
-"""The KV-headroom routing policy (router/headroom.py), without Ray."""
+"""The KV-headroom routing policy (router/headroom.py, router/ranking.py, router/work.py), without Ray."""
 from __future__ import annotations
 
 import random
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pytest
 
 from kv.block_hash import hash_full_blocks
-from router.reservations import ReservationLedger
-from router.headroom import (
+from router import work
+from router.headroom import HeadroomParams, ReplicaReport, ReplicaView, RequestProfile
+from router.policies.base import RoutingRequest
+from router.policies.headroom import HeadroomPolicy
+from router.ranking import (
+    MODE_AFFINITY,
     MODE_HEADROOM,
     MODE_LOAD_GATE,
     MODE_NONE_HEALTHY,
     MODE_POW2,
-    HeadroomParams,
     Ranking,
-    ReplicaReport,
-    ReplicaView,
-    RequestProfile,
     load_gate_tripped,
     rank_replicas,
     score_replica,
 )
+from router.reservations import ReservationLedger, Unreflected
 
 BS = 16
 NOW = 1_000.0
@@ -67,8 +69,9 @@ def views_for(reports: Mapping[str, ReplicaReport | None], ledger: ReservationLe
     for key, rep in reports.items():
         if rep is not None:
             ledger.observe_report(key, rep.timestamp)
-        blocks, requests = ledger.unreflected(key)
-        views.append(ReplicaView(key, rep, blocks, requests, queue_len=ledger.outstanding(key)))
+        u = ledger.unreflected(key)
+        views.append(ReplicaView(key, rep, u.blocks, u.requests, queue_len=ledger.outstanding(key),
+                                 unreflected_prefill_tokens=u.prefill_tokens, unreflected_decode_blocks=u.decode_blocks))
     return views
 
 
@@ -89,7 +92,8 @@ def dispatch(
     for i, req in enumerate(requests):
         ranking = rank_replicas(req, views_for(reports, ledger), params, now, rng)
         top = ranking.order[0]
-        ledger.reserve(f"req-{i}-{len(ledger)}", top, ranking.need_blocks, now)
+        ledger.reserve(f"req-{i}-{len(ledger)}", top, ranking.need_blocks, now,
+                       prefill_tokens=dict(ranking.prefill_tokens), decode_blocks=ranking.decode_blocks)
         counts[top] += 1
         rankings.append(ranking)
     return counts, rankings
@@ -125,7 +129,9 @@ def test_score_formula() -> None:
     view = ReplicaView("r", report(100, reserved_blocks=10, num_waiting=3), unreflected_blocks=5, unreflected_requests=2)
     s = score_replica(req, view, PARAMS)
     assert (s.capacity, s.need_blocks, s.score, s.fits, s.queue_depth) == (90, 9, 76, True, 5)
-    assert s.rank_key == pytest.approx(76 / 90)
+    # TTFT term: (3 waiting x 16 prompt tokens + 40 uncached) / 40k tok/s, over the 2 s target.
+    assert s.ttft_s == pytest.approx(88 / 40_000)
+    assert s.rank_key == pytest.approx(76 / 90 - 88 / 40_000 / 2.0)
     # headroom_share: this router may promise only half of the free blocks.
     half = score_replica(req, view, HeadroomParams(headroom_share=0.5, stats_period_s=1.0))
     assert (half.capacity, half.score) == (40, 26)
@@ -139,8 +145,10 @@ def test_score_subtracts_cached_blocks_and_adds_prefix_credit() -> None:
     hot, cold = score_replica(req, cached_view, PARAMS), score_replica(req, cold_view, PARAMS)
     assert (hot.cached_blocks, hot.need_blocks, hot.score) == (32, 1, 199)  # ceil(528/16) - 32
     assert (cold.cached_blocks, cold.need_blocks, cold.score) == (0, 33, 167)
-    assert hot.rank_key == pytest.approx(199 / 200 + 1.0)  # fully cached: credit = prefix_weight
-    assert cold.rank_key == pytest.approx(167 / 200)
+    # Fully cached: credit = prefix_weight; only 8 tokens left to prefill there, 520 elsewhere.
+    assert (hot.uncached_tokens, cold.uncached_tokens) == (8, 520)
+    assert hot.rank_key == pytest.approx(199 / 200 + 1.0 - 8 / 80_000)
+    assert cold.rank_key == pytest.approx(167 / 200 - 520 / 80_000)
 
 
 # ---------------------------------------------------------------- herding
@@ -241,7 +249,7 @@ def test_prefix_affinity_wins_while_the_cached_replica_has_headroom() -> None:
                             load_gate_threshold=16.0)
     counts, rankings = dispatch(reports, prefix_requests(prefix, 10), params)
     assert counts == {"cached": 10}
-    assert {r.mode for r in rankings} == {MODE_HEADROOM}
+    assert {r.mode for r in rankings} == {MODE_AFFINITY}
 
 
 def test_prefix_affinity_ends_when_the_cached_replica_runs_out_of_headroom() -> None:
@@ -259,7 +267,7 @@ def test_partial_prefix_match_earns_partial_credit() -> None:
     ranking = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
     half = ranking.scores["half"]
     assert half.cached_blocks == 16
-    assert half.rank_key == pytest.approx((200 - 17) / 200 + 16 / 32)
+    assert half.rank_key == pytest.approx((200 - 17) / 200 + 16 / 32 - (520 - 256) / 80_000)
     assert ranking.order[0] == "half"
 
 
@@ -277,7 +285,7 @@ def test_prefix_affinity_loses_to_the_load_gate_when_overloaded() -> None:
     # Without the gate the cached replica would have won.
     no_gate = HeadroomParams(stats_period_s=1.0, load_gate_threshold=1e9)
     ungated = rank_replicas(prefix_requests(prefix, 1)[0], views_for(reports, ReservationLedger()), no_gate, NOW, random.Random(0))
-    assert ungated.mode == MODE_HEADROOM and ungated.order[0] == "cached"
+    assert ungated.mode == MODE_AFFINITY and ungated.order[0] == "cached"
 
 
 def test_affinity_hot_spot_built_in_one_burst_is_capped_by_the_gate() -> None:
@@ -288,12 +296,13 @@ def test_affinity_hot_spot_built_in_one_burst_is_capped_by_the_gate() -> None:
         "b": report(1000),
     }
     counts, rankings = dispatch(reports, prefix_requests(prefix, 90))
-    # Affinity until "cached" holds more than its fair third + the gate (4), then least-loaded.
-    assert rankings[0].mode == MODE_HEADROOM
+    # Affinity until "cached" holds more than its fair third + the gate (8), then the others.
+    assert [r.mode for r in rankings[:13]] == [MODE_AFFINITY] * 13  # 13 - 13/3 = 8.67 > 8 after the 13th
+    assert rankings[13].mode == MODE_LOAD_GATE
     assert MODE_LOAD_GATE in {r.mode for r in rankings}
     assert counts["cached"] - 90 / 3 <= PARAMS.load_gate_threshold + 1
     assert counts["a"] > 0 and counts["b"] > 0
-    assert counts == {"cached": 34, "a": 28, "b": 28}  # 34 = fair 30 + threshold 4
+    assert counts == {"cached": 38, "a": 26, "b": 26}  # 38 = fair 30 + threshold 8
 
 
 def test_kv_usage_alone_hides_a_long_waiting_queue() -> None:
@@ -309,7 +318,7 @@ def test_load_gate_counts_unreflected_dispatches_as_queue_depth() -> None:
     balanced = [score_replica(small_request(), ReplicaView(k, r, unreflected_requests=n), PARAMS) for k, n in (("a", 10), ("b", 10))]
     assert not load_gate_tripped(balanced, PARAMS)
     skewed = [score_replica(small_request(), ReplicaView(k, r, unreflected_requests=n), PARAMS) for k, n in (("a", 40), ("b", 0))]
-    assert load_gate_tripped(skewed, PARAMS)  # excess 40 - 20 = 20 > 4
+    assert load_gate_tripped(skewed, PARAMS)  # excess 40 - 20 = 20 > 8
 
 
 # ---------------------------------------------------------------- stale / missing stats
@@ -369,11 +378,11 @@ def test_reservation_counts_until_a_report_taken_after_dispatch() -> None:
     ledger = ReservationLedger(report_lag_s=0.05)
     ledger.observe_report("r", NOW - 1.0)
     ledger.reserve("x", "r", {"r": 7}, now=NOW)
-    assert ledger.unreflected("r") == (7, 1)
+    assert ledger.unreflected("r") == Unreflected(7, 1)
     ledger.observe_report("r", NOW + 0.01)  # taken before the request can have arrived
-    assert ledger.unreflected("r") == (7, 1)
+    assert ledger.unreflected("r") == Unreflected(7, 1)
     ledger.observe_report("r", NOW + 0.2)  # reflects it
-    assert ledger.unreflected("r") == (0, 0)
+    assert ledger.unreflected("r") == Unreflected(0, 0)
     assert ledger.outstanding("r") == 1  # still running there
     ledger.complete("x", "r")
     assert ledger.outstanding("r") == 0 and len(ledger) == 0
@@ -384,18 +393,18 @@ def test_completion_releases_an_unreflected_reservation() -> None:
     ledger.reserve("x", "r", {"r": 4}, now=NOW)
     ledger.reserve("y", "r", {"r": 2}, now=NOW)
     ledger.complete("x", "r")
-    assert ledger.unreflected("r") == (2, 1)
+    assert ledger.unreflected("r") == Unreflected(2, 1)
 
 
 def test_reservation_moves_when_serve_sends_the_request_elsewhere() -> None:
     ledger = ReservationLedger()
     ledger.reserve("x", "top", {"top": 1, "second": 33}, now=NOW)
     ledger.routed("x", "second")  # "top" refused (max_ongoing_requests)
-    assert ledger.unreflected("top") == (0, 0)
-    assert ledger.unreflected("second") == (33, 1)
+    assert ledger.unreflected("top") == Unreflected(0, 0)
+    assert ledger.unreflected("second") == Unreflected(33, 1)
     # A late completion of the refused attempt on "top" must not drop the live reservation.
     ledger.complete("x", "top")
-    assert ledger.unreflected("second") == (33, 1)
+    assert ledger.unreflected("second") == Unreflected(33, 1)
     ledger.complete("x", "second")
     assert len(ledger) == 0
 
@@ -404,8 +413,8 @@ def test_rechoice_replaces_the_earlier_reservation() -> None:
     ledger = ReservationLedger()
     ledger.reserve("x", "a", {"a": 5, "b": 6}, now=NOW)
     ledger.reserve("x", "b", {"a": 5, "b": 6}, now=NOW + 0.1)
-    assert ledger.unreflected("a") == (0, 0)
-    assert ledger.unreflected("b") == (6, 1)
+    assert ledger.unreflected("a") == Unreflected(0, 0)
+    assert ledger.unreflected("b") == Unreflected(6, 1)
     assert len(ledger) == 1
 
 
@@ -414,7 +423,7 @@ def test_routed_after_completion_is_a_no_op() -> None:
     ledger.reserve("x", "a", {"a": 5}, now=NOW)
     ledger.complete("x", "a")  # a fast request finished before Serve reported it routed
     ledger.routed("x", "a")
-    assert len(ledger) == 0 and ledger.unreflected("a") == (0, 0)
+    assert len(ledger) == 0 and ledger.unreflected("a") == Unreflected(0, 0)
 
 
 def test_prune_drops_gone_replicas_and_abandoned_reservations() -> None:
@@ -426,8 +435,8 @@ def test_prune_drops_gone_replicas_and_abandoned_reservations() -> None:
     dropped = ledger.prune(NOW, {"a"}, unconfirmed_ttl_s=60, ttl_s=3600)
     assert dropped == 2
     assert "running" in ledger and len(ledger) == 1
-    assert ledger.unreflected("a") == (4, 1)
-    assert ledger.unreflected("dead") == (0, 0)
+    assert ledger.unreflected("a") == Unreflected(4, 1)
+    assert ledger.unreflected("dead") == Unreflected(0, 0)
 
 
 def test_burst_then_fresh_reports_resets_the_view() -> None:
@@ -435,7 +444,7 @@ def test_burst_then_fresh_reports_resets_the_view() -> None:
     ledger = ReservationLedger(PARAMS.report_lag_s)
     reports = {"a": report(100), "b": report(100)}
     dispatch(reports, [small_request(i) for i in range(50)], ledger=ledger)
-    assert ledger.unreflected("a")[0] + ledger.unreflected("b")[0] == 50
+    assert ledger.unreflected("a").blocks + ledger.unreflected("b").blocks == 50
     # The replicas now report what the burst holds (25 blocks each), taken after it.
     later = {"a": report(75, timestamp=NOW + 0.5), "b": report(75, timestamp=NOW + 0.5)}
     views = views_for(later, ledger)
@@ -456,6 +465,12 @@ def test_report_parsing() -> None:
     )
     assert rep is not None and rep.prefix_hashes == frozenset({3, 4}) and rep.num_waiting == 0
     assert rep.healthy  # reports without the field (older replicas) count as healthy
+    # Older replicas send no capacity fields: the reference device, rate unknown.
+    assert (rep.capacity_weight, rep.prefill_tokens_per_s) == (1.0, 0.0)
+    base = {"free_blocks": 5, "total_blocks": 9, "block_size": 16, "timestamp": 2.0}
+    fast = ReplicaReport.from_stats({**base, "capacity_weight": 2.5, "prefill_tokens_per_s": 90_000.0})
+    assert fast is not None and (fast.capacity_weight, fast.prefill_tokens_per_s) == (2.5, 90_000.0)
+    assert ReplicaReport.from_stats({**base, "capacity_weight": -1.0}) is None
 
 
 def test_params_from_kwargs() -> None:
@@ -465,3 +480,109 @@ def test_params_from_kwargs() -> None:
         HeadroomParams.from_kwargs({"load_gate": 4})
     with pytest.raises(ValueError, match="headroom_share"):
         HeadroomParams(headroom_share=0.0)
+
+
+# ---------------------------------------------------------------- work, affinity release, weights
+
+
+def test_prefill_rate_is_measured_or_reference_times_weight() -> None:
+    base = report(100)
+    assert work.prefill_rate(base, PARAMS) == 40_000.0
+    assert work.prefill_rate(replace(base, capacity_weight=0.5), PARAMS) == 20_000.0
+    assert work.prefill_rate(replace(base, capacity_weight=0.5, prefill_tokens_per_s=55_000.0), PARAMS) == 55_000.0
+
+
+def test_affinity_released_once_the_owner_cannot_prefill_within_target() -> None:
+    prefix = list(range(512))
+    req = prefix_requests(prefix, 1)[0]  # 520 tokens, 32 blocks cached on the owner: 8 uncached
+    hashes = hash_full_blocks(prefix, BS)
+
+    def rank(waiting_tokens: int) -> Ranking:
+        owner = replace(report(1000, prefix_hashes=hashes), num_waiting_prompt_tokens=waiting_tokens)
+        reports = {"owner": owner, "cold": report(1000)}
+        return rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
+
+    # 40k tok/s x 2 s = 80_000 tokens the owner may have queued, this request's 8 included.
+    kept = rank(79_992)
+    assert kept.scores["owner"].within_target
+    assert (kept.mode, kept.order) == (MODE_AFFINITY, ("owner", "cold"))
+    # One token more: released (no affinity), ranked by rank_key, where the owner's credit
+    # (1.0) still outweighs its 2 s of queued prefill (-1.0) against the cold fill.
+    released = rank(79_993)
+    assert not released.scores["owner"].within_target
+    assert (released.mode, released.order) == (MODE_HEADROOM, ("owner", "cold"))
+    assert released.scores["owner"].rank_key == pytest.approx((1000 - 1) / 1000 + 1.0 - 80_001 / 40_000 / 2.0)
+    assert released.scores["cold"].rank_key == pytest.approx((1000 - 33) / 1000 - 520 / 40_000 / 2.0)
+    # A deeper queue (2.25 s of prefill there): the cold replica's predicted TTFT wins.
+    deep = rank(90_000)
+    assert (deep.mode, deep.order) == (MODE_HEADROOM, ("cold", "owner"))
+
+
+def test_owner_work_counts_from_dispatch_time() -> None:
+    # Frozen reports: only the ledger's unreflected prefill tokens show the owner filling up.
+    prefix = list(range(512))
+    reports = {"owner": report(100_000, total_blocks=100_000, prefix_hashes=hash_full_blocks(prefix, BS)),
+               "cold": report(100_000, total_blocks=100_000)}
+    big = [RequestProfile(prompt_token_ids=prefix + [7000 + i] * 9_992, max_tokens=1) for i in range(10)]
+    params = replace(PARAMS, load_gate_threshold=1e9)  # the prefill target alone
+    _, rankings = dispatch(reports, big, params)
+    # 10_000 uncached tokens each on the owner: 8 fit in 80_000, the 9th would not.
+    assert [r.mode for r in rankings[:8]] == [MODE_AFFINITY] * 8
+    assert rankings[8].mode == MODE_HEADROOM and rankings[8].order[0] == "cold"
+
+
+def test_a_faster_replica_takes_more_of_a_burst() -> None:
+    # Equal KV, one replica twice as fast: cold prompts of 4000 tokens split ~2:1 by work.
+    reports = {"fast": replace(report(100_000, total_blocks=100_000), capacity_weight=2.0),
+               "slow": report(100_000, total_blocks=100_000)}
+    burst = [RequestProfile(prompt_token_ids=[50_000 + i] * 4000, max_tokens=1) for i in range(30)]
+    counts, rankings = dispatch(reports, burst)
+    assert counts == {"fast": 20, "slow": 10}
+    assert {r.mode for r in rankings} == {MODE_HEADROOM}
+
+
+def test_session_is_a_soft_preference() -> None:
+    reports = {"a": report(500), "b": report(500)}
+    req = small_request()
+    plain = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
+    assert plain.order == ("a", "b")  # a tie: candidate order
+    sticky = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0),
+                           session_replica="b")
+    assert (sticky.mode, sticky.order) == (MODE_AFFINITY, ("b", "a"))
+    assert sticky.scores["b"].credit == PARAMS.session_weight
+    # Soft: a session replica far over its share of the load loses it.
+    busy = {"a": report(500), "b": report(500, num_waiting=20)}
+    gated = rank_replicas(req, views_for(busy, ReservationLedger()), PARAMS, NOW, random.Random(0), session_replica="b")
+    assert (gated.mode, gated.order) == (MODE_LOAD_GATE, ("a", "b"))
+
+
+def test_hints_count_as_cached_before_any_report_shows_the_prefix() -> None:
+    prefix = list(range(512))
+    req = prefix_requests(prefix, 1)[0]
+    reports = {"a": report(500), "b": report(500)}
+    ranking = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0), hints={"b": 20})
+    assert ranking.scores["b"].cached_blocks == 20 and ranking.scores["a"].cached_blocks == 0
+    assert (ranking.mode, ranking.order) == (MODE_AFFINITY, ("b", "a"))
+    assert ranking.prefill_tokens == {"a": 520, "b": 520 - 20 * BS}
+    # A hint deeper than what a hit can cover is capped like a reported match (31 of 32 + 1).
+    capped = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0), hints={"b": 99})
+    assert capped.scores["b"].cached_blocks == req.cacheable_blocks(BS) == 32
+
+
+def test_policy_learns_prefix_owners_and_sessions_from_its_dispatches() -> None:
+    policy = HeadroomPolicy(PARAMS)
+    views = [ReplicaView("a", report(500)), ReplicaView("b", report(500))]
+    for key, rep in (("a", views[0].report), ("b", views[1].report)):
+        policy.on_report(key, rep, NOW)
+    prefix = list(range(512))
+    first = RoutingRequest("1", prefix + [1] * 8, 8)
+    assert policy.rank(first, views, NOW)[0] == "a"
+    policy.on_dispatch(first, "b", NOW)  # Serve sent it to b: b now holds the prefix
+    second = RoutingRequest("2", prefix + [2] * 8, 8)
+    assert policy.rank(second, views, NOW)[0] == "b" and policy.last_mode == MODE_AFFINITY
+    # Sessions: the replica that served the session last, with no shared prefix at all.
+    turn1 = RoutingRequest("3", [5] * 8, 8, session_id="s")
+    policy.rank(turn1, views, NOW)
+    policy.on_dispatch(turn1, "b", NOW)
+    turn2 = RoutingRequest("4", [6] * 8, 8, session_id="s")
+    assert policy.rank(turn2, views, NOW)[0] == "b" and policy.last_mode == MODE_AFFINITY

@@ -79,3 +79,25 @@ def test_sticky_gets_the_cost_models_prefill_throughput_and_only_sticky() -> Non
     assert dict(config.policy_options) == {"prefill_tokens_per_s": modelled_prefill_tokens_per_s()}
     assert math.isclose(modelled_prefill_tokens_per_s(), chunk / step)
     assert sim_config("headroom", 4).policy_options == ()
+
+
+def test_quick_plan_never_clamps_a_window_and_covers_every_workload() -> None:
+    """A cap on requests would shrink a high rate's arrival window into one burst (the
+    batch slots absorb it and the search never sees the SLO flip): only a floor applies."""
+    from benchmarks.routing import FULL, MIN_REQUESTS, QUICK, WORKLOADS
+
+    for plan in (QUICK, FULL):
+        for workload in WORKLOADS:
+            w = plan.window_for(workload)
+            assert w.num_requests(10_000.0) == round(10_000.0 * w.window_s)
+            assert w.num_requests(0.01) == MIN_REQUESTS
+    assert QUICK.window_for("code").window_s > QUICK.window_for("sharegpt").window_s
+
+
+def test_multi_ingress_configs_differ_from_one_router_only_in_routers_and_view() -> None:
+    """No 1/N headroom share any more: several routers see the same parameters as one."""
+    from benchmarks.routing import NUM_INGRESS, sim_config
+
+    private, shared = (sim_config("headroom", 4, NUM_INGRESS, shared_view=s) for s in (False, True))
+    assert (private.num_ingress, private.shared_view, shared.shared_view) == (NUM_INGRESS, False, True)
+    assert private.policy_params == shared.policy_params == sim_config("headroom", 4).policy_params

@@ -5,8 +5,15 @@ import pytest
 
 from kv.block_hash import hash_full_blocks
 from router.headroom import HeadroomParams, ReplicaReport, ReplicaView
-from router.policies import POLICY_NAMES, RoutingPolicy, RoutingRequest, make_policy, split_policy_kwargs
+from router.policies import (
+    POLICY_NAMES,
+    RoutingPolicy,
+    RoutingRequest,
+    make_policy,
+    split_policy_kwargs,
+)
 from router.policies.prefix_index import PrefixIndex
+from router.reservations import Unreflected
 
 BS = 16
 
@@ -174,20 +181,22 @@ def test_headroom_spreads_a_burst_by_reservations_and_forgets_them_on_report() -
     policy = make_policy("headroom", params)
     views = [view("a", report(free=10, ts=0.0)), view("b", report(free=20, ts=0.0))]
     prompt = list(range(32))  # 2 blocks, max_tokens 0
-    # rank_key a (10-2)/10 = 0.8, b (20-2)/20 = 0.9
+    # rank_key = fill - predicted prefill seconds / 2 s: a (10-2)/10 - 32/80k, b (20-2)/20 - 32/80k
     assert policy.rank(req("1", prompt), views, 0.1) == ["b", "a"]
-    # b: (20-2-2)/20 = 0.8 ties a; higher score (16 vs 8) wins
-    assert policy.rank(req("2", prompt), views, 0.1) == ["b", "a"]
-    # b: (20-4-2)/20 = 0.7 < 0.8
-    assert policy.rank(req("3", prompt), views, 0.1) == ["a", "b"]
+    # Fills tie at 0.8; b's 32 tokens sent since its report delay its prefill: a
+    assert policy.rank(req("2", prompt), views, 0.1) == ["a", "b"]
+    # a: (10-2-2)/10 = 0.6 < b's 0.8
+    assert policy.rank(req("3", prompt), views, 0.1) == ["b", "a"]
     assert policy.last_mode == "headroom"
-    assert policy.ledger.unreflected("b") == (4, 2)
-    policy.on_dispatch(req("3", prompt), "b", 0.1)  # Serve sent #3 to b after all
-    assert policy.ledger.unreflected("b") == (6, 3)
+    # The ledger counts blocks, requests and uncached prompt tokens (no decode: max_tokens 0).
+    assert policy.ledger.unreflected("b") == Unreflected(4, 2, 64, 0)
+    policy.on_dispatch(req("2", prompt), "b", 0.1)  # Serve sent #2 to b after all
+    assert policy.ledger.unreflected("b") == Unreflected(6, 3, 96, 0)
+    assert policy.ledger.unreflected("a") == Unreflected(0, 0, 0, 0)
     policy.on_complete("1", "b", 0.2)
-    assert policy.ledger.unreflected("b") == (4, 2)
+    assert policy.ledger.unreflected("b") == Unreflected(4, 2, 64, 0)
     policy.on_report("b", report(free=14, ts=0.2), 0.2)
-    assert policy.ledger.unreflected("b") == (0, 0)
+    assert policy.ledger.unreflected("b") == Unreflected(0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)

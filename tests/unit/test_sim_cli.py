@@ -36,3 +36,11 @@ def test_simulate_bad_workload_arguments_exit_2(capsys) -> None:
     assert "path=" in capsys.readouterr().err
     assert main(["simulate", "--prefill-replicas", "1", "--requests", "5"]) == 2
     assert "decode_replicas" in capsys.readouterr().err
+
+
+def test_simulate_shared_view_flags(capsys) -> None:
+    assert main(["simulate", "--router", "headroom", "--ingress", "2", "--shared-view", "--shared-view-rtt-ms", "1",
+                 "--replicas", "2", "--requests", "8", "--rate", "4", "--num-blocks", "2000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_finished"] == 8
+    assert main(["simulate", "--router", "pow2", "--ingress", "2", "--shared-view", "--requests", "5"]) == 2
+    assert "routing view" in capsys.readouterr().err

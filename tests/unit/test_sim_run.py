@@ -224,3 +224,56 @@ def test_policy_options_reach_the_policy_and_unknown_ones_fail() -> None:
     assert sim.run(reqs).summary()["num_finished"] == 1
     with pytest.raises(ValueError):
         simulate(SimConfig(num_replicas=1, router="round_robin", policy_options=(("target_s", 1.0),)), reqs)
+
+
+def _multi_ingress_burst(num_ingress: int, shared_view: bool, rtt_s: float = 0.0) -> set[int]:
+    """Nine long requests, then (one report later, long before the next: stats period 20 s)
+    a burst of 16 within 16 ms through `num_ingress` routers. Returns the replicas the
+    burst went to."""
+    busy = [(0.0, 3000, 3000)] * 9
+    burst = [(5.0 + 0.001 * i, 1500, 50) for i in range(16)]
+    cfg = SimConfig(num_replicas=4, router="headroom", num_ingress=num_ingress, shared_view=shared_view,
+                    shared_view_rtt_s=rtt_s, stats_period_s=20.0, seed=1, num_blocks=1200)
+    result = simulate(cfg, _requests(busy + burst, base=1))
+    return {r.replica_keys[0] for r in result.records if int(r.request_id[1:]) >= len(busy)}
+
+
+def test_private_views_herd_a_multi_ingress_burst_and_a_shared_view_spreads_it() -> None:
+    """Each router with a private view sees only its own quarter of the burst promised, so
+    all four send theirs to the replica that looked emptiest; sharing one view (what Redis
+    does in a deployment) spreads it as one router does."""
+    assert len(_multi_ingress_burst(1, False)) == 4
+    assert len(_multi_ingress_burst(4, False)) == 1
+    assert len(_multi_ingress_burst(4, True)) == 4
+    # a shared view whose writes take longer than the whole burst to land is private again
+    assert len(_multi_ingress_burst(4, True, rtt_s=0.5)) == 1
+    with pytest.raises(ValueError, match="routing view"):
+        SimConfig(router="pow2", num_ingress=2, shared_view=True)
+
+
+def test_late_requests_proving_a_p99_miss_prove_it_whatever_the_others_do() -> None:
+    import numpy as np
+
+    from cluster.sim.metrics import late_requests_proving_p99_miss
+
+    for n in range(1, 400):
+        k = late_requests_proving_p99_miss(n)
+        assert 1 <= k <= n
+        ttft = np.array([0.0] * (n - k) + [2.0 + 1e-9] * k)  # the others as fast as can be
+        assert np.percentile(ttft, 99) > 2.0
+    assert late_requests_proving_p99_miss(1000) == 11
+
+
+def test_a_run_stopped_at_the_slo_miss_gives_the_full_runs_verdict_sooner() -> None:
+    reqs = make_workload("sharegpt", 300, 400.0, seed=3)  # far beyond one replica's capacity
+    full = simulate(SimConfig(num_replicas=1, num_blocks=4000, seed=3), reqs)
+    stopped = simulate(SimConfig(num_replicas=1, num_blocks=4000, seed=3, stop_at_slo_miss=True), reqs)
+    s_full, s_stopped = full.summary(), stopped.summary()
+    assert s_full["ttft_s"]["p99"] > 2.0 and not s_full["stopped_at_slo_miss"]
+    assert s_stopped["stopped_at_slo_miss"] and s_stopped["ttft_s"]["p99"] > 2.0
+    assert s_stopped["num_finished"] < s_stopped["num_requests"] <= 300
+    assert stopped.num_events < full.num_events
+    # a run that meets the SLO is not cut short
+    light = make_workload("sharegpt", 30, 2.0, seed=3)
+    assert not simulate(SimConfig(num_replicas=1, num_blocks=4000, seed=3, stop_at_slo_miss=True), light).summary()[
+        "stopped_at_slo_miss"]

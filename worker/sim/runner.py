@@ -157,11 +157,15 @@ class SimRunner:
         """A pure function of seq.token_ids (and params.seed); the running hash is cached
         on the sequence (the slot a sampler owns; this runner is its sampler)."""
         cached = seq.sampler_state
-        if isinstance(cached, tuple) and len(cached) == 2 and cached[0] <= seq.num_tokens:
-            state = history_hash(seq.token_ids, cached[0], cached[1])
+        num_tokens = seq.num_tokens
+        if isinstance(cached, tuple) and len(cached) == 2 and cached[0] <= num_tokens:
+            if cached[0] == num_tokens - 1:  # a running decode: one token since the last step (history_hash inlined)
+                state = (cached[1] * _BASE + seq.token_ids[-1] + 1) & _MASK
+            else:
+                state = history_hash(seq.token_ids, cached[0], cached[1])
         else:
             state = history_hash(seq.token_ids)
-        seq.sampler_state = (seq.num_tokens, state)
+        seq.sampler_state = (num_tokens, state)
         seed = seq.params.seed
         x = _mix64(state if seed is None else state ^ _mix64(seed + 1))
         token = x % self.vocab_size

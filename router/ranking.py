@@ -1,0 +1,264 @@
+"""The KV-headroom ranking, as pure functions (no Ray import; unit-tested alone).
+
+A router (router/request_router.py under Serve, router/policies/headroom.py anywhere) feeds
+this module what it can see: each replica's last routing-stats report (seconds old), the
+work it (or, with a shared routing view, every router) dispatched there since, the prefix
+owners routers learned from their dispatches, and the session's last replica. It gets back
+a ranked list of replicas. Per fresh replica r and request q (KV in r's blocks, work in
+r's prompt tokens; router/work.py has the work model):
+
+    cached(q, r)   = max(leading prompt blocks in r's reported prefix_hashes,
+                         leading prompt blocks routers sent to r (hints)),
+                     at most cacheable(q) = (prompt_len - 1) // block_size
+    need(q, r)     = blocks(prompt_len + min(max_tokens, expected_output_tokens)) - cached
+    capacity(r)    = max(floor(free_blocks * headroom_share) - reserved_blocks, 0)
+    score(q, r)    = capacity - unreflected_blocks - need          # >= 0: the request fits
+    credit(q, r)   = prefix_weight * cached / cacheable             # partial match, partial credit
+                     + session_weight if r served q's session last  # a soft preference
+    ttft(q, r)     = (prefill backlog(r) + uncached(q, r)) / prefill rate(r)   (router/work.py)
+    rank_key(q, r) = score / capacity + credit - ttft / target_ttft_s
+
+Modes, decided among the replicas where q fits (the others come last, least deficit first):
+  * "affinity": the owner (highest credit > 0; ties: lower ttft) first, while its prefill
+    backlog with q stays within prefill rate x target_ttft_s (router/work.py) and its
+    reported waiting queue is not more than load_gate_threshold requests over the
+    shortest one. Affinity with a principled release: the owner keeps its prefix as long
+    as it can still prefill in time, and no longer (no hot spot, no death spiral).
+  * "headroom": otherwise, highest rank_key first: the fill term spreads a burst in
+    proportion to headroom (reserved at dispatch, so stale reports do not herd it), the
+    TTFT term sends work where it is prefilled soonest, partial matches pull gently.
+  * "load_gate": some replica's reported waiting queue (per unit of capacity) is more than
+    load_gate_threshold requests over the shortest: least queued first. KV usage alone
+    hides such a queue (an engine capped by max_num_seqs queues while its blocks look free).
+  * "pow2": no replica has fresh stats, or the request has no token ids: power of two
+    choices on queue length. Stale stats never refuse traffic: stale replicas are ranked
+    by power of two after the fitting fresh ones, before the non-fitting ones.
+
+Capacity weights: a replica reports capacity_weight (its device's throughput relative to
+the reference device that params.prefill_tokens_per_s describes) and optionally its own
+measured prefill_tokens_per_s; the TTFT term and the queue gate divide by them, so a
+replica twice as fast takes twice the work.
+
+Reservations (router/reservations.py via router/routing_view.py): a request's need, its
+uncached prompt tokens and its decode blocks are reserved on its top-ranked replica at
+choice time, moved if Serve sends it elsewhere, released on completion, and stop counting
+once a report taken report_lag_s after the dispatch shows the request.
+
+Known limits: a reflected request's future decode growth is not counted against free_blocks
+(the report shows what it holds now); reused cached blocks that were idle also leave the
+free pool, which the prefix credit does not model.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from router import work
+from router.headroom import (
+    HeadroomParams,
+    ReplicaKey,
+    ReplicaView,
+    RequestProfile,
+    is_fresh,
+    power_of_two,
+)
+
+MODE_AFFINITY = "affinity"
+MODE_HEADROOM = "headroom"
+MODE_LOAD_GATE = "load_gate"
+MODE_POW2 = "pow2"
+# Every candidate reported itself unhealthy: none is offered (Serve backs off and retries,
+# by which time the broken replica has been replaced).
+MODE_NONE_HEALTHY = "none_healthy"
+
+
+@dataclass(frozen=True)
+class ReplicaScore:
+    key: ReplicaKey
+    fits: bool
+    score: int
+    capacity: int
+    need_blocks: int
+    cached_blocks: int
+    credit: float
+    uncached_tokens: int
+    prefill_backlog: int  # prompt tokens queued there (report + unreflected)
+    prefill_rate: float
+    ttft_s: float  # predicted prefill wait, this request included
+    within_target: bool
+    rank_key: float
+    num_waiting: int
+    unreflected_requests: int
+    capacity_weight: float = 1.0
+    ongoing: int = 0  # requests there now: Serve's queue length, or the report's + sent since
+
+    @property
+    def queue_depth(self) -> float:
+        """Requests there per unit of capacity."""
+        return self.ongoing / self.capacity_weight
+
+
+@dataclass(frozen=True)
+class Ranking:
+    order: tuple[ReplicaKey, ...]
+    mode: str
+    # Blocks to reserve if the request ends up on that replica (all candidates, so a
+    # reservation can move when Serve picks a lower rank).
+    need_blocks: Mapping[ReplicaKey, int]
+    scores: Mapping[ReplicaKey, ReplicaScore]
+    # Uncached prompt tokens and decode blocks, per candidate (the ledger's work figures).
+    prefill_tokens: Mapping[ReplicaKey, int] = field(default_factory=dict)
+    decode_blocks: int = 0
+
+
+def decode_blocks(request: RequestProfile, block_size: int, params: HeadroomParams) -> int:
+    """Blocks the request's expected decode adds beyond its prompt's."""
+    return request.total_blocks(block_size, params.expected_output_tokens) - -(-request.prompt_len // block_size)
+
+
+def score_replica(
+    request: RequestProfile,
+    view: ReplicaView,
+    params: HeadroomParams,
+    hinted_blocks: int = 0,
+    session: bool = False,
+) -> ReplicaScore:
+    """The score of one replica with fresh stats (see the module docstring). `hinted_blocks`:
+    leading prompt blocks routers sent there (router/routing_view.py's prefix hints);
+    `session`: it served this request's session last."""
+    report = view.report
+    assert report is not None
+    bs = report.block_size
+    cacheable = request.cacheable_blocks(bs)
+    cached = max(request.cached_blocks(bs, report.prefix_hashes), min(hinted_blocks, cacheable))
+    need = max(request.total_blocks(bs, params.expected_output_tokens) - cached, 0)
+    capacity = max(math.floor(report.free_blocks * params.headroom_share) - report.reserved_blocks, 0)
+    score = capacity - view.unreflected_blocks - need
+    credit = (params.prefix_weight * cached / cacheable if cacheable else 0.0) + (params.session_weight if session else 0.0)
+    fill = score / capacity if capacity > 0 else -math.inf
+    rate = work.prefill_rate(report, params)
+    backlog = work.prefill_backlog(view)
+    uncached = work.uncached_tokens(request, cached, bs)
+    ttft = work.predicted_ttft_s(backlog, uncached, rate)
+    within = work.within_target(backlog, uncached, rate, params)
+    return ReplicaScore(
+        key=view.key,
+        fits=score >= 0,
+        score=score,
+        capacity=capacity,
+        need_blocks=need,
+        cached_blocks=cached,
+        credit=credit,
+        uncached_tokens=uncached,
+        prefill_backlog=backlog,
+        prefill_rate=rate,
+        ttft_s=ttft,
+        within_target=within,
+        # Past its target the owner loses affinity but keeps its credit here: the reported
+        # queue counts waiting prompts whole (cached prefixes too), so "past target" is
+        # often less than it looks; dropping the credit cost agentic its hit rate (0.72 ->
+        # 0.62) and the 216 req/s SLO (benchmarks/results/policy-balance-2026-12-01.txt).
+        rank_key=fill + credit - ttft / params.target_ttft_s,
+        num_waiting=report.num_waiting,
+        unreflected_requests=view.unreflected_requests,
+        capacity_weight=report.capacity_weight,
+        ongoing=max(view.queue_len, report.num_running + report.num_waiting + view.unreflected_requests),
+    )
+
+
+def load_excess(scores: Sequence[ReplicaScore]) -> dict[ReplicaKey, float]:
+    """Requests ongoing at each replica beyond its share of all ongoing requests, the share
+    being its headroom times its capacity weight over everyone's: a burst spread in
+    proportion to headroom (and speed) has no excess; affinity piling onto one replica has."""
+    if not scores:
+        return {}
+    weights = {s.key: s.capacity * s.capacity_weight for s in scores}
+    total_weight = sum(weights.values())
+    total = sum(s.ongoing for s in scores)
+    return {
+        s.key: s.ongoing - total * (weights[s.key] / total_weight if total_weight > 0 else 1.0 / len(scores))
+        for s in scores
+    }
+
+
+def load_gate_tripped(scores: Sequence[ReplicaScore], params: HeadroomParams) -> bool:
+    """True when some replica has more than load_gate_threshold requests over its share."""
+    return len(scores) >= 2 and max(load_excess(scores).values()) > params.load_gate_threshold
+
+
+def _owner(fitting: Sequence[ReplicaScore]) -> ReplicaScore | None:
+    """The replica with the most credit (> 0), fewest predicted seconds on ties."""
+    best = None
+    for s in fitting:
+        if s.credit > 0 and (best is None or (s.credit, -s.ttft_s) > (best.credit, -best.ttft_s)):
+            best = s
+    return best
+
+
+def rank_replicas(
+    request: RequestProfile | None,
+    views: Sequence[ReplicaView],
+    params: HeadroomParams,
+    now: float,
+    rng: random.Random,
+    hints: Mapping[ReplicaKey, int] | None = None,
+    session_replica: ReplicaKey | None = None,
+) -> Ranking:
+    """Rank the candidate replicas for one request (best first). A replica whose last
+    report says it is unhealthy is never offered, however old that report. `hints`:
+    leading prompt blocks routers sent to each replica (at the fresh reports' block size);
+    `session_replica`: the replica that served the request's session last."""
+    views = [v for v in views if v.report is None or v.report.healthy]
+    if not views:
+        return Ranking(order=(), mode=MODE_NONE_HEALTHY, need_blocks={}, scores={})
+    fresh = [v for v in views if is_fresh(v.report, now, params)]
+    stale = [v for v in views if not is_fresh(v.report, now, params)]
+
+    if request is None or not fresh:
+        need = {}
+        if request is not None:
+            # No fresh block size to go by: a report's block size, however old, is still right.
+            for v in views:
+                if v.report is not None:
+                    need[v.key] = request.total_blocks(v.report.block_size, params.expected_output_tokens)
+        return Ranking(order=tuple(power_of_two(views, rng)), mode=MODE_POW2, need_blocks=need, scores={},
+                       prefill_tokens={k: request.prompt_len for k in need} if request is not None else {})
+
+    hints = hints or {}
+    index = {v.key: i for i, v in enumerate(views)}
+    scores = [score_replica(request, v, params, hints.get(v.key, 0), v.key == session_replica) for v in fresh]
+    fitting = [s for s in scores if s.fits]
+    not_fitting = [s for s in scores if not s.fits]
+
+    # Replicas with more than load_gate_threshold requests over their share (load_excess)
+    # take no affinity and come after the others, least loaded first.
+    excess = load_excess(scores)
+    open_ = [s for s in fitting if excess[s.key] <= params.load_gate_threshold]
+    gated = [s for s in fitting if excess[s.key] > params.load_gate_threshold]
+    owner = _owner([s for s in open_ if s.within_target])
+    # A cold request (no replica caches any of it, no session) also balances by requests:
+    # load above or below a replica's share tilts the order, a gate's worth of excess
+    # weighing one whole rank_key unit (bursty, 4 replicas, 144 req/s: goodput 65.37 ->
+    # 67.54). Not when some replica holds part of the prompt: there the tilt outweighed the
+    # partial credit and cost agentic its hit rate (0.72 -> 0.62) and the 216 req/s SLO
+    # (benchmarks/results/policy-balance-2026-12-01.txt). A spread in proportion to headroom
+    # has no excess either way: the fill term rules.
+    tilt = 0.0 if any(s.credit > 0 for s in scores) else 1.0 / max(params.load_gate_threshold, 1.0)
+    open_.sort(key=lambda s: (s is not owner, -(s.rank_key - tilt * excess[s.key]), -s.score, index[s.key]))
+    gated.sort(key=lambda s: (s.queue_depth, -s.rank_key, index[s.key]))
+    mode = MODE_AFFINITY if owner is not None else MODE_LOAD_GATE if gated else MODE_HEADROOM
+    fitting = open_ + gated
+    not_fitting.sort(key=lambda s: (-s.score, s.queue_depth, index[s.key]))
+
+    order = [s.key for s in fitting] + power_of_two(stale, rng) + [s.key for s in not_fitting]
+    need = {s.key: s.need_blocks for s in scores}
+    prefill = {s.key: s.uncached_tokens for s in scores}
+    for v in stale:
+        if v.report is not None:
+            need[v.key] = request.total_blocks(v.report.block_size, params.expected_output_tokens)
+            prefill[v.key] = request.prompt_len
+    bs = fresh[0].report.block_size  # type: ignore[union-attr]
+    return Ranking(order=tuple(order), mode=mode, need_blocks=need, scores={s.key: s for s in scores},
+                   prefill_tokens=prefill, decode_blocks=decode_blocks(request, bs, params))
