@@ -2,24 +2,8 @@
 view in Redis"): each router adds the work every OTHER router promised each replica since
 that replica's last report, and the prefix hints every router learned.
 
-Keys (prefix = the app's state.key_prefix):
-
-    {prefix}:view:{replica}  hash: one field per router, "blocks,requests,prefill_tokens,
-                             decode_blocks,stamp_ms": that router's unreflected work there
-                             (router/reservations.py's Unreflected), stamped with Redis's
-                             clock; zero work deletes the field. The key expires with
-                             entry_ttl_s; a field older than that is dropped by the next read
-                             (its router died or lost Redis).
-    {prefix}:hints           stream: (router, replica, block hashes) per learned chain,
-                             capped at max_hint_entries (MAXLEN ~). A new router reads it
-                             from the start: its first decisions already know what every
-                             router learned (warm start), not only what the reports show.
-
-Why one field per router, not one counter per replica: a router's own reservations stay
-exact in its local ledger and are never counted twice (a read sums the OTHER routers'
-fields, whatever of its own writes are still in flight), a dead router's work ages out
-with its stamp, and every write is one HSET of the writer's own field: no lost updates.
-The read and the write are Lua scripts (atomic; the read drops stale fields as it goes).
+Where it lives in Redis (the key layout, the wire format, the Lua scripts and why one
+field per router): router/redis_view_scripts.py.
 
 Reads happen in `sync()`, awaited by the Serve router before each decision:
   * mode "per_decision": one round trip (the work of all candidates + new hints, one
@@ -47,52 +31,15 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from router.redis_view_scripts import (
+    PUBLISH_SCRIPT, READ_SCRIPT, as_text, encode_work, hints_key, parse_work, replica_name, script_sha, view_key,
+)
 from router.reservations import PerReplica, ReplicaKey, Unreflected
 from router.routing_view import DEFAULT_HINT_TTL_S, HintTable, LocalRoutingView
 
 logger = logging.getLogger(__name__)
 
 _RECONNECT_MIN_S = 0.1
-
-_NOW_MS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# KEYS view hashes; ARGV router_id, ttl_ms, one "b,r,p,d,newest" per key ("" for none) -> 1
-_PUBLISH = _NOW_MS + """
-for i, key in ipairs(KEYS) do
-  local v = ARGV[i + 2]
-  if v == '' then redis.call('HDEL', key, ARGV[1])
-  else
-    redis.call('HSET', key, ARGV[1], v .. ',' .. now)
-    redis.call('PEXPIRE', key, ARGV[2])
-  end
-end
-return 1
-"""
-
-# KEYS view hashes; ARGV router_id, max_age_ms -> per key, the other routers' fresh values
-# ("b,r,p,d,newest,stamp"; Lua would truncate the float `newest`, so they go back as text);
-# stale fields are deleted.
-_READ = _NOW_MS + """
-local out = {}
-local max_age = tonumber(ARGV[2])
-for i, key in ipairs(KEYS) do
-  local fresh = {}
-  local all = redis.call('HGETALL', key)
-  for j = 1, #all, 2 do
-    if all[j] ~= ARGV[1] then
-      local stamp = tonumber(string.match(all[j + 1], ',(%d+)$'))
-      if stamp == nil or now - stamp > max_age then redis.call('HDEL', key, all[j])
-      else fresh[#fresh + 1] = all[j + 1] end
-    end
-  end
-  out[i] = fresh
-end
-return out
-"""
-
 
 @dataclass(frozen=True)
 class SharedViewSpec:
@@ -128,12 +75,6 @@ class SharedViewSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def replica_name(key: ReplicaKey) -> str:
-    """A replica's name in Redis: Serve's ReplicaID by its unique id, anything else by str."""
-    unique_id = getattr(key, "unique_id", None)
-    return unique_id if isinstance(unique_id, str) else str(key)
 
 
 class RedisRoutingView:
@@ -282,14 +223,14 @@ class RedisRoutingView:
         if result is None:
             return
         work, stream = result
-        self._others = {n: [_parse(v) for v in values] for n, values in zip(names, work, strict=True)}
+        self._others = {n: [parse_work(v) for v in values] for n, values in zip(names, work, strict=True)}
         for _, entries in stream or ():
             for entry_id, data in entries:
-                self._stream_id = _text(entry_id)
-                if _text(data.get(b"router", b"")) != self.router_id:
-                    hashes = [int(h) for h in _text(data[b"hashes"]).split(",") if h]
+                self._stream_id = as_text(entry_id)
+                if as_text(data.get(b"router", b"")) != self.router_id:
+                    hashes = [int(h) for h in as_text(data[b"hashes"]).split(",") if h]
                     learned_s = int(self._stream_id.split("-")[0]) / 1000.0  # Redis's clock
-                    self._shared_hints.learn(_text(data[b"replica"]), hashes, learned_s)
+                    self._shared_hints.learn(as_text(data[b"replica"]), hashes, learned_s)
 
     # -- Redis: writes --------------------------------------------------------------------------
     def _changed(self, *replicas: ReplicaKey | None) -> None:
@@ -304,7 +245,7 @@ class RedisRoutingView:
         u = self.local.unreflected(replica)
         if u == Unreflected():
             return ""
-        return f"{u.blocks},{u.requests},{u.prefill_tokens},{u.decode_blocks},{self.local.newest_unreflected(replica)!r}"
+        return encode_work(u, self.local.newest_unreflected(replica))
 
     def _republish(self) -> None:
         self._last_full_publish = time.monotonic()
@@ -399,8 +340,8 @@ class RedisRoutingView:
             retry=Retry(NoBackoff(), 0),  # no retries: a failed call falls back at once
             health_check_interval=0,
         )
-        self._read_sha = _sha(_READ)
-        self._publish_sha = _sha(_PUBLISH)
+        self._read_sha = script_sha(READ_SCRIPT)
+        self._publish_sha = script_sha(PUBLISH_SCRIPT)
         self._spawn(self._first_connect())
 
     async def _first_connect(self) -> None:
@@ -409,8 +350,8 @@ class RedisRoutingView:
         self._schedule_flush()
 
     async def _load_scripts(self) -> None:
-        await self._client.script_load(_READ)
-        await self._client.script_load(_PUBLISH)
+        await self._client.script_load(READ_SCRIPT)
+        await self._client.script_load(PUBLISH_SCRIPT)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         assert self._loop is not None
@@ -428,11 +369,11 @@ class RedisRoutingView:
         self._keys.setdefault(replica_name(key), key)
 
     def _view_key(self, name: str) -> str:
-        return f"{self.spec.key_prefix}:view:{name}"
+        return view_key(self.spec.key_prefix, name)
 
     @property
     def _hints_key(self) -> str:
-        return f"{self.spec.key_prefix}:hints"
+        return hints_key(self.spec.key_prefix)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -442,18 +383,3 @@ class RedisRoutingView:
         if self._client is not None:
             await self._client.aclose()
 
-
-def _parse(value: bytes | str) -> tuple[Unreflected, float]:
-    """"b,r,p,d,newest,stamp" -> (Unreflected, newest dispatch time)."""
-    b, r, p, d, newest, _ = _text(value).split(",")
-    return Unreflected(int(b), int(r), int(p), int(d)), float(newest)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _sha(script: str) -> str:
-    import hashlib
-
-    return hashlib.sha1(script.encode()).hexdigest()

@@ -13,14 +13,13 @@ from cluster.autoscaling import PoolTargets, QueueDepthPolicy
 from cluster.config import (
     AutoscalingSection,
     EngineSection,
-    IngressSection,
     KVServeConfig,
     ModelSection,
     RoutingSection,
-    StateSection,
     WorkersSection,
 )
 from cluster.config_fields import build, default_of, mapped_fields
+from cluster.ingress_config import IngressSection, StateSection
 from cluster.state_store import RedisStoreSpec
 from router.headroom import HeadroomParams
 from router.redis_view import SharedViewSpec
