@@ -52,6 +52,8 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from benchmarks.open_loop import replay
+
 ROUTERS = ("kv_headroom", "pow2")
 SIM_POLICY = {"kv_headroom": "headroom", "pow2": "pow2"}  # the same code in the simulator
 APP_NAME = "bench-router"
@@ -200,32 +202,8 @@ def app_config(spec: BenchSpec, router: str, app_name: str) -> Any:
 
 async def drive(url: str, requests: list[Any], dilation: float) -> tuple[list[Any], list[float]]:
     """Send each request at its arrival time x dilation; (results, send times in real s)."""
-    from cluster.bench.run import make_client
-    from cluster.bench.stream import send_request
-    from cluster.bench.workload import BenchRequest
-
-    client = make_client(None, 3600.0)
-    loop = asyncio.get_running_loop()
-    start_perf, start = time.perf_counter(), loop.time()
-
-    async def one(i: int, r: Any) -> Any:
-        bench = BenchRequest(index=i, prompt=list(r.prompt_token_ids), prompt_len=len(r.prompt_token_ids),  # type: ignore[arg-type]
-                             max_tokens=r.max_tokens)
-        body = {"model": MODEL, "prompt": list(r.prompt_token_ids), "max_tokens": r.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
-        return await send_request(client, url, body, bench, "completions", start_perf)
-
-    tasks = []
-    try:
-        for i, r in enumerate(requests):
-            delay = start + r.arrival_s * dilation - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)  # the open-loop arrival schedule
-            tasks.append(asyncio.create_task(one(i, r)))
-        results = await asyncio.gather(*tasks)
-    finally:
-        await client.aclose()
-    return list(results), [r.start_s for r in results]
+    results = await replay(url, MODEL, requests, dilation, 3600.0)
+    return results, [r.start_s for r in results]
 
 
 def deploy(spec: BenchSpec, router: str) -> str:

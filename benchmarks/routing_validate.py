@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from benchmarks.open_loop import replay
 from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.workloads import SimRequest, make_workload
 
@@ -251,36 +252,11 @@ def idle_dispatch_latency(url: str, dilation: float, log: Log) -> float:
 async def _drive(url: str, model: str, requests: Sequence[SimRequest], dilation: float) -> list:
     """Send `requests` at their arrival times x dilation, streaming; every one must succeed.
     Returns cluster/bench's RequestResult per request, in the order of `requests`."""
-    from cluster.bench.run import make_client
-    from cluster.bench.stream import send_request
-    from cluster.bench.workload import BenchRequest
-
-    client = make_client(None, 600.0)
-    loop = asyncio.get_running_loop()
-    start_perf = time.perf_counter()
-    start = loop.time()
-
-    async def one(i: int, r: SimRequest):  # noqa: ANN202
-        bench = BenchRequest(index=i, prompt=list(r.prompt_token_ids), prompt_len=len(r.prompt_token_ids),  # type: ignore[arg-type]
-                             max_tokens=r.max_tokens)
-        body = {"model": model, "prompt": list(r.prompt_token_ids), "max_tokens": r.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
-        return await send_request(client, url, body, bench, "completions", start_perf)
-
-    tasks = []
-    try:
-        for i, r in enumerate(requests):
-            delay = start + r.arrival_s * dilation - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, r)))
-        results = await asyncio.gather(*tasks)
-    finally:
-        await client.aclose()
+    results = await replay(url, model, requests, dilation, 600.0)
     failed = [r for r in results if not r.success]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0].error}: {failed[0].error_detail}")
-    return list(results)
+    return results
 
 
 def _figures(results: Sequence) -> Figures:
