@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,20 @@ def ray_is_on_loopback() -> bool:
     from ray._private import ray_constants  # private: the constant Ray read at import
 
     return not ray_constants.ENABLE_RAY_CLUSTER
+
+
+# Ray 2.60 turns token auth on for the clusters it starts (the token in ~/.ray/auth_token),
+# but a driver that joins by an explicit address never turns it on by itself and is refused
+# with InvalidAuthToken. Do what Ray does for address="auto": token mode when a token is
+# there and RAY_AUTH_MODE is unset (an explicit RAY_AUTH_MODE always wins).
+def use_token_auth_if_available(environ: MutableMapping[str, str] = os.environ, home: Path | None = None) -> bool:
+    if "RAY_AUTH_MODE" in environ:
+        return environ["RAY_AUTH_MODE"].lower() == "token"
+    token_path = Path(environ.get("RAY_AUTH_TOKEN_PATH") or (home or Path.home()) / ".ray" / "auth_token")
+    if environ.get("RAY_AUTH_TOKEN") or token_path.is_file():
+        environ["RAY_AUTH_MODE"] = "token"
+        return True
+    return False
 
 
 def start_local_ray(**init_kwargs: Any) -> dict[str, Any]:

@@ -280,11 +280,12 @@ def connect(address: str) -> None:
     """Join the running cluster as a driver (never starts one: an address that does not
     answer is an error). A loopback cluster (kvserve serve's local one) is joined from
     loopback, as its node registered itself (cluster/local_ray.py)."""
-    from cluster.local_ray import LOOPBACK_IP, keep_ray_on_loopback
+    from cluster.local_ray import LOOPBACK_IP, keep_ray_on_loopback, use_token_auth_if_available
 
     host = address.rsplit(":", 1)[0].strip("[]")
     if host in (LOOPBACK_IP, "localhost"):
         keep_ray_on_loopback()
+    use_token_auth_if_available()
     import ray
 
     try:

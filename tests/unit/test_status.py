@@ -127,3 +127,20 @@ def _dead_pid() -> int:
         os._exit(0)
     os.waitpid(pid, 0)
     return pid
+
+
+def test_joining_by_address_uses_the_token_ray_wrote(tmp_path: Path) -> None:
+    """`kvserve serve` runs Ray with token auth (Ray 2.60's default writes ~/.ray/auth_token);
+    a driver joining by an explicit address must turn token mode on itself, or the GCS
+    refuses it (InvalidAuthToken). An explicit RAY_AUTH_MODE always wins."""
+    from cluster.local_ray import use_token_auth_if_available
+
+    env: dict[str, str] = {}
+    assert use_token_auth_if_available(env, home=tmp_path) is False and env == {}
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t" * 64)
+    assert use_token_auth_if_available(env, home=tmp_path) is True and env == {"RAY_AUTH_MODE": "token"}
+    disabled = {"RAY_AUTH_MODE": "disabled"}
+    assert use_token_auth_if_available(disabled, home=tmp_path) is False and disabled == {"RAY_AUTH_MODE": "disabled"}
+    by_env = {"RAY_AUTH_TOKEN": "secret"}
+    assert use_token_auth_if_available(by_env, home=tmp_path / "nowhere") is True and by_env["RAY_AUTH_MODE"] == "token"
