@@ -155,11 +155,11 @@ def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> p.ChatLogpr
     return p.ChatLogprobs(content=content)
 
 
-class CompletionFormatter:
-    """Builds /v1/completions bodies and chunks."""
+class _Formatter:
+    """What both endpoints' formatters share: the response's identity and what was asked."""
 
     def __init__(
-        self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, prompt_logprobs: int | None = None
+        self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, prompt_logprobs: int | None
     ) -> None:
         self.request_id = request_id
         self.model = model
@@ -167,6 +167,15 @@ class CompletionFormatter:
         self.texts = texts
         self.want_logprobs = want_logprobs
         self.prompt_logprobs = prompt_logprobs  # vLLM's k, None when not asked
+
+
+class CompletionFormatter(_Formatter):
+    """Builds /v1/completions bodies and chunks."""
+
+    def __init__(
+        self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, prompt_logprobs: int | None = None
+    ) -> None:
+        super().__init__(request_id, model, texts, want_logprobs, prompt_logprobs)
         self._offsets: dict[int, int] = {}
         # echo: each choice's prompt text, by choice index (OpenAI's `echo` puts it before
         # the completion; streamed as the choice's first chunk, as vLLM does).
@@ -241,19 +250,14 @@ class CompletionFormatter:
         return p.CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage)
 
 
-class ChatFormatter:
+class ChatFormatter(_Formatter):
     """Builds /v1/chat/completions bodies and chunks."""
 
     def __init__(
         self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, tool_mode: tools.ToolMode | None = None,
         prompt_logprobs: int | None = None,
     ) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.texts = texts
-        self.want_logprobs = want_logprobs
-        self.prompt_logprobs = prompt_logprobs  # vLLM's k, None when not asked
+        super().__init__(request_id, model, texts, want_logprobs, prompt_logprobs)
         # Tool calling: one parser per streamed choice (it counts the calls it has sent).
         self.tool_mode = tool_mode
         self._parsers: dict[int, tools.ToolParser] = {}
