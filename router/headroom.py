@@ -33,6 +33,9 @@ class HeadroomParams:
     # robin's level). Counted on requests ongoing there (Serve's queue length), 8 kept
     # affinity on for ~85% of b2b's decisions at saturation (hit 0.79, simulator, 4 replicas).
     load_gate_threshold: float = 8.0
+    # ...or this fraction of the replica's share of the ongoing requests, when that is more
+    # (router/ranking.py gate_limits): the spread a busy cluster shows anyway.
+    load_gate_fraction: float = 0.25
     # The period at which replicas report (RequestRouterConfig.request_routing_stats_period_s):
     # `serve_router_config()` sets Serve's period from this field, so the two cannot differ.
     stats_period_s: float = 1.0
@@ -65,8 +68,8 @@ class HeadroomParams:
             raise ValueError(f"expected_output_tokens must be >= 0, got {self.expected_output_tokens}")
         if self.prefix_weight < 0:
             raise ValueError(f"prefix_weight must be >= 0, got {self.prefix_weight}")
-        if self.load_gate_threshold < 0:
-            raise ValueError(f"load_gate_threshold must be >= 0, got {self.load_gate_threshold}")
+        if self.load_gate_threshold < 0 or self.load_gate_fraction < 0:
+            raise ValueError("load_gate_threshold and load_gate_fraction must be >= 0")
         if self.stats_period_s <= 0 or self.stale_after_periods <= 0:
             raise ValueError("stats_period_s and stale_after_periods must be > 0")
         if self.report_lag_s < 0:

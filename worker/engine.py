@@ -351,8 +351,8 @@ class Engine:
             kv=self.kv.stats(),
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            # Waiting imports count too: their tokens are the blocks they wait for (routing reserves them).
-            num_waiting_prompt_tokens=sum(s.num_uncomputed_tokens for s in self.scheduler.waiting),
+            # Uncached only (Scheduler.waiting_uncached_tokens): the router's prefill backlog.
+            num_waiting_prompt_tokens=self.scheduler.waiting_uncached_tokens(),
             num_preemptions=self.scheduler.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
             num_steps=self.num_steps,

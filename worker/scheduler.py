@@ -197,6 +197,23 @@ class Scheduler:
         seq.finish_reason = reason
         return True
 
+    def waiting_uncached_tokens(self) -> int:
+        """Prompt tokens the waiting sequences would still have to prefill if admitted now:
+        their cached prefix blocks (as admission would find them) do not count. What the
+        router's work model needs: counting a queued request's cached prefix as work made a
+        replica holding a popular prefix look backlogged by thousands of tokens it will never
+        compute, and the router released its affinity for nothing. Imports count whole
+        (their tokens are the blocks they wait for), as do prompt_logprobs requests (they
+        skip the cache)."""
+        total = 0
+        for seq in self.waiting:
+            if seq.kv_import is None and seq.params.prompt_logprobs is None:
+                cached = len(self.kv.get_computed_blocks(seq.request_id, seq.token_ids)) * self.kv.block_size
+                total += max(seq.num_tokens - cached, 0)
+            else:
+                total += seq.num_uncomputed_tokens
+        return total
+
     # -- removal from outside the step (abort, failed step) ---------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence that is waiting or running now (abort / error); frees its blocks."""

@@ -53,7 +53,7 @@ class Orchestrator:
         req = flight.request
         # Counted from the arrival, not from now: now is later by SimConfig.dispatch_latency_s.
         flight.record = self.sim.tracker.add(req.request_id, req.arrival_s, len(req.prompt_token_ids),
-                                             req.max_tokens)
+                                             req.max_tokens, req.warmup)
         flight.record.ingress = flight.router.index
         flight.routing_request = RoutingRequest(req.request_id, req.prompt_token_ids, req.max_tokens, req.session_id)
         self.flights[req.request_id] = flight

@@ -75,6 +75,7 @@ class SimRouter:
         self.report_age_sum = 0.0
         self.min_report_age = float("inf")
         self.num_dispatched_unreported = 0
+        self.modes: dict[str, int] = {}  # decisions by the policy's mode (router/ranking.py MODE_*), if it has modes
 
     @property
     def num_queued(self) -> int:
@@ -104,7 +105,11 @@ class SimRouter:
         reports = self.reports
         views = [ReplicaView(r.key, reports.get(r.key), queue_len=r.num_ongoing) for r in live]
         policy = self.policies[role]
-        for key in policy.rank(pending.routing_request, views, now):
+        order = policy.rank(pending.routing_request, views, now)
+        mode = getattr(policy, "last_mode", "")
+        if mode:
+            self.modes[mode] = self.modes.get(mode, 0) + 1
+        for key in order:
             replica = pool.replicas.get(key)
             if replica is None or not replica.accepting or replica.num_ongoing >= cap:
                 continue
@@ -132,6 +137,7 @@ class SimRouter:
             "num_dispatched_unreported": self.num_dispatched_unreported,
             "mean_report_age_s": self.report_age_sum / num_reported if num_reported else None,
             "min_report_age_s": self.min_report_age if num_reported else None,
+            "modes": dict(self.modes),
         }
 
     def complete(self, role: str, request_id: str, replica_key: int) -> None:

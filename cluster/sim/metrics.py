@@ -13,8 +13,13 @@ Definitions (every time is virtual, in seconds):
   goodput     requests/s that finished with TTFT <= slo_ttft_s AND TPOT <= slo_itl_s
               (DistServe's per-request SLO attainment), / duration. `goodput_fraction` is
               the share of all requests that did (rejected and failed ones count as missed).
-  prefix-cache hit rate   prompt tokens served from the prefix cache / prompt tokens
-              looked up, at admission (the engine's own counters, summed over replicas).
+  prefix-cache hit rate   prompt tokens served from the prefix cache / prompt tokens,
+              over the measured requests that got a first token (as each one's first
+              output reported it: the engine's own count at its admission).
+  warm-up     requests a workload marks `warmup` (SimRequest.warmup: e.g. one per b2b
+              group, so the caches start in the state a long-running cluster would be in)
+              are served like any other and load the replicas, but no figure counts them:
+              they are not in `records`, their tokens add no ITL, they never end a run early.
   load imbalance   max / mean of per-replica busy time (virtual time spent in steps), over
               every replica that was ever up (with autoscaling, short-lived ones lower the mean).
 """
@@ -58,11 +63,13 @@ class RequestRecord:
         "replica_keys",
         "request_id",
         "token_times",
+        "warmup",
     )
 
     def __init__(self, request_id: str, arrival_s: float, num_prompt_tokens: int, max_tokens: int,
-                 keep_token_times: bool) -> None:
+                 keep_token_times: bool, warmup: bool = False) -> None:
         self.request_id = request_id
+        self.warmup = warmup
         self.arrival_s = arrival_s
         self.num_prompt_tokens = num_prompt_tokens
         self.max_tokens = max_tokens
@@ -97,16 +104,22 @@ class Tracker:
     """Receives every output the replicas deliver and keeps the records."""
 
     def __init__(self, keep_token_times: bool = False, slo_ttft_s: float = math.inf) -> None:
-        self.records: dict[str, RequestRecord] = {}
+        self.records: dict[str, RequestRecord] = {}  # measured requests only
+        self.num_warmup = 0
         self.keep_token_times = keep_token_times
         self.itl = array("f")  # every inter-token gap (float32: 4 bytes a token)
         self.num_done = 0
         self.slo_ttft_s = slo_ttft_s
         self.num_late = 0  # requests whose first token came after slo_ttft_s
 
-    def add(self, request_id: str, arrival_s: float, num_prompt_tokens: int, max_tokens: int) -> RequestRecord:
-        rec = RequestRecord(request_id, arrival_s, num_prompt_tokens, max_tokens, self.keep_token_times)
-        self.records[request_id] = rec
+    def add(self, request_id: str, arrival_s: float, num_prompt_tokens: int, max_tokens: int,
+            warmup: bool = False) -> RequestRecord:
+        rec = RequestRecord(request_id, arrival_s, num_prompt_tokens, max_tokens, self.keep_token_times and not warmup,
+                            warmup)
+        if warmup:
+            self.num_warmup += 1
+        else:
+            self.records[request_id] = rec
         return rec
 
     def on_tokens(self, rec: RequestRecord, out: RequestOutput, now: float) -> None:
@@ -116,9 +129,9 @@ class Tracker:
         if rec.first_token_s is None:
             rec.first_token_s = now
             rec.num_cached_tokens = out.num_cached_tokens
-            if now - rec.arrival_s > self.slo_ttft_s:
+            if now - rec.arrival_s > self.slo_ttft_s and not rec.warmup:
                 self.num_late += 1
-        else:
+        elif not rec.warmup:
             self.itl.append(now - rec.last_token_s)  # type: ignore[operator]
         rec.last_token_s = now
         rec.num_output_tokens += n
@@ -169,8 +182,9 @@ class SimResult:
         num_output = sum(r.num_output_tokens for r in ok)
         slo_ttft, slo_itl = cfg.slo_ttft_ms / 1000.0, cfg.slo_itl_ms / 1000.0
         num_good = sum(1 for r in ok if r.ttft_s <= slo_ttft and r.tpot_s <= slo_itl)  # type: ignore[operator]
-        queries = sum(r.engine.kv.prefix_cache_queries for r in self.replicas)
-        hits = sum(r.engine.kv.prefix_cache_hits for r in self.replicas)
+        started = [r for r in self.records if r.first_token_s is not None]
+        prompt_tokens = sum(r.num_prompt_tokens for r in started)
+        cached_tokens = sum(r.num_cached_tokens for r in started)
         busy = [r.busy_s for r in self.replicas if r.ready_at is not None]  # cancelled starts never served
         mean_busy = sum(busy) / len(busy) if busy else 0.0
         return {
@@ -193,7 +207,7 @@ class SimResult:
             "goodput_rps": num_good / duration if duration > 0 else 0.0,
             "goodput_fraction": num_good / len(self.records) if self.records else 0.0,
             "num_preemptions": sum(r.engine.scheduler.num_preemptions for r in self.replicas),
-            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
             "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
             "num_replicas_created": len(self.replicas),
             "max_live_replicas": max((n for _, n in self.replica_count), default=len(self.replicas)),

@@ -260,7 +260,8 @@ class Simulation:
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
         self._num_requests = len(requests)
-        self._late_limit = late_requests_proving_p99_miss(len(requests)) if self.config.stop_at_slo_miss else math.inf
+        num_measured = sum(1 for r in requests if not r.warmup)
+        self._late_limit = late_requests_proving_p99_miss(num_measured) if self.config.stop_at_slo_miss else math.inf
         for role, pool in self.pools.items():
             n = self.config.disagg.num_replicas(role) if self.config.disagg.enabled else self.config.num_replicas
             for _ in range(n):

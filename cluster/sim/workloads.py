@@ -40,6 +40,9 @@ class SimRequest:
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     session_id: str | None = None
+    # Served like any other request, measured by no figure (cluster/sim/metrics.py): what
+    # brings the replicas' caches to the state a long-running cluster would be in.
+    warmup: bool = False
 
 
 def make_workload(kind: str, num_requests: int, rate_rps: float, seed: int, **kw: object) -> list[SimRequest]:
@@ -86,18 +89,32 @@ def _around(rng: np.random.Generator, mean: int, size: int | None = None) -> np.
 
 def _shared_prefix_requests(rng: np.random.Generator, kind: str, group_name: str, n: int, rate_rps: float,
                             num_groups: int, prefix_len: int,
-                            lengths: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]]) -> list[SimRequest]:
+                            lengths: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]],
+                            warmup_s: float = 0.0) -> list[SimRequest]:
     """n requests arriving as a Poisson process, each one of `num_groups` shared prefixes
     (`prefix_len` tokens, picked uniformly; the session id names it) followed by a fresh
     suffix. `lengths(rng, n)` draws the (suffix, output) lengths. The order of the draws
-    (prefixes, arrivals, groups, lengths, suffixes) is part of what a seed means: changing
-    it changes every seeded b2b / code workload."""
+    (prefixes, arrivals, groups, lengths, suffixes, then any warm-up) is part of what a
+    seed means: changing it changes every seeded b2b / code workload.
+
+    warmup_s > 0: first, one warm-up request per group (its prefix + a fresh suffix, an
+    answer drawn like the others') at uniform random times in [0, warmup_s); the measured
+    requests then arrive from warmup_s on. A long-running cluster holds every group's
+    prefix somewhere, and is decoding answers when a request arrives; without the warm-up a
+    short run would measure mostly first-time misses on idle replicas."""
     prefixes = [_tokens(rng, prefix_len) for _ in range(num_groups)]
     arrivals = _poisson_arrivals(rng, n, rate_rps)
     groups = rng.integers(0, num_groups, size=n)
     suffixes, outputs = lengths(rng, n)
-    return [SimRequest(f"{kind}-{i}", float(arrivals[i]), prefixes[groups[i]] + _tokens(rng, suffixes[i]),
-                       int(outputs[i]), session_id=f"{group_name}-{groups[i]}") for i in range(n)]
+    out = [SimRequest(f"{kind}-{i}", warmup_s + float(arrivals[i]), prefixes[groups[i]] + _tokens(rng, suffixes[i]),
+                      int(outputs[i]), session_id=f"{group_name}-{groups[i]}") for i in range(n)]
+    if warmup_s > 0:
+        times = rng.uniform(0.0, warmup_s, size=num_groups)
+        warm_suffixes, warm_outputs = lengths(rng, num_groups)
+        out += [SimRequest(f"{kind}-warmup-{g}", float(times[g]), prefixes[g] + _tokens(rng, warm_suffixes[g]),
+                           int(warm_outputs[g]), session_id=f"{group_name}-{g}", warmup=True)
+                for g in range(num_groups)]
+    return out
 
 
 # -- the kinds ------------------------------------------------------------------------------
@@ -137,58 +154,77 @@ def _bursty(rng: np.random.Generator, n: int, rate_rps: float, gamma_shape: floa
     return _sharegpt_requests(rng, "bursty", arrivals, input_mean, output_mean, sigma, max_len)
 
 
-# llm-d's shared-prefix benchmark shape (many customer groups, each a long system prompt
-# shared by its questions, long-ish answers), scaled down so that a group's prefix is a
-# few hundred KV blocks, not thousands: a fraction of one replica's cache, so affinity
-# matters but one replica cannot hold every group.
-B2B_NUM_GROUPS = 32
-B2B_PREFIX_LEN = 2048
-B2B_QUESTION_LEN = 256
+# llm-d's shared-prefix benchmark (its precise prefix-cache scorer, 2025-09): customer
+# groups, each a 6,000-token system prefix shared by its users' 1,200-token questions. Its
+# 150 groups needed 73% of that cluster's KV; benchmarks/routing.py sizes num_groups the
+# same way for the simulated cluster (B2B_KV_SHARE of its KV), so that one replica cannot
+# hold every group but the cluster can hold each group once.
+B2B_NUM_GROUPS = 150
+B2B_PREFIX_LEN = 6000
+B2B_QUESTION_LEN = 1200
 B2B_OUTPUT_LEN = 256
+B2B_KV_SHARE = 0.73
 
 
 def _b2b(rng: np.random.Generator, n: int, rate_rps: float, num_groups: int = B2B_NUM_GROUPS,
          prefix_len: int = B2B_PREFIX_LEN, question_len: int = B2B_QUESTION_LEN,
-         output_len: int = B2B_OUTPUT_LEN) -> list[SimRequest]:
+         output_len: int = B2B_OUTPUT_LEN, warmup_s: float = 0.0) -> list[SimRequest]:
     # Questions and answers vary +-50% around their means (uniform): distinct, similar size.
     return _shared_prefix_requests(
         rng, "b2b", "group", n, rate_rps, num_groups, prefix_len,
-        lambda rng, n: (_around(rng, question_len, n), _around(rng, output_len, n)),
+        lambda rng, n: (_around(rng, question_len, n), _around(rng, output_len, n)), warmup_s,
     )
 
 
 # Agentic sessions: a system prompt + tools, then turns that each append the previous
-# answer (as the client re-sends it) and a new message / tool result to the history.
-AGENTIC_TURNS = 8
-AGENTIC_SYSTEM_LEN = 1024
-AGENTIC_TURN_LEN = 256
-AGENTIC_OUTPUT_LEN = 128
+# answer (as the client re-sends it) and a new message / tool result to the history. Tool
+# results are long and answers (tool calls) short: a session's prompt grows from ~3k to
+# ~16k tokens (mean ~9.5k) with 160-token answers, the shape of agent traces such as
+# Mooncake's tool-agent trace (high reuse, cache ratio ~59%). Round robin re-sends each
+# history to a replica that saw an older turn, or none; and every replica it visits
+# keeps its own copy of the history.
+AGENTIC_TURNS = 12
+AGENTIC_SYSTEM_LEN = 2048
+AGENTIC_TURN_LEN = 1024
+AGENTIC_OUTPUT_LEN = 160
 AGENTIC_THINK_S = 2.0
 
 
 def _agentic(rng: np.random.Generator, n: int, rate_rps: float, turns: int = AGENTIC_TURNS,
              system_len: int = AGENTIC_SYSTEM_LEN, turn_len: int = AGENTIC_TURN_LEN,
-             output_len: int = AGENTIC_OUTPUT_LEN, think_s: float = AGENTIC_THINK_S) -> list[SimRequest]:
+             output_len: int = AGENTIC_OUTPUT_LEN, think_s: float = AGENTIC_THINK_S,
+             warmup_s: float = 0.0) -> list[SimRequest]:
     """Sessions start as a Poisson process at rate_rps / turns (so requests arrive at
     ~rate_rps overall); turn k+1 arrives think time (exponential, mean think_s) after turn
     k's arrival: open loop, it does not wait for turn k's answer. The answer re-sent in
     the history is the workload's own draw, not the tokens the simulated engine produced,
     so a turn's cache hit covers the previous prompt, not the previous answer (a real
-    client re-sends the answer the engine did produce; that part would hit as well)."""
+    client re-sends the answer the engine did produce; that part would hit as well).
+
+    warmup_s > 0: the turns that arrive before warmup_s are warm-up requests (served, not
+    measured; `n` counts the measured ones), so the measured window starts with sessions
+    already in flight, as a long-running cluster has them, instead of an empty cluster."""
     num_sessions = -(-n // turns)
-    starts = _poisson_arrivals(rng, num_sessions, rate_rps / turns)
+    starts = list(_poisson_arrivals(rng, num_sessions, rate_rps / turns))
     out: list[SimRequest] = []
-    for s in range(num_sessions):
+    measured = 0
+    s = 0
+    while measured < n:
+        if s == len(starts):  # warm-up turns took some of the sessions' requests: more sessions
+            starts.append(starts[-1] + float(rng.exponential(turns / rate_rps)))
         history = _tokens(rng, system_len)
         t = float(starts[s])
         for k in range(turns):
-            if len(out) == n:
+            if measured == n:
                 break
             history = history + _tokens(rng, _around(rng, turn_len))
             max_tokens = int(_around(rng, output_len))
-            out.append(SimRequest(f"agentic-{s}-{k}", t, history, max_tokens, session_id=f"session-{s}"))
+            warm = t < warmup_s
+            out.append(SimRequest(f"agentic-{s}-{k}", t, history, max_tokens, session_id=f"session-{s}", warmup=warm))
+            measured += not warm
             history = history + _tokens(rng, max_tokens)  # the answer, as the client re-sends it
             t += float(rng.exponential(think_s))
+        s += 1
     return out
 
 

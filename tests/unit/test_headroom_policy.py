@@ -321,6 +321,21 @@ def test_load_gate_counts_unreflected_dispatches_as_queue_depth() -> None:
     assert load_gate_tripped(skewed, PARAMS)  # excess 40 - 20 = 20 > 8
 
 
+def test_the_gate_limit_grows_with_each_replicas_share_of_a_busy_cluster() -> None:
+    """load_gate_fraction: 8 over a share of 20 is a hot spot; 20 over a share of 120 (a busy
+    replica of 256 slots) is the ordinary spread, and 40 over it is a hot spot again."""
+    r = report(100)
+
+    def scores(a: int, b: int) -> list:
+        return [score_replica(small_request(), ReplicaView(k, r, unreflected_requests=n), PARAMS) for k, n in (("a", a), ("b", b))]
+
+    assert PARAMS.load_gate_threshold == 8 and PARAMS.load_gate_fraction == 0.25
+    assert load_gate_tripped(scores(29, 11), PARAMS)  # share 20, limit 8: excess 9
+    assert not load_gate_tripped(scores(140, 100), PARAMS)  # share 120, limit 30: excess 20
+    assert load_gate_tripped(scores(160, 80), PARAMS)  # share 120, limit 30: excess 40
+    assert not load_gate_tripped(scores(29, 11), replace(PARAMS, load_gate_fraction=0.5, load_gate_threshold=10))
+
+
 # ---------------------------------------------------------------- stale / missing stats
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from benchmarks.routing_search import RunFigures, Search, Window, goodput_at_slo
 from benchmarks.routing_validate import Figures, into_vocab
 from cluster.sim.workloads import SimRequest
@@ -101,3 +103,30 @@ def test_multi_ingress_configs_differ_from_one_router_only_in_routers_and_view()
     private, shared = (sim_config("headroom", 4, NUM_INGRESS, shared_view=s) for s in (False, True))
     assert (private.num_ingress, private.shared_view, shared.shared_view) == (NUM_INGRESS, False, True)
     assert private.policy_params == shared.policy_params == sim_config("headroom", 4).policy_params
+
+
+def test_b2b_is_sized_to_llm_ds_share_of_the_clusters_kv_with_a_warm_up() -> None:
+    """b2b groups fill B2B_KV_SHARE (73%) of the simulated cluster's KV at any replica count
+    (one replica cannot hold them all, the cluster holds each once), and the warm-up spreads
+    one request per group so that their prefill is WARMUP_PREFILL_SHARE of the cluster's."""
+    from benchmarks.routing import WARMUP_PREFILL_SHARE, modelled_prefill_tokens_per_s, sim_config, workload_kw
+    from cluster.sim.run import SimDevice
+    from cluster.sim.workloads import B2B_KV_SHARE, B2B_PREFIX_LEN, B2B_QUESTION_LEN
+
+    assert workload_kw("sharegpt", 4) == {} and workload_kw("agentic", 8) == {"warmup_s": 24.0}
+    for n in (4, 8):
+        kw = workload_kw("b2b", n)
+        kv_tokens = n * SimDevice.from_config(sim_config("round_robin", n)).num_blocks * 16
+        assert kw["num_groups"] * B2B_PREFIX_LEN == pytest.approx(B2B_KV_SHARE * kv_tokens, rel=0.01)
+        assert kw["num_groups"] * B2B_PREFIX_LEN > kv_tokens / n  # more than one replica holds
+        prefill_s = kw["num_groups"] * (B2B_PREFIX_LEN + B2B_QUESTION_LEN) / (n * modelled_prefill_tokens_per_s())
+        assert kw["warmup_s"] == pytest.approx(prefill_s / WARMUP_PREFILL_SHARE, abs=0.1)
+
+
+def test_cell_goodput_is_the_highest_rate_that_met_the_slo() -> None:
+    from benchmarks.routing import Cell
+
+    met = RunFigures(40.0, True, 31.5, 0.1, 1.2, 0.05, 900.0, 0.8, 1.1)
+    never = RunFigures(0.0, False, 0.0, math.nan, math.nan, math.nan, 0.0, 0.0, 1.0)
+    assert Cell([met], []).goodput() == 40.0 and Cell([met], []).attained() == 31.5
+    assert Cell([met, never], []).goodput() == 20.0

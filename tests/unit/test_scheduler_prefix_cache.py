@@ -68,3 +68,31 @@ def test_prefix_cache_hit_chunked_prefill_rest() -> None:
     assert b.num_cached_tokens == 8
     assert chunks == [5, 5]
     assert all_free(sched)
+
+
+def test_waiting_uncached_tokens_leave_out_cached_prefixes() -> None:
+    """The router's prefill backlog: a waiting request whose prefix is cached counts only
+    what admission would still compute (whole blocks hit; one token always computed); a
+    prompt_logprobs request skips the cache, so it counts whole. Nothing is allocated."""
+    sched = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=1)
+    prompt = list(range(300, 312))  # 3 full blocks
+    a = Sequence("a", prompt, SamplingParams(max_tokens=1))
+    sched.add(a)
+    step(sched)
+    assert a.is_finished and sched.kv.stats().num_cached_blocks == 3
+
+    hog = Sequence("hog", list(range(900, 904)), SamplingParams(max_tokens=8))  # holds the one slot
+    sched.add(hog)
+    step(sched)
+    b = Sequence("b", prompt + [1, 2, 3, 4, 5], SamplingParams(max_tokens=1))  # 12 cached + 5
+    c = Sequence("c", list(prompt), SamplingParams(max_tokens=1))  # the last block is computed
+    d = Sequence("d", prompt + [7], SamplingParams(max_tokens=1, prompt_logprobs=0))  # skips the cache
+    e = Sequence("e", list(range(500, 506)), SamplingParams(max_tokens=1))  # nothing cached
+    for seq in (b, c, d, e):
+        sched.add(seq)
+    free = sched.kv.num_free_blocks
+    assert sched.waiting_uncached_tokens() == 5 + 4 + 13 + 6
+    assert sched.kv.num_free_blocks == free
+    while sched.has_unfinished():
+        step(sched)
+    assert all_free(sched)

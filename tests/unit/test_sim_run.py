@@ -22,7 +22,7 @@ def _requests(specs: list[tuple[float, int, int]], base: int = 1) -> list[SimReq
 
 
 def test_same_seed_gives_identical_json_other_seed_differs() -> None:
-    reqs = make_workload("b2b", 120, 30.0, seed=5, num_groups=6, prefix_len=512)
+    reqs = make_workload("b2b", 120, 30.0, seed=5, num_groups=6, prefix_len=512, question_len=256)
     cfg = SimConfig(num_replicas=3, router="pow2", num_ingress=2, stats_period_s=0.5, seed=5, num_blocks=2000)
     first = simulate(cfg, reqs).to_json()
     assert simulate(cfg, reqs).to_json() == first
@@ -131,14 +131,32 @@ def test_autoscaling_adds_replicas_after_the_startup_delay_and_drains_without_dr
             assert all(r.finish_s <= replica.removed_at for r in served)
 
 
-@pytest.mark.parametrize("kind,floor", [("b2b", 0.5), ("agentic", 0.4)])
-def test_shared_prefixes_hit_the_real_prefix_cache(kind: str, floor: float) -> None:
-    reqs = make_workload(kind, 80, 8.0, seed=0)
-    result = simulate(SimConfig(num_replicas=1), reqs)
+@pytest.mark.parametrize("kind,floor,kw", [("b2b", 0.5, {"num_groups": 4}), ("agentic", 0.4, {})])
+def test_shared_prefixes_hit_the_real_prefix_cache(kind: str, floor: float, kw: dict) -> None:
+    reqs = make_workload(kind, 80, 8.0, seed=0, **kw)
+    result = simulate(SimConfig(num_replicas=1, max_model_len=32768), reqs)  # agentic histories reach ~16k
     s = result.summary()
     assert s["num_finished"] == 80
     assert s["prefix_cache_hit_rate"] > floor
     assert sum(r.num_cached_tokens for r in result.records) > 0
+
+
+def test_warmup_requests_load_the_replica_but_no_figure_counts_them() -> None:
+    """b2b with a warm-up: every group's prefix is cached before the measured requests
+    arrive, so (one replica) every measured request hits its whole prefix; the warm-up
+    requests are served but absent from the records and the hit rate."""
+    groups, prefix = 6, 512
+    reqs = make_workload("b2b", 30, 10.0, seed=3, num_groups=groups, prefix_len=prefix, question_len=64,
+                         output_len=8, warmup_s=2.0)
+    assert sum(r.warmup for r in reqs) == groups and all(4 <= r.max_tokens <= 12 for r in reqs if r.warmup)
+    assert min(r.arrival_s for r in reqs if not r.warmup) >= 2.0 > max(r.arrival_s for r in reqs if r.warmup)
+    result = simulate(SimConfig(num_replicas=1), reqs)
+    s = result.summary()
+    assert s["num_requests"] == s["num_finished"] == 30
+    assert all(not r.warmup and r.num_cached_tokens >= prefix for r in result.records)
+    prompt = sum(r.num_prompt_tokens for r in result.records)
+    assert s["prefix_cache_hit_rate"] == pytest.approx(sum(r.num_cached_tokens for r in result.records) / prompt)
+    assert s["duration_s"] <= max(r.finish_s for r in result.records) - 2.0
 
 
 def test_requests_longer_than_the_model_allows_are_rejected_not_dropped() -> None:
@@ -171,7 +189,7 @@ def test_requests_spread_over_ingress_routers_round_robin_or_by_session(assignme
 def test_reported_prefix_hashes_reach_the_policies() -> None:
     """Prefix affinity sees each replica's cached hashes only through its stale reports;
     with them it keeps a group on one replica and misses less than round robin."""
-    reqs = make_workload("b2b", 120, 10.0, seed=0, num_groups=8, prefix_len=512)
+    reqs = make_workload("b2b", 120, 10.0, seed=0, num_groups=8, prefix_len=512, question_len=256)
     hit = {}
     for router in ("round_robin", "prefix_affinity"):
         cfg = SimConfig(num_replicas=4, router=router, num_blocks=3000, stats_period_s=0.5)

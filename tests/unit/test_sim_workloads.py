@@ -71,6 +71,21 @@ def test_agentic_turns_resend_the_growing_history() -> None:
             assert len(nxt.prompt_token_ids) > len(prev.prompt_token_ids) + prev.max_tokens
 
 
+def test_agentic_warmup_turns_put_sessions_in_flight_before_the_measured_window() -> None:
+    """warmup_s: turns before it are warm-up; n counts the measured ones; with warmup_s 0 the
+    workload is the one it always was (the same draws)."""
+    plain = make_workload("agentic", 60, 6.0, seed=4, turns=6)
+    assert plain == make_workload("agentic", 60, 6.0, seed=4, turns=6, warmup_s=0.0)
+    reqs = make_workload("agentic", 60, 6.0, seed=4, turns=6, warmup_s=5.0)
+    measured = [r for r in reqs if not r.warmup]
+    warm = [r for r in reqs if r.warmup]
+    assert len(measured) == 60 and warm
+    assert all(r.arrival_s < 5.0 for r in warm) and all(r.arrival_s >= 5.0 for r in measured)
+    # Some measured turns continue sessions that started in the warm-up (a later turn).
+    warm_sessions = {r.session_id for r in warm}
+    assert any(r.session_id in warm_sessions for r in measured)
+
+
 def test_code_prompts_are_long_outputs_short() -> None:
     reqs = make_workload("code", 100, 1.0, seed=0)
     inputs = np.array([len(r.prompt_token_ids) for r in reqs])
