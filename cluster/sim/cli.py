@@ -139,4 +139,7 @@ def _print_report(s: dict[str, Any], args: argparse.Namespace, wall_s: float) ->
           f"load imbalance {s['load_imbalance']:.2f}   rejected {s['num_rejected']}")
     if s["num_rejected"]:
         print(f"  {s['num_rejected']} requests rejected by the engine, e.g.: {s['rejection_example']}")
+        if "max_model_len" in str(s["rejection_example"]):
+            print("  (--max-model-len serves longer prompts, e.g. 131072 for Llama 3.1's context; agentic "
+                  "histories reach ~16k tokens, code prompts 64k)")
     print(f"  simulated {s['duration_s']:.1f} s in {wall_s:.1f} s wall ({s['num_events']} events)")
