@@ -77,6 +77,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
+        seq.waiting_uncached_tokens = self._uncached_tokens(seq)
         self.waiting.append(seq)
 
     # -- planning ----------------------------------------------------------------------
@@ -152,6 +153,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        seq.waiting_uncached_tokens = self._uncached_tokens(seq)  # its freed blocks are cached now
         self.waiting.appendleft(seq)
 
     # -- applying a step's result --------------------------------------------------------
@@ -198,21 +200,23 @@ class Scheduler:
         return True
 
     def waiting_uncached_tokens(self) -> int:
-        """Prompt tokens the waiting sequences would still have to prefill if admitted now:
-        their cached prefix blocks (as admission would find them) do not count. What the
-        router's work model needs: counting a queued request's cached prefix as work made a
-        replica holding a popular prefix look backlogged by thousands of tokens it will never
-        compute, and the router released its affinity for nothing. Imports count whole
-        (their tokens are the blocks they wait for), as do prompt_logprobs requests (they
-        skip the cache)."""
-        total = 0
-        for seq in self.waiting:
-            if seq.kv_import is None and seq.params.prompt_logprobs is None:
-                cached = len(self.kv.get_computed_blocks(seq.request_id, seq.token_ids)) * self.kv.block_size
-                total += max(seq.num_tokens - cached, 0)
-            else:
-                total += seq.num_uncomputed_tokens
-        return total
+        """Prompt tokens the waiting sequences would still have to prefill: their cached
+        prefix blocks do not count. What the router's work model needs: counting a queued
+        request's cached prefix as work made a replica holding a popular prefix look
+        backlogged by thousands of tokens it will never compute, and the router released its
+        affinity for nothing. Each sequence's figure is taken when it joins the queue (one
+        prefix-cache walk, its hashes memoized for admission), not per step: the engine takes
+        stats after every step, and a walk over a long queue of long prompts each time would
+        cost the step loop milliseconds."""
+        return sum(seq.waiting_uncached_tokens for seq in self.waiting)
+
+    def _uncached_tokens(self, seq: Sequence) -> int:
+        """What admission would compute if it ran now. Imports count whole (their tokens are
+        the blocks they wait for), as do prompt_logprobs requests (they skip the cache)."""
+        if seq.kv_import is not None or seq.params.prompt_logprobs is not None:
+            return seq.num_uncomputed_tokens
+        cached = len(self.kv.get_computed_blocks(seq.request_id, seq.token_ids)) * self.kv.block_size
+        return max(seq.num_tokens - cached, 0)
 
     # -- removal from outside the step (abort, failed step) ---------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -49,6 +49,7 @@ class Sequence:
         "kv_import",
         "grammar",
         "prompt_logprobs",
+        "waiting_uncached_tokens",
     )
 
     def __init__(
@@ -86,6 +87,9 @@ class Sequence:
         # appended by the runner chunk by chunk; their count says where the next chunk
         # resumes, so a preempted prefill never emits a token's entry twice.
         self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
+        # While waiting: the tokens admission would compute, as the prefix cache stood when
+        # it joined the queue (Scheduler.waiting_uncached_tokens, the router's backlog).
+        self.waiting_uncached_tokens = 0
 
     @property
     def num_tokens(self) -> int:

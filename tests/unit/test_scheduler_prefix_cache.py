@@ -73,7 +73,8 @@ def test_prefix_cache_hit_chunked_prefill_rest() -> None:
 def test_waiting_uncached_tokens_leave_out_cached_prefixes() -> None:
     """The router's prefill backlog: a waiting request whose prefix is cached counts only
     what admission would still compute (whole blocks hit; one token always computed); a
-    prompt_logprobs request skips the cache, so it counts whole. Nothing is allocated."""
+    prompt_logprobs request skips the cache, so it counts whole. Nothing is allocated. The
+    figure is each request's as the cache stood when it joined the queue."""
     sched = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=1)
     prompt = list(range(300, 312))  # 3 full blocks
     a = Sequence("a", prompt, SamplingParams(max_tokens=1))
