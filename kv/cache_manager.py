@@ -60,6 +60,11 @@ class KVCacheManager:
         return hits
 
     # -- allocation (check, then act) ------------------------------------------------
+    def holds(self, request_id: str, num_tokens: int) -> bool:
+        """Does the request's block table already hold `num_tokens` tokens? (Then it needs
+        no check and no allocation: most decode steps of most requests.)"""
+        return len(self._block_ids.get(request_id, ())) * self.block_size >= num_tokens
+
     def can_allocate(self, request_id: str, num_tokens: int, computed_blocks: list[Block] = ()) -> bool:
         """Can the request hold `num_tokens` tokens (computed prefix included)?"""
         have = len(self._blocks.get(request_id, ())) + len(computed_blocks)

@@ -94,21 +94,27 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            scheduled = True
-            while not self.kv.can_allocate(seq.request_id, seq.num_computed_tokens + num_new):
-                victim = self.running.pop()  # most recently admitted
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    scheduled = False
+            total = seq.num_computed_tokens + num_new
+            # Most decode steps need no new block: no check, no allocation.
+            if not self.kv.holds(seq.request_id, total):
+                if not self._make_room(out, seq, total):
                     break
-            if not scheduled:
-                break
-            block_ids = self.kv.allocate(seq.request_id, seq.num_computed_tokens + num_new)
-            self._add_to_plan(out, seq, num_new, block_ids)
+                self.kv.allocate(seq.request_id, total)
+            self._add_to_plan(out, seq, num_new, self.kv.block_ids(seq.request_id))
             budget -= num_new
             i += 1
         return budget
+
+    def _make_room(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> bool:
+        """Preempt the most recently admitted running sequences until `seq` can hold
+        `num_tokens`; False when `seq` itself had to go."""
+        while not self.kv.can_allocate(seq.request_id, num_tokens):
+            victim = self.running.pop()  # most recently admitted
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
