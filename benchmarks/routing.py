@@ -219,7 +219,8 @@ def full_table_cpu_s(quick_cpu_s: float) -> float:
     FULL.bisect_steps), times the seeds. An estimate (the capacity per replica does not
     depend on N, so rates and tokens scale with N), not a measurement."""
     replicas = sum(FULL.replicas) / sum(QUICK.replicas)
-    window = dict(FULL.window_s)["sharegpt"] / dict(QUICK.window_s)["sharegpt"]
+    full, quick = dict(FULL.window_s), dict(QUICK.window_s)
+    window = statistics.fmean(full[w] / quick[w] for w in WORKLOADS)  # each workload's own ratio
     runs = (3.5 + FULL.bisect_steps) / (3.5 + QUICK.bisect_steps)
     return quick_cpu_s * replicas * window * runs * len(FULL.seeds) / len(QUICK.seeds)
 
