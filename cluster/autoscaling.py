@@ -6,7 +6,8 @@ has room, and is overloaded with far fewer when it has not. This policy sizes a 
 what the workers report through `record_autoscaling_stats` (worker/replica.py):
 
     num_waiting                 requests admitted to the engine but not yet running
-    num_waiting_prompt_tokens   prompt tokens of those requests
+    num_waiting_prompt_tokens   prompt tokens of those requests that the prefix cache does
+                                not hold (the prefill work they queue)
     num_running                 requests in the running batch
     kv_usage                    used KV blocks / all KV blocks, 0..1
 

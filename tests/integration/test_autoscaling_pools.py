@@ -21,6 +21,7 @@ synchronise.
 """
 from __future__ import annotations
 
+import random
 import re
 import time
 import urllib.request
@@ -94,7 +95,11 @@ def running(app: str, deployment: str) -> int:
 
 
 def request(prompt_len: int, max_tokens: int) -> GenerateRequest:
-    return GenerateRequest(uuid.uuid4().hex, [3 + i % 50 for i in range(prompt_len)],
+    """A prompt of its own (seeded by the request id): waiting prompt tokens count only what
+    the prefix cache does not hold, so identical prompts would queue no prefill work."""
+    request_id = uuid.uuid4().hex
+    rng = random.Random(request_id)
+    return GenerateRequest(request_id, [3 + rng.randrange(50) for _ in range(prompt_len)],
                            SamplingParams(max_tokens=max_tokens, temperature=0.0))
 
 
