@@ -22,14 +22,16 @@ Modes, decided among the replicas where q fits (the others come last, least defi
   * "affinity": the owner (highest credit > 0; ties: lower ttft) first, while its prefill
     backlog with q stays within prefill rate x target_ttft_s (router/work.py) and its
     ongoing requests are not more over its share than its gate limit (gate_limits:
-    load_gate_threshold, or load_gate_fraction of the share when more). Affinity with a principled release: the owner keeps its prefix as long
-    as it can still prefill in time, and no longer (no hot spot, no death spiral).
+    load_gate_threshold, or load_gate_fraction of the share when more). Affinity with a
+    principled release: the owner keeps its prefix as long as it can still prefill in
+    time, and no longer (no hot spot, no death spiral).
   * "headroom": otherwise, highest rank_key first: the fill term spreads a burst in
     proportion to headroom (reserved at dispatch, so stale reports do not herd it), the
     TTFT term sends work where it is prefilled soonest, partial matches pull gently.
   * "load_gate": some replica's ongoing requests (per unit of capacity) are over its share
-    by more than its gate limit: it comes after the others, least queued first. KV usage alone
-    hides such a queue (an engine capped by max_num_seqs queues while its blocks look free).
+    by more than its gate limit: it comes after the others, least queued first. KV usage
+    alone hides such a queue (an engine capped by max_num_seqs queues while its blocks
+    look free).
   * "pow2": no replica has fresh stats, or the request has no token ids: power of two
     choices on queue length. Stale stats never refuse traffic: stale replicas are ranked
     by power of two after the fitting fresh ones, before the non-fitting ones.
