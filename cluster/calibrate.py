@@ -239,7 +239,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     for point, error in zip(points, report.rel_errors):
         print(f"{point.label:<32} {point.seconds * 1e3:>12.2f} {point.seconds * (1 + error) * 1e3:>10.2f} {error:>+8.1%}")
     print(f"peaks: {profile.peak_flops / 1e9:.1f} GFLOP/s, {profile.hbm_bandwidth / 1e9:.1f} GB/s; fitted: "
-          f"flops_efficiency={profile.flops_efficiency:.3f} bandwidth_efficiency={profile.bandwidth_efficiency:.3f} "
+          f"flops_efficiency={profile.flops_efficiency:.3f} attention_efficiency={profile.attention_efficiency:.3f} "
+          f"bandwidth_efficiency={profile.bandwidth_efficiency:.3f} "
           f"step_overhead={profile.step_overhead_s * 1e3:.3f} ms per_seq={profile.per_seq_overhead_s * 1e6:.1f} us "
           f"per_token={profile.per_token_overhead_s * 1e6:.2f} us")
     out = Path(args.out) if args.out else PROFILES_DIR / f"{args.name}.json"

@@ -51,7 +51,7 @@ def test_fit_error_reflects_measurement_noise() -> None:
 
 
 def test_fit_needs_enough_positive_points() -> None:
-    with pytest.raises(ValueError, match="at least 5"):
+    with pytest.raises(ValueError, match="at least 6"):
         fit_profile(TRUE, points(0.0)[:3])
     bad = points(0.0)
     bad[0] = (bad[0][0], 0.0)
@@ -86,3 +86,18 @@ def test_calibrate_runs_the_real_engine_over_a_small_grid(monkeypatch: pytest.Mo
     path = tmp_path / "cpu.json"
     profile.save(path)
     assert load_profile(str(path)) == profile
+
+
+def test_fit_recovers_attentions_own_efficiency() -> None:
+    """A device whose attention runs far below its GEMMs' rate (the CPU backend's unfused
+    attention): the fit finds both efficiencies; a device without a separate one gets
+    attention at the GEMMs' rate."""
+    true = replace(TRUE, attention_flops_efficiency=0.08)
+    model = StepCostModel(load_shape("llama-3-8b"), true)
+    pts = [(f, predict(f, true)) for f in map(model.features, grid())]
+    fitted, report = fit_profile(load_profile("h100"), pts)
+    assert fitted.attention_flops_efficiency == pytest.approx(0.08, rel=1e-2)
+    assert fitted.flops_efficiency == pytest.approx(0.55, rel=1e-2)
+    assert report.max_rel_error < 1e-3
+    same, _ = fit_profile(load_profile("h100"), points(noise=0.0))
+    assert same.attention_efficiency == pytest.approx(0.55, rel=1e-2)

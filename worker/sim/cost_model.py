@@ -2,8 +2,10 @@
 
 A roofline per component, summed, plus host overheads:
 
-    time = sum over components c of max(flops_c / (peak_flops * flops_eff),
+    time = sum over components c of max(flops_c / (peak_flops * flops_eff_c),
                                          bytes_c / (bandwidth * bandwidth_eff))
+    (flops_eff_c: the profile's flops_efficiency for the GEMMs, its attention efficiency,
+    by default the same, for the two attention components)
            + step_overhead + per_seq_overhead * num_seqs + per_token_overhead * num_tokens
 
 Components are the kernels a step runs one after another (so their times add, while
@@ -61,8 +63,13 @@ class StepFeatures:
     num_seqs: int
     num_tokens: int
 
-    def roofline_s(self, effective_flops: float, effective_bandwidth: float) -> float:
-        return sum(max(f / effective_flops, b / effective_bandwidth) for f, b in zip(self.flops, self.bytes))
+    def roofline_s(self, effective_flops: float, effective_bandwidth: float,
+                   effective_attention_flops: float | None = None) -> float:
+        """Each component's max(compute, memory) time, summed; the attention components
+        compute at `effective_attention_flops` (default: the GEMMs' rate)."""
+        attention = effective_attention_flops or effective_flops
+        rates = (effective_flops, effective_flops, attention, attention)  # aligned with COMPONENTS
+        return sum(max(f / r, b / effective_bandwidth) for f, b, r in zip(self.flops, self.bytes, rates))
 
 
 def predict(features: StepFeatures, profile: DeviceProfile) -> float:
@@ -71,7 +78,7 @@ def predict(features: StepFeatures, profile: DeviceProfile) -> float:
     if features.num_seqs == 0:
         return 0.0
     return (
-        features.roofline_s(profile.effective_flops, profile.effective_bandwidth)
+        features.roofline_s(profile.effective_flops, profile.effective_bandwidth, profile.effective_attention_flops)
         + profile.step_overhead_s
         + profile.per_seq_overhead_s * features.num_seqs
         + profile.per_token_overhead_s * features.num_tokens

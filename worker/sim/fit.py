@@ -1,7 +1,8 @@
 """Fitting a device profile's free parameters to measured step times.
 
-The free parameters are the ones a spec sheet does not give: the two efficiencies and
-the three host overheads (per step, per sequence, per token). The peaks stay as given
+The free parameters are the ones a spec sheet does not give: the efficiencies (GEMM
+FLOPs, attention FLOPs, bandwidth) and the three host overheads (per step, per
+sequence, per token). The peaks stay as given
 (spec sheet, or measured on the machine), so a fitted efficiency reads as "the share of
 the peak this engine reaches". The fit minimises relative errors (a 2 ms decode step
 and a 200 ms prefill count alike) through the cost model's own `predict`, so the fitted
@@ -31,11 +32,17 @@ class FitReport:
                 "max_rel_error": self.max_rel_error}
 
 
-def _with(base: DeviceProfile, x: np.ndarray) -> DeviceProfile:
-    """x = [s/FLOP, s/byte, step s, per-seq s, per-token s] -> the profile they describe."""
+# x = [s/FLOP of the GEMMs, s/byte, step s, per-seq s, per-token s, s/FLOP of attention]
+_ATTENTION = np.array([False, False, True, True])  # aligned with cost_model.COMPONENTS
+
+
+def _with(base: DeviceProfile, x: np.ndarray, fit_attention: bool) -> DeviceProfile:
+    """x -> the profile it describes (attention's own efficiency only when fitted)."""
+    attention = float(min(1.0, 1.0 / (x[5] * base.peak_flops))) if fit_attention else None
     return replace(base, flops_efficiency=float(min(1.0, 1.0 / (x[0] * base.peak_flops))),
                    bandwidth_efficiency=float(min(1.0, 1.0 / (x[1] * base.hbm_bandwidth))),
-                   step_overhead_s=float(x[2]), per_seq_overhead_s=float(x[3]), per_token_overhead_s=float(x[4]))
+                   step_overhead_s=float(x[2]), per_seq_overhead_s=float(x[3]), per_token_overhead_s=float(x[4]),
+                   attention_flops_efficiency=attention)
 
 
 def relative_errors(profile: DeviceProfile, points: Sequence[tuple[StepFeatures, float]]) -> np.ndarray:
@@ -82,39 +89,48 @@ def fit_profile(
     """`base`'s peaks with the efficiencies and overheads that best explain `points`
     (features of a step, its measured seconds). `fit_per_token=False` keeps the
     per-token overhead at 0 (a GPU, where host work does not grow with tokens).
+    Attention gets its own efficiency when the points compute attention at all.
 
     With each component's regime fixed (compute- or memory-bound), the predicted time is
-    linear in x = [s/FLOP, s/byte, overheads]: a bounded linear least squares (NNLS on
-    x - its lower bound, the peaks). So: fix the regimes from the current x, solve,
-    repeat until they settle; from several starting efficiencies; keep the best."""
-    if len(points) < 5:
-        raise ValueError(f"a fit of 5 parameters needs at least 5 measured steps, got {len(points)}")
+    linear in x = [s/FLOP, s/byte, overheads, attention s/FLOP]: a bounded linear least
+    squares (NNLS on x - its lower bound, the peaks). So: fix the regimes from the current
+    x, solve, repeat until they settle; from several starting efficiencies; keep the best."""
+    if len(points) < 6:
+        raise ValueError(f"a fit of 6 parameters needs at least 6 measured steps, got {len(points)}")
     flops, nbytes, counts, times = _arrays(points)
     if (times <= 0).any():
         raise ValueError("measured step times must be > 0")
-    lower = np.array([1.0 / base.peak_flops, 1.0 / base.hbm_bandwidth, 0.0, 0.0, 0.0])
-    columns = 5 if fit_per_token else 4
+    fit_attention = bool(flops[:, _ATTENTION].any())
+    lower = np.array([1.0 / base.peak_flops, 1.0 / base.hbm_bandwidth, 0.0, 0.0, 0.0, 1.0 / base.peak_flops])
+    used = np.array([True, True, True, True, fit_per_token, fit_attention])
     best_x, best_cost = None, np.inf
     for eff_flops in (0.02, 0.2, 0.9):
         for eff_bw in (0.02, 0.2, 0.9):
-            x = np.array([lower[0] / eff_flops, lower[1] / eff_bw, 0.0, 0.0, 0.0])
-            seen: set[bytes] = set()
-            for _ in range(50):
-                compute_bound = flops * x[0] >= nbytes * x[1]
-                key = compute_bound.tobytes()
-                if key in seen:
-                    break
-                seen.add(key)
-                design = np.column_stack([(flops * compute_bound).sum(1), (nbytes * ~compute_bound).sum(1), counts])
-                weighted = design[:, :columns] / times[:, None]  # relative errors
-                y = nnls(weighted, 1.0 - weighted @ lower[:columns])
-                x = lower.copy()
-                x[:columns] += y
-                cost = float(np.sum(relative_errors(_with(base, x), points) ** 2))
-                if cost < best_cost:
-                    best_x, best_cost = x, cost
+            for eff_attention in ((0.02, 0.2, 0.9) if fit_attention else (eff_flops,)):
+                x = np.array([lower[0] / eff_flops, lower[1] / eff_bw, 0.0, 0.0, 0.0, lower[5] / eff_attention])
+                seen: set[bytes] = set()
+                for _ in range(50):
+                    per_flop = np.where(_ATTENTION, x[5] if fit_attention else x[0], x[0])
+                    compute_bound = flops * per_flop >= nbytes * x[1]
+                    key = compute_bound.tobytes()
+                    if key in seen:
+                        break
+                    seen.add(key)
+                    gemm = compute_bound & ~_ATTENTION if fit_attention else compute_bound
+                    attention = compute_bound & _ATTENTION
+                    design = np.column_stack([(flops * gemm).sum(1), (nbytes * ~compute_bound).sum(1), counts,
+                                              (flops * attention).sum(1)])[:, used]
+                    weighted = design / times[:, None]  # relative errors
+                    y = nnls(weighted, 1.0 - weighted @ lower[used])
+                    x = lower.copy()
+                    x[used] += y
+                    if not fit_attention:
+                        x[5] = x[0]
+                    cost = float(np.sum(relative_errors(_with(base, x, fit_attention), points) ** 2))
+                    if cost < best_cost:
+                        best_x, best_cost = x, cost
     assert best_x is not None
-    profile = _with(base, best_x)
+    profile = _with(base, best_x, fit_attention)
     errors = relative_errors(profile, points)
     report = FitReport(len(points), float(np.abs(errors).mean()), float(np.abs(errors).max()),
                        tuple(float(e) for e in errors))
