@@ -232,6 +232,21 @@ def test_dispatch_latency_delays_routing_and_counts_from_the_arrival() -> None:
         SimConfig(dispatch_latency_s=-1.0)
 
 
+def test_dispatch_latency_samples_are_drawn_per_request_and_seeded() -> None:
+    """A measured distribution of the path: each request waits one of the samples (seeded)."""
+    step = COST.step_time_s([SeqWork(300, 0)])
+    reqs = _requests([(10.0 * i, 300, 2) for i in range(12)])  # far apart: no queueing, TTFT = path + one step
+    samples = (0.01, 0.2, 0.5)
+    cfg = SimConfig(num_replicas=1, dispatch_latency_samples=samples, seed=3)
+    ttfts = [rec.ttft_s for rec in sorted(simulate(cfg, reqs).records, key=lambda r: r.arrival_s)]
+    drawn = [round(t - step, 9) for t in ttfts]
+    assert set(drawn) <= set(samples) and len(set(drawn)) > 1
+    assert drawn == [round(rec.ttft_s - step, 9) for rec in sorted(simulate(cfg, reqs).records,
+                                                                    key=lambda r: r.arrival_s)]
+    with pytest.raises(ValueError, match="dispatch_latency_samples"):
+        SimConfig(dispatch_latency_samples=(0.1, -0.1))
+
+
 def test_policy_options_reach_the_policy_and_unknown_ones_fail() -> None:
     reqs = _requests([(0.0, 64, 2)])
     cfg = SimConfig(num_replicas=2, router="sticky", policy_options=(("prefill_tokens_per_s", 1234.0),))
