@@ -29,12 +29,26 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Hashable
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    Executor,
+    Future,
+    ProcessPoolExecutor,
+    wait,
+)
+from dataclasses import dataclass
+from typing import Any
 
 from benchmarks.routing_search import RunFigures, Runner, Search, Window, goodput_at_slo
 from cluster.sim.run import SimConfig, SimDevice
-from cluster.sim.workloads import AGENTIC_THINK_S, AGENTIC_TURNS, B2B_KV_SHARE, B2B_PREFIX_LEN, B2B_QUESTION_LEN
+from cluster.sim.workloads import (
+    AGENTIC_THINK_S,
+    AGENTIC_TURNS,
+    B2B_KV_SHARE,
+    B2B_PREFIX_LEN,
+    B2B_QUESTION_LEN,
+)
 from router.headroom import HeadroomParams
 from router.policies import POLICY_NAMES
 
@@ -184,32 +198,80 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def table_for(workload: str, num_replicas: int, seed: int, plan: Plan, workload_kw: dict) -> tuple[dict[str, Cell], float]:
-    """One seed of one (workload, replica count): every router's search, then the 80% runs.
-    Returns the cells and the CPU seconds they took."""
-    cells = {r: Cell([], []) for r in ROUTERS}
-    runner = Runner(workload, seed, plan.window_for(workload), workload_kw, log)
+@dataclass(frozen=True)
+class CellResult:
+    """One router's search on one (workload, replicas, seed), and its run at 80% of round robin's goodput."""
+
+    workload: str
+    num_replicas: int
+    seed: int
+    router: str
+    at_slo: RunFigures
+    at_80: RunFigures | None
+    cpu_s: float
+
+
+def router_cell(workload: str, num_replicas: int, seed: int, plan: Plan, wkw: dict, router: str,
+                start: float | None = None, known_miss: float | None = None,
+                at_rate: float | None = None) -> CellResult:
+    """One router's goodput search (from `start`, default the workload's START rate; trying
+    round robin's bracket top `known_miss` first), then its run at `at_rate` (default: 80%
+    of the goodput it found; round robin's task sets everyone's). One process task."""
+    runner = Runner(workload, seed, plan.window_for(workload), wkw, log)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    found: dict[str, RunFigures] = {}
-    for router in ROUTERS:
-        config = sim_config(router, num_replicas)
-        # Every router walks the same geometric grid of rates (round robin's start x 1.5^k),
-        # so that without bisection no router is compared on a coarser ladder than another.
-        if router == BASELINE:
-            start = START_RPS_PER_REPLICA[workload] * num_replicas
-        else:
-            start = found[BASELINE].rate_rps or START_RPS_PER_REPLICA[workload] * num_replicas
-        found[router] = goodput_at_slo(lambda rate, c=config: runner.run(c, rate), start,
-                                       Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out))
-        cells[router].at_slo.append(found[router])
-    at = AT_FRACTION * found[BASELINE].rate_rps
-    for router in ROUTERS:
-        if at > 0:
-            cells[router].at_80.append(runner.run(sim_config(router, num_replicas), at, stop_at_slo_miss=False))
+    config = sim_config(router, num_replicas)
+    start = start or START_RPS_PER_REPLICA[workload] * num_replicas
+    fig = goodput_at_slo(lambda rate: runner.run(config, rate), start,
+                         Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out), known_miss)
+    at = at_rate if at_rate is not None else AT_FRACTION * fig.rate_rps
+    at_80 = runner.run(config, at, stop_at_slo_miss=False) if at > 0 else None
     cpu_s = time.process_time() - cpu0
-    log(f"  {workload} x{num_replicas} seed {seed}: {runner.num_runs} simulations in {time.perf_counter() - t0:.0f} s "
-        f"({cpu_s:.0f} s CPU)")
-    return cells, cpu_s
+    log(f"  {workload} x{num_replicas} seed {seed} {router}: {runner.num_runs} simulations in "
+        f"{time.perf_counter() - t0:.0f} s ({cpu_s:.0f} s CPU)")
+    return CellResult(workload, num_replicas, seed, router, fig, at_80, cpu_s)
+
+
+def run_table(pool: Executor, keys: list[tuple[str, int]], plan: Plan, kw_of: dict[str, dict],
+              extra: dict[Hashable, tuple[Callable, tuple]]
+              ) -> tuple[dict[tuple[str, int], dict[str, Cell]], float, dict[Hashable, Any]]:
+    """Every cell of the table as its own task: round robin's search per (workload, replicas,
+    seed) first; when one ends, the other routers' tasks for it, each starting at round
+    robin's goodput (every router walks the same grid of rates: round robin's start x 1.5^k,
+    so that no router is compared on a coarser ladder than another) with round robin's
+    bracket top as its first step up and round robin's 80% rate. Tasks of unequal length
+    keep every process busy. `extra` tasks ({name: (function, args)}) run alongside, after
+    the round robin tasks that gate the rest; their results come back by name."""
+    rows: dict[tuple[str, int], dict[str, Cell]] = {key: {r: Cell([], []) for r in ROUTERS} for key in keys}
+    pending: dict[Future, object] = {}
+    for workload, n in keys:
+        wkw = kw_of[workload] or workload_kw(workload, n)
+        for seed in plan.seeds:
+            pending[pool.submit(router_cell, workload, n, seed, plan, wkw, BASELINE)] = wkw
+    extra_futures = {pool.submit(fn, *args): name for name, (fn, args) in extra.items()}
+    pending.update(extra_futures)
+    cpu_s = 0.0
+    extra_results: dict[Hashable, Any] = {}
+    while pending:
+        done, _ = wait(pending, return_when=FIRST_COMPLETED)
+        for future in done:
+            tag = pending.pop(future)
+            if future in extra_futures:
+                extra_results[extra_futures[future]] = future.result()
+                continue
+            res: CellResult = future.result()
+            cpu_s += res.cpu_s
+            cell = rows[(res.workload, res.num_replicas)][res.router]
+            cell.at_slo.append(res.at_slo)
+            if res.at_80 is not None:
+                cell.at_80.append(res.at_80)
+            if res.router != BASELINE:
+                continue
+            rr = res.at_slo
+            known_miss = None if math.isnan(rr.next_miss_rps) else rr.next_miss_rps
+            for router in ROUTERS[1:]:
+                pending[pool.submit(router_cell, res.workload, res.num_replicas, res.seed, plan, tag, router,
+                                    rr.rate_rps or None, known_miss, AT_FRACTION * rr.rate_rps)] = tag
+    return rows, cpu_s, extra_results
 
 
 def full_table_cpu_s(quick_cpu_s: float) -> float:
@@ -223,11 +285,6 @@ def full_table_cpu_s(quick_cpu_s: float) -> float:
     window = statistics.fmean(full[w] / quick[w] for w in WORKLOADS)  # each workload's own ratio
     runs = (3.5 + FULL.bisect_steps) / (3.5 + QUICK.bisect_steps)
     return quick_cpu_s * replicas * window * runs * len(FULL.seeds) / len(QUICK.seeds)
-
-
-def merged(parts: list[dict[str, Cell]]) -> dict[str, Cell]:
-    """Seeds' cells into one per router."""
-    return {r: Cell([f for p in parts for f in p[r].at_slo], [f for p in parts for f in p[r].at_80]) for r in ROUTERS}
 
 
 def print_table(rows: dict[tuple[str, int], dict[str, Cell]]) -> None:
@@ -304,21 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace:
         workloads.append("trace")
         kw_of["trace"] = {"path": args.trace}
-    # Every (workload, replica count) and the multi-ingress search run in parallel processes
-    # (independent seeded simulations; the log interleaves their progress lines).
+    # Every cell and the multi-ingress searches run in parallel processes (independent seeded
+    # simulations; the log interleaves their progress lines).
     keys = [(w, n) for n in plan.replicas for w in workloads]
     jobs = args.jobs or (QUICK_JOBS if args.quick else os.cpu_count() or 1)
     log(f"sticky's prefill_tokens_per_s (cost model, {PROFILE}, {SHAPE}): {modelled_prefill_tokens_per_s():.0f}")
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = {key: [pool.submit(table_for, key[0], key[1], seed, plan, kw_of[key[0]] or workload_kw(*key))
-                         for seed in plan.seeds]
-                   for key in keys}
-        ingress_futures = ({shared: pool.submit(multi_ingress_goodput, plan, shared) for shared in (False, True)}
-                           if "b2b" in workloads else {})
-        done = {key: [f.result() for f in fs] for key, fs in futures.items()}
-        rows = {key: merged([cells for cells, _ in parts]) for key, parts in done.items()}
-        table_cpu_s = sum(cpu for parts in done.values() for _, cpu in parts)
-        ingress = {k: f.result() for k, f in ingress_futures.items()}
+        ingress_tasks = ({shared: (multi_ingress_goodput, (plan, shared)) for shared in (False, True)}
+                         if "b2b" in workloads else {})
+        rows, table_cpu_s, ingress = run_table(pool, keys, plan, kw_of, ingress_tasks)
     print_table(rows)
     one = rows[("b2b", plan.replicas[0])][HEADROOM].goodput() if ingress else math.nan
     if ingress:

@@ -10,7 +10,11 @@ issue's definition: percentiles over the run, not per request). Goodput is then 
 run's own goodput (requests/s that met both, cluster/sim/metrics.py) at that rate.
 
 Search: from a starting rate, step geometrically (x / `step`) until the SLO flips, then
-bisect the bracket `bisect_steps` times (geometric midpoints). Every run is one seeded
+bisect the bracket (geometric midpoints) until it is as narrow as `bisect_steps` halvings
+of one step make it (`Search.resolution`). A search may be told a rate above its start
+that another router's search saw miss (`known_miss`): it tries that rate first, so a
+router exactly as good as round robin costs two runs and lands on round robin's grid,
+instead of stepping out and bisecting back to the same bracket. Every run is one seeded
 simulation; the same seed gives the same workload shape at every rate (arrivals scale).
 """
 from __future__ import annotations
@@ -23,8 +27,6 @@ from typing import Any
 
 from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.workloads import make_workload
-
-
 
 # Stepping down: a miss whose TTFT p99 is not at least this much lower than the previous
 # miss's ends the search (queueing is not the cause, so no rate will meet the SLO).
@@ -47,6 +49,8 @@ class RunFigures:
     # The run ended once its TTFT p99 was sure to miss (SimConfig.stop_at_slo_miss): its
     # other figures cover the run until then.
     stopped: bool = False
+    # The lowest rate the search saw miss above this one (nan: none): the bracket's top.
+    next_miss_rps: float = math.nan
 
     @classmethod
     def from_summary(cls, rate: float, s: dict[str, Any], slo_ttft_s: float, slo_itl_s: float) -> RunFigures:
@@ -63,6 +67,12 @@ class Search:
     bisect_steps: int
     step: float = 2.0
     max_steps_out: int = 6  # geometric steps before giving up on finding the flip
+
+    @property
+    def resolution(self) -> float:
+        """The bracket ratio (hi / lo) the search stops at: one step, halved (geometrically)
+        bisect_steps times."""
+        return self.step ** (0.5 ** self.bisect_steps)
 
 
 @dataclass(frozen=True)
@@ -113,8 +123,11 @@ class Runner:
         return fig
 
 
-def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search: Search) -> RunFigures:
-    """The best run that meets the SLO (a rate-0 placeholder if even the lowest tried fails)."""
+def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search: Search,
+                   known_miss: float | None = None) -> RunFigures:
+    """The best run that meets the SLO (a rate-0 placeholder if even the lowest tried fails).
+    `known_miss`: a rate above `start_rate` seen to miss by another search, tried first
+    when the start meets."""
     first = run(start_rate)
     best = first if first.meets_slo else None
     lo, hi = (start_rate, None) if first.meets_slo else (None, start_rate)
@@ -123,7 +136,10 @@ def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search
     for _ in range(search.max_steps_out):
         if lo is not None and hi is not None:
             break
-        rate = rate * search.step if hi is None else rate / search.step
+        if hi is None and rate == start_rate and known_miss is not None and known_miss > start_rate:
+            rate = known_miss
+        else:
+            rate = rate * search.step if hi is None else rate / search.step
         fig = run(rate)
         if fig.meets_slo:
             lo, best = rate, fig
@@ -136,8 +152,10 @@ def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search
         assert best is not None
         return replace(best, lower_bound=True)
     if lo is None:
-        return RunFigures(0.0, False, 0.0, math.nan, math.nan, math.nan, 0.0, 0.0, 1.0)
+        return RunFigures(0.0, False, 0.0, math.nan, math.nan, math.nan, 0.0, 0.0, 1.0, next_miss_rps=hi)
     for _ in range(search.bisect_steps):
+        if hi / lo <= search.resolution * (1.0 + 1e-9):
+            break
         mid = math.sqrt(lo * hi)
         fig = run(mid)
         if fig.meets_slo:
@@ -145,4 +163,4 @@ def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search
         else:
             hi = mid
     assert best is not None
-    return best
+    return replace(best, next_miss_rps=hi)

@@ -130,3 +130,21 @@ def test_cell_goodput_is_the_highest_rate_that_met_the_slo() -> None:
     never = RunFigures(0.0, False, 0.0, math.nan, math.nan, math.nan, 0.0, 0.0, 1.0)
     assert Cell([met], []).goodput() == 40.0 and Cell([met], []).attained() == 31.5
     assert Cell([met, never], []).goodput() == 20.0
+
+
+def test_search_tries_a_known_miss_first_and_stops_at_the_resolution() -> None:
+    """A router as good as round robin: its start (round robin's goodput) meets, round
+    robin's bracket top misses, and the bracket is already as narrow as bisection makes
+    it: two runs, the same rate."""
+    search = Search(bisect_steps=2, step=2.0)
+    rr_calls: list[float] = []
+    rr = goodput_at_slo(fake_run(37.0, rr_calls), 10.0, search)
+    assert math.isclose(rr.next_miss_rps, 40.0) and rr.next_miss_rps / rr.rate_rps <= search.resolution * (1 + 1e-9)
+    calls: list[float] = []
+    same = goodput_at_slo(fake_run(37.0, calls), rr.rate_rps, search, known_miss=rr.next_miss_rps)
+    assert calls == [rr.rate_rps, rr.next_miss_rps] and same.rate_rps == rr.rate_rps
+    # A better router meets the known miss too: it steps on from there and bisects as usual.
+    calls = []
+    better = goodput_at_slo(fake_run(150.0, calls), rr.rate_rps, search, known_miss=rr.next_miss_rps)
+    assert calls[:4] == [rr.rate_rps, 40.0, 80.0, 160.0] and len(calls) == 6
+    assert better.meets_slo and 80.0 <= better.rate_rps <= 150.0 and better.next_miss_rps / better.rate_rps <= 2 ** 0.25 + 1e-9
