@@ -168,11 +168,14 @@ class Scheduler:
         ones that stop. Returns the sequences that got a token (finished ones included)."""
         changed: list[Sequence] = []
         any_finished = False
+        block_size = self.kv.block_size
         for seq, num_new, token_id in zip(out.seqs, out.num_new_tokens, sampled_token_ids):
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += num_new
-            self.kv.cache_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = before + num_new
+            if seq.num_computed_tokens // block_size > before // block_size:  # a block filled: register it
+                self.kv.cache_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if token_id is None:
                 continue  # a prompt chunk that did not reach the end of the prompt
             seq.append_token(token_id)
