@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Hashable
 from concurrent.futures import (
     FIRST_COMPLETED,
     Executor,
@@ -38,7 +37,6 @@ from concurrent.futures import (
     wait,
 )
 from dataclasses import dataclass
-from typing import Any
 
 from benchmarks.routing_search import RunFigures, Runner, Search, Window, goodput_at_slo
 from cluster.sim.run import SimConfig, SimDevice
@@ -75,6 +73,11 @@ MAX_NUM_SEQS = 256
 # share of the cluster's modelled prefill rate: the caches fill without a backlog that
 # would spill into the measured window.
 WARMUP_PREFILL_SHARE = 0.5
+# ... and answer in at most this many tokens: the warm-up fills caches and teaches routers
+# ownership; its 412 full answers (256 tokens) were 42% of a b2b run's simulated tokens,
+# while at the window's start they were <= 1/4 of the decodes in flight (warm-up arrives
+# at ~11 req/s, the measured requests at 20-60) and ended within its first 5 s.
+B2B_WARMUP_MAX_TOKENS = 16
 # Multi-ingress rows: headroom on b2b behind this many ingress routers, each with a private
 # view and all sharing one (SimConfig.shared_view); 1 router is the table's own cell.
 NUM_INGRESS = 4
@@ -178,7 +181,7 @@ def workload_kw(workload: str, num_replicas: int) -> dict:
     groups = round(B2B_KV_SHARE * kv_tokens / B2B_PREFIX_LEN)
     warm_tokens = groups * (B2B_PREFIX_LEN + B2B_QUESTION_LEN)
     warmup_s = warm_tokens / (WARMUP_PREFILL_SHARE * num_replicas * modelled_prefill_tokens_per_s())
-    return {"num_groups": groups, "warmup_s": round(warmup_s, 1)}
+    return {"num_groups": groups, "warmup_s": round(warmup_s, 1), "warmup_max_tokens": B2B_WARMUP_MAX_TOKENS}
 
 
 def policy_options(router: str) -> tuple[tuple[str, float], ...]:
@@ -231,32 +234,30 @@ def router_cell(workload: str, num_replicas: int, seed: int, plan: Plan, wkw: di
     return CellResult(workload, num_replicas, seed, router, fig, at_80, cpu_s)
 
 
-def run_table(pool: Executor, keys: list[tuple[str, int]], plan: Plan, kw_of: dict[str, dict],
-              extra: dict[Hashable, tuple[Callable, tuple]]
-              ) -> tuple[dict[tuple[str, int], dict[str, Cell]], float, dict[Hashable, Any]]:
+def run_table(pool: Executor, keys: list[tuple[str, int]], plan: Plan, kw_of: dict[str, dict]
+              ) -> tuple[dict[tuple[str, int], dict[str, Cell]], float, dict[bool, list[float]]]:
     """Every cell of the table as its own task: round robin's search per (workload, replicas,
     seed) first; when one ends, the other routers' tasks for it, each starting at round
     robin's goodput (every router walks the same grid of rates: round robin's start x 1.5^k,
     so that no router is compared on a coarser ladder than another) with round robin's
     bracket top as its first step up and round robin's 80% rate. Tasks of unequal length
-    keep every process busy. `extra` tasks ({name: (function, args)}) run alongside, after
-    the round robin tasks that gate the rest; their results come back by name."""
+    keep every process busy. b2b at the first replica count also gets the multi-ingress
+    searches (a private view, a shared one), anchored the same way.
+    Returns the cells, their CPU seconds, and the multi-ingress goodputs per seed by view."""
     rows: dict[tuple[str, int], dict[str, Cell]] = {key: {r: Cell([], []) for r in ROUTERS} for key in keys}
+    ingress: dict[bool, list[float]] = {False: [], True: []}
     pending: dict[Future, object] = {}
     for workload, n in keys:
         wkw = kw_of[workload] or workload_kw(workload, n)
         for seed in plan.seeds:
             pending[pool.submit(router_cell, workload, n, seed, plan, wkw, BASELINE)] = wkw
-    extra_futures = {pool.submit(fn, *args): name for name, (fn, args) in extra.items()}
-    pending.update(extra_futures)
     cpu_s = 0.0
-    extra_results: dict[Hashable, Any] = {}
     while pending:
         done, _ = wait(pending, return_when=FIRST_COMPLETED)
         for future in done:
             tag = pending.pop(future)
-            if future in extra_futures:
-                extra_results[extra_futures[future]] = future.result()
+            if isinstance(tag, bool):  # a multi-ingress search: its view
+                ingress[tag].append(future.result())
                 continue
             res: CellResult = future.result()
             cpu_s += res.cpu_s
@@ -268,10 +269,14 @@ def run_table(pool: Executor, keys: list[tuple[str, int]], plan: Plan, kw_of: di
                 continue
             rr = res.at_slo
             known_miss = None if math.isnan(rr.next_miss_rps) else rr.next_miss_rps
+            if res.workload == "b2b" and res.num_replicas == plan.replicas[0]:
+                for shared in (False, True):
+                    pending[pool.submit(multi_ingress_goodput, plan, res.seed, shared, rr.rate_rps or None,
+                                        known_miss)] = shared
             for router in ROUTERS[1:]:
                 pending[pool.submit(router_cell, res.workload, res.num_replicas, res.seed, plan, tag, router,
                                     rr.rate_rps or None, known_miss, AT_FRACTION * rr.rate_rps)] = tag
-    return rows, cpu_s, extra_results
+    return rows, cpu_s, ingress
 
 
 def full_table_cpu_s(quick_cpu_s: float) -> float:
@@ -305,18 +310,16 @@ def print_table(rows: dict[tuple[str, int], dict[str, Cell]]) -> None:
                 f"{cell.mean('imbalance'):>6.3f}")
 
 
-def multi_ingress_goodput(plan: Plan, shared_view: bool) -> float:
-    """Headroom's goodput on b2b behind NUM_INGRESS ingress routers (mean over seeds), each
-    with a private view or all sharing one."""
+def multi_ingress_goodput(plan: Plan, seed: int, shared_view: bool, start: float | None = None,
+                          known_miss: float | None = None) -> float:
+    """Headroom's goodput on b2b behind NUM_INGRESS ingress routers, each with a private view
+    or all sharing one (one seed; searched like the table's cells, from round robin's rate)."""
     n = plan.replicas[0]
-    values = []
-    for seed in plan.seeds:
-        runner = Runner("b2b", seed, plan.window_for("b2b"), workload_kw("b2b", n), log)
-        config = sim_config(HEADROOM, n, num_ingress=NUM_INGRESS, shared_view=shared_view)
-        fig = goodput_at_slo(lambda rate, c=config: runner.run(c, rate), START_RPS_PER_REPLICA["b2b"] * n,
-                             Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out))
-        values.append(fig.rate_rps if fig.meets_slo else 0.0)
-    return statistics.fmean(values)
+    runner = Runner("b2b", seed, plan.window_for("b2b"), workload_kw("b2b", n), log)
+    config = sim_config(HEADROOM, n, num_ingress=NUM_INGRESS, shared_view=shared_view)
+    fig = goodput_at_slo(lambda rate: runner.run(config, rate), start or START_RPS_PER_REPLICA["b2b"] * n,
+                         Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out), known_miss)
+    return fig.rate_rps if fig.meets_slo else 0.0
 
 
 def print_multi_ingress(n: int, one: float, private: float, shared: float) -> None:
@@ -367,9 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = args.jobs or (QUICK_JOBS if args.quick else os.cpu_count() or 1)
     log(f"sticky's prefill_tokens_per_s (cost model, {PROFILE}, {SHAPE}): {modelled_prefill_tokens_per_s():.0f}")
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        ingress_tasks = ({shared: (multi_ingress_goodput, (plan, shared)) for shared in (False, True)}
-                         if "b2b" in workloads else {})
-        rows, table_cpu_s, ingress = run_table(pool, keys, plan, kw_of, ingress_tasks)
+        rows, table_cpu_s, ingress_runs = run_table(pool, keys, plan, kw_of)
+    ingress = {shared: statistics.fmean(v) for shared, v in ingress_runs.items() if v}
     print_table(rows)
     one = rows[("b2b", plan.replicas[0])][HEADROOM].goodput() if ingress else math.nan
     if ingress:

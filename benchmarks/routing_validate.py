@@ -124,10 +124,15 @@ def run_engine_real_time(engine, requests: Sequence[SimRequest]) -> Figures:  # 
 ENGINE_NUM_THREADS = 1  # torch threads: the engine here and the calibration that priced it
 ENGINE_LOAD_FRACTION = 0.5  # the run's rate: this fraction of the modelled saturation rate
 ENGINE_REQUESTS = {True: 120, False: 300}  # --quick, full
-# The real engine runs the workload this many times; each real figure is the median over
-# them. One 10 s run's TTFT p50 moved -5% to +13% against the same profile (six runs,
-# 2026-12-01 13:13): the machine's speed drifts within seconds; the simulator is exact.
+# Calibration and the real run, paired, this many times; each figure is the median over the
+# pairs (real and simulated alike). The machine's speed drifts within tens of seconds: one
+# 10 s run's TTFT p50 moved -5% to +13% against one profile (2026-12-01 13:13), and three
+# runs 20-50 s after one calibration drifted 19.0 -> 21.2 ms (-20% against it, 13:41).
 ENGINE_REPEATS = 3
+# Calibration's grid here: the regime this workload runs in (decode contexts up to its
+# ~800-token sequences), so a calibration takes ~10 s, not the full grid's ~25 s
+# (32 prompts of 1,024 tokens are prefilled for its largest decode point alone).
+ENGINE_GRID = dict(decode_contexts=(16, 128, 512))
 
 
 def engine_profile(profile_path: str | None, log: Log):  # noqa: ANN201 (worker.sim.profiles.DeviceProfile)
@@ -135,8 +140,8 @@ def engine_profile(profile_path: str | None, log: Log):  # noqa: ANN201 (worker.
     with the engine's thread count. Now, not the committed fit: a shared 2-core machine
     runs 15-20% faster or slower from one hour to the next (the committed profile of 09:39
     predicted TTFT p50 16% high on the idle machine at 13:11, a fresh one -9%), and a
-    calibrated profile is a statement about the machine as it is (23 s)."""
-    from cluster.calibrate import calibrate
+    calibrated profile is a statement about the machine as it is."""
+    from cluster.calibrate import GridSpec, calibrate
     from worker.sim.profiles import load_profile
 
     if profile_path:
@@ -144,10 +149,11 @@ def engine_profile(profile_path: str | None, log: Log):  # noqa: ANN201 (worker.
         log(f"validation 1: CPU profile {profile_path} ({profile.source})")
         return profile
     t0 = time.perf_counter()
-    profile, report, points = calibrate(None, "cpu-validation", ENGINE_NUM_THREADS, 16)
+    profile, report, points = calibrate(None, "cpu-validation", ENGINE_NUM_THREADS, 16, spec=GridSpec(**ENGINE_GRID))
     saved = os.path.join(tempfile.gettempdir(), f"kvserve-cpu-validation-{os.getpid()}.json")
     profile.save(saved)
-    log(f"validation 1: calibrated a CPU profile now ({len(points)} engine steps, {time.perf_counter() - t0:.0f} s, "
+    log(f"validation 1: calibrated a CPU profile now ({len(points)} engine steps, decode contexts "
+        f"{ENGINE_GRID['decode_contexts']}, {time.perf_counter() - t0:.0f} s, "
         f"{ENGINE_NUM_THREADS} thread, saved to {saved}): fit error mean {100 * report.mean_rel_error:.1f}%, "
         f"max {100 * report.max_rel_error:.1f}%")
     return profile
@@ -171,7 +177,6 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str
     from worker.sim.shapes import load_shape
 
     path = default_model_path()
-    profile = engine_profile(profile_path, log)
     scheduler = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048)  # prompt + output <= 1536
     cache = CacheConfig(block_size=16, kv_cache_bytes=64 * 1024**2, enable_prefix_caching=True)
     engine = Engine.from_config(EngineConfig(
@@ -179,13 +184,19 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str
         cache=cache, scheduler=scheduler))
     num_blocks = engine.runner.num_blocks
     shape = load_shape(path, dtype_bytes=4)
-    cost = StepCostModel(shape, profile)
-    device = SimDevice(make_runner=lambda n: SimRunner(cost, n, 16, shape.vocab_size, sleep=False),
-                       num_blocks=num_blocks, vocab_size=shape.vocab_size,
-                       kv_bytes_per_token=shape.kv_bytes_per_token(), max_model_len=scheduler.max_model_len)
-    config = SimConfig(shape=path, profile=profile.name, num_replicas=1, router="round_robin",
-                       max_num_seqs=scheduler.max_num_seqs, max_num_batched_tokens=scheduler.max_num_batched_tokens,
-                       max_model_len=scheduler.max_model_len, block_size=16, num_blocks=num_blocks, seed=7)
+
+    def simulator(profile) -> tuple[SimConfig, SimDevice]:  # noqa: ANN001 (DeviceProfile)
+        cost = StepCostModel(shape, profile)
+        device = SimDevice(make_runner=lambda n: SimRunner(cost, n, 16, shape.vocab_size, sleep=False),
+                           num_blocks=num_blocks, vocab_size=shape.vocab_size,
+                           kv_bytes_per_token=shape.kv_bytes_per_token(), max_model_len=scheduler.max_model_len)
+        config = SimConfig(shape=path, profile=profile.name, num_replicas=1, router="round_robin",
+                           max_num_seqs=scheduler.max_num_seqs,
+                           max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                           max_model_len=scheduler.max_model_len, block_size=16, num_blocks=num_blocks, seed=7)
+        return config, device
+
+    config, device = simulator(engine_profile(profile_path, log))
     kind = ENGINE_WORKLOAD["kind"]
     kw = {k: v for k, v in ENGINE_WORKLOAD.items() if k != "kind"}
     num_requests = ENGINE_REQUESTS[quick]
@@ -197,18 +208,22 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str
         f"{ENGINE_NUM_THREADS} torch thread, max_num_seqs {scheduler.max_num_seqs}, max_num_batched_tokens "
         f"{scheduler.max_num_batched_tokens}, {num_blocks} KV blocks; load average {os.getloadavg()[0]:.1f} at start")
     engine.step()  # warm-up (first-step allocations), before the clock starts
-    runs = []
+    reals, sims = [], []
     for i in range(ENGINE_REPEATS):
-        run = run_engine_real_time(engine, [replace(r, request_id=f"{r.request_id}-{i}") for r in requests])
+        if i > 0 and not profile_path:  # calibrate again right before this run: the machine drifts
+            config, device = simulator(engine_profile(None, log))
+        real = run_engine_real_time(engine, [replace(r, request_id=f"{r.request_id}-{i}") for r in requests])
         engine.kv.pool.reset_prefix_cache()  # each repeat starts cold, as the simulation does
-        runs.append(run)
-        log(f"  real run {i + 1}/{ENGINE_REPEATS}: TTFT p50 {run.ttft_p50_s:.4f} s, p99 {run.ttft_p99_s:.4f} s, "
-            f"{run.output_tokens_per_s:.1f} tok/s")
-    real = Figures.median(runs)
+        sim = Figures.of_sim(simulate(config, requests, device).summary())
+        reals.append(real)
+        sims.append(sim)
+        log(f"  pair {i + 1}/{ENGINE_REPEATS}: real TTFT p50 {real.ttft_p50_s:.4f} s, p99 {real.ttft_p99_s:.4f} s, "
+            f"{real.output_tokens_per_s:.1f} tok/s; simulated {sim.ttft_p50_s:.4f} s, {sim.ttft_p99_s:.4f} s, "
+            f"{sim.output_tokens_per_s:.1f} tok/s")
     log(f"  load average {os.getloadavg()[0]:.1f} at end (the real engine runs on the wall clock: a machine "
         f"shared with other jobs slows it, the calibrated profile does not)")
-    sim = Figures.of_sim(simulate(config, requests, device).summary())
-    return compare("engine (1 CPU replica)", real, sim, log)
+    return compare(f"engine (1 CPU replica, median of {ENGINE_REPEATS})", Figures.median(reals), Figures.median(sims),
+                   log)
 
 
 # -- 2. a real Serve cluster of simulated-device replicas vs the simulator ---------------------

@@ -41,8 +41,8 @@ DECODE_BATCHES = (1, 4, 16, 32)
 DECODE_CONTEXTS = (16, 256, 1024)
 PREFILL_CHUNKS = (32, 128, 512)
 PREFILL_CHUNKS_PER_PROMPT = 4  # chunk contexts 0, P, 2P, 3P
-NUM_DECODE_STEPS = 6  # per decode point (median taken)
-NUM_REPEATS = 3  # per prefill point (median taken)
+NUM_DECODE_STEPS = 12  # per decode point (median taken)
+NUM_REPEATS = 7  # per prefill point (median taken)
 CLOCKS = {"process": time.process_time, "wall": time.perf_counter}
 
 
@@ -159,7 +159,18 @@ def _median_point(label: str, steps: list[tuple[StepFeatures, float]]) -> Point:
     return Point(label, features, statistics.median(t for _, t in steps))
 
 
-def measure(model: str | None, num_threads: int | None, block_size: int, clock: str) -> tuple[list[Point], dict[str, Any]]:
+@dataclass(frozen=True)
+class GridSpec:
+    """The plans calibration runs: decode batches x contexts, prefill chunks (each at the
+    contexts a prompt of PREFILL_CHUNKS_PER_PROMPT chunks reaches)."""
+
+    decode_batches: tuple[int, ...] = DECODE_BATCHES
+    decode_contexts: tuple[int, ...] = DECODE_CONTEXTS
+    prefill_chunks: tuple[int, ...] = PREFILL_CHUNKS
+
+
+def measure(model: str | None, num_threads: int | None, block_size: int, clock: str,
+            spec: GridSpec | None = None) -> tuple[list[Point], dict[str, Any]]:
     """Run the grid; the points and what they were measured on."""
     import torch
 
@@ -170,15 +181,16 @@ def measure(model: str | None, num_threads: int | None, block_size: int, clock: 
     from worker.model_runner import ModelRunner
     from worker.sim.shapes import load_shape
 
+    spec = spec or GridSpec(DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_CHUNKS)  # read now: tests shrink the grid
     path = resolve_model_path(model or default_model_path())
-    max_context = max(DECODE_CONTEXTS) + NUM_DECODE_STEPS + 1
-    kv_tokens = max(DECODE_BATCHES) * max_context + max(PREFILL_CHUNKS) * PREFILL_CHUNKS_PER_PROMPT
+    max_context = max(spec.decode_contexts) + NUM_DECODE_STEPS + 1
+    kv_tokens = max(spec.decode_batches) * max_context + max(spec.prefill_chunks) * PREFILL_CHUNKS_PER_PROMPT
     shape = load_shape(str(path), dtype_bytes=4)  # the engine runs FP32 on CPU
     config = EngineConfig(
         model=ModelConfig(model=str(path), device="cpu", dtype="float32", num_threads=num_threads),
         cache=CacheConfig(block_size=block_size, kv_cache_bytes=2 * kv_tokens * shape.kv_bytes_per_token(),
                           enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_model_len=max(max_context, max(PREFILL_CHUNKS) * PREFILL_CHUNKS_PER_PROMPT + 2)),
+        scheduler=SchedulerConfig(max_model_len=max(max_context, max(spec.prefill_chunks) * PREFILL_CHUNKS_PER_PROMPT + 2)),
     )
     hf_config = load_hf_config(path)
     runner = ModelRunner(config, hf_config, config.scheduler.max_model_len)
@@ -186,10 +198,10 @@ def measure(model: str | None, num_threads: int | None, block_size: int, clock: 
     base = DeviceProfile(name="cpu", hbm_bandwidth=bandwidth, peak_flops=peak_flops,
                          memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     grid = _Grid(config, runner, StepCostModel(shape, base), hf_config.vocab_size, CLOCKS[clock])
-    grid.decode(DECODE_BATCHES[-1], DECODE_CONTEXTS[0])  # warm-up: one-off costs (allocations, kernels)
-    grid.prefill(PREFILL_CHUNKS[0])
-    points = [grid.decode(b, c) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
-    for chunk in PREFILL_CHUNKS:
+    grid.decode(spec.decode_batches[-1], spec.decode_contexts[0])  # warm-up: one-off costs (allocations, kernels)
+    grid.prefill(spec.prefill_chunks[0])
+    points = [grid.decode(b, c) for b in spec.decode_batches for c in spec.decode_contexts]
+    for chunk in spec.prefill_chunks:
         points.extend(grid.prefill(chunk))
     context = {
         "model": model or DEFAULT_MODEL_NAME, "dtype_bytes": shape.dtype_bytes, "block_size": block_size,
@@ -213,13 +225,14 @@ def _machine() -> str:
 
 
 def calibrate(
-    model: str | None, name: str, num_threads: int | None, block_size: int, clock: str = "process"
+    model: str | None, name: str, num_threads: int | None, block_size: int, clock: str = "process",
+    spec: GridSpec | None = None,
 ) -> tuple[DeviceProfile, FitReport, list[Point]]:
     """Measure and fit (no file written). `num_threads` None: torch's default thread count.
     A run this profile is compared with (validation) should use the same model, dtype
     (FP32 on CPU), num_threads and clock: with the "process" clock and N threads a step
     costs the CPU time of all N, which is its wall time only when N == 1 on an idle core."""
-    points, context = measure(model, num_threads, block_size, clock)
+    points, context = measure(model, num_threads, block_size, clock, spec)
     base: DeviceProfile = context.pop("base")
     fitted, report = fit_profile(replace(base, name=name), [(p.features, p.seconds) for p in points])
     fitted = replace(

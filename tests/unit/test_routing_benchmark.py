@@ -109,7 +109,13 @@ def test_b2b_is_sized_to_llm_ds_share_of_the_clusters_kv_with_a_warm_up() -> Non
     """b2b groups fill B2B_KV_SHARE (73%) of the simulated cluster's KV at any replica count
     (one replica cannot hold them all, the cluster holds each once), and the warm-up spreads
     one request per group so that their prefill is WARMUP_PREFILL_SHARE of the cluster's."""
-    from benchmarks.routing import WARMUP_PREFILL_SHARE, modelled_prefill_tokens_per_s, sim_config, workload_kw
+    from benchmarks.routing import (
+        B2B_WARMUP_MAX_TOKENS,
+        WARMUP_PREFILL_SHARE,
+        modelled_prefill_tokens_per_s,
+        sim_config,
+        workload_kw,
+    )
     from cluster.sim.run import SimDevice
     from cluster.sim.workloads import B2B_KV_SHARE, B2B_PREFIX_LEN, B2B_QUESTION_LEN
 
@@ -118,6 +124,7 @@ def test_b2b_is_sized_to_llm_ds_share_of_the_clusters_kv_with_a_warm_up() -> Non
         kw = workload_kw("b2b", n)
         kv_tokens = n * SimDevice.from_config(sim_config("round_robin", n)).num_blocks * 16
         assert kw["num_groups"] * B2B_PREFIX_LEN == pytest.approx(B2B_KV_SHARE * kv_tokens, rel=0.01)
+        assert kw["warmup_max_tokens"] == B2B_WARMUP_MAX_TOKENS
         assert kw["num_groups"] * B2B_PREFIX_LEN > kv_tokens / n  # more than one replica holds
         prefill_s = kw["num_groups"] * (B2B_PREFIX_LEN + B2B_QUESTION_LEN) / (n * modelled_prefill_tokens_per_s())
         assert kw["warmup_s"] == pytest.approx(prefill_s / WARMUP_PREFILL_SHARE, abs=0.1)

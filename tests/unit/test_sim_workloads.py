@@ -131,3 +131,17 @@ def test_bad_arguments_are_clear_errors(tmp_path) -> None:
     bad.write_text('{"timestamp": 1}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         make_workload("trace", 1, 1.0, 0, path=str(bad))
+
+
+def test_b2b_warm_up_answers_can_be_capped_without_changing_anything_else() -> None:
+    """warmup_max_tokens caps only the warm-up requests' max_tokens: same prompts, times,
+    measured requests (the draws are the same)."""
+    full = make_workload("b2b", 30, 5.0, seed=2, num_groups=6, prefix_len=64, question_len=16, warmup_s=3.0)
+    capped = make_workload("b2b", 30, 5.0, seed=2, num_groups=6, prefix_len=64, question_len=16, warmup_s=3.0,
+                           warmup_max_tokens=4)
+    assert [r for r in full if not r.warmup] == [r for r in capped if not r.warmup]
+    warm_full, warm_capped = [r for r in full if r.warmup], [r for r in capped if r.warmup]
+    assert len(warm_capped) == 6
+    assert [(r.prompt_token_ids, r.arrival_s) for r in warm_full] == [(r.prompt_token_ids, r.arrival_s) for r in warm_capped]
+    assert [r.max_tokens for r in warm_capped] == [min(r.max_tokens, 4) for r in warm_full]
+    assert max(r.max_tokens for r in warm_full) > 4
