@@ -11,9 +11,9 @@
 2. Multi-ingress rows: headroom on b2b behind 1 ingress router (the table's cell) and behind
    4, each with a private view (the herding failure) or all sharing one view (what Redis
    shares in a deployment: SimConfig.shared_view); headroom_share is 1.0 in every case.
-3. Validations (benchmarks/routing_validate.py): the real CPU engine vs the simulator with
-   the calibrated CPU profile; a real Serve cluster of 8 simulated-device replicas vs the
-   simulator. Relative errors of TTFT p50, TTFT p99 and output tokens/s.
+3. Validations (benchmarks/routing_validate.py, routing_validate_cluster.py): the real CPU
+   engine vs the simulator with the calibrated CPU profile; a real Serve cluster of 8
+   simulated-device replicas vs the simulator. Relative errors of TTFT p50, TTFT p99 and output tokens/s.
 
 Last line: RESULT sim_error_pct=... headroom_goodput_vs_rr=... headroom_goodput_vs_best=...
 multi_ingress_goodput_ratio=... (see the issue for the definitions).

@@ -58,7 +58,7 @@ class SimConfig:
     # decision: HTTP proxy -> ingress -> Serve dispatch (and the first token's way back,
     # lumped in here). Each request reaches its ingress router this long after its arrival;
     # TTFT and E2E still count from the arrival. 0: not modelled. A MEASURED input (see
-    # benchmarks/routing_validate.py), never fitted to a result.
+    # benchmarks/routing_validate_cluster.py), never fitted to a result.
     dispatch_latency_s: float = 0.0
     # The same path as a measured distribution (seconds, e.g. a calibration run's per-request
     # residuals): each request's latency is drawn from these, seeded by `seed`, instead of
