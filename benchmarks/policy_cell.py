@@ -15,7 +15,8 @@ import math
 import sys
 import time
 
-from benchmarks.routing import (
+from benchmarks.routing_search import RunFigures, Runner, Search, goodput_at_slo
+from benchmarks.routing_setup import (
     BASELINE,
     HEADROOM,
     QUICK,
@@ -25,7 +26,6 @@ from benchmarks.routing import (
     log,
     sim_config,
 )
-from benchmarks.routing_search import RunFigures, Runner, Search, goodput_at_slo
 
 NUM_REPLICAS = 4
 SEED = 0

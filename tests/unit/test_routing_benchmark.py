@@ -70,7 +70,7 @@ def test_search_marks_a_goodput_it_never_saw_fail_as_a_lower_bound() -> None:
 
 
 def test_sticky_gets_the_cost_models_prefill_throughput_and_only_sticky() -> None:
-    from benchmarks.routing import modelled_prefill_tokens_per_s, sim_config
+    from benchmarks.routing_setup import modelled_prefill_tokens_per_s, sim_config
     from worker.sim.cost_model import SeqWork, StepCostModel
     from worker.sim.profiles import load_profile
     from worker.sim.shapes import load_shape
@@ -86,7 +86,7 @@ def test_sticky_gets_the_cost_models_prefill_throughput_and_only_sticky() -> Non
 def test_quick_plan_never_clamps_a_window_and_covers_every_workload() -> None:
     """A cap on requests would shrink a high rate's arrival window into one burst (the
     batch slots absorb it and the search never sees the SLO flip): only a floor applies."""
-    from benchmarks.routing import FULL, MIN_REQUESTS, QUICK, WORKLOADS
+    from benchmarks.routing_setup import FULL, MIN_REQUESTS, QUICK, WORKLOADS
 
     for plan in (QUICK, FULL):
         for workload in WORKLOADS:
@@ -98,7 +98,7 @@ def test_quick_plan_never_clamps_a_window_and_covers_every_workload() -> None:
 
 def test_multi_ingress_configs_differ_from_one_router_only_in_routers_and_view() -> None:
     """No 1/N headroom share any more: several routers see the same parameters as one."""
-    from benchmarks.routing import NUM_INGRESS, sim_config
+    from benchmarks.routing_setup import NUM_INGRESS, sim_config
 
     private, shared = (sim_config("headroom", 4, NUM_INGRESS, shared_view=s) for s in (False, True))
     assert (private.num_ingress, private.shared_view, shared.shared_view) == (NUM_INGRESS, False, True)
@@ -109,7 +109,7 @@ def test_b2b_is_sized_to_llm_ds_share_of_the_clusters_kv_with_a_warm_up() -> Non
     """b2b groups fill B2B_KV_SHARE (73%) of the simulated cluster's KV at any replica count
     (one replica cannot hold them all, the cluster holds each once), and the warm-up spreads
     one request per group so that their prefill is WARMUP_PREFILL_SHARE of the cluster's."""
-    from benchmarks.routing import (
+    from benchmarks.routing_setup import (
         B2B_WARMUP_MAX_TOKENS,
         WARMUP_PREFILL_SHARE,
         modelled_prefill_tokens_per_s,
