@@ -124,8 +124,6 @@ def fit_profile(
                     y = nnls(weighted, 1.0 - weighted @ lower[used])
                     x = lower.copy()
                     x[used] += y
-                    if not fit_attention:
-                        x[5] = x[0]
                     cost = float(np.sum(relative_errors(_with(base, x, fit_attention), points) ** 2))
                     if cost < best_cost:
                         best_x, best_cost = x, cost
