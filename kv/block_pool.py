@@ -7,12 +7,15 @@ Invariants:
 - a free block may still hold a cached full block (block_hash set); it stays findable
   through `cached` until it is handed out again, which evicts it;
 - the free queue is ordered by eviction priority: the head is evicted first. Freed blocks
-  go to the tail, so the least recently used cached block is evicted first.
+  go to the tail, so the least recently used cached block is evicted first;
+- blocks never handed out are the queue's head, in id order, and exist only as a count
+  until handed out (a pool of 50k+ blocks is built per engine, and per simulated replica
+  in every simulator run: linking them all up front cost ~50 ms a pool).
 All operations are O(1) per block (doubly linked free queue, dict for the cache).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class Block:
@@ -30,9 +33,13 @@ class Block:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks with O(1) pop-front, append and remove-from-middle."""
+    """Doubly linked list of free blocks with O(1) pop-front, append and remove-from-middle,
+    behind a head of `num_untouched` blocks never handed out (ids first_untouched.., made
+    by `make_block` when popped; they are never removed from the middle: only cached
+    blocks are, and an untouched block caches nothing)."""
 
-    def __init__(self, blocks: Iterable[Block]) -> None:
+    def __init__(self, blocks: Iterable[Block], num_untouched: int = 0, first_untouched: int = 0,
+                 make_block: Callable[[int], Block] = Block) -> None:
         self._head = Block(-1)  # sentinels: never handed out
         self._tail = Block(-1)
         self._head.next = self._tail
@@ -40,6 +47,10 @@ class FreeBlockQueue:
         self.num_free = 0
         for block in blocks:
             self.append(block)
+        self.num_untouched = num_untouched
+        self._next_untouched = first_untouched
+        self._make_block = make_block
+        self.num_free += num_untouched
 
     def append(self, block: Block) -> None:
         last = self._tail.prev
@@ -58,6 +69,12 @@ class FreeBlockQueue:
         self.num_free -= 1
 
     def pop_front(self) -> Block:
+        if self.num_untouched:
+            block = self._make_block(self._next_untouched)
+            self._next_untouched += 1
+            self.num_untouched -= 1
+            self.num_free -= 1
+            return block
         block = self._head.next
         if block is None or block is self._tail:
             raise RuntimeError("no free blocks")
@@ -66,7 +83,7 @@ class FreeBlockQueue:
 
     def block_ids(self) -> list[int]:
         """Eviction order, head first (for tests and debugging; O(n))."""
-        ids = []
+        ids = list(range(self._next_untouched, self._next_untouched + self.num_untouched))
         node = self._head.next
         while node is not None and node is not self._tail:
             ids.append(node.block_id)
@@ -80,10 +97,26 @@ class BlockPool:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self._blocks: list[Block] = []  # handed out at least once, in id order
+        self.free_queue = FreeBlockQueue((), num_untouched=num_blocks, make_block=self._make_block)
         self.cached: dict[int, Block] = {}  # block hash -> block holding that KV
         self.num_evictions = 0
+
+    def _make_block(self, block_id: int) -> Block:
+        if block_id < len(self._blocks):  # made already by `blocks`
+            return self._blocks[block_id]
+        assert block_id == len(self._blocks), "untouched blocks are handed out in id order"
+        block = Block(block_id)
+        self._blocks.append(block)
+        return block
+
+    @property
+    def blocks(self) -> list[Block]:
+        """Every block, by id (tests and debugging: it makes the untouched ones; they
+        stay untouched in the free queue)."""
+        while len(self._blocks) < self.num_blocks:
+            self._blocks.append(Block(len(self._blocks)))
+        return self._blocks
 
     @property
     def num_free_blocks(self) -> int:

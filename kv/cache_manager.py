@@ -65,6 +65,15 @@ class KVCacheManager:
         no check and no allocation: most decode steps of most requests.)"""
         return len(self._block_ids.get(request_id, ())) * self.block_size >= num_tokens
 
+    def held_block_ids(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """The request's block table if it already holds `num_tokens` tokens, else None
+        (`holds` and `block_ids` in one lookup: the scheduler asks for every running
+        sequence every step)."""
+        block_ids = self._block_ids.get(request_id)
+        if block_ids is not None and len(block_ids) * self.block_size >= num_tokens:
+            return block_ids
+        return None
+
     def can_allocate(self, request_id: str, num_tokens: int, computed_blocks: list[Block] = ()) -> bool:
         """Can the request hold `num_tokens` tokens (computed prefix included)?"""
         have = len(self._blocks.get(request_id, ())) + len(computed_blocks)

@@ -16,6 +16,8 @@ cache may have evicted it; its report says what it really holds).
 """
 from __future__ import annotations
 
+import math
+
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
@@ -93,18 +95,28 @@ class HintTable:
     def match(self, block_hashes: Sequence[int]) -> dict[ReplicaKey, int]:
         """Leading blocks of `block_hashes` each replica was last seen to receive."""
         horizon = self._now - self.ttl_s
+        get = self._owners.get
         depth: dict[ReplicaKey, int] = {}
-        live: set[ReplicaKey] | None = None
-        for i, h in enumerate(block_hashes):
-            owners = self._owners.get(h)
+        live: list[ReplicaKey] | None = None  # owners of every block so far
+        num = 0  # blocks matched so far
+        for h in block_hashes:
+            owners = get(h)
             if not owners:
                 break
-            here = {r for r, t in owners.items() if t >= horizon}
-            live = here if live is None else live & here
+            if live is None:
+                live = [r for r, t in owners.items() if t >= horizon]
+            else:
+                still = [r for r in live if owners.get(r, -math.inf) >= horizon]
+                if len(still) < len(live):
+                    for r in live:
+                        if r not in still:
+                            depth[r] = num
+                    live = still
             if not live:
                 break
-            for r in live:
-                depth[r] = i + 1
+            num += 1
+        for r in live or ():
+            depth[r] = num
         return depth
 
     def forget(self, replicas: Iterable[ReplicaKey]) -> None:

@@ -276,22 +276,24 @@ class Engine:
         self, plan: SchedulerOutput, logprobs: list, changed: list[Sequence], saved: SavedKV
     ) -> list[RequestOutput]:
         """One output per sequence that got a token; an export rides on its first one."""
-        logprobs_of = {seq.request_id: lp for seq, lp in zip(plan.seqs, logprobs)}
+        logprobs_of = (None if logprobs.count(None) == len(logprobs)
+                       else {seq.request_id: lp for seq, lp in zip(plan.seqs, logprobs)})
         outputs = []
         now = time.monotonic()
+        finished = SequenceStatus.FINISHED
         for seq in changed:
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.is_finished:
+            if seq.status is finished:
                 del self.seqs[seq.request_id]
-            lp = logprobs_of.get(seq.request_id)
+            lp = logprobs_of.get(seq.request_id) if logprobs_of is not None else None
             out = self._output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None)
             # On the first output, when complete (a decode-side import computed no prompt:
             # its prefill replica's first output carried them).
             entries = seq.prompt_logprobs
             if entries is not None and seq.num_output_tokens == 1 and len(entries) == seq.num_prompt_tokens - 1:
                 out.prompt_logprobs = [None, *entries]
-            kv = saved.get(seq.request_id)
+            kv = saved.get(seq.request_id) if saved else None
             if isinstance(kv, str):  # its KV export failed: an error, not a clean finish
                 out = self._fail_one(seq, kv)
             elif kv is not None:
@@ -331,12 +333,12 @@ class Engine:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_token_ids,
-            finished=seq.is_finished,
+            finished=seq.status is SequenceStatus.FINISHED,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=logprobs,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=len(seq.token_ids) - seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,

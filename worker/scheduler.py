@@ -90,17 +90,21 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running, kv = self.running, self.kv
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             total = seq.num_computed_tokens + num_new
             # Most decode steps need no new block: no check, no allocation.
-            if not self.kv.holds(seq.request_id, total):
-                if not self._make_room(out, seq, total):
+            block_ids = kv.held_block_ids(seq.request_id, total)
+            if block_ids is None:
+                if not self._make_room(out, seq, total):  # preempts from the tail of `running`
                     break
-                self.kv.allocate(seq.request_id, total)
-            self._add_to_plan(out, seq, num_new, self.kv.block_ids(seq.request_id))
+                block_ids = kv.allocate(seq.request_id, total)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(num_new)
+            out.block_ids.append(block_ids)
             budget -= num_new
             i += 1
         return budget
@@ -168,28 +172,31 @@ class Scheduler:
         ones that stop. Returns the sequences that got a token (finished ones included)."""
         changed: list[Sequence] = []
         any_finished = False
-        block_size = self.kv.block_size
+        kv = self.kv
+        block_size = kv.block_size
+        running = SequenceStatus.RUNNING
         for seq, num_new, token_id in zip(out.seqs, out.num_new_tokens, sampled_token_ids):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue
             before = seq.num_computed_tokens
-            seq.num_computed_tokens = before + num_new
-            if seq.num_computed_tokens // block_size > before // block_size:  # a block filled: register it
-                self.kv.cache_computed(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            seq.num_computed_tokens = after = before + num_new
+            if after // block_size > before // block_size:  # a block filled: register it
+                kv.cache_computed(seq.request_id, seq.token_ids, after)
             if token_id is None:
                 continue  # a prompt chunk that did not reach the end of the prompt
-            seq.append_token(token_id)
+            seq.token_ids.append(token_id)  # Sequence.append_token, inlined (once per token)
             changed.append(seq)
             if self._check_stop(seq, token_id):
                 any_finished = True
-                self.kv.free(seq.request_id)
+                kv.free(seq.request_id)
         if any_finished:
-            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+            self.running = [s for s in self.running if s.status is running]
         return changed
 
     def _check_stop(self, seq: Sequence, token_id: int) -> bool:
         params = seq.params
-        num_output = seq.num_output_tokens
+        num_tokens = len(seq.token_ids)
+        num_output = num_tokens - seq.num_prompt_tokens
         reason: str | None = None
         # A constrained output is complete when its grammar terminates (every token
         # advances the matcher, so this runs before the other checks).
@@ -200,7 +207,7 @@ class Scheduler:
                 reason = "stop"
             elif token_id in params.stop_token_ids:
                 reason, seq.stop_reason = "stop", token_id
-        if reason is None and (num_output >= params.max_tokens or seq.num_tokens >= self.config.max_model_len):
+        if reason is None and (num_output >= params.max_tokens or num_tokens >= self.config.max_model_len):
             reason = "length"
         if reason is None:
             return False

@@ -276,3 +276,19 @@ def test_many_alloc_free_cycles_are_fast() -> None:
     elapsed = time.perf_counter() - start
     assert pool.num_free_blocks == 10_000
     assert elapsed < 5.0, elapsed
+
+
+def test_untouched_blocks_are_made_on_first_hand_out() -> None:
+    """A pool links no block up front: the never-used ones are the queue's head, in id order,
+    and `blocks` (tests, debugging) makes them without handing them out."""
+    pool = BlockPool(6)
+    assert pool.num_free_blocks == 6 and pool.free_queue.block_ids() == [0, 1, 2, 3, 4, 5]
+    a = pool.allocate(2)
+    pool.free(reversed(a))  # freed blocks go behind the untouched ones
+    assert pool.free_queue.block_ids() == [2, 3, 4, 5, 1, 0]
+    every = pool.blocks  # makes 2..5; they stay free and untouched
+    assert [b.block_id for b in every] == [0, 1, 2, 3, 4, 5] and all(b.ref_count == 0 for b in every)
+    b = pool.allocate(5)
+    assert ids(b) == [2, 3, 4, 5, 1]
+    assert b[0] is every[2]  # the same objects `blocks` made
+    assert pool.num_free_blocks == 1 and pool.free_queue.block_ids() == [0]

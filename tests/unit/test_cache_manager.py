@@ -30,6 +30,15 @@ def test_cdiv_and_blocks_for_tokens() -> None:
     assert [m.blocks_for_tokens(n) for n in (1, 4, 5, 12, 13)] == [1, 1, 2, 3, 4]
 
 
+def test_held_block_ids_is_the_table_when_it_holds_the_tokens() -> None:
+    m = KVCacheManager(8, BS)
+    assert m.held_block_ids("a", 1) is None  # no table yet
+    table = m.allocate("a", 6)
+    assert m.held_block_ids("a", 8) is table  # two blocks hold 8 tokens: no allocation needed
+    assert m.held_block_ids("a", 9) is None  # a third block is needed
+    assert m.holds("a", 8) and not m.holds("a", 9)  # the same answers as `holds`
+
+
 def test_block_tables_exact_ids() -> None:
     m = KVCacheManager(8, BS)
     table_a = m.allocate("a", 10)

@@ -107,6 +107,11 @@ class StepCostModel:
     def features(self, work: Iterable[SeqWork]) -> StepFeatures:
         return self._features((w.num_new_tokens, w.context_len, w.samples) for w in work)
 
+    def rows_features(self, rows: Iterable[tuple[int, int, bool]]) -> StepFeatures:
+        """Features of (new tokens, context length, samples) rows: plan_features without
+        the plan (a runner that walks its plan anyway passes the rows it built)."""
+        return self._features(rows)
+
     def _features(self, rows: Iterable[tuple[int, int, bool]]) -> StepFeatures:
         num_tokens = num_seqs = num_sampled = 0
         decode_pairs = decode_kv_tokens = 0
