@@ -52,8 +52,9 @@ class KVCacheManager:
         hashes = hash_full_blocks(token_ids, self.block_size, self._hashes.setdefault(request_id, []))
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[Block] = []
+        lookup = self.pool.cached.get  # pool.lookup without a call per block (prompts of 1k+ blocks)
         for block_hash in hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
+            block = lookup(block_hash)
             if block is None:
                 break
             hits.append(block)

@@ -15,8 +15,10 @@ as a 429 with a hint instead of as an ever-longer TTFT.
 "Can some replica take it" (`judge`), from the routing stats the request router in this
 process holds (the same reports it ranks with) plus what this ingress admitted since them:
 
-    fits(r)  = free_blocks(r) - reserved_blocks(r) >= need(q, r)        (router/headroom.py's
-               need: prompt + expected decode blocks, less the blocks r has cached)
+    fits(r)  = free_blocks(r) - reserved_blocks(r) - decode_growth_blocks(r) >= need(q, r)
+               (router/ranking.py's need: prompt + expected decode blocks at r's observed
+               mean output length, less the blocks r has cached; growth: what r's requests
+               will still grow into)
     slots(r) = max(max_waiting_per_replica - num_waiting(r), 0)   where fits(r), else 0
     admit   <=> sum_r slots(r) > pending                          (requests, see below)
             and sum_{r fits} (free - reserved)(r) - pending_blocks >= min_r need(q, r)
@@ -69,7 +71,7 @@ class RoutingSnapshot:
     """What the request router in this process knows of the worker replicas right now."""
 
     reports: tuple[ReplicaReport | None, ...]  # one per live replica; None: no report yet
-    params: HeadroomParams  # the router's (expected decode tokens, staleness, report lag)
+    params: HeadroomParams  # the router's (fallback decode tokens, staleness, report lag)
     now: float  # the reports' clock (time.time())
 
 
@@ -125,9 +127,10 @@ def judge(
         need = 0
         for profile in profiles:
             cached = profile.cached_blocks(r.block_size, r.prefix_hashes)
-            need += max(profile.total_blocks(r.block_size, params.expected_output_tokens) - cached, 0)
+            need += max(profile.total_blocks(r.block_size, r.expected_output_tokens(params)) - cached, 0)
         too_large = too_large and need > r.total_blocks
-        available = r.free_blocks - r.reserved_blocks
+        # What its waiting prompts and the growth of its requests leave (router/ranking.py).
+        available = r.free_blocks - r.reserved_blocks - r.decode_growth_blocks
         if available < need:
             continue
         slots += max(max_waiting_per_replica - r.num_waiting, 0)

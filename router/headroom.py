@@ -21,8 +21,10 @@ ReplicaKey = Hashable
 class HeadroomParams:
     """Policy parameters (request_router_kwargs of the deployment's RequestRouterConfig)."""
 
-    # Decode tokens counted per request: min(max_tokens, this). Most requests stop well
-    # before max_tokens; counting all of it would make every replica look full.
+    # Decode tokens counted per request: min(max_tokens, this), until the replica reports
+    # its observed mean output length (ReplicaReport.mean_output_tokens), which replaces it.
+    # Most requests stop well before max_tokens; counting all of it would make every
+    # replica look full.
     expected_output_tokens: int = 256
     # Credit for a fully cached prompt, in rank_key units (1.0 = a whole replica's headroom).
     prefix_weight: float = 1.0
@@ -123,6 +125,10 @@ class ReplicaReport:
     # own measured prefill rate (0: not measured; params.prefill_tokens_per_s x weight).
     capacity_weight: float = 1.0
     prefill_tokens_per_s: float = 0.0
+    # KV blocks its queued and running requests will still grow into (forecast by the
+    # replica, worker/routing_report.py), and its observed mean output length (0: none yet).
+    decode_growth_blocks: int = 0
+    mean_output_tokens: float = 0.0
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, object] | None) -> ReplicaReport | None:
@@ -143,12 +149,23 @@ class ReplicaReport:
                 healthy=bool(stats.get("healthy", True)),
                 capacity_weight=float(stats.get("capacity_weight") or 1.0),  # type: ignore[arg-type]
                 prefill_tokens_per_s=float(stats.get("prefill_tokens_per_s") or 0.0),  # type: ignore[arg-type]
+                # Absent from reports of replicas older than these fields: no growth known.
+                decode_growth_blocks=int(stats.get("decode_growth_blocks") or 0),  # type: ignore[arg-type]
+                mean_output_tokens=float(stats.get("mean_output_tokens") or 0.0),  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError):
             return None
-        if report.block_size <= 0 or report.capacity_weight <= 0 or report.prefill_tokens_per_s < 0:
+        if (report.block_size <= 0 or report.capacity_weight <= 0 or report.prefill_tokens_per_s < 0
+                or report.decode_growth_blocks < 0 or not report.mean_output_tokens >= 0):
             return None
         return report
+
+    def expected_output_tokens(self, params: HeadroomParams) -> int:
+        """Decode tokens to count for a request sent here (before its max_tokens cap): the
+        replica's observed mean output length, or the parameter while it has none."""
+        if self.mean_output_tokens > 0:
+            return max(round(self.mean_output_tokens), 1)
+        return params.expected_output_tokens
 
 
 @dataclass

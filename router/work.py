@@ -3,7 +3,9 @@
 KV usage hides queued work, and request counts hide request sizes (a 32k-token prompt and a
 chat turn are "one request"). So the headroom ranking (router/ranking.py) counts work:
 
-    rate(r)       = r's reported prefill_tokens_per_s if it measured one, else
+    rate(r)       = r's reported prefill_tokens_per_s if it measured one (prompt tokens
+                    per device second over its recent budget-full steps, decodes beside
+                    them included: worker/step_meters.py), else
                     params.prefill_tokens_per_s * capacity_weight(r)
                     (capacity_weight: r's device throughput relative to the reference
                     device the parameter describes; 1 for the reference)
@@ -19,9 +21,10 @@ while what it has queued, this request included, can be prefilled within the tar
 beyond that the request spreads (router/ranking.py ranks by predicted TTFT then).
 
 Decode work enters through the ledger's decode_blocks (the KV a request will still grow
-into, counted against the headroom from dispatch time) and through the queue-depth gate:
-once decodes fill a replica's batch, new requests wait in its queue, which the report
-shows as num_waiting.
+into, counted against the headroom from dispatch time), then, once a report reflects the
+request, through that report's decode_growth_blocks (router/ranking.py's capacity), and
+through the queue-depth gate: once decodes fill a replica's batch, new requests wait in its
+queue, which the report shows as num_waiting.
 """
 from __future__ import annotations
 

@@ -262,7 +262,12 @@ class RoutingStats:
     # router's HeadroomParams.prefill_tokens_per_s describes, and its own prefill rate when
     # it knows one (0: unknown). The router weighs work and load shares by them.
     capacity_weight: float = 1.0
-    prefill_tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0  # measured, in device seconds (worker/step_meters.py)
+    # KV blocks the replica's requests will still grow into (forecast per request from its
+    # max_tokens and the observed output lengths), and the observed mean output length of
+    # requests that finished normally (0.0: none yet). worker/routing_report.py.
+    decode_growth_blocks: int = 0
+    mean_output_tokens: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

@@ -27,6 +27,7 @@ from worker.runner_protocols import Runner
 from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
+from worker.step_meters import OutputLengthTracker, PrefillRateMeter
 from worker.structured.compiler import GrammarCompiler
 from worker.structured.state import GrammarState
 
@@ -89,6 +90,12 @@ class Engine:
         self.forward_time_s = 0.0
         self.schedule_time_s = 0.0  # in Scheduler.schedule + Scheduler.update (CPU work)
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
+        # For the routing-stats report (worker/routing_report.py): observed output lengths,
+        # and the prefill rate in device seconds (a sleeping simulated runner's dilation
+        # divided out; real runners report device time already).
+        self.output_lengths = OutputLengthTracker()
+        self.prefill_meter = PrefillRateMeter(
+            scheduler_config.max_num_batched_tokens, getattr(runner, "forward_time_dilation", 1.0))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -232,8 +239,15 @@ class Engine:
             logger.exception("engine step failed; failing %d requests", len(plan.seqs))
             return outputs + self._fail(plan, e)
         saved = self.connector.save_kv(plan, result.token_ids)  # before update frees blocks
+        num_seqs = len(self.seqs)
         changed = self._timed(self.scheduler.update, plan, result.token_ids)
         outputs += self._postprocess(plan, result.logprobs, changed, saved)
+        # _postprocess drops finished sequences from self.seqs: an O(1) test for "some
+        # finished", so the scan of the changed ones runs only in those steps (the finish
+        # itself happens inside Scheduler.update, which stays free of this bookkeeping).
+        if len(self.seqs) < num_seqs:
+            self.output_lengths.record_finished(changed)
+        self.prefill_meter.record(plan.num_new_tokens, result.forward_s)
         self._account(len(changed), time.perf_counter() - start, result.forward_s)
         return outputs
 
@@ -276,6 +290,7 @@ class Engine:
         self, plan: SchedulerOutput, logprobs: list, changed: list[Sequence], saved: SavedKV
     ) -> list[RequestOutput]:
         """One output per sequence that got a token; an export rides on its first one."""
+        # Most steps sample no logprobs: skip the lookup table then (count runs in C).
         logprobs_of = (None if logprobs.count(None) == len(logprobs)
                        else {seq.request_id: lp for seq, lp in zip(plan.seqs, logprobs)})
         outputs = []

@@ -23,9 +23,10 @@ from typing import Any
 
 from kv.transfer import KVHandle, KVTransport, make_transport
 from worker import tracing
-from worker.api import GenerateRequest, ReplicaDrainingError, RequestOutput, RoutingStats
+from worker.api import GenerateRequest, ReplicaDrainingError, RequestOutput
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
+from worker.routing_report import build_routing_stats
 from worker.runner_protocols import HealthCheckedRunner
 
 logger = logging.getLogger(__name__)
@@ -127,20 +128,8 @@ class WorkerReplica:
         self.engine.abort(request_id)
 
     def record_routing_stats(self) -> dict:
-        stats = self.engine.stats()
-        waiting_blocks = -(-stats.num_waiting_prompt_tokens // self.block_size)
-        return RoutingStats(
-            free_blocks=stats.kv.free_blocks,
-            total_blocks=stats.kv.total_blocks,
-            block_size=stats.kv.block_size,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
-            reserved_blocks=waiting_blocks,
-            prefix_hashes=self.engine.prefix_hashes(),
-            timestamp=time.time(),
-            healthy=self._is_healthy(),
-        ).to_dict()
+        return build_routing_stats(self.engine.engine, self.engine.stats(), self.engine.prefix_hashes(),
+                                   time.time(), self._is_healthy()).to_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self.engine.stats()

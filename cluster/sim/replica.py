@@ -28,6 +28,7 @@ from kv.transfer import KVExport
 from router.headroom import HeadroomParams
 from worker.async_engine import MAX_PREFIX_HASHES
 from worker.engine import Engine
+from worker.routing_report import build_routing_stats
 from worker.api import RequestError
 from worker.api import RequestOutput
 from worker.api import SamplingParams
@@ -146,28 +147,18 @@ class SimReplica:
 
     # -- what the replica reports (worker/replica.py's records, same keys) ---------------------
     def routing_stats(self) -> dict[str, Any]:
-        """WorkerReplica.record_routing_stats, with the virtual clock as its timestamp."""
-        stats = self.engine.stats()
-        block_size = stats.kv.block_size
-        return {
-            "free_blocks": stats.kv.free_blocks,
-            "total_blocks": stats.kv.total_blocks,
-            "block_size": block_size,
-            "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting,
-            "num_waiting_prompt_tokens": stats.num_waiting_prompt_tokens,
-            "reserved_blocks": -(-stats.num_waiting_prompt_tokens // block_size),
-            "prefix_hashes": self.engine.kv.cached_block_hashes(MAX_PREFIX_HASHES),
-            "timestamp": self.clock.now,
-            "healthy": True,
-            # The device's modelled prefill rate (a full chunk of a fresh prompt per step),
-            # and its throughput relative to the router's reference device (mixed fleets).
-            "prefill_tokens_per_s": self.prefill_tokens_per_s,
-            "capacity_weight": self.prefill_tokens_per_s / _REFERENCE_PREFILL_TOKENS_PER_S,
-        }
+        """WorkerReplica.record_routing_stats (the same builder), on the virtual clock. The
+        prefill rate is the engine's measured one, as a real worker's; the capacity weight
+        stays the cost model's (the device's pure-prefill rate relative to the router's
+        reference device: mixed fleets)."""
+        return build_routing_stats(
+            self.engine, self.engine.stats(), self.engine.kv.cached_block_hashes(MAX_PREFIX_HASHES),
+            self.clock.now, capacity_weight=self.modelled_prefill_tokens_per_s / _REFERENCE_PREFILL_TOKENS_PER_S,
+        ).to_dict()
 
     @property
-    def prefill_tokens_per_s(self) -> float:
+    def modelled_prefill_tokens_per_s(self) -> float:
+        """The cost model's rate for a full chunk of a fresh prompt per step (modelled once)."""
         if self._prefill_tokens_per_s is None:
             from worker.sim.cost_model import SeqWork
 

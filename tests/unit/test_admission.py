@@ -93,6 +93,16 @@ def test_a_request_is_held_when_no_replica_has_the_blocks() -> None:
     assert judge([profile()], snapshot(report(free=11, reserved=5)), [], 4).admit
 
 
+def test_the_growth_of_requests_already_there_is_not_available() -> None:
+    # 16 free, 5 reserved, 6 that running requests will still grow into: 5 left < 6 needed.
+    grown = replace(report(free=16, reserved=5), decode_growth_blocks=6)
+    assert not judge([profile()], snapshot(grown), [], 4).admit
+    assert judge([profile()], snapshot(replace(grown, decode_growth_blocks=5)), [], 4).admit
+    # The replica's observed mean output length replaces the parameter: 64 + min(32, 8)
+    # tokens = 5 blocks fit in the 5 left.
+    assert judge([profile()], snapshot(replace(grown, mean_output_tokens=8.0)), [], 4).admit
+
+
 def test_a_request_larger_than_any_replica_is_never_held() -> None:
     # 6 blocks needed, pools of 5: the engine refuses it (400); holding it would only delay that.
     small = replace(report(free=0, waiting=9), total_blocks=5)

@@ -121,6 +121,12 @@ class SimRunner:
         self.num_steps = 0
         self._last_return: float | None = None  # perf_counter when execute last returned
 
+    @property
+    def forward_time_dilation(self) -> float:
+        """How much longer than the device's time each RunnerOutput.forward_s is: the
+        dilation when this runner sleeps, 1 when it only models (forward_s = modelled)."""
+        return self.time_dilation if self.sleep else 1.0
+
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         start = time.perf_counter()
         seqs = plan.seqs
