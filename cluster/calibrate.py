@@ -196,7 +196,8 @@ def measure(model: str | None, num_threads: int | None, block_size: int, clock: 
     runner = ModelRunner(config, hf_config, config.scheduler.max_model_len)
     peak_flops, bandwidth = measure_peaks(CLOCKS[clock])
     base = DeviceProfile(name="cpu", hbm_bandwidth=bandwidth, peak_flops=peak_flops,
-                         memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+                         memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+                         padded_decode_attention=not runner.backend.varlen)
     grid = _Grid(config, runner, StepCostModel(shape, base), hf_config.vocab_size, CLOCKS[clock])
     grid.decode(spec.decode_batches[-1], spec.decode_contexts[0])  # warm-up: one-off costs (allocations, kernels)
     grid.prefill(spec.prefill_chunks[0])

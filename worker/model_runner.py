@@ -15,6 +15,7 @@ from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_block
 from kv.transfer import gather_blocks, scatter_blocks
 from worker.api import RunnerOutput
 from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo, select_backend
+from worker.decode_groups import decode_group_bounds
 from worker.config import EngineConfig
 from worker.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.forward_timer import ForwardTimer
@@ -163,7 +164,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        # Decodes (1 query token) first, shortest context first (see _decode_group_bounds).
+        # Decodes (1 query token) first, shortest context first (see worker/decode_groups.py).
         num_new, seqs = plan.num_new_tokens, plan.seqs
         order = sorted(
             range(len(seqs)),
@@ -291,7 +292,7 @@ class ModelRunner:
             meta.max_query_len = max(lens)
             meta.max_context_len = int(context_lens.max())
             return meta
-        for lo, hi in _decode_group_bounds(starts[:num_decodes]):
+        for lo, hi in decode_group_bounds(starts[:num_decodes]):
             max_ctx = starts[hi - 1] + 1  # sorted ascending: the last is the longest
             meta.decode_groups.append(
                 DecodeGroup(
@@ -307,19 +308,3 @@ class ModelRunner:
                 PrefillInfo(batch.query_start[row], lens[row], ctx, table[row, : -(-ctx // bs)].to(dev, non_blocking=True))
             )
         return meta
-
-
-def _decode_group_bounds(sorted_starts: list[int], min_group: int = 8) -> list[tuple[int, int]]:
-    """Split decodes (sorted by context length) into groups attended in one call each.
-    A group pads every member to its longest context, so a new group starts when the
-    context has doubled since the group's first member (padding waste < 2x), provided the
-    group already has `min_group` members (each call has a fixed cost too)."""
-    bounds = []
-    lo = 0
-    for i in range(1, len(sorted_starts)):
-        if i - lo >= min_group and sorted_starts[i] + 1 > 2 * (sorted_starts[lo] + 1):
-            bounds.append((lo, i))
-            lo = i
-    if sorted_starts:
-        bounds.append((lo, len(sorted_starts)))
-    return bounds

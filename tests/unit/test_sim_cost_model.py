@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.scheduler_helpers import make_scheduler, make_seq
+from worker.decode_groups import decode_group_bounds, padded_decode_tokens
 from worker.default_model import default_model_path
 from worker.sim.cost_model import SeqWork, StepCostModel
 from worker.sim.profiles import BUILTIN_PROFILES, DeviceProfile, load_profile
@@ -185,3 +186,31 @@ def test_shipped_fitted_cpu_profile_loads_by_name() -> None:
     # The shape it was fitted on prices a decode step in milliseconds, as measured there.
     step = StepCostModel(load_shape(default_model_path()), cpu).step_time_s([SeqWork(1, 16)])
     assert 1e-3 < step < 50e-3
+
+
+def test_decode_groups_split_when_the_context_doubles_after_min_group() -> None:
+    # 8 short decodes make a group; the 9th (context 40 > 2 x 11) starts the next one.
+    contexts = [4, 5, 6, 7, 8, 9, 10, 10, 40, 41]
+    assert decode_group_bounds(contexts) == [(0, 8), (8, 10)]
+    assert decode_group_bounds([1, 100, 1000]) == [(0, 3)]  # under min_group: one group
+    # Each attends its group's longest context + its own token: 8 x 11 + 2 x 42.
+    assert padded_decode_tokens(contexts) == 8 * 11 + 2 * 42
+    assert padded_decode_tokens([]) == 0
+
+
+def test_a_padding_backend_prices_decodes_at_their_groups_longest_context() -> None:
+    """The CPU torch backend pads decodes to their group's longest context: a profile that
+    says so prices the padded attention pairs and gathered KV; uniform batches (what
+    calibration runs) cost the same either way."""
+    shape = load_shape("llama-3-8b")
+    plain = StepCostModel(shape, ideal("h200"))
+    padded = StepCostModel(shape, replace(ideal("h200"), padded_decode_attention=True))
+    uniform = [SeqWork(1, 512)] * 4
+    assert padded.step_time_s(uniform) == plain.step_time_s(uniform)
+    mixed = [SeqWork(1, 0), SeqWork(1, 0), SeqWork(1, 0), SeqWork(1, 4095)]
+    extra = padded.step_time_s(mixed) - plain.step_time_s(mixed)
+    # Three decodes of context 0 read 4096 KV tokens each instead of 1: 3 x 4095 x 128 KiB more
+    # (memory-bound at batch 4).
+    assert extra == pytest.approx(3 * 4095 * L8_KV_PER_TOKEN / 4.8e12, rel=1e-6)
+    assert load_profile("cpu-calibrated").padded_decode_attention  # fitted on the torch backend
+    assert not load_profile("h200").padded_decode_attention

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from worker.decode_groups import padded_decode_tokens
 from worker.sim.profiles import DeviceProfile
 from worker.sim.shapes import ModelShape
 
@@ -102,6 +103,7 @@ class StepCostModel:
         self._head_bytes_per_row = float(s.hidden_size * d + 2 * s.vocab_size * LOGIT_BYTES)
         self._attn_flops_per_pair = 4.0 * s.num_heads * s.head_dim * s.num_layers
         self._qo_bytes_per_token = float(2 * s.q_size * s.num_layers * d)
+        self._padded_decodes = profile.padded_decode_attention
 
     # -- the model ---------------------------------------------------------------------------
     def features(self, work: Iterable[SeqWork]) -> StepFeatures:
@@ -116,6 +118,7 @@ class StepCostModel:
         num_tokens = num_seqs = num_sampled = 0
         decode_pairs = decode_kv_tokens = 0
         prefill_pairs = prefill_kv_tokens = prefill_new = 0
+        decode_contexts: list[int] | None = [] if self._padded_decodes else None
         for n, c, samples in rows:
             num_seqs += 1
             num_tokens += n
@@ -124,11 +127,15 @@ class StepCostModel:
             if n == 1:
                 decode_pairs += pairs
                 decode_kv_tokens += c + 1
+                if decode_contexts is not None:
+                    decode_contexts.append(c)
             else:
                 prefill_pairs += pairs
                 prefill_kv_tokens += c + n
                 prefill_new += n
         decode_new = num_tokens - prefill_new
+        if decode_contexts:  # a grouped backend attends (and gathers) each group at its longest
+            decode_pairs = decode_kv_tokens = padded_decode_tokens(decode_contexts)
         kv = self._kv_bytes_per_token
         dense = (
             self._dense_flops_per_token * num_tokens,

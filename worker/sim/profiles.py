@@ -52,6 +52,12 @@ class DeviceProfile:
     # (scores materialised, a mask, paged KV gathered) runs far below it, so one shared
     # efficiency fitted prefill chunks of 32, 128 and 512 tokens at -10%, +23% and -21%.
     attention_flops_efficiency: float | None = None
+    # The engine's attention backend pads decodes to their group's longest context
+    # (worker/decode_groups.py: the CPU torch backend; GPU varlen kernels do not). Uniform
+    # calibration batches never show it; a run's mixed contexts do: unpriced, the padding
+    # made validation 1's real decode steps ~5-15% slower than modelled and its TTFT p50
+    # ~10% higher (the same run priced by a fit on its own steps: within 4%).
+    padded_decode_attention: bool = False
     calibrated: bool = False
     source: str = ""
     # A fitted profile says what it was fitted on and how well (calibrate writes these).
