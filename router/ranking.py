@@ -57,10 +57,11 @@ decode_growth_blocks (forecast per request from its max_tokens and the replica's
 output lengths), so a replica whose running requests are young looks as full as it will be.
 Growth is subtracted whole although free_blocks counts evictable cached blocks as free:
 growth takes blocks from that pool either way (an evicted prefix is no longer a hit).
-Measured (benchmarks.routing --quick, b2b and agentic, 4 replicas): goodput unchanged
-(60.62, 53.12 req/s), TTFT p99 at 80% of round robin's goodput lower (b2b 0.223 -> 0.114 s,
-agentic 0.467 -> 0.205 s); KV is not what binds there (a median report ~98% free), so the
-growth term mostly sharpens the fill term rather than closing replicas.
+Measured (benchmarks.routing --quick, 4 simulated H200s; routing-quick-2026-12-01-1356.txt
+before, -1621.txt after): goodput unchanged (b2b 60.62, agentic 53.12 req/s), TTFT p99 at 80%
+of round robin's goodput lower (b2b 0.223 -> 0.114 s, agentic 0.467 -> 0.205 s); KV is not
+what binds there (a median report ~98% free), so the growth term mostly sharpens the fill
+term rather than closing replicas.
 
 Known limits: the growth forecast is an expectation per request; blocks that requests free
 when they finish, before the routed one does, are not credited (a replica whose requests
