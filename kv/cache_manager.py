@@ -64,7 +64,7 @@ class KVCacheManager:
     def holds(self, request_id: str, num_tokens: int) -> bool:
         """Does the request's block table already hold `num_tokens` tokens? (Then it needs
         no check and no allocation: most decode steps of most requests.)"""
-        return len(self._block_ids.get(request_id, ())) * self.block_size >= num_tokens
+        return self.held_block_ids(request_id, num_tokens) is not None or num_tokens <= 0
 
     def held_block_ids(self, request_id: str, num_tokens: int) -> list[int] | None:
         """The request's block table if it already holds `num_tokens` tokens, else None

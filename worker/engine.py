@@ -239,14 +239,8 @@ class Engine:
             logger.exception("engine step failed; failing %d requests", len(plan.seqs))
             return outputs + self._fail(plan, e)
         saved = self.connector.save_kv(plan, result.token_ids)  # before update frees blocks
-        num_seqs = len(self.seqs)
         changed = self._timed(self.scheduler.update, plan, result.token_ids)
         outputs += self._postprocess(plan, result.logprobs, changed, saved)
-        # _postprocess drops finished sequences from self.seqs: an O(1) test for "some
-        # finished", so the scan of the changed ones runs only in those steps (the finish
-        # itself happens inside Scheduler.update, which stays free of this bookkeeping).
-        if len(self.seqs) < num_seqs:
-            self.output_lengths.record_finished(changed)
         self.prefill_meter.record(plan.num_new_tokens, result.forward_s)
         self._account(len(changed), time.perf_counter() - start, result.forward_s)
         return outputs
@@ -313,6 +307,8 @@ class Engine:
                 out = self._fail_one(seq, kv)
             elif kv is not None:
                 out.extra["kv_export"] = kv
+            if seq.status is finished:  # after the export check: a failed export is no answer length
+                self.output_lengths.observe(seq)
             outputs.append(out)
         return outputs
 

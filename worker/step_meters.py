@@ -24,9 +24,8 @@ missed its TTFT SLO at the rate it met before (simulator, 4 replicas, 60.62 req/
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 
-from worker.sequence import Sequence, SequenceStatus
+from worker.sequence import Sequence
 
 # Finish reasons that tell how long an answer runs (not "abort" / "error").
 NORMAL_FINISH_REASONS = frozenset({"stop", "length"})
@@ -47,12 +46,11 @@ class OutputLengthTracker:
         self._lengths.append(num_output_tokens)
         self._sum += num_output_tokens
 
-    def record_finished(self, seqs: Iterable[Sequence]) -> None:
-        """Record those of `seqs` that have finished normally (the engine passes a step's
-        changed sequences, only in steps where some finished)."""
-        for seq in seqs:
-            if seq.status is SequenceStatus.FINISHED and seq.finish_reason in NORMAL_FINISH_REASONS:
-                self.record(seq.num_output_tokens)
+    def observe(self, seq: Sequence) -> None:
+        """A finished sequence (the engine passes each as its last output is built): its
+        length counts when it finished normally."""
+        if seq.finish_reason in NORMAL_FINISH_REASONS:
+            self.record(seq.num_output_tokens)
 
     @property
     def count(self) -> int:

@@ -107,14 +107,11 @@ class StepCostModel:
 
     # -- the model ---------------------------------------------------------------------------
     def features(self, work: Iterable[SeqWork]) -> StepFeatures:
-        return self._features((w.num_new_tokens, w.context_len, w.samples) for w in work)
+        return self.rows_features((w.num_new_tokens, w.context_len, w.samples) for w in work)
 
     def rows_features(self, rows: Iterable[tuple[int, int, bool]]) -> StepFeatures:
-        """Features of (new tokens, context length, samples) rows: plan_features without
-        the plan (a runner that walks its plan anyway passes the rows it built)."""
-        return self._features(rows)
-
-    def _features(self, rows: Iterable[tuple[int, int, bool]]) -> StepFeatures:
+        """Features of (new tokens, context length, samples) rows (a runner that walks its
+        plan anyway passes the rows it built)."""
         num_tokens = num_seqs = num_sampled = 0
         decode_pairs = decode_kv_tokens = 0
         prefill_pairs = prefill_kv_tokens = prefill_new = 0
@@ -182,7 +179,7 @@ class StepCostModel:
                 for seq, n in zip(plan.seqs, plan.num_new_tokens)]
 
     def plan_features(self, plan: SchedulerOutput) -> StepFeatures:
-        return self._features(
+        return self.rows_features(
             (n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens)
             for seq, n in zip(plan.seqs, plan.num_new_tokens)
         )
