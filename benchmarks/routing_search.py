@@ -14,7 +14,8 @@ bisect the bracket (geometric midpoints) until it is as narrow as `bisect_steps`
 of one step make it (`Search.resolution`). A search may be told a rate above its start
 that another router's search saw miss (`known_miss`): it tries that rate first, so a
 router exactly as good as round robin costs two runs and lands on round robin's grid,
-instead of stepping out and bisecting back to the same bracket. Every run is one seeded
+instead of stepping out and bisecting back to the same bracket; a better one skips the
+start. Every run is one seeded
 simulation; the same seed gives the same workload shape at every rate (arrivals scale).
 """
 from __future__ import annotations
@@ -126,20 +127,29 @@ class Runner:
 def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search: Search,
                    known_miss: float | None = None) -> RunFigures:
     """The best run that meets the SLO (a rate-0 placeholder if even the lowest tried fails).
-    `known_miss`: a rate above `start_rate` seen to miss by another search, tried first
-    when the start meets."""
-    first = run(start_rate)
-    best = first if first.meets_slo else None
-    lo, hi = (start_rate, None) if first.meets_slo else (None, start_rate)
-    rate = start_rate
-    last_miss = None if first.meets_slo else first
+    `known_miss`: a rate above `start_rate` seen to miss by another search. It is tried
+    before the start: a router that meets it is better than the one that missed there,
+    and its run at `start_rate` would only confirm a rate below its bracket (one
+    simulation saved per winning router); a router that misses it then runs the start,
+    exactly the two runs it took when the start came first. Either way every router
+    visits the same rates as a start-first search would (if meeting the SLO is monotone
+    in the rate, which the whole search assumes)."""
+    probe = run(known_miss) if known_miss is not None and known_miss > start_rate else None
+    if probe is not None and probe.meets_slo:
+        lo, hi, rate, best, last_miss = known_miss, None, known_miss, probe, None
+    else:
+        first = run(start_rate)
+        best = first if first.meets_slo else None
+        lo, hi = (start_rate, None) if first.meets_slo else (None, start_rate)
+        if probe is not None and first.meets_slo:
+            hi = known_miss
+        rate = start_rate
+        # Not the probe: "a lower rate did not help" compares rates at or below the start.
+        last_miss = None if first.meets_slo else first
     for _ in range(search.max_steps_out):
         if lo is not None and hi is not None:
             break
-        if hi is None and rate == start_rate and known_miss is not None and known_miss > start_rate:
-            rate = known_miss
-        else:
-            rate = rate * search.step if hi is None else rate / search.step
+        rate = rate * search.step if hi is None else rate / search.step
         fig = run(rate)
         if fig.meets_slo:
             lo, best = rate, fig

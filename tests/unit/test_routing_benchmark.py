@@ -140,18 +140,30 @@ def test_cell_goodput_is_the_highest_rate_that_met_the_slo() -> None:
 
 
 def test_search_tries_a_known_miss_first_and_stops_at_the_resolution() -> None:
-    """A router as good as round robin: its start (round robin's goodput) meets, round
-    robin's bracket top misses, and the bracket is already as narrow as bisection makes
-    it: two runs, the same rate."""
+    """A router as good as round robin: round robin's bracket top (tried first) misses,
+    its start (round robin's goodput) meets, and the bracket is already as narrow as
+    bisection makes it: two runs, the same rate."""
     search = Search(bisect_steps=2, step=2.0)
     rr_calls: list[float] = []
     rr = goodput_at_slo(fake_run(37.0, rr_calls), 10.0, search)
     assert math.isclose(rr.next_miss_rps, 40.0) and rr.next_miss_rps / rr.rate_rps <= search.resolution * (1 + 1e-9)
     calls: list[float] = []
     same = goodput_at_slo(fake_run(37.0, calls), rr.rate_rps, search, known_miss=rr.next_miss_rps)
-    assert calls == [rr.rate_rps, rr.next_miss_rps] and same.rate_rps == rr.rate_rps
-    # A better router meets the known miss too: it steps on from there and bisects as usual.
+    assert calls == [rr.next_miss_rps, rr.rate_rps] and same.rate_rps == rr.rate_rps
+    assert same.next_miss_rps == rr.next_miss_rps
+    # A better router meets the known miss: it steps on from there (never running the
+    # start, below its bracket) and bisects as usual.
     calls = []
     better = goodput_at_slo(fake_run(150.0, calls), rr.rate_rps, search, known_miss=rr.next_miss_rps)
-    assert calls[:4] == [rr.rate_rps, 40.0, 80.0, 160.0] and len(calls) == 6
+    assert calls[:3] == [40.0, 80.0, 160.0] and len(calls) == 5
     assert better.meets_slo and 80.0 <= better.rate_rps <= 150.0 and better.next_miss_rps / better.rate_rps <= 2 ** 0.25 + 1e-9
+
+
+def test_search_with_a_known_miss_steps_down_from_the_start_when_both_miss() -> None:
+    """A router worse than round robin misses the known miss and the start, then steps
+    down from the start; the known miss's TTFT is not the "no relief" reference (only
+    rates at or below the start are)."""
+    calls: list[float] = []
+    worse = goodput_at_slo(fake_run(12.0, calls), 20.0, Search(bisect_steps=1, step=2.0), known_miss=25.0)
+    assert calls[:3] == [25.0, 20.0, 10.0] and len(calls) == 4 and math.isclose(calls[3], math.sqrt(200.0))
+    assert worse.meets_slo and worse.rate_rps == 10.0 and worse.next_miss_rps == calls[3]
