@@ -12,6 +12,8 @@ all computed are registered in the prefix cache.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kv.block_hash import hash_full_blocks
 from kv.block_pool import Block, BlockPool
 from kv.stats import KVStats
@@ -59,6 +61,15 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def adopt_block_hashes(self, request_id: str, block_hashes: Sequence[int]) -> None:
+        """Take the hashes of the request's leading full blocks from a caller that computed
+        them already with kv.block_hash at this block size (the simulator's router hashed
+        the same prompt): hashing is then done once per prompt, not once per component.
+        They must be exactly that chain, or prefix lookups go wrong: never pass hashes
+        that crossed a process boundary from an untrusted side."""
+        if self.pool.enable_prefix_caching and request_id not in self._hashes:
+            self._hashes[request_id] = list(block_hashes)
 
     # -- allocation (check, then act) ------------------------------------------------
     def holds(self, request_id: str, num_tokens: int) -> bool:

@@ -173,11 +173,14 @@ class Engine:
         arrival_time: float | None = None,
         export_kv: bool = False,
         kv_import: KVExport | None = None,
+        prompt_block_hashes: list[int] | None = None,
     ) -> None:
         """`export_kv`: when the first token is sampled, attach a KVExport of the prompt to
         that output (`extra["kv_export"]`) and pin its blocks until `release_kv`.
         `kv_import`: the prompt's KV computed elsewhere; the request continues after the
-        export's first token (prompt + that token, the prompt already computed)."""
+        export's first token (prompt + that token, the prompt already computed).
+        `prompt_block_hashes`: the prompt's full-block hashes (kv.block_hash at this engine's
+        block size) when the caller in this process has them already (the simulator)."""
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -188,6 +191,8 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         self.connector.add_request(seq, export_kv, kv_import)
         self.seqs[request_id] = seq
+        if prompt_block_hashes is not None:
+            self.kv.adopt_block_hashes(request_id, prompt_block_hashes[: len(prompt_token_ids) // self.kv.block_size])
         if params.structured is not None and self.grammar is not None:
             seq.grammar = GrammarState(self.grammar.submit(params.structured))
             self.awaiting_grammar.append(seq)

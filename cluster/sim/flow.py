@@ -80,7 +80,8 @@ class Orchestrator:
             return
         export = flight.stage == "prefill" and req.max_tokens > 1
         params = SamplingParams(max_tokens=1 if export else req.max_tokens, ignore_eos=True)
-        error = replica.submit(req.request_id, list(req.prompt_token_ids), params, export_kv=export)
+        error = replica.submit(req.request_id, list(req.prompt_token_ids), params, export_kv=export,
+                               profile=flight.routing_request.profile)  # type: ignore[union-attr]
         if error is not None:
             self._fail(flight, error)
 
@@ -88,7 +89,8 @@ class Orchestrator:
         req = flight.request
         replica.num_ongoing -= 1  # submit counts it again
         error = replica.submit(req.request_id, list(req.prompt_token_ids),
-                               SamplingParams(max_tokens=req.max_tokens, ignore_eos=True), kv_import=flight.export)
+                               SamplingParams(max_tokens=req.max_tokens, ignore_eos=True), kv_import=flight.export,
+                               profile=flight.routing_request.profile)  # type: ignore[union-attr]
         flight.prefill_replica.release_kv(req.request_id)  # type: ignore[union-attr]
         flight.export = None
         if error is not None:

@@ -25,7 +25,7 @@ import torch
 from cluster.sim.clock import EventQueue
 from kv.kv_cache import KVCacheSpec
 from kv.transfer import KVExport
-from router.headroom import HeadroomParams
+from router.headroom import HeadroomParams, RequestProfile
 from worker.async_engine import MAX_PREFIX_HASHES
 from worker.engine import Engine
 from worker.routing_report import build_routing_stats
@@ -99,12 +99,17 @@ class SimReplica:
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               export_kv: bool = False, kv_import: KVExport | None = None) -> str | None:
+               export_kv: bool = False, kv_import: KVExport | None = None,
+               profile: RequestProfile | None = None) -> str | None:
         """Hand a request to the engine now. Returns None, or the engine's RequestError
-        message when it refuses the request (then it is not counted as ongoing)."""
+        message when it refuses the request (then it is not counted as ongoing).
+        `profile`: the router's profile of the prompt; its block hashes (memoised there,
+        computed there if no router needed them) are handed to the engine, which would
+        otherwise hash the same prompt again (a real replica does: another process)."""
+        hashes = profile.block_hashes(self.engine.kv.block_size) if profile is not None else None
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=self.clock.now,
-                                    export_kv=export_kv, kv_import=kv_import)
+                                    export_kv=export_kv, kv_import=kv_import, prompt_block_hashes=hashes)
         except RequestError as e:
             return str(e)
         self.num_ongoing += 1

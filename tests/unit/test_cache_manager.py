@@ -336,3 +336,21 @@ def test_hash_stable_pinned_values() -> None:
     # deterministic across calls
     assert hash_block(0, [1, 2, 3, 4]) == hash_block(0, (1, 2, 3, 4))
     assert all(0 <= h < 2**64 for h in hash_full_blocks(toks(0, 64), BS))
+
+
+def test_adopted_block_hashes_are_used_as_the_prompts_chain() -> None:
+    """A caller that hashed the prompt already (the simulator's router) hands the chain
+    over: lookups use it as given, and the manager extends it for later blocks. Shown
+    with the chain of another prompt, so the hit can only come from the adopted list."""
+    m = KVCacheManager(8, BS)
+    cached = toks(0, 9)
+    assert compute_all(m, "a", cached) == [0, 1, 2]
+    m.free("a")
+    other = toks(100, 9)
+    m.adopt_block_hashes("b", hash_full_blocks(cached, BS))
+    assert [b.block_id for b in m.get_computed_blocks("b", other)] == [0, 1]
+    # A second adoption does not replace the chain the manager already holds for "b".
+    m.adopt_block_hashes("b", [1, 2])
+    assert [b.block_id for b in m.get_computed_blocks("b", other)] == [0, 1]
+    # The manager's own request without adoption: no hit for the other prompt.
+    assert m.get_computed_blocks("c", other) == []
