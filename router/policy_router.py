@@ -102,6 +102,10 @@ class PolicyRouter(ReplicaStateRouter):
         # without token ids; lifecycle hook calls. For metrics and tests.
         self.num_decisions_by_mode: Counter[str] = Counter()
         self.num_hook_calls: Counter[str] = Counter()
+        # Requests with token ids (generate calls) sent: the ones a view-aware policy counts
+        # in its view. Admission control (router/admission.py) matches them to its grants;
+        # num_hook_calls["routed"] also counts health checks, aborts, model_info calls.
+        self.num_dispatched = 0
 
     # ------------------------------------------------------------------ choosing
 
@@ -173,7 +177,8 @@ class PolicyRouter(ReplicaStateRouter):
             return stats
         return warm
 
-    def _view(self, replica: RunningReplica, now: float) -> ReplicaView:
+    def _report(self, replica: RunningReplica, now: float) -> ReplicaReport | None:
+        """The replica's last report, parsed once; a new one is passed to the policy."""
         replica_id = replica.replica_id
         stats = self._stats(replica)
         report = self._reports.get(replica_id)
@@ -182,6 +187,11 @@ class PolicyRouter(ReplicaStateRouter):
             self._reports[replica_id] = report
             if report is not None:
                 self.policy.on_report(replica_id, report, now)
+        return report
+
+    def _view(self, replica: RunningReplica, now: float) -> ReplicaView:
+        replica_id = replica.replica_id
+        report = self._report(replica, now)
         queue_len = cached_queue_len(self, replica_id)
         if queue_len is None:
             queue_len = self._outstanding[replica_id]
@@ -201,6 +211,7 @@ class PolicyRouter(ReplicaStateRouter):
             self.num_hook_calls["moved"] += 1  # Serve sent it to a lower rank than the reservation's
         request = self._pending.pop(request_id, None)
         if request is not None:
+            self.num_dispatched += 1
             self.policy.on_dispatch(request, replica_id, router_now_s(self))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -210,6 +221,17 @@ class PolicyRouter(ReplicaStateRouter):
             self._outstanding[replica_id] -= 1
         self._pending.pop(internal_request_id, None)
         self.policy.on_complete(internal_request_id, replica_id, router_now_s(self))
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve calls this on the router's loop with every new replica set, and with every
+        changed report: the policy sees a report now, not at this router's next decision, so
+        its view's unreflected work is always counted against the newest reports. Admission
+        control reads the view between decisions (router/admission.py), while requests are
+        held and this router may decide nothing for a long time."""
+        super().update_replicas(replicas)
+        now = router_now_s(self)
+        for replica in replicas:
+            self._report(replica, now)
 
     def _forget_gone_replicas(self, live: set[ReplicaID]) -> None:
         for replica_id in [r for r in self._reports if r not in live]:

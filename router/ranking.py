@@ -79,6 +79,7 @@ from router import work
 from router.headroom import (
     HeadroomParams,
     ReplicaKey,
+    ReplicaReport,
     ReplicaView,
     RequestProfile,
     is_fresh,
@@ -138,6 +139,14 @@ def decode_blocks(request: RequestProfile, block_size: int, expected_output_toke
     return request.total_blocks(block_size, expected_output_tokens) - -(-request.prompt_len // block_size)
 
 
+def report_headroom(report: ReplicaReport, headroom_share: float = 1.0) -> int:
+    """Blocks a report leaves for new requests (capacity before the 0 floor): this router's
+    share of the free blocks, less its waiting prompts' reservations and the growth of its
+    requests. Admission control (router/admission.py) judges with the same figure (at the
+    whole share), less the same unreflected blocks, so the two agree on what fits."""
+    return math.floor(report.free_blocks * headroom_share) - report.reserved_blocks - report.decode_growth_blocks
+
+
 def score_replica(
     request: RequestProfile,
     view: ReplicaView,
@@ -154,8 +163,7 @@ def score_replica(
     cacheable = request.cacheable_blocks(bs)
     cached = max(request.cached_blocks(bs, report.prefix_hashes), min(hinted_blocks, cacheable))
     need = max(request.total_blocks(bs, report.expected_output_tokens(params)) - cached, 0)
-    capacity = max(math.floor(report.free_blocks * params.headroom_share) - report.reserved_blocks
-                   - report.decode_growth_blocks, 0)
+    capacity = max(report_headroom(report, params.headroom_share), 0)
     score = capacity - view.unreflected_blocks - need
     credit = (params.prefix_weight * cached / cacheable if cacheable else 0.0) + (params.session_weight if session else 0.0)
     fill = score / capacity if capacity > 0 else -math.inf
