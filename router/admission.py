@@ -13,28 +13,41 @@ fresher stats, to whichever replica freed up first, and overload is visible to t
 as a 429 with a hint instead of as an ever-longer TTFT.
 
 "Can some replica take it" (`judge`), from the routing stats the request router in this
-process holds (the same reports it ranks with) plus what this ingress admitted since them:
+process holds (the same reports it ranks with), the work its routing view says was sent to
+each replica since (u(r): router/reservations.py's Unreflected; none for a baseline router)
+and what this ingress admitted that the router has not sent yet:
 
-    fits(r)  = free_blocks(r) - reserved_blocks(r) - decode_growth_blocks(r) >= need(q, r)
-               (router/ranking.py's need: prompt + expected decode blocks at r's observed
-               mean output length, less the blocks r has cached; growth: what r's requests
-               will still grow into)
-    slots(r) = max(max_waiting_per_replica - num_waiting(r), 0)   where fits(r), else 0
+    avail(r) = free_blocks(r) - reserved_blocks(r) - decode_growth_blocks(r) - u.blocks(r)
+               (router/ranking.py's report_headroom and score, the same arithmetic; need:
+               prompt + expected decode blocks at r's observed mean output length, less the
+               blocks r has cached; growth: what r's requests will still grow into; u.blocks:
+               the needs reserved there, their decode blocks included)
+    fits(r)  = avail(r) >= need(q, r)
+    slots(r) = max(max_waiting_per_replica - num_waiting(r) - u.requests(r), 0)  where fits(r), else 0
     admit   <=> sum_r slots(r) > pending                          (requests, see below)
-            and sum_{r fits} (free - reserved)(r) - pending_blocks >= min_r need(q, r)
+            and sum_{r fits} avail(r) - pending_blocks >= min_r need(q, r)
 
-  `pending`: requests this controller let go whose dispatch no report shows yet (admitted
-  at t, not reflected until every replica reported at t + report_lag_s or later); they are
-  in flight towards some replica, which one only the router knows.
+  `pending`: requests this controller let go that are in flight towards some replica
+  (which one only the router knows) and counted nowhere else yet. With a view, an admission
+  stops counting once the router has sent it (the view counts it from then on): the
+  router's send count (routed_total) is matched to admissions in grant order. Without one,
+  or as a safety net, it stops counting once its dispatch is reflected (admitted at t,
+  every replica reported at t + report_lag_s or later).
 
 Never refuse because stats are stale (the router then ranks by power of two choices): a
 request goes at once when any live replica's report is missing or stale, when the router is
 not kvserve's (no HeadroomParams: Serve's own pow2), or when this ingress has nothing in
 flight (holding can only help when there is work ahead of the request; this also means a
 request too large for any replica's headroom is never held forever: the engine answers it).
-With several ingress replicas each counts only its own pending requests (the router's
-shared view, router/routing_view.py, is where cross-ingress dispatches meet); the reports
-make them agree once per stats period.
+With several ingress replicas, the work every ingress sent meets in the routers' shared view
+(router/redis_view.py, through Redis): each ingress judges with all of it, and only its own
+admissions the router has not sent yet (admission to the replica's acceptance) count for it
+alone. With private views (or a baseline router) each counts only what its own router sent
+and its own pending requests, so N ingresses can over-admit up to N-fold until the next
+reports make them agree, once per stats period. The view is read between decisions (the
+router observes each new report as Serve delivers it: router/policy_router.py's
+update_replicas), from the copy its last sync read (another router's work read then stops
+counting once a report reflects it): no Redis round trip here.
 """
 from __future__ import annotations
 
@@ -48,6 +61,8 @@ from typing import Any, Protocol
 from router import errors
 from router.fair_queue import FairQueue
 from router.headroom import HeadroomParams, ReplicaReport, RequestProfile, is_fresh
+from router.ranking import report_headroom
+from router.reservations import NOTHING, Unreflected
 
 Clock = Callable[[], float]
 
@@ -73,6 +88,12 @@ class RoutingSnapshot:
     reports: tuple[ReplicaReport | None, ...]  # one per live replica; None: no report yet
     params: HeadroomParams  # the router's (fallback decode tokens, staleness, report lag)
     now: float  # the reports' clock (time.time())
+    # The router's routing view, aligned with `reports`: the work promised to each replica
+    # since its report (shared view: by every ingress's router). Empty: the router keeps none.
+    unreflected: tuple[Unreflected, ...] = ()
+    # Engine requests (generate calls) this process's router has sent so far, the ones its
+    # view counts; None when the router keeps no view.
+    routed_total: int | None = None
 
 
 class SnapshotSource(Protocol):
@@ -96,6 +117,9 @@ class _Pending:
     admitted_at: float
     num_requests: int
     blocks: int
+    # Engine requests granted by this controller up to and including this one's: it has been
+    # sent once the router has sent that many of them (AdmissionController._forget_dispatched).
+    granted_through: int = 0
 
 
 def judge(
@@ -108,7 +132,9 @@ def judge(
     if snapshot is None:
         return Verdict(True, REASON_NO_ROUTER)
     params = snapshot.params
-    reports = [r for r in snapshot.reports if r is None or r.healthy]
+    unreflected = snapshot.unreflected or (NOTHING,) * len(snapshot.reports)
+    live = [(r, u) for r, u in zip(snapshot.reports, unreflected, strict=True) if r is None or r.healthy]
+    reports = [r for r, _ in live]
     if not reports or any(not is_fresh(r, snapshot.now, params) for r in reports):
         return Verdict(True, REASON_STALE)
     slots = 0
@@ -122,18 +148,21 @@ def judge(
             best = max(best, profile.cached_blocks(r.block_size, r.prefix_hashes) * r.block_size)
         predicted += best
     too_large = True
-    for r in reports:
+    for r, u in live:
         assert r is not None
         need = 0
         for profile in profiles:
             cached = profile.cached_blocks(r.block_size, r.prefix_hashes)
             need += max(profile.total_blocks(r.block_size, r.expected_output_tokens(params)) - cached, 0)
         too_large = too_large and need > r.total_blocks
-        # What its waiting prompts and the growth of its requests leave (router/ranking.py).
-        available = r.free_blocks - r.reserved_blocks - r.decode_growth_blocks
+        # What its waiting prompts, the growth of its requests and the work sent there since
+        # its report leave: router/ranking.py's score, whole share. Not u.decode_blocks too:
+        # a reservation's blocks are its need, expected decode included.
+        available = report_headroom(r) - u.blocks
         if available < need:
             continue
-        slots += max(max_waiting_per_replica - r.num_waiting, 0)
+        # Requests sent since the report may wait there too (the router counts them as ongoing).
+        slots += max(max_waiting_per_replica - r.num_waiting - u.requests, 0)
         free += available
         min_need = need if min_need is None else min(min_need, need)
     if too_large:  # holding cannot help: let the engine refuse it (400) now
@@ -198,8 +227,14 @@ class AdmissionController:
         self._metrics = metrics
         self._poll_interval_s = poll_interval_s
         self._clock = clock
-        self._pending: list[_Pending] = []
+        self._pending: list[_Pending] = []  # in grant order
         self.num_in_flight = 0  # engine requests admitted here whose streams are open
+        # Matching the router's sends to grants here (a snapshot with a view): engine
+        # requests granted, how many of them the router has sent, and its count at the last
+        # judge (None: no view then).
+        self._num_granted = 0
+        self._num_dispatched = 0
+        self._routed_total: int | None = None
         self._wait_ewma_s = 0.0
         self._ticker: asyncio.Task[None] | None = None
 
@@ -257,11 +292,39 @@ class AdmissionController:
     def _judge(self, profiles: list[RequestProfile]) -> Verdict:
         snapshot = self._source.snapshot() if self._source is not None else None
         if snapshot is not None:
+            self._forget_dispatched(snapshot)
             self._forget_reflected(snapshot)
         verdict = judge(profiles, snapshot, self._pending, self.max_waiting_per_replica)
         if not verdict.admit and self.num_in_flight == 0:
             return replace(verdict, admit=True, reason=REASON_IDLE)
         return verdict
+
+    def _forget_dispatched(self, snapshot: RoutingSnapshot) -> None:
+        """With a routing view, a pending admission stops counting once the router has sent
+        it: the view counts it from then on (every ingress's, when shared). Sends are matched
+        to grants in grant order, by count: as routed_total advances by k, the oldest k
+        requests' worth are sent; an entry of n > 1 requests goes when all n are.
+
+        Invariant: _num_dispatched <= the grants here that the router has sent or never will
+        (cancelled first), so an entry is dropped at its send or later, never before (late
+        only counts it twice until a report reflects it). Hence a first view, or a router
+        whose count restarted, only sets the baseline: what it sent before cannot be told
+        apart from this controller's grants. The one exception: a migrated request is sent
+        twice (router/migration.py); the cap at _num_granted bounds what that drops early."""
+        total = snapshot.routed_total
+        previous, self._routed_total = self._routed_total, total
+        if total is None:
+            return
+        if self.num_in_flight == 0:
+            # Every grant here has been sent or given up: the count is exact again (sends
+            # before a baseline, grants cancelled before their send).
+            self._num_dispatched = self._num_granted
+        elif previous is not None and total >= previous:
+            self._num_dispatched = min(self._num_dispatched + total - previous, self._num_granted)
+        sent = 0
+        while sent < len(self._pending) and self._pending[sent].granted_through <= self._num_dispatched:
+            sent += 1
+        del self._pending[:sent]
 
     def _forget_reflected(self, snapshot: RoutingSnapshot) -> None:
         """Pending admissions that every replica has reported since stop counting (and any
@@ -276,8 +339,11 @@ class AdmissionController:
 
     def _grant(self, num_requests: int, verdict: Verdict, wait_s: float) -> Ticket:
         self.num_in_flight += num_requests
+        # Every grant goes through the router, pending or not (stale stats, ...): its send
+        # advances routed_total too.
+        self._num_granted += num_requests
         if verdict.reason in (REASON_FITS, REASON_IDLE):
-            self._pending.append(_Pending(self._clock(), num_requests, verdict.need_blocks))
+            self._pending.append(_Pending(self._clock(), num_requests, verdict.need_blocks, self._num_granted))
         if wait_s > 0:
             self._wait_ewma_s += _WAIT_EWMA_ALPHA * (wait_s - self._wait_ewma_s)
         if self._metrics is not None:
@@ -326,7 +392,11 @@ def shed_error(message: str, retry_after_s: int) -> errors.APIError:
 class RouterSnapshotSource:
     """Reads the reports the worker handle's request router holds (it runs on Serve's router
     thread; its replica dict and each replica's stats dict are replaced, not mutated, so a
-    copy taken here is consistent). Reports are parsed once per new timestamp."""
+    copy taken here is consistent). Reports are parsed once per new timestamp.
+
+    A view-aware router's view is read too, off the router's thread: its figures are ints
+    (a read torn between two of them is off by one request for one judge), and
+    RedisRoutingView answers from the copy its last sync read (no Redis round trip here)."""
 
     def __init__(self, handle: Any, clock: Clock = time.time) -> None:
         self._handle = handle
@@ -343,8 +413,9 @@ class RouterSnapshotSource:
         for _ in range(3):
             try:
                 replicas = list(router.curr_replicas.values())
+                unreflected, routed_total = _router_view(router, replicas)
                 break
-            except RuntimeError:  # the dict changed size under us (router thread); retry
+            except RuntimeError:  # a dict changed size under us (router thread); retry
                 continue
         else:
             return None
@@ -352,7 +423,7 @@ class RouterSnapshotSource:
         live = {replica.replica_id for replica in replicas}
         for gone in [k for k in self._parsed if k not in live]:
             del self._parsed[gone]
-        return RoutingSnapshot(reports, params, self._clock())
+        return RoutingSnapshot(reports, params, self._clock(), unreflected, routed_total)
 
     def _report(self, replica_id: Any, stats: dict[str, Any] | None) -> ReplicaReport | None:
         cached = self._parsed.get(replica_id)
@@ -361,3 +432,14 @@ class RouterSnapshotSource:
         report = ReplicaReport.from_stats(stats)
         self._parsed[replica_id] = report
         return report
+
+
+def _router_view(router: Any, replicas: Sequence[Any]) -> tuple[tuple[Unreflected, ...], int | None]:
+    """The router's view of each replica and its send count; ((), None) when its policy
+    keeps no view (baselines). The count is read first: a request is in the view from its
+    reservation (choice) on, before its send counts, so a send between the two reads is
+    counted twice for one judge, never missed."""
+    if not getattr(router, "_uses_view", False):
+        return (), None
+    routed_total = int(router.num_dispatched)
+    return tuple(router.view.unreflected(replica.replica_id) for replica in replicas), routed_total

@@ -26,6 +26,7 @@ from router.admission import (
 from router.fair_queue import FairQueue
 from router.headroom import HeadroomParams, ReplicaReport, RequestProfile
 from router.metrics import IngressMetrics
+from router.reservations import NOTHING, Unreflected
 
 NOW = 1000.0
 BS = 16
@@ -44,8 +45,9 @@ def profile(prompt_len: int = 64, max_tokens: int = 32, first: int = 1) -> Reque
     return RequestProfile(list(range(first, first + prompt_len)), max_tokens)
 
 
-def snapshot(*reports: ReplicaReport | None, now: float = NOW) -> RoutingSnapshot:
-    return RoutingSnapshot(tuple(reports), PARAMS, now)
+def snapshot(*reports: ReplicaReport | None, now: float = NOW, unreflected: tuple[Unreflected, ...] = (),
+             routed_total: int | None = None) -> RoutingSnapshot:
+    return RoutingSnapshot(tuple(reports), PARAMS, now, unreflected, routed_total)
 
 
 # -- the fair queue ------------------------------------------------------------------------------
@@ -121,6 +123,35 @@ def test_this_ingress_pending_admissions_use_up_slots_and_blocks() -> None:
     assert judge([profile()], reports, [_Pending(NOW, 1, 6)], 4).admit
     assert not judge([profile()], reports, [_Pending(NOW, 2, 6)], 4).admit  # no slot left
     assert not judge([profile()], reports, [_Pending(NOW, 1, 15)], 4).admit  # 5 blocks left < 6
+
+
+def test_work_sent_since_the_report_is_not_available() -> None:
+    room = report(free=20)  # 6 blocks needed
+    for view in ((), (NOTHING,)):  # no view, or nothing sent since the report
+        assert judge([profile()], snapshot(room, unreflected=view), [], 4).admit
+    assert judge([profile()], snapshot(room, unreflected=(Unreflected(14, 1),)), [], 4).admit  # 6 left
+    verdict = judge([profile()], snapshot(room, unreflected=(Unreflected(15, 1),)), [], 4)  # 5 left
+    assert not verdict.admit and verdict.reason == REASON_FULL
+    # A reservation's blocks are its need, decode included: its decode_blocks are not taken twice.
+    assert judge([profile()], snapshot(room, unreflected=(Unreflected(14, 1, 64, 2),)), [], 4).admit
+    # Nothing fits: one replica's room is promised away, the other's report shows none.
+    both = snapshot(room, report(free=5), unreflected=(Unreflected(15, 1), NOTHING))
+    assert judge([profile()], both, [], 4).reason == REASON_FULL
+    # What is left after the sent work is what this ingress's pending admissions share.
+    sent = snapshot(room, unreflected=(Unreflected(8, 1),))  # 12 left
+    assert judge([profile()], sent, [_Pending(NOW, 1, 6)], 4).admit
+    assert not judge([profile()], sent, [_Pending(NOW, 1, 7)], 4).admit
+
+
+def test_requests_sent_since_the_report_use_up_slots() -> None:
+    waiting = report(waiting=2)  # 2 slots by the report
+    assert judge([profile()], snapshot(waiting, unreflected=(Unreflected(6, 1),)), [], 4).admit
+    assert not judge([profile()], snapshot(waiting, unreflected=(Unreflected(6, 2),)), [], 4).admit
+    assert not judge([profile(), profile()], snapshot(waiting, unreflected=(Unreflected(6, 1),)), [], 4).admit
+    # The slots of a replica whose blocks are promised away do not count either.
+    two = snapshot(waiting, report(waiting=3), unreflected=(Unreflected(95, 0), NOTHING))
+    assert judge([profile()], two, [], 4).admit
+    assert not judge([profile(), profile()], two, [], 4).admit
 
 
 def test_an_unhealthy_replica_is_not_counted() -> None:
@@ -253,6 +284,74 @@ async def test_own_admissions_count_until_every_replica_reported_after_them() ->
     source.snap = snapshot(report(waiting=3, timestamp=NOW + 0.1), now=NOW + 0.1)
     c.pump()
     assert (await held).verdict.reason == REASON_FITS
+
+
+def pending_requests(c: AdmissionController) -> list[int]:
+    return [p.num_requests for p in c._pending]
+
+
+@pytest.mark.parametrize("view", [True, False])
+async def test_pending_admissions_stop_counting_in_order_once_the_router_sent_them(view: bool) -> None:
+    source = Source(snapshot(report(waiting=0), routed_total=0 if view else None))  # 4 slots
+    c = controller(source)
+
+    def sent(total: int) -> None:  # the router's send count (no view: it keeps none)
+        if view:
+            source.snap = replace(source.snap, routed_total=total)  # type: ignore[arg-type]
+        c.pump()
+
+    await c.admit("k", [profile()])  # idle
+    await c.admit("k", [profile(), profile()])  # n=2: two engine requests
+    await c.admit("k", [profile()])
+    held = asyncio.create_task(c.admit("k", [profile()]))  # 4 slots - 4 pending: held
+    await asyncio.sleep(0)
+    assert pending_requests(c) == [1, 2, 1] and len(c.queue) == 1
+    sent(1)  # the oldest admission was sent: the view counts it now
+    if not view:  # nothing tells the controller: all stay pending until a report shows them
+        assert pending_requests(c) == [1, 2, 1] and not held.done()
+        held.cancel()
+        return
+    assert len(c.queue) == 0  # granted by that pump
+    assert (await held).verdict.reason == REASON_FITS and pending_requests(c) == [2, 1, 1]
+    held = asyncio.create_task(c.admit("k", [profile()]))
+    await asyncio.sleep(0)
+    sent(2)  # one of the n=2 admission's two: it still counts whole
+    assert pending_requests(c) == [2, 1, 1] and not held.done()
+    sent(3)
+    assert len(c.queue) == 0
+    assert (await held).verdict.reason == REASON_FITS and pending_requests(c) == [1, 1, 1]
+
+
+async def test_a_first_view_sets_the_baseline_and_sends_beyond_the_grants_are_not_banked() -> None:
+    source = Source(snapshot(report(waiting=0)))  # no view yet
+    c = controller(source)
+    await c.admit("k", [profile()])
+    await c.admit("k", [profile()])
+    # A view appears with 5 sends behind it: whose they were is unknown, so nothing is dropped.
+    source.snap = replace(source.snap, routed_total=5)
+    await c.admit("k", [profile()])
+    assert pending_requests(c) == [1, 1, 1]
+    source.snap = replace(source.snap, routed_total=6)  # one more: the oldest goes
+    await c.admit("k", [profile()])
+    assert pending_requests(c) == [1, 1, 1]
+    # Far more sends than grants here (another caller of the router): every pending
+    # admission was sent, but a later one is not taken as sent in advance.
+    source.snap = replace(source.snap, routed_total=100)
+    await c.admit("k", [profile()])
+    assert pending_requests(c) == [1]
+    await c.admit("k", [profile()])
+    assert pending_requests(c) == [1, 1]
+
+
+@pytest.mark.parametrize("view", [True, False])
+async def test_nothing_in_flight_means_every_grant_was_sent_or_given_up(view: bool) -> None:
+    c = controller(Source(snapshot(report(waiting=0), routed_total=0 if view else None)))
+    tickets = [await c.admit("k", [profile()]) for _ in range(3)]  # no send counted
+    for ticket in tickets:
+        ticket.release()
+    await c.admit("k", [profile()])
+    # With a view the count is exact again; without one they wait for a report to show them.
+    assert pending_requests(c) == ([1] if view else [1, 1, 1, 1])
 
 
 async def test_metrics_show_queue_time_decisions_and_predicted_prefix_hits() -> None:
