@@ -11,6 +11,8 @@
 2. Multi-ingress rows: headroom on b2b behind 1 ingress router (the table's cell) and behind
    4, each with a private view (the herding failure) or all sharing one view (what Redis
    shares in a deployment: SimConfig.shared_view); headroom_share is 1.0 in every case.
+   The ideal partition beside them (b2b, agentic): one replica at 1/N of the rate on its
+   own share of the groups or sessions, x N: the yardstick for cache-aware routing.
 3. Validations (benchmarks/routing_validate.py, routing_validate_cluster.py): the real CPU
    engine vs the simulator with the calibrated CPU profile; a real Serve cluster of 8
    simulated-device replicas vs the simulator. Relative errors of TTFT p50, TTFT p99 and output tokens/s.
@@ -47,6 +49,7 @@ from benchmarks.routing_setup import (
     FULL,
     HEADROOM,
     NUM_INGRESS,
+    PARTITION_WORKLOADS,
     PROFILE,
     QUICK,
     QUICK_JOBS,
@@ -121,8 +124,11 @@ def router_cell(workload: str, num_replicas: int, seed: int, plan: Plan, wkw: di
     return CellResult(workload, num_replicas, seed, router, fig, at_80, cpu_s)
 
 
-def run_table(pool: Executor, keys: list[tuple[str, int]], plan: Plan, kw_of: dict[str, dict]
-              ) -> tuple[dict[tuple[str, int], dict[str, Cell]], float, dict[bool, list[float]]]:
+Key = tuple[str, int]  # (workload, replicas)
+
+
+def run_table(pool: Executor, keys: list[Key], plan: Plan, kw_of: dict[str, dict]
+              ) -> tuple[dict[Key, dict[str, Cell]], float, dict[bool, list[float]], dict[Key, list[float]]]:
     """Every cell of the table as its own task: round robin's search per (workload, replicas,
     seed) first; when one ends, the other routers' tasks for it, each starting at round
     robin's goodput (every router walks the same grid of rates: round robin's start x 1.5^k,
@@ -130,9 +136,12 @@ def run_table(pool: Executor, keys: list[tuple[str, int]], plan: Plan, kw_of: di
     bracket top as its first step up and round robin's 80% rate. Tasks of unequal length
     keep every process busy. b2b at the first replica count also gets the multi-ingress
     searches: a private view anchored the same way, the shared one on headroom's cell.
-    Returns the cells, their CPU seconds, and the multi-ingress goodputs per seed by view."""
-    rows: dict[tuple[str, int], dict[str, Cell]] = {key: {r: Cell([], []) for r in ROUTERS} for key in keys}
+    PARTITION_WORKLOADS also get the ideal partition's search (partition_goodput).
+    Returns the cells, their CPU seconds, the multi-ingress goodputs per seed by view, and
+    the ideal partition's goodputs per seed."""
+    rows: dict[Key, dict[str, Cell]] = {key: {r: Cell([], []) for r in ROUTERS} for key in keys}
     ingress: dict[bool, list[float]] = {False: [], True: []}
+    partition: dict[Key, list[float]] = {}
     pending: dict[Future, object] = {}
     for workload, n in keys:
         wkw = kw_of[workload] or workload_kw(workload, n)
@@ -145,6 +154,11 @@ def run_table(pool: Executor, keys: list[tuple[str, int]], plan: Plan, kw_of: di
             tag = pending.pop(future)
             if isinstance(tag, bool):  # a multi-ingress search: its view
                 ingress[tag].append(future.result())
+                continue
+            if isinstance(tag, tuple):  # the ideal partition's search: its (workload, replicas)
+                goodput, search_cpu_s = future.result()
+                partition.setdefault(tag, []).append(goodput)
+                cpu_s += search_cpu_s
                 continue
             res: CellResult = future.result()
             cpu_s += res.cpu_s
@@ -167,10 +181,47 @@ def run_table(pool: Executor, keys: list[tuple[str, int]], plan: Plan, kw_of: di
             if multi_ingress:  # private views herd below one router: searched up from round robin's
                 pending[pool.submit(multi_ingress_goodput, plan, res.seed, False, rr.rate_rps or None,
                                     known_miss)] = False
+            if res.workload in PARTITION_WORKLOADS:
+                pending[pool.submit(partition_goodput, res.workload, res.num_replicas, res.seed, plan,
+                                    rr.rate_rps or None, known_miss)] = (res.workload, res.num_replicas)
             for router in ROUTERS[1:]:
                 pending[pool.submit(router_cell, res.workload, res.num_replicas, res.seed, plan, tag, router,
                                     rr.rate_rps or None, known_miss, AT_FRACTION * rr.rate_rps)] = tag
-    return rows, cpu_s, ingress
+    return rows, cpu_s, ingress, partition
+
+
+def partition_goodput(workload: str, num_replicas: int, seed: int, plan: Plan, start: float | None,
+                      known_miss: float | None) -> tuple[float, float]:
+    """The ideal partition's goodput on N replicas, and its CPU seconds: ONE replica offered
+    1/N of the rate, on the workload sized for one replica (its own share of b2b's groups,
+    1/N of agentic's sessions at 1/N of the rate), times N. Perfect affinity and perfectly
+    even shares, with no routing at all: what a router that placed every group or session
+    once and never moved it would get. Not an upper bound (a router may also even out
+    bursts between replicas), a yardstick: how much of the cache-aware ideal a router
+    reaches. Searched on the table's grid (the cluster's rates / N) from round robin's
+    goodput and bracket top, with the table's arrival window (so ~1/N of the requests a
+    cluster run has: its p99s are noisier)."""
+    n = num_replicas
+    cpu0 = time.process_time()
+    runner = Runner(workload, seed, plan.window_for(workload), workload_kw(workload, 1), log)
+    config = sim_config(HEADROOM, 1)
+    start = (start or START_RPS_PER_REPLICA[workload] * n) / n
+    fig = goodput_at_slo(lambda rate: runner.run(config, rate), start,
+                         Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out),
+                         None if known_miss is None else known_miss / n)
+    return (n * fig.rate_rps if fig.meets_slo else 0.0), time.process_time() - cpu0
+
+
+def print_partition(rows: dict[Key, dict[str, Cell]], partition: dict[Key, list[float]]) -> None:
+    log("")
+    log("Ideal partition (1 replica at 1/N of the rate, on its own 1/N of the groups or sessions, goodput x N; "
+        "benchmarks/routing.py partition_goodput): a yardstick, not a bound")
+    for (workload, n), goodputs in partition.items():
+        ideal = statistics.fmean(goodputs)
+        cells = rows[(workload, n)]
+        shares = "  ".join(f"{router} {cells[router].goodput() / ideal:.0%}" for router in ROUTERS) if ideal > 0 else ""
+        log(f"  {workload:<9} {n:>3}: {ideal:7.2f} req/s = {ideal / cells[BASELINE].goodput():.2f} x round robin; "
+            f"each router's share of it: {shares}")
 
 
 def full_table_cpu_s(quick_cpu_s: float) -> float:
@@ -265,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     jobs = args.jobs or (QUICK_JOBS if args.quick else os.cpu_count() or 1)
     log(f"sticky's prefill_tokens_per_s (cost model, {PROFILE}, {SHAPE}): {modelled_prefill_tokens_per_s():.0f}")
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        rows, table_cpu_s, ingress_runs = run_table(pool, keys, plan, kw_of)
+        rows, table_cpu_s, ingress_runs, partition = run_table(pool, keys, plan, kw_of)
     ingress = {shared: statistics.fmean(v) for shared, v in ingress_runs.items() if v}
     print_table(rows)
+    print_partition(rows, partition)
     one = rows[("b2b", plan.replicas[0])][HEADROOM].goodput() if ingress else math.nan
     if ingress:
         print_multi_ingress(plan.replicas[0], one, ingress[False], ingress[True])

@@ -49,6 +49,9 @@ B2B_WARMUP_MAX_TOKENS = 16
 # Multi-ingress rows: headroom on b2b behind this many ingress routers, each with a private
 # view and all sharing one (SimConfig.shared_view); 1 router is the table's own cell.
 NUM_INGRESS = 4
+# Where the ideal partition (benchmarks/routing.py partition_goodput) is measured: the
+# workloads whose groups or sessions a router can keep on one replica.
+PARTITION_WORKLOADS = ("b2b", "agentic")
 # A run offers rate x window requests, never clamped from above: a cap would shrink a high
 # rate's arrival window into one burst that the replicas' batch slots absorb, so the run
 # would never queue and the search would never see the SLO flip (the 2026-12-01 06:21 log).
