@@ -5,7 +5,8 @@
    does: step, then a stats snapshot), against `simulate` with the calibrated CPU profile
    (`kvserve calibrate`, cluster/calibrate.py) on the same shape, KV size and scheduler
    limits.
-   Calibration and the real run are paired ENGINE_REPEATS times (medians of the figures).
+   Calibration and the real run are paired ENGINE_REPEATS times; the error is the median
+   of the pairs' errors.
 2. Cluster: a real Ray Serve cluster of 8 simulated-device replicas vs the simulator
    (benchmarks/routing_validate_cluster.py).
 
@@ -58,9 +59,27 @@ class Figures:
         return Figures(self.ttft_p50_s / dilation, self.ttft_p99_s / dilation, self.output_tokens_per_s * dilation)
 
 
-def compare(name: str, real: Figures, sim: Figures, log: Log) -> dict[str, float]:
-    errors = {k: 100.0 * (getattr(sim, k) - getattr(real, k)) / getattr(real, k)
-              for k in ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s")}
+FIGURES = ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s")
+
+
+def relative_errors(real: Figures, sim: Figures) -> dict[str, float]:
+    """(sim - real) / real, in %, per figure."""
+    return {k: 100.0 * (getattr(sim, k) - getattr(real, k)) / getattr(real, k) for k in FIGURES}
+
+
+def median_pair_errors(reals: Sequence[Figures], sims: Sequence[Figures]) -> dict[str, float]:
+    """Each figure's median over the pairs of that pair's own error. A simulation is priced
+    by the calibration taken right before its real run, so that the machine's drift cancels
+    within the pair; medians of the real runs and of the simulations taken apart would set
+    one pair's real run against another pair's simulation."""
+    per_pair = [relative_errors(r, s) for r, s in zip(reals, sims, strict=True)]
+    return {k: float(np.median([e[k] for e in per_pair])) for k in FIGURES}
+
+
+def compare(name: str, real: Figures, sim: Figures, log: Log,
+            errors: dict[str, float] | None = None) -> dict[str, float]:
+    """Log real vs simulated and the errors (default: of these two figures)."""
+    errors = errors if errors is not None else relative_errors(real, sim)
     log(f"  {name}: {'':14} {'TTFT p50':>10} {'TTFT p99':>10} {'out tok/s':>10}")
     log(f"  {'':{len(name) + 16}} {real.ttft_p50_s:>10.4f} {real.ttft_p99_s:>10.4f} {real.output_tokens_per_s:>10.1f}  real")
     log(f"  {'':{len(name) + 16}} {sim.ttft_p50_s:>10.4f} {sim.ttft_p99_s:>10.4f} {sim.output_tokens_per_s:>10.1f}  simulated")
@@ -112,8 +131,8 @@ def run_engine_real_time(engine, requests: Sequence[SimRequest]) -> Figures:  # 
 ENGINE_NUM_THREADS = 1  # torch threads: the engine here and the calibration that priced it
 ENGINE_LOAD_FRACTION = 0.5  # the run's rate: this fraction of the modelled saturation rate
 ENGINE_REQUESTS = {True: 120, False: 300}  # --quick, full
-# Calibration and the real run, paired, this many times; each figure is the median over the
-# pairs (real and simulated alike). The machine's speed drifts within tens of seconds: one
+# Calibration and the real run, paired, this many times; the error is the median over the
+# pairs of each pair's error (median_pair_errors). The machine's speed drifts within tens of seconds: one
 # 10 s run's TTFT p50 moved -5% to +13% against one profile (2026-12-01 13:13), and three
 # runs 20-50 s after one calibration drifted 19.0 -> 21.2 ms (-20% against it, 13:41).
 ENGINE_REPEATS = 3
@@ -205,13 +224,19 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str
         sim = Figures.of_sim(simulate(config, requests, device).summary())
         reals.append(real)
         sims.append(sim)
+        e = relative_errors(real, sim)
         log(f"  pair {i + 1}/{ENGINE_REPEATS}: real TTFT p50 {real.ttft_p50_s:.4f} s, p99 {real.ttft_p99_s:.4f} s, "
             f"{real.output_tokens_per_s:.1f} tok/s; simulated {sim.ttft_p50_s:.4f} s, {sim.ttft_p99_s:.4f} s, "
-            f"{sim.output_tokens_per_s:.1f} tok/s")
+            f"{sim.output_tokens_per_s:.1f} tok/s; error {e['ttft_p50_s']:+.1f}%, {e['ttft_p99_s']:+.1f}%, "
+            f"{e['output_tokens_per_s']:+.1f}%")
     log(f"  load average {os.getloadavg()[0]:.1f} at end (the real engine runs on the wall clock: a machine "
         f"shared with other jobs slows it, the calibrated profile does not)")
-    return compare(f"engine (1 CPU replica, median of {ENGINE_REPEATS})", Figures.median(reals), Figures.median(sims),
-                   log)
+    real, sim = Figures.median(reals), Figures.median(sims)
+    apart = relative_errors(real, sim)
+    log(f"  (the medians taken apart would read {apart['ttft_p50_s']:+.1f}%, {apart['ttft_p99_s']:+.1f}%, "
+        f"{apart['output_tokens_per_s']:+.1f}%; until 2026-12-01 18:40 that was the figure)")
+    return compare(f"engine (1 CPU replica, {ENGINE_REPEATS} pairs: medians; error: median of the pairs' errors)",
+                   real, sim, log, median_pair_errors(reals, sims))
 
 
 def validate_all(quick: bool, cpu_profile: str | None, log: Log) -> float:

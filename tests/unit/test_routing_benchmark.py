@@ -7,7 +7,7 @@ import math
 import pytest
 
 from benchmarks.routing_search import RunFigures, Search, Window, goodput_at_slo
-from benchmarks.routing_validate import Figures, into_vocab
+from benchmarks.routing_validate import Figures, into_vocab, median_pair_errors, relative_errors
 from cluster.sim.workloads import SimRequest
 
 
@@ -167,3 +167,17 @@ def test_search_with_a_known_miss_steps_down_from_the_start_when_both_miss() -> 
     worse = goodput_at_slo(fake_run(12.0, calls), 20.0, Search(bisect_steps=1, step=2.0), known_miss=25.0)
     assert calls[:3] == [25.0, 20.0, 10.0] and len(calls) == 4 and math.isclose(calls[3], math.sqrt(200.0))
     assert worse.meets_slo and worse.rate_rps == 10.0 and worse.next_miss_rps == calls[3]
+
+
+def test_validation_error_is_the_median_of_each_pairs_own_error() -> None:
+    """Each simulation is compared with the real run its calibration was paired with (the
+    shape of the 2026-12-01 17:10 log: one real run slowed by the machine). Medians taken
+    apart set pair 3's real run against pair 2's simulation."""
+    reals = [Figures(0.016, 0.10, 520.0), Figures(0.022, 0.12, 510.0), Figures(0.019, 0.12, 515.0)]
+    sims = [Figures(0.016, 0.10, 520.0), Figures(0.017, 0.10, 510.0), Figures(0.019, 0.12, 515.0)]
+    apart = relative_errors(Figures.median(reals), Figures.median(sims))
+    assert apart["ttft_p50_s"] == pytest.approx(100.0 * (0.017 - 0.019) / 0.019)  # -10.5%
+    paired = median_pair_errors(reals, sims)
+    assert paired == {"ttft_p50_s": 0.0, "ttft_p99_s": 0.0, "output_tokens_per_s": 0.0}  # pairs: 0, -23, 0 %
+    with pytest.raises(ValueError):
+        median_pair_errors(reals, sims[:2])
