@@ -26,11 +26,12 @@ import itertools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are moved: a simulated-device replica never does
+    import torch
 
-from kv.kv_cache import KVCacheSpec
+    from kv.kv_cache import KVCacheSpec
 
 # The prefill side keeps an exported request's blocks this long when nobody acknowledges
 # the transfer (the ingress went away, the decode replica died).
@@ -110,6 +111,8 @@ class KVExport:
 def gather_blocks(kv_caches: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     """Copy blocks out of the paged cache (layers, 2, num_blocks, bs, H, D) into a
     contiguous (layers, 2, len(block_ids) * bs, H, D) tensor, in block-table order."""
+    import torch
+
     index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches.device)
     picked = kv_caches.index_select(2, index)  # a copy: the blocks may be reused afterwards
     num_layers, two, num_blocks, block_size, heads, dim = picked.shape
@@ -119,6 +122,8 @@ def gather_blocks(kv_caches: torch.Tensor, block_ids: Sequence[int]) -> torch.Te
 def scatter_blocks(kv_caches: torch.Tensor, block_ids: Sequence[int], kv: torch.Tensor) -> None:
     """Write an export's tensor into the given blocks of the paged cache (the inverse of
     `gather_blocks`). `kv` covers exactly len(block_ids) blocks."""
+    import torch
+
     num_layers, two, _, block_size, heads, dim = kv_caches.shape
     blocks = kv.to(device=kv_caches.device, dtype=kv_caches.dtype).reshape(
         num_layers, two, len(block_ids), block_size, heads, dim
