@@ -143,7 +143,10 @@ def run_table(pool: Executor, keys: list[Key], plan: Plan, kw_of: dict[str, dict
     ingress: dict[bool, list[float]] = {False: [], True: []}
     partition: dict[Key, list[float]] = {}
     pending: dict[Future, object] = {}
-    for workload, n in keys:
+    # Round robin's searches go in longest chain first: the cache-aware workloads' other
+    # routers climb several rungs past it, and queued last they would leave one process
+    # idle at the end (the table keeps `keys` order).
+    for workload, n in sorted(keys, key=lambda key: key[0] not in PARTITION_WORKLOADS):
         wkw = kw_of[workload] or workload_kw(workload, n)
         for seed in plan.seeds:
             pending[pool.submit(router_cell, workload, n, seed, plan, wkw, BASELINE)] = wkw
