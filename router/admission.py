@@ -56,7 +56,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from router import errors
 from router.fair_queue import FairQueue
@@ -386,60 +386,3 @@ def shed_error(message: str, retry_after_s: int) -> errors.APIError:
     error = errors.APIError(429, message, "rate_limit_error", None, "server_overloaded")
     error.retry_after_s = retry_after_s  # type: ignore[attr-defined]
     return error
-
-
-# -- the request router in this process, as a SnapshotSource ------------------------------------
-class RouterSnapshotSource:
-    """Reads the reports the worker handle's request router holds (it runs on Serve's router
-    thread; its replica dict and each replica's stats dict are replaced, not mutated, so a
-    copy taken here is consistent). Reports are parsed once per new timestamp.
-
-    A view-aware router's view is read too, off the router's thread: its figures are ints
-    (a read torn between two of them is off by one request for one judge), and
-    RedisRoutingView answers from the copy its last sync read (no Redis round trip here)."""
-
-    def __init__(self, handle: Any, clock: Clock = time.time) -> None:
-        self._handle = handle
-        self._clock = clock
-        self._parsed: dict[Any, ReplicaReport | None] = {}
-
-    def snapshot(self) -> RoutingSnapshot | None:
-        from router.serve_internals import initialized_request_router_of
-
-        router = initialized_request_router_of(self._handle)
-        params = getattr(router, "params", None)
-        if router is None or not isinstance(params, HeadroomParams):
-            return None
-        for _ in range(3):
-            try:
-                replicas = list(router.curr_replicas.values())
-                unreflected, routed_total = _router_view(router, replicas)
-                break
-            except RuntimeError:  # a dict changed size under us (router thread); retry
-                continue
-        else:
-            return None
-        reports = tuple(self._report(replica.replica_id, replica.routing_stats) for replica in replicas)
-        live = {replica.replica_id for replica in replicas}
-        for gone in [k for k in self._parsed if k not in live]:
-            del self._parsed[gone]
-        return RoutingSnapshot(reports, params, self._clock(), unreflected, routed_total)
-
-    def _report(self, replica_id: Any, stats: dict[str, Any] | None) -> ReplicaReport | None:
-        cached = self._parsed.get(replica_id)
-        if cached is not None and stats and stats.get("timestamp") == cached.timestamp:
-            return cached
-        report = ReplicaReport.from_stats(stats)
-        self._parsed[replica_id] = report
-        return report
-
-
-def _router_view(router: Any, replicas: Sequence[Any]) -> tuple[tuple[Unreflected, ...], int | None]:
-    """The router's view of each replica and its send count; ((), None) when its policy
-    keeps no view (baselines). The count is read first: a request is in the view from its
-    reservation (choice) on, before its send counts, so a send between the two reads is
-    counted twice for one judge, never missed."""
-    if not getattr(router, "_uses_view", False):
-        return (), None
-    routed_total = int(router.num_dispatched)
-    return tuple(router.view.unreflected(replica.replica_id) for replica in replicas), routed_total

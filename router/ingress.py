@@ -45,7 +45,7 @@ from router import errors
 from router import openai_convert as convert
 from router import openai_protocol as p
 from router import tokenize_api as tk
-from router.admission import RouterSnapshotSource
+from router.admission_source import RouterSnapshotSource
 from router.auth import ApiKeys, Principal
 from router.disagg import DisaggregatedGenerate
 from router.generation import GenerationStream

@@ -57,7 +57,7 @@ class RequestPipeline:
         api_keys: ApiKeys,
         key_limits: KeyLimits,
         # The request router's reports for admission control (router/admission.py's
-        # RouterSnapshotSource on the worker handle); None: admission control off.
+        # router/admission_source.py on the worker handle); None: admission control off.
         routing_source: SnapshotSource | None = None,
     ) -> None:
         self.settings = settings

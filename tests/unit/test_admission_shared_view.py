@@ -12,7 +12,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
-from router.admission import REASON_FITS, AdmissionController, RouterSnapshotSource, judge
+from router.admission import REASON_FITS, AdmissionController, judge
+from router.admission_source import RouterSnapshotSource
 from router.headroom import HeadroomParams, RequestProfile
 from router.redis_view import RedisRoutingView
 from router.reservations import NOTHING, Unreflected
