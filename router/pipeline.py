@@ -56,8 +56,8 @@ class RequestPipeline:
         metrics: IngressMetrics,
         api_keys: ApiKeys,
         key_limits: KeyLimits,
-        # The request router's reports for admission control (router/admission.py's
-        # router/admission_source.py on the worker handle); None: admission control off.
+        # The request router's reports for admission control (router/admission_source.py's
+        # RouterSnapshotSource on the worker handle); None: admission control off.
         routing_source: SnapshotSource | None = None,
     ) -> None:
         self.settings = settings
