@@ -15,12 +15,11 @@ import math
 import sys
 import time
 
-from benchmarks.routing_search import RunFigures, Runner, Search, goodput_at_slo
+from benchmarks.routing_search import RunFigures, Runner
 from benchmarks.routing_setup import (
     BASELINE,
     HEADROOM,
     QUICK,
-    RATE_STEP,
     ROUTERS,
     START_RPS_PER_REPLICA,
     log,
@@ -36,12 +35,11 @@ def main(argv: list[str]) -> int:
     routers = argv[1].split(",") if len(argv) > 1 else list(ROUTERS)
     start = float(argv[2]) if len(argv) > 2 else START_RPS_PER_REPLICA[workload] * NUM_REPLICAS
     runner = Runner(workload, SEED, QUICK.window_for(workload), {}, log)
-    search = Search(QUICK.bisect_steps, RATE_STEP, QUICK.max_steps_out)
     t0 = time.perf_counter()
     found: dict[str, RunFigures] = {}
     for router in routers:
         config = sim_config(router, NUM_REPLICAS)
-        fig = goodput_at_slo(lambda rate, c=config: runner.run(c, rate), start, search)
+        fig = runner.goodput(config, start, QUICK.search)
         if router == BASELINE and fig.rate_rps:
             start = fig.rate_rps
         found[router] = fig

@@ -42,7 +42,7 @@ from concurrent.futures import (
 )
 from dataclasses import dataclass
 
-from benchmarks.routing_search import RunFigures, Runner, Search, goodput_at_slo
+from benchmarks.routing_search import RunFigures, Runner
 from benchmarks.routing_setup import (
     AT_FRACTION,
     BASELINE,
@@ -53,7 +53,6 @@ from benchmarks.routing_setup import (
     PROFILE,
     QUICK,
     QUICK_JOBS,
-    RATE_STEP,
     ROUTERS,
     SHAPE,
     START_RPS_PER_REPLICA,
@@ -114,8 +113,7 @@ def router_cell(workload: str, num_replicas: int, seed: int, plan: Plan, wkw: di
     t0, cpu0 = time.perf_counter(), time.process_time()
     config = sim_config(router, num_replicas)
     start = start or START_RPS_PER_REPLICA[workload] * num_replicas
-    fig = goodput_at_slo(lambda rate: runner.run(config, rate), start,
-                         Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out), known_miss)
+    fig = runner.goodput(config, start, plan.search, known_miss)
     at = at_rate if at_rate is not None else AT_FRACTION * fig.rate_rps
     at_80 = runner.run(config, at, stop_at_slo_miss=False) if at > 0 else None
     cpu_s = time.process_time() - cpu0
@@ -176,11 +174,11 @@ def run_table(pool: Executor, keys: list[Key], plan: Plan, kw_of: dict[str, dict
                 # not the 7 a climb from round robin's rate takes; the same grid of rates).
                 one = res.at_slo
                 pending[pool.submit(multi_ingress_goodput, plan, res.seed, True, one.rate_rps or None,
-                                    None if math.isnan(one.next_miss_rps) else one.next_miss_rps)] = True
+                                    one.bracket_top)] = True
             if res.router != BASELINE:
                 continue
             rr = res.at_slo
-            known_miss = None if math.isnan(rr.next_miss_rps) else rr.next_miss_rps
+            known_miss = rr.bracket_top
             if multi_ingress:  # private views herd below one router: searched up from round robin's
                 pending[pool.submit(multi_ingress_goodput, plan, res.seed, False, rr.rate_rps or None,
                                     known_miss)] = False
@@ -209,9 +207,7 @@ def partition_goodput(workload: str, num_replicas: int, seed: int, plan: Plan, s
     runner = Runner(workload, seed, plan.window_for(workload), workload_kw(workload, 1), log)
     config = sim_config(HEADROOM, 1)
     start = (start or START_RPS_PER_REPLICA[workload] * n) / n
-    fig = goodput_at_slo(lambda rate: runner.run(config, rate), start,
-                         Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out),
-                         None if known_miss is None else known_miss / n)
+    fig = runner.goodput(config, start, plan.search, None if known_miss is None else known_miss / n)
     return (n * fig.rate_rps if fig.meets_slo else 0.0), time.process_time() - cpu0
 
 
@@ -266,8 +262,7 @@ def multi_ingress_goodput(plan: Plan, seed: int, shared_view: bool, start: float
     n = plan.replicas[0]
     runner = Runner("b2b", seed, plan.window_for("b2b"), workload_kw("b2b", n), log)
     config = sim_config(HEADROOM, n, num_ingress=NUM_INGRESS, shared_view=shared_view)
-    fig = goodput_at_slo(lambda rate: runner.run(config, rate), start or START_RPS_PER_REPLICA["b2b"] * n,
-                         Search(plan.bisect_steps, RATE_STEP, plan.max_steps_out), known_miss)
+    fig = runner.goodput(config, start or START_RPS_PER_REPLICA["b2b"] * n, plan.search, known_miss)
     return fig.rate_rps if fig.meets_slo else 0.0
 
 

@@ -54,6 +54,12 @@ class RunFigures:
     # The lowest rate the search saw miss above this one (nan: none): the bracket's top.
     next_miss_rps: float = math.nan
 
+    @property
+    def bracket_top(self) -> float | None:
+        """next_miss_rps, None when the search saw no miss above (what another search takes as
+        its `known_miss`)."""
+        return None if math.isnan(self.next_miss_rps) else self.next_miss_rps
+
     @classmethod
     def from_summary(cls, rate: float, s: dict[str, Any], slo_ttft_s: float, slo_itl_s: float) -> RunFigures:
         ttft99, itl99 = s["ttft_s"]["p99"], s["itl_s"]["p99"]
@@ -132,6 +138,11 @@ class Runner:
                      f"hit {fig.hit_rate:.3f}, imbalance {fig.imbalance:.2f} "
                      f"({time.perf_counter() - t0:.1f} s)")
         return fig
+
+    def goodput(self, config: SimConfig, start_rate: float, search: Search,
+                known_miss: float | None = None) -> RunFigures:
+        """goodput_at_slo over this runner's runs of `config`."""
+        return goodput_at_slo(lambda rate: self.run(config, rate), start_rate, search, known_miss)
 
 
 def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search: Search,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from benchmarks.routing_search import Window
+from benchmarks.routing_search import Search, Window
 from cluster.sim.run import SimConfig, SimDevice
 from cluster.sim.workloads import (
     AGENTIC_THINK_S,
@@ -72,6 +72,10 @@ class Plan:
     window_s: tuple[tuple[str, float], ...]
     bisect_steps: int
     max_steps_out: int = 6
+
+    @property
+    def search(self) -> Search:
+        return Search(self.bisect_steps, RATE_STEP, self.max_steps_out)
 
     def window_for(self, workload: str) -> Window:
         return Window(dict(self.window_s).get(workload, dict(self.window_s)["sharegpt"]), MIN_REQUESTS, MAX_REQUESTS)

@@ -191,8 +191,8 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         self.connector.add_request(seq, export_kv, kv_import)
         self.seqs[request_id] = seq
-        if prompt_block_hashes is not None:
-            self.kv.adopt_block_hashes(request_id, prompt_block_hashes[: len(prompt_token_ids) // self.kv.block_size])
+        if prompt_block_hashes is not None:  # the manager copies them (it extends its list in place)
+            self.kv.adopt_block_hashes(request_id, prompt_block_hashes)
         if params.structured is not None and self.grammar is not None:
             seq.grammar = GrammarState(self.grammar.submit(params.structured))
             self.awaiting_grammar.append(seq)
