@@ -65,17 +65,20 @@ def test_calibrate_is_a_kvserve_command() -> None:
 
 
 def test_calibrate_runs_the_real_engine_over_a_small_grid(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """The embedded model on this CPU, a 2x2 decode grid and two chunk sizes: every point
-    is a real engine step of the asked shape, and the fitted profile is marked calibrated
-    with what it was fitted on."""
+    """The embedded model on this CPU, a 2x2 decode grid, two chunk sizes and one mixed
+    step: every point is a real engine step of the asked shape, and the fitted profile is
+    marked calibrated with what it was fitted on."""
     from cluster import calibrate
 
     monkeypatch.setattr(calibrate, "DECODE_BATCHES", (1, 3))
     monkeypatch.setattr(calibrate, "DECODE_CONTEXTS", (8, 40))
     monkeypatch.setattr(calibrate, "PREFILL_CHUNKS", (8, 24))
-    monkeypatch.setattr(calibrate, "NUM_REPEATS", 1)
+    monkeypatch.setattr(calibrate, "MIXED", ((24, 3, 40),))
+    monkeypatch.setattr(calibrate, "NUM_REPEATS", 2)
     profile, report, points = calibrate.calibrate(None, "cpu-test", 1, 16)
-    assert report.num_points == len(points) == 4 + 2 * calibrate.PREFILL_CHUNKS_PER_PROMPT
+    assert report.num_points == len(points) == 4 + 2 * calibrate.PREFILL_CHUNKS_PER_PROMPT + 1
+    mixed = next(p for p in points if p.label == "mixed chunk=24 + decode b=3 ctx=40")
+    assert (mixed.features.num_seqs, mixed.features.num_tokens) == (4, 27) and mixed.seconds > 0
     decode = next(p for p in points if p.label == "decode b=3 ctx=40")
     assert (decode.features.num_seqs, decode.features.num_tokens) == (3, 3) and decode.seconds > 0
     chunk = next(p for p in points if p.label == "prefill chunk=24 ctx=48")
