@@ -209,7 +209,7 @@ def measure(model: str | None, num_threads: int | None, block_size: int, clock: 
 
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from worker.default_model import DEFAULT_MODEL_NAME, default_model_path
-    from worker.model.loader import resolve_model_path
+    from worker.model_path import resolve_model_path
     from worker.model_config import load_hf_config
     from worker.model_runner import ModelRunner
     from worker.sim.shapes import load_shape

@@ -99,21 +99,21 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        from worker.model.loader import resolve_model_path
+        from worker.model_path import resolve_model_path
         from worker.model_config import (
             cap_to_kv_capacity,
             eos_token_ids_of,
             load_hf_config,
             max_model_len_for,
         )
-        from worker.model_runner import ModelRunner
-
         from worker.sim.device import is_sim_device
 
-        if is_sim_device(config.model.device):  # a simulated device: no weights (worker/sim/)
+        if is_sim_device(config.model.device):  # a simulated device: no weights, no torch (worker/sim/)
             from worker.sim.runner import sim_engine_from_config
 
             return sim_engine_from_config(config)
+        from worker.model_runner import ModelRunner
+
         path = resolve_model_path(config.model.model)
         hf_config = load_hf_config(path, config.model.trust_remote_code)
         max_model_len = max_model_len_for(config.scheduler.max_model_len, hf_config)

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from worker.attention.base import AttentionBackend
 from worker.model.llama import LlamaArch, LlamaForCausalLM
 from worker.model_config import is_gguf
+from worker.model_path import resolve_model_path  # noqa: F401 (its old home; torch-free there)
 from worker.model.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
@@ -33,28 +34,6 @@ from worker.model.parallel import (
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-
-
-def resolve_model_path(model: str) -> Path:
-    """A local directory or .gguf file as is; otherwise a Hub id, fetched when the machine
-    is online."""
-    path = Path(model).expanduser()
-    if path.is_dir() or (path.is_file() and is_gguf(path)):
-        return path
-    if is_gguf(path):
-        raise FileNotFoundError(f"GGUF file {model!r} not found")
-    if path.exists() or model.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model directory {model!r} not found")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(
-            snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
-        )
-    except Exception as e:
-        raise FileNotFoundError(
-            f"model {model!r} is neither a local directory nor a reachable Hugging Face Hub id ({e})"
-        ) from e
 
 
 def safetensors_files(path: Path) -> list[Path]:

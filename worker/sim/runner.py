@@ -232,7 +232,7 @@ def sim_engine_from_config(config: EngineConfig) -> Engine:
     (`config.model.model`, the embedded default unless set) is only read for its
     tokenizer, which the replica detokenizes with, and its EOS ids; the shape is
     `model_shape` (default: that directory's config.json). No weights are read."""
-    from worker.model.loader import resolve_model_path
+    from worker.model_path import resolve_model_path
     from worker.model_config import eos_token_ids_of
 
     profile = parse_sim_device(config.model.device)
