@@ -130,7 +130,7 @@ def run_engine_real_time(engine, requests: Sequence[SimRequest]) -> Figures:  # 
 
 ENGINE_NUM_THREADS = 1  # torch threads: the engine here and the calibration that priced it
 ENGINE_LOAD_FRACTION = 0.5  # the run's rate: this fraction of the modelled saturation rate
-ENGINE_REQUESTS = {True: 120, False: 300}  # --quick, full
+ENGINE_REQUESTS = {True: 100, False: 300}  # --quick (120 until 2026-12-01 21:40: ~2 s a pair), full
 # Calibration and the real run, paired, this many times; the error is the median over the
 # pairs of each pair's error (median_pair_errors). The machine's speed drifts within tens of seconds: one
 # 10 s run's TTFT p50 moved -5% to +13% against one profile (2026-12-01 13:13), and three
