@@ -11,8 +11,9 @@
 2. Multi-ingress rows: headroom on b2b behind 1 ingress router (the table's cell) and behind
    4, each with a private view (the herding failure) or all sharing one view (what Redis
    shares in a deployment: SimConfig.shared_view); headroom_share is 1.0 in every case.
-   The ideal partition beside them (b2b, agentic): one replica at 1/N of the rate on its
-   own share of the groups or sessions, x N: the yardstick for cache-aware routing.
+   The ideal partition beside them (b2b, agentic; benchmarks/routing_partition.py): the same
+   requests with every session or group dealt to one replica for good, each replica simulated
+   alone: the yardstick for cache-aware routing.
 3. Validations (benchmarks/routing_validate.py, routing_validate_cluster.py): the real CPU
    engine vs the simulator with the calibrated CPU profile; a real Serve cluster of 8
    simulated-device replicas vs the simulator. Relative errors of TTFT p50, TTFT p99 and output tokens/s.
@@ -42,6 +43,7 @@ from concurrent.futures import (
 )
 from dataclasses import dataclass
 
+from benchmarks.routing_partition import partition_goodput
 from benchmarks.routing_search import RunFigures, Runner
 from benchmarks.routing_setup import (
     AT_FRACTION,
@@ -134,7 +136,8 @@ def run_table(pool: Executor, keys: list[Key], plan: Plan, kw_of: dict[str, dict
     bracket top as its first step up and round robin's 80% rate. Tasks of unequal length
     keep every process busy. b2b at the first replica count also gets the multi-ingress
     searches: a private view anchored the same way, the shared one on headroom's cell.
-    PARTITION_WORKLOADS also get the ideal partition's search (partition_goodput).
+    PARTITION_WORKLOADS also get the ideal partition's search (routing_partition.py), from
+    headroom's goodput once its cell is done.
     Returns the cells, their CPU seconds, the multi-ingress goodputs per seed by view, and
     the ideal partition's goodputs per seed."""
     rows: dict[Key, dict[str, Cell]] = {key: {r: Cell([], []) for r in ROUTERS} for key in keys}
@@ -175,6 +178,10 @@ def run_table(pool: Executor, keys: list[Key], plan: Plan, kw_of: dict[str, dict
                 one = res.at_slo
                 pending[pool.submit(multi_ingress_goodput, plan, res.seed, True, one.rate_rps or None,
                                     one.bracket_top)] = True
+            if res.router == HEADROOM and res.workload in PARTITION_WORKLOADS and res.at_slo.rate_rps > 0:
+                # From headroom's goodput, its first miss the step up: two runs when they tie.
+                pending[pool.submit(partition_goodput, res.workload, res.num_replicas, res.seed, plan, tag,
+                                    res.at_slo.rate_rps, res.at_slo.bracket_top, log)] = (res.workload, res.num_replicas)
             if res.router != BASELINE:
                 continue
             rr = res.at_slo
@@ -182,39 +189,16 @@ def run_table(pool: Executor, keys: list[Key], plan: Plan, kw_of: dict[str, dict
             if multi_ingress:  # private views herd below one router: searched up from round robin's
                 pending[pool.submit(multi_ingress_goodput, plan, res.seed, False, rr.rate_rps or None,
                                     known_miss)] = False
-            if res.workload in PARTITION_WORKLOADS:
-                pending[pool.submit(partition_goodput, res.workload, res.num_replicas, res.seed, plan,
-                                    rr.rate_rps or None, known_miss)] = (res.workload, res.num_replicas)
             for router in ROUTERS[1:]:
                 pending[pool.submit(router_cell, res.workload, res.num_replicas, res.seed, plan, tag, router,
                                     rr.rate_rps or None, known_miss, AT_FRACTION * rr.rate_rps)] = tag
     return rows, cpu_s, ingress, partition
 
 
-def partition_goodput(workload: str, num_replicas: int, seed: int, plan: Plan, start: float | None,
-                      known_miss: float | None) -> tuple[float, float]:
-    """The ideal partition's goodput on N replicas, and its CPU seconds: ONE replica offered
-    1/N of the rate, on the workload sized for one replica (its own share of b2b's groups,
-    1/N of agentic's sessions at 1/N of the rate), times N. Perfect affinity and perfectly
-    even shares, with no routing at all: what a router that placed every group or session
-    once and never moved it would get. Not an upper bound (a router may also even out
-    bursts between replicas), a yardstick: how much of the cache-aware ideal a router
-    reaches. Searched on the table's grid (the cluster's rates / N) from round robin's
-    goodput and bracket top, with the table's arrival window (so ~1/N of the requests a
-    cluster run has: its p99s are noisier)."""
-    n = num_replicas
-    cpu0 = time.process_time()
-    runner = Runner(workload, seed, plan.window_for(workload), workload_kw(workload, 1), log)
-    config = sim_config(HEADROOM, 1)
-    start = (start or START_RPS_PER_REPLICA[workload] * n) / n
-    fig = runner.goodput(config, start, plan.search, None if known_miss is None else known_miss / n)
-    return (n * fig.rate_rps if fig.meets_slo else 0.0), time.process_time() - cpu0
-
-
 def print_partition(rows: dict[Key, dict[str, Cell]], partition: dict[Key, list[float]]) -> None:
     log("")
-    log("Ideal partition (1 replica at 1/N of the rate, on its own 1/N of the groups or sessions, goodput x N; "
-        "benchmarks/routing.py partition_goodput): a yardstick, not a bound")
+    log("Ideal partition (the same requests, each session or group dealt to one replica for good, each replica "
+        "simulated alone; benchmarks/routing_partition.py): a yardstick, not a bound")
     for (workload, n), goodputs in partition.items():
         ideal = statistics.fmean(goodputs)
         cells = rows[(workload, n)]
