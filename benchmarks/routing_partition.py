@@ -15,16 +15,15 @@ p99 72 ms, and seeds 1-5 gave 107, 156, 94, 97 and 120 ms (three misses of five)
 """
 from __future__ import annotations
 
-import gc
 import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from benchmarks.routing_search import RunFigures, Search, goodput_at_slo
+from benchmarks.routing_search import RunFigures, collector_paused, goodput_at_slo
 from benchmarks.routing_setup import HEADROOM, Plan, sim_config
 from cluster.sim.metrics import SimResult
-from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.run import SimDevice, simulate
 from cluster.sim.workloads import SimRequest, make_workload
 
 Log = Callable[[str], None]
@@ -72,13 +71,9 @@ def run_partition(workload: str, num_replicas: int, seed: int, rate: float, plan
     """The partition at `rate` (the cluster's): one simulation per share, merged."""
     t0 = time.perf_counter()
     requests = make_workload(workload, plan.window_for(workload).num_requests(rate), rate, seed, **workload_kw)
-    config: SimConfig = replace(sim_config(HEADROOM, 1), seed=seed)  # one replica: nothing to route
-    gc.disable()  # as Runner.run: the cyclic collector off for the runs, one collection after them
-    try:
+    config = replace(sim_config(HEADROOM, 1), seed=seed)  # one replica: nothing to route
+    with collector_paused():
         results = [simulate(config, share, device) for share in deal_shares(requests, num_replicas) if share]
-    finally:
-        gc.enable()
-        gc.collect()
     fig = RunFigures.from_summary(rate, merge_results(results).summary(), config.slo_ttft_ms / 1000.0,
                                   config.slo_itl_ms / 1000.0)
     if log is not None:
@@ -96,7 +91,6 @@ def partition_goodput(workload: str, num_replicas: int, seed: int, plan: Plan, w
     headroom's goodput and first miss: two runs when they tie)."""
     cpu0 = time.process_time()
     device = SimDevice.from_config(sim_config(HEADROOM, 1))
-    search: Search = plan.search
     fig = goodput_at_slo(lambda rate: run_partition(workload, num_replicas, seed, rate, plan, workload_kw, device, log),
-                         start, search, known_miss)
+                         start, plan.search, known_miss)
     return (fig.rate_rps if fig.meets_slo else 0.0), time.process_time() - cpu0

@@ -23,7 +23,8 @@ from __future__ import annotations
 import gc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -95,6 +96,19 @@ class Window:
         return max(self.min_requests, min(self.max_requests, round(rate * self.window_s)))
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic collector off for a simulation, one collection after it: a simulation
+    allocates an output object per token and keeps ~0.5 GB of blocks and sequences that
+    every full collection walks (5% of a run's CPU, same peak memory)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect()
+
+
 class Runner:
     """Runs (workload, rate, config) points, building each replica device once per config."""
 
@@ -118,16 +132,9 @@ class Runner:
             device = self._devices[key] = SimDevice.from_config(config)
         self.num_runs += 1
         t0 = time.perf_counter()
-        # The cyclic collector off for the run, one collection after it: a simulation
-        # allocates an output object per token and keeps ~0.5 GB of blocks and sequences
-        # that every full collection walks (5% of a run's CPU, same peak memory).
-        gc.disable()
-        try:
+        with collector_paused():
             summary = simulate(replace(config, seed=self.seed, stop_at_slo_miss=stop_at_slo_miss), requests,
                                device).summary()
-        finally:
-            gc.enable()
-            gc.collect()
         fig = RunFigures.from_summary(rate, summary, config.slo_ttft_ms / 1000.0, config.slo_itl_ms / 1000.0)
         if self.log is not None:
             self.log(f"    {self.workload} x{config.num_replicas} {config.router}"

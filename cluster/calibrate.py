@@ -177,8 +177,6 @@ class _Grid:
             mixed.append(self.one_step(engine))
             self.one_step(engine)
         steps = [s for s in mixed if s[0].num_seqs == batch + 1 and s[0].num_tokens == batch + chunk]
-        while engine.has_unfinished():
-            engine.step()
         return _median_point(f"mixed chunk={chunk} + decode b={batch} ctx={context}", steps)
 
 
