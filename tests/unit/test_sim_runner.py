@@ -50,6 +50,22 @@ def test_history_hash_is_the_same_incremental_bulk_or_from_scratch() -> None:
     assert state == whole
 
 
+def test_token_is_mix64_of_the_history_hash_and_the_seed() -> None:
+    """next_token inlines _mix64: it must stay the function the docstring names."""
+    from worker.sequence import Sequence
+
+    runner = SimRunner(StepCostModel(load_shape("llama-3-8b"), load_profile("h200")), 64, 16, 128000)
+    rng = random.Random(3)
+    for seed in (None, 0, 7):
+        seq = Sequence("r", [rng.randrange(128000) for _ in range(40)], SamplingParams(seed=seed))
+        for _ in range(5):  # from scratch, then incremental
+            state = history_hash(seq.token_ids)
+            x = state if seed is None else state ^ sim_runner._mix64(seed + 1)
+            token = runner.next_token(seq)
+            assert token == sim_runner._mix64(x) % 128000
+            seq.token_ids.append(token)
+
+
 def test_same_requests_same_tokens_and_eos_never_sampled() -> None:
     a = run(build_sim_engine("llama-3-8b", "h200", SCHED), prompts(1))
     b = run(build_sim_engine("llama-3-8b", "h100", replace(SCHED, max_num_batched_tokens=16)), prompts(1))

@@ -182,7 +182,11 @@ class SimRunner:
             state = history_hash(token_ids)
         seq.sampler_state = (num_tokens, state)
         seed = seq.params.seed
-        token = _mix64(state if seed is None else state ^ _mix64(seed + 1)) % self.vocab_size
+        x = state if seed is None else state ^ _mix64(seed + 1)
+        # _mix64 inlined (a call per token is ~0.3 us of the ~20 us a simulated token costs)
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK
+        token = (x ^ (x >> 31)) % self.vocab_size
         if self.avoid_token_ids:
             while token in self.avoid_token_ids:
                 token = (token + 1) % self.vocab_size
