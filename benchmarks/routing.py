@@ -128,9 +128,9 @@ def router_cell(workload: str, num_replicas: int, seed: int, plan: Plan, wkw: di
 
 
 Key = tuple[str, int]  # (workload, replicas)
-# The table's processes yield the CPU to validation 2's (Serve replicas, proxy, driver),
-# which run beside them on the wall clock.
-TABLE_NICE = 10
+# The table's processes yield the CPU to validation 2's (Serve replicas, proxy, driver; Ray
+# workers at nice 0, routing_validate_cluster.py), which run beside them on the wall clock.
+TABLE_NICE = 19
 
 
 def run_table(pool: Executor, keys: list[Key], plan: Plan, kw_of: dict[str, dict]

@@ -123,6 +123,10 @@ def validate_cluster(quick: bool, log: Log) -> dict[str, float]:
     import os
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray starts its workers (the replicas, the proxy) at nice 15 by default: beside the
+    # router table's processes (routing.TABLE_NICE) they would wait for a core, and the
+    # dispatch path would measure the table's load instead of Serve's.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions
