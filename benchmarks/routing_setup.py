@@ -86,8 +86,8 @@ class Plan:
 # router's search tries round robin's first missing rate, then (if that misses) round
 # robin's goodput, so two routers as good as each other land on the same rate. Sized so
 # that every router's search crosses the SLO (a cell without a flip prints ">=", a lower
-# bound) and the whole run stays near 10 minutes on the 2-core box (571 to 686 s on
-# 2026-12-01 evening, with the validations, as the box's speed went): sharegpt and bursty,
+# bound) and the whole run stays within 10 minutes on the 2-core box (519 and 533 s on
+# 2026-12-01 23:12/23:29 in a slow spell, validation 2 beside the table): sharegpt and bursty,
 # where no router has a cache to win, offer 6 and 8 s of arrivals at ~280 req/s
 # (1,700-2,200 requests a run).
 QUICK = Plan(replicas=(4,), seeds=(0,), bisect_steps=2, max_steps_out=4,
