@@ -7,19 +7,17 @@ it does; the table itself is benchmarks/routing.py.
         [--param load_gate_threshold=1e9] [--step-time-budget-ms 95] [--moves]
     python -m benchmarks.routing_probe agentic partition 65.06 --step-time-budget-ms 95
 
---step-time-budget-ms is an experiment, not an engine feature: in this process only, the
-scheduler gives a step that carries decodes no more prefill tokens than keep its modelled
-time (the simulated device's cost model) within the budget (Sarathi-Serve's stall-free
-batching with a time target instead of a token count); a step without decodes keeps the
-whole chunk. --moves reports the turns of a session that landed on another replica than
-its previous turn, and the prefill work they carried.
+--step-time-budget-ms sets the engines' step-time budget (SchedulerConfig.max_step_time_s,
+worker/step_budget.py): a step that carries decodes takes no more prefill tokens than keep
+its modelled time within it; a step without decodes keeps the whole chunk. --moves reports
+the turns of a session that landed on another replica than its previous turn, and the
+prefill work they carried.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 from benchmarks import routing_partition
@@ -28,57 +26,6 @@ from benchmarks.routing_setup import HEADROOM, QUICK, sim_config, workload_kw
 from cluster.sim.metrics import SimResult
 from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.workloads import SimRequest, make_workload
-
-MIN_BUDGET_TOKENS = 64  # the step-time budget never starves a prompt below this many tokens a step
-
-
-def budgeted_schedule(target_s: float, cost_of: Callable[[], object]) -> Callable:
-    """Scheduler.schedule with a per-step token budget from a step-time target."""
-    from worker.scheduler import SchedulerOutput
-    from worker.sim.cost_model import SeqWork
-
-    def schedule(self) -> SchedulerOutput:  # noqa: ANN001 (worker.scheduler.Scheduler)
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        decodes = [SeqWork(1, s.num_computed_tokens) for s in self.running
-                   if len(s.token_ids) - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]
-        if decodes and (prefills or self.waiting):
-            cost = cost_of()
-            # The prefill's context: a running chunk's computed tokens, else the next
-            # waiting prompt's cached prefix (what admission would skip).
-            nxt = prefills[0] if prefills else self.waiting[0]
-            context = nxt.num_computed_tokens if prefills else nxt.num_tokens - nxt.waiting_uncached_tokens
-            if cost.step_time_s(decodes + [SeqWork(budget, context)]) > target_s:
-                lo, hi = MIN_BUDGET_TOKENS, budget
-                while hi - lo > 32:
-                    mid = (lo + hi) // 2
-                    lo, hi = (mid, hi) if cost.step_time_s(decodes + [SeqWork(mid, context)]) <= target_s else (lo, mid)
-                budget = lo
-            budget += len(decodes)  # each decode takes one token of the budget too
-        budget = self._schedule_running(out, budget)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
-        return out
-
-    return schedule
-
-
-def install_step_time_budget(target_s: float) -> None:
-    """Patch this process's Scheduler and SimRunner (an experiment: see the module docstring)."""
-    import worker.scheduler as scheduler_module
-    from worker.sim import runner as runner_module
-
-    costs: list[object] = []
-    init = runner_module.SimRunner.__init__
-
-    def runner_init(self, cost, *args, **kwargs) -> None:  # noqa: ANN001
-        init(self, cost, *args, **kwargs)
-        costs.append(cost)
-
-    runner_module.SimRunner.__init__ = runner_init
-    scheduler_module.Scheduler.schedule = budgeted_schedule(target_s, lambda: costs[-1])
-
 
 def moved_turns(result: SimResult, requests: list[SimRequest]) -> str:
     session = {r.request_id: r.session_id for r in requests}
@@ -109,18 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, help="the scheduler's max_num_batched_tokens (default: the table's)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                         help="a HeadroomParams field (repeatable)")
-    parser.add_argument("--step-time-budget-ms", type=float, help="the experiment in the module docstring")
+    parser.add_argument("--step-time-budget-ms", type=float, help="the engines' step-time budget (see above)")
     parser.add_argument("--moves", action="store_true", help="report session turns that changed replica")
     args = parser.parse_args(argv)
 
     overrides = {k: ast.literal_eval(v) for k, v in (p.split("=", 1) for p in args.param)}
-    if args.step_time_budget_ms is not None:
-        install_step_time_budget(args.step_time_budget_ms / 1000.0)
 
     def config_of(router: str, n: int) -> SimConfig:
         config = sim_config(router, n)
         if args.chunk is not None:
             config = replace(config, max_num_batched_tokens=args.chunk)
+        if args.step_time_budget_ms is not None:
+            config = replace(config, max_step_time_s=args.step_time_budget_ms / 1000.0)
         if overrides:
             config = replace(config, policy_params=replace(config.policy_params, **overrides))
         return replace(config, seed=args.seed, stop_at_slo_miss=False)

@@ -95,6 +95,11 @@ class EngineSection(Section):
     num_blocks: int | None = Field(default_of(CacheConfig, "num_blocks_override"), gt=0)
     max_num_seqs: int = Field(default_of(SchedulerConfig, "max_num_seqs"), ge=1)
     max_num_batched_tokens: int = Field(default_of(SchedulerConfig, "max_num_batched_tokens"), ge=1)
+    # An ITL target: a step carrying decodes takes no more prefill tokens than keep its
+    # predicted time within this (worker/step_budget.py). A real device predicts with
+    # step_time_profile; a simulated one with its own cost model.
+    max_step_time_s: float | None = Field(default_of(SchedulerConfig, "max_step_time_s"), gt=0)
+    step_time_profile: str | None = default_of(ModelConfig, "step_time_profile")
     # None: the model's context length, capped by what the KV cache holds.
     max_model_len: int | None = Field(default_of(SchedulerConfig, "max_model_len"), ge=2)
     enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching")

@@ -29,10 +29,15 @@ class SchedulerConfig:
     # None: the model's own context length (max_position_embeddings), capped by what the
     # KV pool can hold; Engine.from_config resolves it (and logs a cap).
     max_model_len: int | None = None
+    # An ITL target (worker/step_budget.py): a step that carries decodes takes no more
+    # prefill tokens than keep its predicted time within this. None: the token budget only.
+    max_step_time_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_step_time_s is not None and self.max_step_time_s <= 0:
+            raise ValueError(f"max_step_time_s must be > 0, got {self.max_step_time_s}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,10 @@ class ModelConfig:
     # config.json path; None: `model`'s own config.json), and wall seconds per modelled second.
     model_shape: str | None = None
     time_dilation: float = 1.0
+    # A real device under a step-time budget (SchedulerConfig.max_step_time_s): the device
+    # profile its step times are predicted with (h200, h100, a100-80gb, l4, or a `kvserve
+    # calibrate` JSON); measured step times correct its level as the engine runs.
+    step_time_profile: str | None = None
 
 
 @dataclass(frozen=True)

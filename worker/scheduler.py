@@ -13,6 +13,9 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
    A sequence carrying imported KV (`seq.kv_import`, disaggregation) is admitted by the
    same rule; its prompt counts as computed (the KV connector writes the payload into
    its blocks before the step executes), so it only schedules its first decode token.
+The token budget is max_num_batched_tokens; with a step-time budget (`step_budget`, set by
+the engine when SchedulerConfig.max_step_time_s is) a step that carries decodes gets only
+the prefill tokens that keep its predicted time within it (worker/step_budget.py).
 Torch-free on purpose: it is unit-tested on its own.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from kv.cache_manager import KVCacheManager
 from worker.config import SchedulerConfig
 from worker.sequence import Sequence, SequenceStatus
+from worker.step_budget import StepTimeBudget
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.step_budget: StepTimeBudget | None = None  # the engine's, when max_step_time_s is set
 
     @property
     def num_waiting(self) -> int:
@@ -84,10 +89,36 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.step_budget is not None:
+            budget = self._step_time_budget(budget)
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # memory is short this step: do not admit more
             self._schedule_waiting(out, budget)
         return out
+
+    def _step_time_budget(self, budget: int) -> int:
+        """The token budget under the step-time budget (worker/step_budget.py): one token per
+        running decode, plus the prefill tokens that keep the step within its time. The
+        prefill's context: the first running chunk's computed tokens, else the next waiting
+        prompt's cached prefix (what admission will skip)."""
+        assert self.step_budget is not None
+        decodes: list[tuple[int, int, bool]] = []
+        chunk: Sequence | None = None
+        for seq in self.running:
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) - computed == 1:
+                decodes.append((1, computed, True))
+            elif chunk is None:
+                chunk = seq
+        if not decodes:
+            return budget
+        if chunk is not None:
+            context = chunk.num_computed_tokens
+        elif self.waiting:
+            context = self.waiting[0].num_tokens - self.waiting[0].waiting_uncached_tokens
+        else:
+            return budget  # decodes only: nothing to cap
+        return len(decodes) + self.step_budget.prefill_tokens(decodes, context, max(budget - len(decodes), 0))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         running, kv = self.running, self.kv

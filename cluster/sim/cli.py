@@ -52,6 +52,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-ongoing-requests", type=int, default=_DEFAULTS.max_ongoing_requests)
     p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens)
+    p.add_argument("--max-step-time-ms", type=float,
+                   help="the engines' step-time budget: a step carrying decodes takes no more prefill than fits")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len,
                    help="0: the shape's max_position_embeddings (llama-3-8b: 8192; the code workload needs more)")
     p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
@@ -86,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         stats_period_s=args.stats_period_s, report_lag_s=args.report_lag_s,
         max_ongoing_requests=args.max_ongoing_requests, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_step_time_s=args.max_step_time_ms / 1000.0 if args.max_step_time_ms else None,
         max_model_len=args.max_model_len, num_blocks=args.num_blocks,
         slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
         disagg=DisaggOptions(args.prefill_replicas, args.decode_replicas, args.link_gbps * 1e9 / 8,

@@ -60,6 +60,10 @@ class VirtualDevice:
         self.num_executed += 1
         return result
 
+    def predict_step_s(self, rows: list[tuple[int, int, bool]]) -> float:
+        """The runner's exact step-time prediction (the engine's step-time budget)."""
+        return self.runner.predict_step_s(rows)
+
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         return torch.zeros((1, 2, len(block_ids) * self.kv_spec.block_size, 1, 1), dtype=torch.int8)
 

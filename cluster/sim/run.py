@@ -80,6 +80,7 @@ class SimConfig:
     block_size: int = _CACHE.block_size
     max_num_seqs: int = _SCHEDULER.max_num_seqs
     max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens
+    max_step_time_s: float | None = None  # the engines' step-time budget (worker/step_budget.py)
     max_model_len: int = 0  # 0: the shape's max_position_embeddings
     gpu_memory_utilization: float = _CACHE.gpu_memory_utilization
     num_blocks: int | None = None  # overrides the KV size the cost model derives
@@ -159,7 +160,8 @@ class Simulation:
         self.rng = random.Random(config.seed)
         self.tracker = Tracker(config.keep_token_times, config.slo_ttft_ms / 1000.0)
         max_model_len = config.max_model_len or device.max_model_len
-        self.scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+        self.scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
+                                                config.max_step_time_s)
         self.cache_config = CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.replicas: list[SimReplica] = []  # every replica ever created, in creation order
         self.replica_count: list[tuple[float, int]] = []

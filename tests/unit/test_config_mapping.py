@@ -81,7 +81,8 @@ def test_non_default_values_reach_the_engine_and_ingress_dataclasses() -> None:
     c = KVServeConfig.from_dict({
         "model": {"path": "/models/x", "seed": 7, "trust_remote_code": True},
         "engine": {"block_size": 32, "kv_cache_bytes": "1MiB", "num_blocks": 9, "max_num_seqs": 3,
-                   "max_num_batched_tokens": 128, "max_model_len": 256, "dtype": "float32", "num_threads": 2},
+                   "max_num_batched_tokens": 128, "max_model_len": 256, "dtype": "float32", "num_threads": 2,
+                   "max_step_time_s": 0.05, "step_time_profile": "h100"},
         "workers": {"tensor_parallel_size": 2},
         "ingress": {"max_n": 2, "request_timeout_s": 5, "metrics_public": True},
     })
@@ -90,6 +91,7 @@ def test_non_default_values_reach_the_engine_and_ingress_dataclasses() -> None:
             e.model.tensor_parallel_size) == ("/models/x", 7, True, "float32", 2, 2)
     assert (e.cache.block_size, e.cache.kv_cache_bytes, e.cache.num_blocks_override) == (32, 1024**2, 9)
     assert (e.scheduler.max_num_seqs, e.scheduler.max_num_batched_tokens, e.scheduler.max_model_len) == (3, 128, 256)
+    assert (e.scheduler.max_step_time_s, e.model.step_time_profile) == (0.05, "h100")
     s = c.ingress_settings()
     assert (s.served_model_name, s.tokenizer_path, s.trust_remote_code) == ("x", "/models/x", True)
     assert (s.max_n, s.request_timeout_s, s.metrics_public, s.max_queued_requests) == (2, 5, True, 1024)

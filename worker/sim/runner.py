@@ -155,6 +155,11 @@ class SimRunner:
         self._last_return = time.perf_counter()
         return RunnerOutput(token_ids, logprobs, forward_s)
 
+    def predict_step_s(self, rows: list[tuple[int, int, bool]]) -> float:
+        """The modelled time of a step of these (new tokens, context, samples) rows: exact
+        here, so the engine's step-time budget (worker/step_budget.py) needs no correction."""
+        return self.cost.predict(self.cost.rows_features(rows))
+
     def _wait(self, start: float, modelled: float, overhead: float) -> float:
         """Sleep so that the step takes modelled * dilation of wall time, counting the
         engine's own host work since the previous step against the modelled overheads."""

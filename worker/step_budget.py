@@ -1,0 +1,80 @@
+"""A step-time budget: an ITL target for steps that mix prefill with decodes.
+
+Chunked prefill (Sarathi-Serve) lets a long prompt join the running decode batch a chunk at
+a time, so decodes never stall for a whole prompt. But a chunk's cost grows with its
+context: on a simulated H200 serving llama-3-8b, a 2,048-token chunk at an 8K-token context
+beside 72 long decodes is a ~90-130 ms step, and every decoding request waits that long for
+its next token (benchmarks/results/routing-probe-agentic-2026-12-01-2342.txt). A smaller
+max_num_batched_tokens fixes the gap but costs prefill throughput where steps are cheap:
+1,024 tokens met a 100 ms ITL p99 on agentic sessions and lost b2b's TTFT SLO. A budget in
+time adapts per step:
+
+    a step that carries decodes takes at most the prefill tokens n such that
+        predicted(decode rows + (n, context)) <= max_step_time_s
+    (binary search, never below MIN_PREFILL_TOKENS); a step without decodes keeps the
+    whole max_num_batched_tokens (no token waits on it).
+
+The prediction is a step-cost model (worker/sim/cost_model.py: the model's shape on a device
+profile). The simulated device's is exact. On a real device the profile's level may be off
+(spec-sheet profiles are uncalibrated): `observe` keeps a running ratio of measured to
+predicted forward time and scales predictions by it, so the budget holds in measured time.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Row = tuple[int, int, bool]  # (new tokens, context tokens, samples): the cost model's row
+Predict = Callable[[list[Row]], float]
+
+MIN_PREFILL_TOKENS = 64  # a prompt always advances: the budget never starves it below this a step
+_SEARCH_STEP = 16  # tokens: the binary search stops within this of the largest n that fits
+_RATIO_WEIGHT = 0.05  # the running ratio's weight for each new measurement (~20-step memory)
+
+
+class StepTimeBudget:
+    def __init__(self, predict: Predict, max_step_time_s: float) -> None:
+        if max_step_time_s <= 0:
+            raise ValueError(f"max_step_time_s must be > 0, got {max_step_time_s}")
+        self.predict = predict
+        self.max_step_time_s = max_step_time_s
+        self.ratio = 1.0  # measured / predicted forward time (observe)
+        self.num_capped = 0  # steps whose prefill the budget cut below the token budget
+
+    def prefill_tokens(self, decodes: list[Row], context: int, limit: int) -> int:
+        """The most prefill tokens (<= limit) a step with these decode rows may carry, its
+        prefill at `context` tokens of context."""
+        if not decodes or limit <= MIN_PREFILL_TOKENS:
+            return limit
+        target = self.max_step_time_s / self.ratio
+        if self.predict(decodes + [(limit, context, True)]) <= target:
+            return limit
+        self.num_capped += 1
+        lo, hi = MIN_PREFILL_TOKENS, limit  # fits(lo) is assumed (the floor), fits(hi) is false
+        while hi - lo > _SEARCH_STEP:
+            mid = (lo + hi) // 2
+            if self.predict(decodes + [(mid, context, True)]) <= target:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def observe(self, rows: Sequence[Row], measured_s: float) -> None:
+        """A real step's measured forward time against the prediction for its rows."""
+        predicted = self.predict(list(rows))
+        if predicted > 0 and measured_s > 0:
+            self.ratio += _RATIO_WEIGHT * (measured_s / predicted - self.ratio)
+
+
+def cost_model_predict(cost) -> Predict:  # noqa: ANN001 (worker.sim.cost_model.StepCostModel)
+    """A cost model's prediction for rows (one features pass, one formula)."""
+    return lambda rows: cost.predict(cost.rows_features(rows))
+
+
+def profile_predict(model_dir: str, profile: str, dtype_bytes: int | None) -> Predict:
+    """The prediction for a real device: the model directory's shape on a device profile
+    (a named one: h200, h100, a100-80gb, l4; or a `kvserve calibrate` JSON)."""
+    from worker.sim.cost_model import StepCostModel
+    from worker.sim.profiles import load_profile
+    from worker.sim.shapes import load_shape
+
+    return cost_model_predict(StepCostModel(load_shape(model_dir, dtype_bytes=dtype_bytes), load_profile(profile)))
