@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import (
     FIRST_COMPLETED,
     Executor,
@@ -47,6 +48,7 @@ from concurrent.futures import (
 from dataclasses import dataclass
 
 from benchmarks.routing_partition import partition_goodput
+from benchmarks.routing_validate import ClusterValidation
 from benchmarks.routing_search import RunFigures, Runner
 from benchmarks.routing_setup import (
     AT_FRACTION,
@@ -131,6 +133,8 @@ Key = tuple[str, int]  # (workload, replicas)
 # The table's processes yield the CPU to validation 2's (Serve replicas, proxy, driver; Ray
 # workers at nice 0, routing_validate_cluster.py), which run beside them on the wall clock.
 TABLE_NICE = 19
+# Validation 2 takes ~2.5 minutes; past this its result is given up for (a hung cluster).
+CLUSTER_VALIDATION_TIMEOUT_S = 900.0
 
 
 def run_table(pool: Executor, keys: list[Key], plan: Plan, kw_of: dict[str, dict]
@@ -264,6 +268,22 @@ def print_multi_ingress(n: int, one: float, private: float, shared: float) -> No
     log(f"  {NUM_INGRESS} ingress routers sharing one view (Redis):      {shared:7.2f} req/s")
 
 
+def start_cluster_validation(pool: Executor, quick: bool) -> Callable[[], ClusterValidation]:
+    """Validation 2 submitted to its own process; the returned call waits for its result (a
+    died or hung process reads as a failed validation, with its traceback)."""
+    from benchmarks.routing_validate import validate_cluster_buffered
+
+    future = pool.submit(validate_cluster_buffered, quick)
+
+    def result() -> ClusterValidation:
+        try:
+            return future.result(timeout=CLUSTER_VALIDATION_TIMEOUT_S)
+        except Exception:
+            return None, [], traceback.format_exc()
+
+    return result
+
+
 def header(argv: list[str]) -> None:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -307,37 +327,31 @@ def main(argv: list[str] | None = None) -> int:
     # table: its ~2.5 minutes of wall clock cost the table ~1 minute of one core's CPU.
     # Validation 1 (a real engine computing flat out on the wall clock) runs alone after.
     validation_pool = None if args.skip_validation else ProcessPoolExecutor(max_workers=1)
-    cluster_validation = None
-    if validation_pool is not None:
-        from benchmarks.routing_validate import validate_cluster_buffered
+    try:
+        cluster_result = start_cluster_validation(validation_pool, args.quick) if validation_pool else None
+        with ProcessPoolExecutor(max_workers=jobs, initializer=os.nice, initargs=(TABLE_NICE,)) as pool:
+            rows, table_cpu_s, ingress_runs, partition = run_table(pool, keys, plan, kw_of)
+        log(f"router table done at {time.perf_counter() - t0:.0f} s")
+        ingress = {shared: statistics.fmean(v) for shared, v in ingress_runs.items() if v}
+        print_table(rows)
+        print_partition(rows, partition)
+        one = rows[("b2b", plan.replicas[0])][HEADROOM].goodput() if ingress else math.nan
+        if ingress:
+            print_multi_ingress(plan.replicas[0], one, ingress[False], ingress[True])
 
-        cluster_validation = validation_pool.submit(validate_cluster_buffered, args.quick)
-    with ProcessPoolExecutor(max_workers=jobs, initializer=os.nice, initargs=(TABLE_NICE,)) as pool:
-        rows, table_cpu_s, ingress_runs, partition = run_table(pool, keys, plan, kw_of)
-    log(f"router table done at {time.perf_counter() - t0:.0f} s")
-    ingress = {shared: statistics.fmean(v) for shared, v in ingress_runs.items() if v}
-    print_table(rows)
-    print_partition(rows, partition)
-    one = rows[("b2b", plan.replicas[0])][HEADROOM].goodput() if ingress else math.nan
-    if ingress:
-        print_multi_ingress(plan.replicas[0], one, ingress[False], ingress[True])
+        log(f"\nrouter table: {table_cpu_s:.0f} s of simulation CPU"
+            + (f"; the full table (replicas {FULL.replicas}, {len(FULL.seeds)} seeds, "
+               f"{dict(FULL.window_s)['sharegpt']:g} s windows, {FULL.bisect_steps} bisection steps) would take "
+               f"~{full_table_cpu_s(table_cpu_s) / 3600:.0f} CPU-hours by the same measure (wall: that / the cores "
+               f"given to --jobs)" if args.quick else ""))
+        sim_error = math.nan
+        if cluster_result is not None:
+            from benchmarks.routing_validate import validate_all
 
-    log(f"\nrouter table: {table_cpu_s:.0f} s of simulation CPU"
-        + (f"; the full table (replicas {FULL.replicas}, {len(FULL.seeds)} seeds, {dict(FULL.window_s)['sharegpt']:g} s "
-           f"windows, {FULL.bisect_steps} bisection steps) would take ~{full_table_cpu_s(table_cpu_s) / 3600:.0f} "
-           f"CPU-hours by the same measure (wall: that / the cores given to --jobs)" if args.quick else ""))
-    sim_error = math.nan
-    if not args.skip_validation:
-        from benchmarks.routing_validate import validate_all
-
-        def cluster_result() -> tuple[dict[str, float] | None, list[str], str | None]:
-            try:
-                return cluster_validation.result()  # type: ignore[union-attr]
-            except Exception:  # its process died: reported as a failed validation
-                return None, [], traceback.format_exc()
-
-        sim_error = validate_all(args.quick, args.cpu_profile, log, cluster_result)
-        validation_pool.shutdown()  # type: ignore[union-attr]
+            sim_error = validate_all(args.quick, args.cpu_profile, log, cluster_result)
+    finally:  # an error in the table does not wait for validation 2 to finish
+        if validation_pool is not None:
+            validation_pool.shutdown(wait=False, cancel_futures=True)
 
     def ratio(a: float, b: float) -> float:
         return a / b if b > 0 else math.nan

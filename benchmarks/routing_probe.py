@@ -27,7 +27,10 @@ from cluster.sim.metrics import SimResult
 from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.workloads import SimRequest, make_workload
 
+
 def moved_turns(result: SimResult, requests: list[SimRequest]) -> str:
+    """Session turns that landed on another replica than the session's previous turn, and
+    the share of all uncached prompt tokens they carried (what leaving a cache costs)."""
     session = {r.request_id: r.session_id for r in requests}
     prompt = {r.request_id: len(r.prompt_token_ids) for r in requests}
     last: dict[object, object] = {}

@@ -29,6 +29,9 @@ from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.workloads import SimRequest, make_workload
 
 Log = Callable[[str], None]
+# Validation 2's outcome from its own process: its errors (None if it failed), its log lines
+# and, if it failed, the traceback.
+ClusterValidation = tuple[dict[str, float] | None, list[str], str | None]
 
 
 @dataclass(frozen=True)
@@ -239,7 +242,7 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str
                    real, sim, log, median_pair_errors(reals, sims))
 
 
-def validate_cluster_buffered(quick: bool) -> tuple[dict[str, float] | None, list[str], str | None]:
+def validate_cluster_buffered(quick: bool) -> ClusterValidation:
     """Validation 2 in its own process, beside the router table: its log lines come back
     (printed after validation 1's, so the log keeps its order), with its errors or the
     traceback of its failure. It runs on the wall clock but mostly waits (dilated steps
@@ -258,7 +261,7 @@ def validate_cluster_buffered(quick: bool) -> tuple[dict[str, float] | None, lis
 
 
 def validate_all(quick: bool, cpu_profile: str | None, log: Log,
-                 cluster: Callable[[], tuple[dict[str, float] | None, list[str], str | None]] | None = None) -> float:
+                 cluster: Callable[[], ClusterValidation] | None = None) -> float:
     """Both validations; the worst |error| in % of TTFT p50 and output tokens/s. `cluster`
     waits for validation 2's result when it ran in its own process (validate_cluster_buffered):
     it is awaited before validation 1 starts, whose real engine must have the machine to

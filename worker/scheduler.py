@@ -14,8 +14,9 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
    same rule; its prompt counts as computed (the KV connector writes the payload into
    its blocks before the step executes), so it only schedules its first decode token.
 The token budget is max_num_batched_tokens; with a step-time budget (`step_budget`, set by
-the engine when SchedulerConfig.max_step_time_s is) a step that carries decodes gets only
-the prefill tokens that keep its predicted time within it (worker/step_budget.py).
+the engine when SchedulerConfig.max_step_time_s is) each prompt chunk of a step that
+carries decodes gets only the tokens that keep the step's predicted time within it, priced
+at its own context beside the rows planned before it (worker/step_budget.py).
 Torch-free on purpose: it is unit-tested on its own.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from kv.cache_manager import KVCacheManager
 from worker.config import SchedulerConfig
 from worker.sequence import Sequence, SequenceStatus
-from worker.step_budget import StepTimeBudget
+from worker.step_budget import MIN_PREFILL_TOKENS, StepTimeBudget
 
 
 @dataclass
@@ -69,6 +70,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.step_budget: StepTimeBudget | None = None  # the engine's, when max_step_time_s is set
+        self._timed_rows: list[tuple[int, int, bool]] | None = None  # this step's, under step_budget
+        self._prefill_planned = False
 
     @property
     def num_waiting(self) -> int:
@@ -89,36 +92,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        if self.step_budget is not None:
-            budget = self._step_time_budget(budget)
+        # Under a step-time budget: the rows planned so far this step, its decodes first;
+        # every prefill row is capped against them as it is planned (_time_capped). None:
+        # no step-time budget, or no decode that a prefill could stall.
+        self._timed_rows = self._decode_rows() if self.step_budget is not None else None
+        self._prefill_planned = False
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # memory is short this step: do not admit more
             self._schedule_waiting(out, budget)
         return out
 
-    def _step_time_budget(self, budget: int) -> int:
-        """The token budget under the step-time budget (worker/step_budget.py): one token per
-        running decode, plus the prefill tokens that keep the step within its time. The
-        prefill's context: the first running chunk's computed tokens, else the next waiting
-        prompt's cached prefix (what admission will skip)."""
-        assert self.step_budget is not None
-        decodes: list[tuple[int, int, bool]] = []
-        chunk: Sequence | None = None
-        for seq in self.running:
-            computed = seq.num_computed_tokens
-            if len(seq.token_ids) - computed == 1:
-                decodes.append((1, computed, True))
-            elif chunk is None:
-                chunk = seq
-        if not decodes:
-            return budget
-        if chunk is not None:
-            context = chunk.num_computed_tokens
-        elif self.waiting:
-            context = self.waiting[0].num_tokens - self.waiting[0].waiting_uncached_tokens
-        else:
-            return budget  # decodes only: nothing to cap
-        return len(decodes) + self.step_budget.prefill_tokens(decodes, context, max(budget - len(decodes), 0))
+    def _decode_rows(self) -> list[tuple[int, int, bool]] | None:
+        """The running decodes as cost rows (new tokens, context, samples), or None if none."""
+        rows = [(1, s.num_computed_tokens, True) for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
+        return rows or None
+
+    def _time_capped(self, num_new: int, context: int) -> int:
+        """A prefill row's tokens within the step-time budget (worker/step_budget.py), given
+        the rows planned before it; the step's first prefill always advances."""
+        assert self.step_budget is not None and self._timed_rows is not None
+        floor = 0 if self._prefill_planned else MIN_PREFILL_TOKENS
+        n = self.step_budget.prefill_tokens(self._timed_rows, context, num_new, floor)
+        if n:
+            self._timed_rows.append((n, context, True))
+            self._prefill_planned = True
+        return n
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         running, kv = self.running, self.kv
@@ -126,6 +124,11 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if num_new > 1 and self._timed_rows is not None:  # a prompt chunk beside decodes
+                num_new = self._time_capped(num_new, seq.num_computed_tokens)
+                if num_new == 0:
+                    i += 1
+                    continue
             total = seq.num_computed_tokens + num_new
             # Most decode steps need no new block: no check, no allocation.
             block_ids = kv.held_block_ids(seq.request_id, total)
@@ -164,6 +167,10 @@ class Scheduler:
                 hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids)
                 num_computed = len(hits) * self.kv.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
+            if num_new > 1 and self._timed_rows is not None:  # a prompt beside decodes
+                num_new = self._time_capped(num_new, num_computed)
+                if num_new == 0:
+                    break
             if not self.kv.can_allocate(seq.request_id, num_computed + num_new, hits):
                 break
             block_ids = self.kv.allocate(seq.request_id, num_computed + num_new, hits)

@@ -9,10 +9,12 @@ max_num_batched_tokens fixes the gap but costs prefill throughput where steps ar
 1,024 tokens met a 100 ms ITL p99 on agentic sessions and lost b2b's TTFT SLO. A budget in
 time adapts per step:
 
-    a step that carries decodes takes at most the prefill tokens n such that
-        predicted(decode rows + (n, context)) <= max_step_time_s
-    (binary search, never below MIN_PREFILL_TOKENS); a step without decodes keeps the
-    whole max_num_batched_tokens (no token waits on it).
+    a step that carries decodes gives each prefill row in turn (a running chunk, then
+    admitted prompts) at most the n tokens such that
+        predicted(decode rows + earlier prefill rows + (n, its context)) <= max_step_time_s
+    (binary search; the step's first prefill never below MIN_PREFILL_TOKENS, so a prompt
+    always advances); a step without decodes keeps the whole max_num_batched_tokens (no
+    token waits on it).
 
 The prediction is a step-cost model (worker/sim/cost_model.py: the model's shape on a device
 profile). The simulated device's is exact. On a real device the profile's level may be off
@@ -38,30 +40,41 @@ class StepTimeBudget:
         self.predict = predict
         self.max_step_time_s = max_step_time_s
         self.ratio = 1.0  # measured / predicted forward time (observe)
-        self.num_capped = 0  # steps whose prefill the budget cut below the token budget
+        self.num_capped = 0  # prefill rows the budget cut below what the token budget allowed
+        self._carried_s = 0.0  # predictions of steps whose time a later reading carries
 
-    def prefill_tokens(self, decodes: list[Row], context: int, limit: int) -> int:
-        """The most prefill tokens (<= limit) a step with these decode rows may carry, its
-        prefill at `context` tokens of context."""
-        if not decodes or limit <= MIN_PREFILL_TOKENS:
-            return limit
+    def prefill_tokens(self, planned: list[Row], context: int, limit: int, floor: int = MIN_PREFILL_TOKENS) -> int:
+        """The most prefill tokens (<= limit) one more row at `context` tokens of context may
+        take beside the rows `planned` so far this step (decodes first, then earlier prefill
+        rows). `floor`: what it gets even over the target (MIN_PREFILL_TOKENS for a step's
+        first prefill, so a prompt always advances; 0 for the ones after it)."""
+        floor = min(floor, limit)
         target = self.max_step_time_s / self.ratio
-        if self.predict(decodes + [(limit, context, True)]) <= target:
+        if self.predict(planned + [(limit, context, True)]) <= target:
             return limit
         self.num_capped += 1
-        lo, hi = MIN_PREFILL_TOKENS, limit  # fits(lo) is assumed (the floor), fits(hi) is false
+        if floor == 0 and self.predict(planned + [(1, context, True)]) > target:
+            return 0
+        lo, hi = max(floor, 1), limit  # fits(lo) holds or is the floor; fits(hi) is false
         while hi - lo > _SEARCH_STEP:
             mid = (lo + hi) // 2
-            if self.predict(decodes + [(mid, context, True)]) <= target:
+            if self.predict(planned + [(mid, context, True)]) <= target:
                 lo = mid
             else:
                 hi = mid
         return lo
 
     def observe(self, rows: Sequence[Row], measured_s: float) -> None:
-        """A real step's measured forward time against the prediction for its rows."""
-        predicted = self.predict(list(rows))
-        if predicted > 0 and measured_s > 0:
+        """A real step's measured forward time against the prediction for its rows. A CUDA
+        step that samples nothing may read 0 and carry its time into the next reading
+        (worker/forward_timer.py): its prediction is carried with it. The measure is the
+        forward's, not the host's, so the target holds device time per step."""
+        predicted = self.predict(list(rows)) + self._carried_s
+        if measured_s <= 0:
+            self._carried_s = predicted
+            return
+        self._carried_s = 0.0
+        if predicted > 0:
             self.ratio += _RATIO_WEIGHT * (measured_s / predicted - self.ratio)
 
 
@@ -70,9 +83,14 @@ def cost_model_predict(cost) -> Predict:  # noqa: ANN001 (worker.sim.cost_model.
     return lambda rows: cost.predict(cost.rows_features(rows))
 
 
+# ModelConfig.dtype -> bytes per weight; "auto" (absent) takes the model's config.json torch_dtype.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def profile_predict(model_dir: str, profile: str, dtype_bytes: int | None) -> Predict:
     """The prediction for a real device: the model directory's shape on a device profile
-    (a named one: h200, h100, a100-80gb, l4; or a `kvserve calibrate` JSON)."""
+    (a named one: h200, h100, a100-80gb, l4; or a `kvserve calibrate` JSON). Loading it
+    checks the profile and the shape before the engine loads any weights."""
     from worker.sim.cost_model import StepCostModel
     from worker.sim.profiles import load_profile
     from worker.sim.shapes import load_shape

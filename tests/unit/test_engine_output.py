@@ -18,13 +18,13 @@ def test_every_field_by_name() -> None:
     seq.stop_reason = 22
     seq.first_token_time = 101.25
     seq.scheduled_time = 100.75
-    seq.num_preemptions = 2
+    seq.num_preemptions = 5
     logprobs = [object()]
     out = Engine._output(seq, [22], logprobs)
     expected = RequestOutput(
         request_id="req-7", new_token_ids=[22], text_delta="", finished=True, finish_reason="stop", stop_reason=22,
         logprobs=logprobs, prompt_logprobs=None, num_prompt_tokens=4, num_output_tokens=2, num_cached_tokens=3,
-        error=None, arrival_time=100.5, first_token_time=101.25, scheduled_time=100.75, num_preemptions=2, extra={},
+        error=None, arrival_time=100.5, first_token_time=101.25, scheduled_time=100.75, num_preemptions=5, extra={},
     )
     for f in fields(RequestOutput):
         assert getattr(out, f.name) == getattr(expected, f.name), f.name
