@@ -23,7 +23,7 @@ from dataclasses import replace
 from benchmarks.routing_search import RunFigures, collector_paused, goodput_at_slo
 from benchmarks.routing_setup import HEADROOM, Plan, sim_config
 from cluster.sim.metrics import SimResult
-from cluster.sim.run import SimDevice, simulate
+from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.workloads import SimRequest, make_workload
 
 Log = Callable[[str], None]
@@ -67,11 +67,12 @@ def merge_results(results: Sequence[SimResult]) -> SimResult:
 
 
 def run_partition(workload: str, num_replicas: int, seed: int, rate: float, plan: Plan, workload_kw: dict,
-                  device: SimDevice, log: Log | None = None) -> RunFigures:
-    """The partition at `rate` (the cluster's): one simulation per share, merged."""
+                  device: SimDevice, log: Log | None = None, config: SimConfig | None = None) -> RunFigures:
+    """The partition at `rate` (the cluster's): one simulation per share, merged. `config`:
+    one replica's (default: the table's; nothing to route)."""
     t0 = time.perf_counter()
     requests = make_workload(workload, plan.window_for(workload).num_requests(rate), rate, seed, **workload_kw)
-    config = replace(sim_config(HEADROOM, 1), seed=seed)  # one replica: nothing to route
+    config = replace(config or sim_config(HEADROOM, 1), seed=seed)
     with collector_paused():
         results = [simulate(config, share, device) for share in deal_shares(requests, num_replicas) if share]
     fig = RunFigures.from_summary(rate, merge_results(results).summary(), config.slo_ttft_ms / 1000.0,

@@ -20,7 +20,7 @@ import ast
 import time
 from dataclasses import replace
 
-from benchmarks import routing_partition
+from benchmarks.routing_partition import run_partition
 from benchmarks.routing_search import RunFigures, collector_paused
 from benchmarks.routing_setup import HEADROOM, QUICK, sim_config, workload_kw
 from cluster.sim.metrics import SimResult
@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     wkw = workload_kw(args.workload, args.replicas)
     cpu0 = time.process_time()
     if args.router == "partition":
-        routing_partition.sim_config = lambda router, n: config_of(router, n)  # this process only
-        fig = routing_partition.run_partition(args.workload, args.replicas, args.seed, args.rate, QUICK, wkw,
-                                              SimDevice.from_config(config_of(HEADROOM, 1)))
+        one = config_of(HEADROOM, 1)
+        fig = run_partition(args.workload, args.replicas, args.seed, args.rate, QUICK, wkw,
+                            SimDevice.from_config(one), config=one)
         extra = ""
     else:
         config = config_of(args.router, args.replicas)

@@ -260,31 +260,26 @@ def validate_cluster_buffered(quick: bool) -> ClusterValidation:
         return None, lines, traceback.format_exc()
 
 
-def validate_all(quick: bool, cpu_profile: str | None, log: Log,
-                 cluster: Callable[[], ClusterValidation] | None = None) -> float:
+def validate_all(quick: bool, cpu_profile: str | None, log: Log, cluster: Callable[[], ClusterValidation]) -> float:
     """Both validations; the worst |error| in % of TTFT p50 and output tokens/s. `cluster`
-    waits for validation 2's result when it ran in its own process (validate_cluster_buffered):
+    waits for validation 2's result (validate_cluster_buffered, run in its own process):
     it is awaited before validation 1 starts, whose real engine must have the machine to
-    itself; without it, validation 2 runs here after validation 1."""
+    itself, and its lines are logged after validation 1's."""
     import traceback
 
     log("")
     worst = 0.0
-    done = cluster() if cluster is not None else None
-
-    def engine() -> dict[str, float]:
-        return validate_engine(quick, cpu_profile, log)
+    errors_2, lines, failure = cluster()
 
     def cluster_run() -> dict[str, float]:
-        errors, lines, failure = done if done is not None else validate_cluster_buffered(quick)
         for line in lines:
             log(line)
         if failure is not None:
             raise RuntimeError(failure)
-        assert errors is not None
-        return errors
+        assert errors_2 is not None
+        return errors_2
 
-    for name, run in (("engine", engine), ("cluster", cluster_run)):
+    for name, run in (("engine", lambda: validate_engine(quick, cpu_profile, log)), ("cluster", cluster_run)):
         try:
             errors = run()
         except Exception:  # a failed validation is reported, and leaves the figure unknown

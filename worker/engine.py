@@ -27,7 +27,7 @@ from worker.runner_protocols import Runner
 from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
-from worker.step_budget import DTYPE_BYTES, Predict, StepTimeBudget, profile_predict
+from worker.step_budget import Predict, engine_step_budget, profile_predict
 from worker.step_meters import OutputLengthTracker, PrefillRateMeter
 from worker.structured.compiler import GrammarCompiler
 from worker.structured.state import GrammarState
@@ -79,17 +79,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.kv = KVCacheManager(runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.kv)
-        # Step-time budget: the runner's own exact prediction (a simulated device), else one
-        # from_config built from a device profile, corrected by measured steps (observed).
-        self._observed_budget: StepTimeBudget | None = None  # a budget measured steps correct
-        if scheduler_config.max_step_time_s is not None:
-            predict = step_time_predict or getattr(runner, "predict_step_s", None)
-            if predict is None:
-                raise ValueError("max_step_time_s needs a step-time prediction: a device profile "
-                                 "(engine.step_time_profile) on a real device")
-            self.scheduler.step_budget = StepTimeBudget(predict, scheduler_config.max_step_time_s)
-            if step_time_predict is not None:
-                self._observed_budget = self.scheduler.step_budget
+        self.scheduler.step_budget = engine_step_budget(scheduler_config.max_step_time_s, runner, step_time_predict)
         self.connector: KVConnector = make_connector(runner, self.kv, vocab_size)
         self.seqs: dict[str, Sequence] = {}
         # Structured outputs: set when the engine has a tokenizer (from_config). Requests
@@ -134,12 +124,7 @@ class Engine:
             config, model=replace(config.model, model=str(path)),
             scheduler=replace(config.scheduler, max_model_len=max_model_len),
         )
-        predict = None
-        if config.scheduler.max_step_time_s is not None:  # before any weights load or rank spawns
-            if config.model.step_time_profile is None:
-                raise ValueError("max_step_time_s on a real device needs engine.step_time_profile: a device "
-                                 "profile (h200, h100, a100-80gb, l4) or a `kvserve calibrate` JSON")
-            predict = profile_predict(str(path), config.model.step_time_profile, DTYPE_BYTES.get(config.model.dtype))
+        predict = profile_predict(config)  # before any weights load or rank spawns
         if config.model.tensor_parallel_size > 1:
             from worker.tp.runner import TPModelRunner
 
@@ -263,20 +248,15 @@ class Engine:
         except Exception as e:  # fail this step's requests, keep serving the rest
             logger.exception("engine step failed; failing %d requests", len(plan.seqs))
             return outputs + self._fail(plan, e)
-        if self._observed_budget is not None:  # before update moves num_computed_tokens
-            self._observe(self._observed_budget, plan, result.token_ids, result.forward_s)
+        budget = self.scheduler.step_budget
+        if budget is not None and budget.corrected:  # before update moves num_computed_tokens
+            budget.observe_plan(plan, result.token_ids, result.forward_s)
         saved = self.connector.save_kv(plan, result.token_ids)  # before update frees blocks
         changed = self._timed(self.scheduler.update, plan, result.token_ids)
         outputs += self._postprocess(plan, result.logprobs, changed, saved)
         self.prefill_meter.record(plan.num_new_tokens, result.forward_s)
         self._account(len(changed), time.perf_counter() - start, result.forward_s)
         return outputs
-
-    @staticmethod
-    def _observe(budget: StepTimeBudget, plan: SchedulerOutput, token_ids: list, forward_s: float) -> None:
-        """A real device's measured step against the step-time budget's prediction for it."""
-        budget.observe([(n, seq.num_computed_tokens, t is not None)
-                        for seq, n, t in zip(plan.seqs, plan.num_new_tokens, token_ids)], forward_s)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar has compiled enter the scheduler (in arrival order); a

@@ -24,6 +24,11 @@ predicted forward time and scales predictions by it, so the budget holds in meas
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.config import EngineConfig
+    from worker.scheduler import SchedulerOutput
 
 Row = tuple[int, int, bool]  # (new tokens, context tokens, samples): the cost model's row
 Predict = Callable[[list[Row]], float]
@@ -34,11 +39,12 @@ _RATIO_WEIGHT = 0.05  # the running ratio's weight for each new measurement (~20
 
 
 class StepTimeBudget:
-    def __init__(self, predict: Predict, max_step_time_s: float) -> None:
+    def __init__(self, predict: Predict, max_step_time_s: float, corrected: bool = False) -> None:
         if max_step_time_s <= 0:
             raise ValueError(f"max_step_time_s must be > 0, got {max_step_time_s}")
         self.predict = predict
         self.max_step_time_s = max_step_time_s
+        self.corrected = corrected  # measured steps correct the prediction (observe_plan): a real device
         self.ratio = 1.0  # measured / predicted forward time (observe)
         self.num_capped = 0  # prefill rows the budget cut below what the token budget allowed
         self._carried_s = 0.0  # predictions of steps whose time a later reading carries
@@ -64,6 +70,11 @@ class StepTimeBudget:
                 hi = mid
         return lo
 
+    def observe_plan(self, plan: SchedulerOutput, token_ids: list, measured_s: float) -> None:
+        """A step the engine ran (before its update moves num_computed_tokens)."""
+        self.observe([(n, seq.num_computed_tokens, t is not None)
+                      for seq, n, t in zip(plan.seqs, plan.num_new_tokens, token_ids)], measured_s)
+
     def observe(self, rows: Sequence[Row], measured_s: float) -> None:
         """A real step's measured forward time against the prediction for its rows. A CUDA
         step that samples nothing may read 0 and carry its time into the next reading
@@ -78,21 +89,37 @@ class StepTimeBudget:
             self.ratio += _RATIO_WEIGHT * (measured_s / predicted - self.ratio)
 
 
-def cost_model_predict(cost) -> Predict:  # noqa: ANN001 (worker.sim.cost_model.StepCostModel)
-    """A cost model's prediction for rows (one features pass, one formula)."""
-    return lambda rows: cost.predict(cost.rows_features(rows))
-
-
 # ModelConfig.dtype -> bytes per weight; "auto" (absent) takes the model's config.json torch_dtype.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def profile_predict(model_dir: str, profile: str, dtype_bytes: int | None) -> Predict:
-    """The prediction for a real device: the model directory's shape on a device profile
-    (a named one: h200, h100, a100-80gb, l4; or a `kvserve calibrate` JSON). Loading it
-    checks the profile and the shape before the engine loads any weights."""
+def profile_predict(config: EngineConfig) -> Predict | None:
+    """The prediction for a real device under a step-time budget (None without one): the
+    model directory's shape on engine.step_time_profile (h200, h100, a100-80gb, l4, or a
+    `kvserve calibrate` JSON). Engine.from_config calls it before any weights load, so a
+    missing or unknown profile fails first."""
+    if config.scheduler.max_step_time_s is None:
+        return None
+    if config.model.step_time_profile is None:
+        raise ValueError("max_step_time_s on a real device needs engine.step_time_profile: a device "
+                         "profile (h200, h100, a100-80gb, l4) or a `kvserve calibrate` JSON")
     from worker.sim.cost_model import StepCostModel
     from worker.sim.profiles import load_profile
     from worker.sim.shapes import load_shape
 
-    return cost_model_predict(StepCostModel(load_shape(model_dir, dtype_bytes=dtype_bytes), load_profile(profile)))
+    shape = load_shape(config.model.model, dtype_bytes=DTYPE_BYTES.get(config.model.dtype))
+    return StepCostModel(shape, load_profile(config.model.step_time_profile)).predict_rows
+
+
+def engine_step_budget(max_step_time_s: float | None, runner: object, predict: Predict | None) -> StepTimeBudget | None:
+    """The engine's budget: `predict` (a real device's profile, corrected by measured steps),
+    else the runner's own exact prediction (a simulated device's `predict_step_s`)."""
+    if max_step_time_s is None:
+        return None
+    if predict is not None:
+        return StepTimeBudget(predict, max_step_time_s, corrected=True)
+    exact = getattr(runner, "predict_step_s", None)
+    if exact is None:
+        raise ValueError("max_step_time_s needs a step-time prediction: a device profile "
+                         "(engine.step_time_profile) on a real device")
+    return StepTimeBudget(exact, max_step_time_s)

@@ -160,6 +160,10 @@ class StepCostModel:
     def predict(self, features: StepFeatures) -> float:
         return predict(features, self.profile)
 
+    def predict_rows(self, rows: Iterable[tuple[int, int, bool]]) -> float:
+        """Seconds for a step of these (new tokens, context, samples) rows."""
+        return predict(self.rows_features(rows), self.profile)
+
     def overhead_s(self, features: StepFeatures) -> float:
         """The host part of a step's modelled time (what a live engine also spends for real)."""
         if features.num_seqs == 0:

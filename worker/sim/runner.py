@@ -158,7 +158,7 @@ class SimRunner:
     def predict_step_s(self, rows: list[tuple[int, int, bool]]) -> float:
         """The modelled time of a step of these (new tokens, context, samples) rows: exact
         here, so the engine's step-time budget (worker/step_budget.py) needs no correction."""
-        return self.cost.predict(self.cost.rows_features(rows))
+        return self.cost.predict_rows(rows)
 
     def _wait(self, start: float, modelled: float, overhead: float) -> float:
         """Sleep so that the step takes modelled * dilation of wall time, counting the
