@@ -1,17 +1,17 @@
 """What-if runs on the router table's cluster: one router (or the ideal partition) at one
 offered rate, on --quick's workload sizing, with the engine's chunk, the headroom router's
-parameters or an experimental step-time budget changed. For asking why a cell lands where
-it does; the table itself is benchmarks/routing.py.
+parameters or the step-time budget changed. For asking why a cell lands where it does; the
+table itself is benchmarks/routing.py.
 
-    python -m benchmarks.routing_probe agentic headroom 58.79 [--chunk 1024]
-        [--param load_gate_threshold=1e9] [--step-time-budget-ms 95] [--moves]
-    python -m benchmarks.routing_probe agentic partition 65.06 --step-time-budget-ms 95
+    python -m benchmarks.routing_probe agentic headroom 65.06 [--chunk 1024]
+        [--param load_gate_threshold=1e9] [--step-time-budget-ms 0] [--moves]
+    python -m benchmarks.routing_probe agentic partition 65.06
 
 --step-time-budget-ms sets the engines' step-time budget (SchedulerConfig.max_step_time_s,
-worker/step_budget.py): a step that carries decodes takes no more prefill tokens than keep
-its modelled time within it; a step without decodes keeps the whole chunk. --moves reports
-the turns of a session that landed on another replica than its previous turn, and the
-prefill work they carried.
+worker/step_budget.py; the table's is routing_setup.MAX_STEP_TIME_S, 0 turns it off): a
+step that carries decodes takes no more prefill tokens than keep its modelled time within
+it; a step without decodes keeps the whole chunk. --moves reports the turns of a session
+that landed on another replica than its previous turn, and the prefill work they carried.
 """
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, help="the scheduler's max_num_batched_tokens (default: the table's)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                         help="a HeadroomParams field (repeatable)")
-    parser.add_argument("--step-time-budget-ms", type=float, help="the engines' step-time budget (see above)")
+    parser.add_argument("--step-time-budget-ms", type=float,
+                        help="the engines' step-time budget (see above; default: the table's, 0: none)")
     parser.add_argument("--moves", action="store_true", help="report session turns that changed replica")
     args = parser.parse_args(argv)
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.chunk is not None:
             config = replace(config, max_num_batched_tokens=args.chunk)
         if args.step_time_budget_ms is not None:
-            config = replace(config, max_step_time_s=args.step_time_budget_ms / 1000.0)
+            config = replace(config, max_step_time_s=args.step_time_budget_ms / 1000.0 or None)
         if overrides:
             config = replace(config, policy_params=replace(config.policy_params, **overrides))
         return replace(config, seed=args.seed, stop_at_slo_miss=False)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                  + (f"; {moved_turns(result, requests)}" if args.moves else ""))
     changes = ", ".join(f for f in (f"chunk {args.chunk}" if args.chunk else "",
                                     f"params {overrides}" if overrides else "",
-                                    f"step-time budget {args.step_time_budget_ms:g} ms" if args.step_time_budget_ms else "")
+                                    f"step-time budget {args.step_time_budget_ms:g} ms" if args.step_time_budget_ms is not None else "")
                         if f) or "the table's settings"
     print(f"{args.workload} x{args.replicas} {args.router} @ {args.rate:g} req/s ({changes}): "
           f"{'meets' if fig.meets_slo else 'misses'} the SLO, TTFT p99 {fig.ttft_p99_s:.3f} s, "

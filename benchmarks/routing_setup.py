@@ -37,6 +37,13 @@ STATS_PERIOD_S = 1.0
 # every router alike. The chunk stays at 2048 tokens: 8192 broke the 100 ms ITL SLO
 # (ITL p99 ~235 ms on b2b whatever the router).
 MAX_NUM_SEQS = 256
+# The engines' step-time budget (SchedulerConfig.max_step_time_s, worker/step_budget.py):
+# just under the 100 ms ITL SLO, as an operator serving that SLO would set it, for every
+# router alike. A step that carries decodes takes only the prefill tokens that keep it
+# within; without it, 2,048-token chunks at agentic's 8K+ contexts beside ~70 decodes made
+# 90-130 ms steps, and even the ideal partition missed the ITL SLO at 58.79 req/s
+# (benchmarks/results/routing-probe-agentic-2026-12-02-0059.txt).
+MAX_STEP_TIME_S = 0.095
 # b2b's warm-up requests (one per group) arrive spread so that their prefill takes this
 # share of the cluster's modelled prefill rate: the caches fill without a backlog that
 # would spill into the measured window.
@@ -143,7 +150,8 @@ def sim_config(router: str, num_replicas: int, num_ingress: int = 1, shared_view
     params = HeadroomParams(stats_period_s=STATS_PERIOD_S, report_lag_s=0.05)
     return SimConfig(shape=SHAPE, profile=PROFILE, num_replicas=num_replicas, router=router, num_ingress=num_ingress,
                      shared_view=shared_view, policy_params=params, policy_options=policy_options(router),
-                     stats_period_s=STATS_PERIOD_S, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS)
+                     stats_period_s=STATS_PERIOD_S, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                     max_step_time_s=MAX_STEP_TIME_S)
 
 
 def log(msg: str) -> None:

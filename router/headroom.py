@@ -64,6 +64,11 @@ class HeadroomParams:
     target_ttft_s: float = 2.0
     # rank_key credit for the replica that served the request's session last (soft).
     session_weight: float = 0.25
+    # A session counts as active on its replica (router/sessions.py: new sessions go where
+    # the fewest are) until this long after its last turn; its soft affinity lasts as long.
+    # The prefix hints' lifetime (router/routing_view.py), so a session is not forgotten
+    # while its history is still believed cached.
+    session_idle_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.expected_output_tokens < 0:
@@ -84,6 +89,8 @@ class HeadroomParams:
             raise ValueError("prefill_tokens_per_s and target_ttft_s must be > 0")
         if self.session_weight < 0:
             raise ValueError(f"session_weight must be >= 0, got {self.session_weight}")
+        if self.session_idle_s <= 0:
+            raise ValueError(f"session_idle_s must be > 0, got {self.session_idle_s}")
 
     @property
     def stale_after_s(self) -> float:

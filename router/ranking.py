@@ -33,10 +33,19 @@ Modes, decided among the replicas where q fits (the others come last, least defi
   * "headroom": otherwise, highest rank_key first: the fill term spreads a burst in
     proportion to headroom (reserved at dispatch, so stale reports do not herd it), the
     TTFT term sends work where it is prefilled soonest, partial matches pull gently.
+  * "spread": the request opens a session this router has not seen (router/sessions.py):
+    among the open replicas within target that cache the most of its prompt (all of them
+    for a cold prompt), the one with the fewest active sessions per unit of capacity
+    first. A session's future turns are work no report shows while it thinks; placing
+    sessions by headroom put them where sessions were thinking (agentic, 4 replicas, 65
+    req/s: 28/31/18/23 sessions, TTFT p99 2.7 s; dealt by count 25/24/23/28, 0.84 s).
   * "load_gate": some replica's ongoing requests (per unit of capacity) are over its share
-    by more than its gate limit: it comes after the others, least queued first. KV usage
-    alone hides such a queue (an engine capped by max_num_seqs queues while its blocks
-    look free).
+    by more than its gate limit plus the move's cost: it comes after the others, least
+    queued first. KV usage alone hides such a queue (an engine capped by max_num_seqs
+    queues while its blocks look free). The move cost (move_costs) is the prompt a move
+    recomputes, in mean requests' worth of prefill: moving an agentic turn off its
+    session's replica recomputes its whole history (the count-only gate moved 73 of 588
+    turns, which carried 45% of all uncached prefill, TTFT p99 3.7 s).
   * "pow2": no replica has fresh stats, or the request has no token ids: power of two
     choices on queue length. Stale stats never refuse traffic: stale replicas are ranked
     by power of two after the fitting fresh ones, before the non-fitting ones.
@@ -88,6 +97,7 @@ from router.headroom import (
 
 MODE_AFFINITY = "affinity"
 MODE_HEADROOM = "headroom"
+MODE_SPREAD = "spread"
 MODE_LOAD_GATE = "load_gate"
 MODE_POW2 = "pow2"
 # Every candidate reported itself unhealthy: none is offered (Serve backs off and retries,
@@ -224,6 +234,18 @@ def gate_limits(scores: Sequence[ReplicaScore], params: HeadroomParams) -> dict[
     return {k: max(params.load_gate_threshold, params.load_gate_fraction * share) for k, share in shares.items()}
 
 
+def move_costs(scores: Sequence[ReplicaScore], request_tokens: float) -> dict[ReplicaKey, float]:
+    """What sending the request away from each replica adds, in requests' worth of prefill:
+    the prompt tokens it caches beyond the best other replica, over `request_tokens` (the
+    mean uncached prompt tokens of the requests dispatched; 0: no move costs anything)."""
+    if request_tokens <= 0 or len(scores) < 2:
+        return {s.key: 0.0 for s in scores}
+    ordered = sorted(s.uncached_tokens for s in scores)
+    least, second = ordered[0], ordered[1]
+    return {s.key: max((second if s.uncached_tokens == least else least) - s.uncached_tokens, 0) / request_tokens
+            for s in scores}
+
+
 def load_gate_tripped(scores: Sequence[ReplicaScore], params: HeadroomParams) -> bool:
     """True when some replica carries more excess than its gate limit."""
     if len(scores) < 2:
@@ -241,6 +263,18 @@ def _owner(fitting: Sequence[ReplicaScore]) -> ReplicaScore | None:
     return best
 
 
+def _least_sessions(ready: Sequence[ReplicaScore], session_counts: Mapping[ReplicaKey, int],
+                    index: Mapping[ReplicaKey, int]) -> ReplicaScore | None:
+    """Among the replicas that cache the most of the prompt, the one with the fewest active
+    sessions per unit of capacity (ties: higher rank_key). A new session that shares a
+    prefix with one replica only (a tenant's system prompt) still goes to that replica."""
+    if not ready:
+        return None
+    most = max(s.cached_blocks for s in ready)
+    return min((s for s in ready if s.cached_blocks == most),
+               key=lambda s: (session_counts.get(s.key, 0) / s.capacity_weight, -s.rank_key, index[s.key]))
+
+
 def rank_replicas(
     request: RequestProfile | None,
     views: Sequence[ReplicaView],
@@ -249,11 +283,16 @@ def rank_replicas(
     rng: random.Random,
     hints: Mapping[ReplicaKey, int] | None = None,
     session_replica: ReplicaKey | None = None,
+    session_counts: Mapping[ReplicaKey, int] | None = None,
+    request_tokens: float = 0.0,
 ) -> Ranking:
     """Rank the candidate replicas for one request (best first). A replica whose last
     report says it is unhealthy is never offered, however old that report. `hints`:
     leading prompt blocks routers sent to each replica (at the fresh reports' block size);
-    `session_replica`: the replica that served the request's session last."""
+    `session_replica`: the replica that served the request's session last;
+    `session_counts`: active sessions per replica, given when the request opens a session
+    (spread); `request_tokens`: the mean uncached prompt tokens per dispatched request
+    (the load gate's move cost is counted in it)."""
     views = [v for v in views if v.report is None or v.report.healthy]
     if not views:
         return Ranking(order=(), mode=MODE_NONE_HEALTHY, need_blocks={}, scores={})
@@ -276,12 +315,15 @@ def rank_replicas(
     fitting = [s for s in scores if s.fits]
     not_fitting = [s for s in scores if not s.fits]
 
-    # Replicas with more excess over their share than their gate limit (gate_limits)
-    # take no affinity and come after the others, least loaded first.
-    excess, limits = load_excess(scores), gate_limits(scores, params)
-    open_ = [s for s in fitting if excess[s.key] <= limits[s.key]]
-    gated = [s for s in fitting if excess[s.key] > limits[s.key]]
-    owner = _owner([s for s in open_ if s.within_target])
+    # Replicas with more excess over their share than their gate limit (gate_limits) plus
+    # what moving the request away from them costs (move_costs) take no affinity and come
+    # after the others, least loaded first.
+    excess, limits, moves = load_excess(scores), gate_limits(scores, params), move_costs(scores, request_tokens)
+    open_ = [s for s in fitting if excess[s.key] <= limits[s.key] + moves[s.key]]
+    gated = [s for s in fitting if excess[s.key] > limits[s.key] + moves[s.key]]
+    ready = [s for s in open_ if s.within_target]
+    owner = _owner(ready)
+    spread = _least_sessions(ready, session_counts, index) if session_counts is not None else None
     # A cold request (no replica caches any of it, no session) also balances by requests:
     # load above or below a replica's share tilts the order, a gate's worth of excess
     # weighing one whole rank_key unit (bursty, 4 replicas, 144 req/s: goodput 65.37 ->
@@ -290,9 +332,11 @@ def rank_replicas(
     # (benchmarks/results/policy-balance-2026-12-01.txt). A spread in proportion to headroom
     # has no excess either way: the fill term rules.
     tilt = 0.0 if any(s.credit > 0 for s in scores) else 1.0 / max(params.load_gate_threshold, 1.0)
-    open_.sort(key=lambda s: (s is not owner, -(s.rank_key - tilt * excess[s.key]), -s.score, index[s.key]))
+    first = spread or owner
+    open_.sort(key=lambda s: (s is not first, -(s.rank_key - tilt * excess[s.key]), -s.score, index[s.key]))
     gated.sort(key=lambda s: (s.queue_depth, -s.rank_key, index[s.key]))
-    mode = MODE_AFFINITY if owner is not None else MODE_LOAD_GATE if gated else MODE_HEADROOM
+    mode = (MODE_SPREAD if spread is not None else MODE_AFFINITY if owner is not None
+            else MODE_LOAD_GATE if gated else MODE_HEADROOM)
     fitting = open_ + gated
     not_fitting.sort(key=lambda s: (-s.score, s.queue_depth, index[s.key]))
 

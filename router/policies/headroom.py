@@ -3,11 +3,12 @@ routing view (router/routing_view.py: the reservation ledger plus prefix hints):
 need, the uncached prompt tokens and the decode blocks on the top rank at choice time, move
 them when the request was sent elsewhere, release them on completion, stop counting them
 once a later report shows the request; learn which replica got which prefix, and which
-replica served each session last. The scoring lives in router/ranking.py only."""
+replica served each session last (router/sessions.py, which also counts each replica's
+active sessions for new ones), and the mean uncached prompt a dispatch carries (the load
+gate's unit of move cost). The scoring lives in router/ranking.py only."""
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -15,11 +16,15 @@ from router.headroom import HeadroomParams, ReplicaKey, ReplicaReport, ReplicaVi
 from router.policies.base import RoutingRequest
 from router.ranking import rank_replicas
 from router.routing_view import LocalRoutingView, RoutingView
+from router.sessions import SessionTable
 
 # Ledger housekeeping at most this often (as router/request_router.py).
 _PRUNE_INTERVAL_S = 1.0
 # Sessions remembered for soft affinity (least recently used forgotten first).
 _MAX_SESSIONS = 1 << 16
+# Weight of one dispatch in the mean uncached prompt tokens (an exponential average over
+# roughly the last 1/_WORK_ALPHA dispatches: follows a workload's shift within seconds).
+_WORK_ALPHA = 0.02
 
 
 class HeadroomPolicy:
@@ -33,9 +38,12 @@ class HeadroomPolicy:
         self._rng = random.Random(seed)
         self._last_prune_s = -float("inf")
         self.last_mode = ""  # router/ranking.py's MODE_*
-        # session id -> the replica that served it last (soft affinity), bounded LRU.
         self._block_size: int | None = None  # the replicas' KV block size, from their reports
-        self._sessions: OrderedDict[str, ReplicaKey] = OrderedDict()
+        # session id -> the replica that served it last (soft affinity), and active sessions
+        # per replica (new sessions spread by them).
+        self.sessions = SessionTable(self.params.session_idle_s, _MAX_SESSIONS)
+        # Mean uncached prompt tokens per dispatched request (0 until the first one).
+        self.request_tokens = 0.0
 
     def _view(self, view: ReplicaView) -> ReplicaView:
         if view.report is not None:
@@ -57,13 +65,22 @@ class HeadroomPolicy:
         if now - self._last_prune_s >= _PRUNE_INTERVAL_S:
             self._last_prune_s = now
             self.ledger.prune(now, None, self.params.unconfirmed_ttl_s, self.params.reservation_ttl_s)
-        session = self._sessions.get(request.session_id) if request.session_id is not None else None
+        session = counts = None
+        if request.session_id is not None:
+            counts = self.sessions.active_counts(now)
+            session = self.sessions.replica_of(request.session_id)
+            counts = counts if session is None else None  # only a new session is spread
         ranking = rank_replicas(request.profile, [self._view(v) for v in views], self.params, now, self._rng,
-                                hints=self._hints(request, views), session_replica=session)
+                                hints=self._hints(request, views), session_replica=session,
+                                session_counts=counts, request_tokens=self.request_tokens)
         self.last_mode = ranking.mode
         if ranking.order:
-            self.ledger.reserve(request.request_id, ranking.order[0], ranking.need_blocks, now,
+            top = ranking.order[0]
+            self.ledger.reserve(request.request_id, top, ranking.need_blocks, now,
                                 prefill_tokens=dict(ranking.prefill_tokens), decode_blocks=ranking.decode_blocks)
+            tokens = ranking.prefill_tokens.get(top, request.prompt_len)
+            self.request_tokens = tokens if self.request_tokens == 0 else (
+                self.request_tokens + _WORK_ALPHA * (tokens - self.request_tokens))
         return list(ranking.order)
 
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaKey, now: float) -> None:
@@ -72,10 +89,7 @@ class HeadroomPolicy:
         if report_bs is not None:
             self.ledger.learn_prefix(replica, request.profile.block_hashes(report_bs), now)
         if request.session_id is not None:
-            self._sessions[request.session_id] = replica
-            self._sessions.move_to_end(request.session_id)
-            while len(self._sessions) > _MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+            self.sessions.touch(request.session_id, replica, now)
 
     def on_complete(self, request_id: str, replica: ReplicaKey, now: float) -> None:
         self.ledger.complete(request_id, replica)

@@ -1,0 +1,66 @@
+"""Which replica serves each session, and how many active sessions each replica holds (pure;
+no Ray). The headroom policy (router/policies/headroom.py) keeps one per router.
+
+A session's turns re-send its history, so the replica that served its last turn caches it
+(soft affinity: router/ranking.py's session credit). A session also brings future work that
+no report shows while it thinks between turns: a replica whose sessions are all thinking
+looks idle, takes the next new sessions, and then serves all their turns at once. So a new
+session goes where the fewest active sessions are (router/ranking.py's MODE_SPREAD), the
+way a static partition deals them, and the count must be cheap to read at every decision.
+
+Invariant: counts[r] == number of sessions in `_last` whose replica is r; `_last` is in
+order of last dispatch (oldest first), so expiry pops from the front.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
+
+from router.headroom import ReplicaKey
+
+
+class SessionTable:
+    def __init__(self, idle_s: float, max_sessions: int = 1 << 16) -> None:
+        if idle_s <= 0 or max_sessions <= 0:
+            raise ValueError("session idle_s and max_sessions must be > 0")
+        self.idle_s = idle_s
+        self.max_sessions = max_sessions
+        self._last: OrderedDict[str, tuple[ReplicaKey, float]] = OrderedDict()  # session -> (replica, when)
+        self._counts: Counter[ReplicaKey] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def replica_of(self, session_id: str) -> ReplicaKey | None:
+        """The replica that served the session's last turn (while the session is active)."""
+        entry = self._last.get(session_id)
+        return entry[0] if entry is not None else None
+
+    def active_counts(self, now: float) -> Mapping[ReplicaKey, int]:
+        """Sessions per replica whose last turn was dispatched within idle_s of `now`."""
+        horizon = now - self.idle_s
+        while self._last:
+            session_id, (replica, when) = next(iter(self._last.items()))
+            if when >= horizon:
+                break
+            self._drop(session_id)
+        return self._counts
+
+    def touch(self, session_id: str, replica: ReplicaKey, now: float) -> None:
+        """A turn of the session was dispatched to `replica` at `now`."""
+        entry = self._last.pop(session_id, None)
+        if entry is not None:
+            self._decrement(entry[0])
+        self._last[session_id] = (replica, now)
+        self._counts[replica] += 1
+        while len(self._last) > self.max_sessions:
+            self._drop(next(iter(self._last)))
+
+    def _drop(self, session_id: str) -> None:
+        replica, _ = self._last.pop(session_id)
+        self._decrement(replica)
+
+    def _decrement(self, replica: ReplicaKey) -> None:
+        self._counts[replica] -= 1
+        if self._counts[replica] <= 0:
+            del self._counts[replica]
