@@ -34,7 +34,7 @@ Router and admission metrics (per ingress replica: each runs its own request rou
   spreading) or that was evicted between the report and the admission;
 - the request router itself, read at each scrape from the router in this process
   (router/request_router.py, router/policy_router.py): `kvserve:router_decisions{mode}`
-  (headroom / load_gate / pow2 / a policy's mode), and per replica
+  (affinity / spread / headroom / load_gate / pow2 / a policy's mode), and per replica
   `kvserve:router_requests_outstanding`, `kvserve:router_reservations_unreflected`
   (dispatches no report shows yet) and `kvserve:router_stats_age_seconds`.
 """
