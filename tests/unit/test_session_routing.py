@@ -174,3 +174,26 @@ def test_the_gate_keeps_a_long_history_on_its_replica_and_releases_a_short_one()
     long, short = ranking(1024), ranking(64)
     assert (long.mode, long.order[0]) == (MODE_AFFINITY, "owner")
     assert (short.mode, short.order[-1]) == (MODE_LOAD_GATE, "owner")
+
+
+# ---------------------------------------------------------------- in the simulator
+
+
+def test_headroom_deals_agentic_sessions_evenly_and_keeps_each_on_its_replica() -> None:
+    """The real policy in the simulated cluster: 24 sessions of 4 turns arrive at replicas
+    of changing headroom; each replica gets 6 (dealt by count) and no turn leaves its
+    session's replica (the gate's move cost keeps the histories where they are cached)."""
+    from cluster.sim.run import SimConfig, simulate
+    from cluster.sim.workloads import make_workload
+
+    requests = make_workload("agentic", 96, 12.0, seed=0, turns=4, system_len=512, turn_len=128, output_len=16)
+    result = simulate(SimConfig(num_replicas=4, router="headroom", seed=0, max_model_len=8192), requests)
+    session = {r.request_id: r.session_id for r in requests}
+    replicas: dict[str, set] = {}
+    for record in result.ok_records():
+        replicas.setdefault(session[record.request_id], set()).add(record.replica_keys[-1])
+    assert len(replicas) == 24 and all(len(r) == 1 for r in replicas.values())
+    per_replica = Counter(next(iter(r)) for r in replicas.values())
+    assert sorted(per_replica.values()) == [6, 6, 6, 6]
+    modes = result.summary()["routers"][0]["modes"]
+    assert modes["pow2"] == 1 and modes["spread"] == 23  # the first request comes before any report
