@@ -27,7 +27,7 @@ from worker.runner_protocols import Runner
 from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
-from worker.step_budget import Predict, engine_step_budget, profile_predict
+from worker.step_budget import StepPredictor, engine_step_budget, profile_predictor
 from worker.step_meters import OutputLengthTracker, PrefillRateMeter
 from worker.structured.compiler import GrammarCompiler
 from worker.structured.state import GrammarState
@@ -68,7 +68,7 @@ class Engine:
         runner: Runner,
         vocab_size: int,
         eos_token_ids: frozenset[int] = frozenset(),
-        step_time_predict: Predict | None = None,
+        step_time_predictor: StepPredictor | None = None,
     ) -> None:
         if not isinstance(runner, Runner):
             raise TypeError(f"{type(runner).__name__} is not a runner (needs num_blocks and execute(plan))")
@@ -79,7 +79,8 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.kv = KVCacheManager(runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.kv)
-        self.scheduler.step_budget = engine_step_budget(scheduler_config.max_step_time_s, runner, step_time_predict)
+        self.scheduler.step_budget = engine_step_budget(scheduler_config.max_step_time_s, runner,
+                                                           step_time_predictor)
         self.connector: KVConnector = make_connector(runner, self.kv, vocab_size)
         self.seqs: dict[str, Sequence] = {}
         # Structured outputs: set when the engine has a tokenizer (from_config). Requests
@@ -124,7 +125,7 @@ class Engine:
             config, model=replace(config.model, model=str(path)),
             scheduler=replace(config.scheduler, max_model_len=max_model_len),
         )
-        predict = profile_predict(config)  # before any weights load or rank spawns
+        predictor = profile_predictor(config)  # before any weights load or rank spawns
         if config.model.tensor_parallel_size > 1:
             from worker.tp.runner import TPModelRunner
 
@@ -135,7 +136,7 @@ class Engine:
         max_model_len = cap_to_kv_capacity(max_model_len, runner.num_blocks, config.cache.block_size)
         scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
         engine = cls(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config),
-                     step_time_predict=predict)
+                     step_time_predictor=predictor)
         engine.model_path = path
         engine.grammar = GrammarCompiler.for_model_path(path, hf_config.vocab_size)
         return engine

@@ -24,7 +24,7 @@ predicted forward time and scales predictions by it, so the budget holds in meas
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from worker.config import EngineConfig
@@ -32,6 +32,22 @@ if TYPE_CHECKING:
 
 Row = tuple[int, int, bool]  # (new tokens, context tokens, samples): the cost model's row
 Predict = Callable[[list[Row]], float]
+# planned rows -> (one more row -> predicted seconds of planned + [row]): the search prices
+# several candidate chunks beside the same decodes, which a cost model sums once.
+Beside = Callable[[list[Row]], Callable[[Row], float]]
+
+
+class StepPredictor(Protocol):
+    """A step-time prediction (worker/sim/cost_model.py's StepCostModel is one)."""
+
+    def predict_rows(self, rows: list[Row]) -> float: ...
+
+    def predict_beside(self, planned: list[Row]) -> Callable[[Row], float]: ...
+
+
+def beside_of(predict: Predict) -> Beside:
+    """A Beside from a plain prediction (each candidate re-predicts every row)."""
+    return lambda planned: lambda row: predict(planned + [row])
 
 MIN_PREFILL_TOKENS = 64  # a prompt always advances: the budget never starves it below this a step
 _SEARCH_STEP = 16  # tokens: the binary search stops within this of the largest n that fits
@@ -39,10 +55,12 @@ _RATIO_WEIGHT = 0.05  # the running ratio's weight for each new measurement (~20
 
 
 class StepTimeBudget:
-    def __init__(self, predict: Predict, max_step_time_s: float, corrected: bool = False) -> None:
+    def __init__(self, predict: Predict, max_step_time_s: float, corrected: bool = False,
+                 beside: Beside | None = None) -> None:
         if max_step_time_s <= 0:
             raise ValueError(f"max_step_time_s must be > 0, got {max_step_time_s}")
         self.predict = predict
+        self.beside = beside or beside_of(predict)  # the same prediction, for the search
         self.max_step_time_s = max_step_time_s
         self.corrected = corrected  # measured steps correct the prediction (observe_plan): a real device
         self.ratio = 1.0  # measured / predicted forward time (observe)
@@ -56,15 +74,16 @@ class StepTimeBudget:
         first prefill, so a prompt always advances; 0 for the ones after it)."""
         floor = min(floor, limit)
         target = self.max_step_time_s / self.ratio
-        if self.predict(planned + [(limit, context, True)]) <= target:
+        with_row = self.beside(planned)
+        if with_row((limit, context, True)) <= target:
             return limit
         self.num_capped += 1
-        if floor == 0 and self.predict(planned + [(1, context, True)]) > target:
+        if floor == 0 and with_row((1, context, True)) > target:
             return 0
         lo, hi = max(floor, 1), limit  # fits(lo) holds or is the floor; fits(hi) is false
         while hi - lo > _SEARCH_STEP:
             mid = (lo + hi) // 2
-            if self.predict(planned + [(mid, context, True)]) <= target:
+            if with_row((mid, context, True)) <= target:
                 lo = mid
             else:
                 hi = mid
@@ -93,7 +112,7 @@ class StepTimeBudget:
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def profile_predict(config: EngineConfig) -> Predict | None:
+def profile_predictor(config: EngineConfig) -> StepPredictor | None:
     """The prediction for a real device under a step-time budget (None without one): the
     model directory's shape on engine.step_time_profile (h200, h100, a100-80gb, l4, or a
     `kvserve calibrate` JSON). Engine.from_config calls it before any weights load, so a
@@ -108,18 +127,19 @@ def profile_predict(config: EngineConfig) -> Predict | None:
     from worker.sim.shapes import load_shape
 
     shape = load_shape(config.model.model, dtype_bytes=DTYPE_BYTES.get(config.model.dtype))
-    return StepCostModel(shape, load_profile(config.model.step_time_profile)).predict_rows
+    return StepCostModel(shape, load_profile(config.model.step_time_profile))
 
 
-def engine_step_budget(max_step_time_s: float | None, runner: object, predict: Predict | None) -> StepTimeBudget | None:
-    """The engine's budget: `predict` (a real device's profile, corrected by measured steps),
-    else the runner's own exact prediction (a simulated device's `predict_step_s`)."""
+def engine_step_budget(max_step_time_s: float | None, runner: object,
+                       predictor: StepPredictor | None) -> StepTimeBudget | None:
+    """The engine's budget: `predictor` (a real device's profile, corrected by measured
+    steps), else the runner's own exact one (a simulated device's `step_predictor`)."""
     if max_step_time_s is None:
         return None
-    if predict is not None:
-        return StepTimeBudget(predict, max_step_time_s, corrected=True)
-    exact = getattr(runner, "predict_step_s", None)
+    if predictor is not None:
+        return StepTimeBudget(predictor.predict_rows, max_step_time_s, corrected=True, beside=predictor.predict_beside)
+    exact: StepPredictor | None = getattr(runner, "step_predictor", None)
     if exact is None:
         raise ValueError("max_step_time_s needs a step-time prediction: a device profile "
                          "(engine.step_time_profile) on a real device")
-    return StepTimeBudget(exact, max_step_time_s)
+    return StepTimeBudget(exact.predict_rows, max_step_time_s, beside=exact.predict_beside)

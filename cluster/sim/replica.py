@@ -29,6 +29,7 @@ from router.headroom import HeadroomParams, RequestProfile
 from worker.async_engine import MAX_PREFIX_HASHES
 from worker.engine import Engine
 from worker.routing_report import build_routing_stats
+from worker.sim.cost_model import StepCostModel
 from worker.api import RequestError
 from worker.api import RequestOutput
 from worker.api import SamplingParams
@@ -60,9 +61,10 @@ class VirtualDevice:
         self.num_executed += 1
         return result
 
-    def predict_step_s(self, rows: list[tuple[int, int, bool]]) -> float:
+    @property
+    def step_predictor(self) -> StepCostModel:
         """The runner's exact step-time prediction (the engine's step-time budget)."""
-        return self.runner.predict_step_s(rows)
+        return self.runner.step_predictor
 
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         return torch.zeros((1, 2, len(block_ids) * self.kv_spec.block_size, 1, 1), dtype=torch.int8)

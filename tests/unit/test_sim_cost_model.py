@@ -214,3 +214,17 @@ def test_a_padding_backend_prices_decodes_at_their_groups_longest_context() -> N
     assert extra == pytest.approx(3 * 4095 * L8_KV_PER_TOKEN / 4.8e12, rel=1e-6)
     assert load_profile("cpu-calibrated").padded_decode_attention  # fitted on the torch backend
     assert not load_profile("h200").padded_decode_attention
+
+
+@pytest.mark.parametrize("profile", ["h200", "cpu-calibrated"])  # cpu-calibrated pads decode groups
+def test_predict_beside_is_predict_rows_with_one_more_row(profile: str) -> None:
+    """The step-time budget's search (worker/step_budget.py) sums the planned rows once and
+    prices each candidate row beside them: the same seconds to the last bit, for a prefill
+    chunk, a one-token row (a decode to the model) and an empty plan."""
+    cost = StepCostModel(load_shape("llama-3-8b"), load_profile(profile))
+    planned = [(1, 100 + 37 * i, True) for i in range(70)] + [(512, 4096, False), (300, 0, True)]
+    for base in (planned, []):
+        with_row = cost.predict_beside(base)
+        for row in ((2048, 8192, True), (64, 0, False), (1, 9000, True), (1, 5, True)):
+            assert with_row(row) == cost.predict_rows(base + [row])
+    assert cost.predict_beside(planned)((1, 0, True)) != cost.predict_beside([])((1, 0, True))

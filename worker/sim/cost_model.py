@@ -30,8 +30,8 @@ handling); on a GPU they overlap nothing in this engine's synchronous step loop.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from worker.decode_groups import padded_decode_tokens
@@ -86,6 +86,35 @@ def predict(features: StepFeatures, profile: DeviceProfile) -> float:
     )
 
 
+@dataclass(frozen=True)
+class RowSums:
+    """The additive part of a step's rows (StepCostModel._features turns it into features).
+    `decode_contexts`: each decode's context, kept only for a profile whose decode attention
+    pads groups to their longest (its decode pairs and KV come from them, not the sums)."""
+
+    num_tokens: int
+    num_seqs: int
+    num_sampled: int
+    decode_pairs: int
+    decode_kv_tokens: int
+    prefill_pairs: int
+    prefill_kv_tokens: int
+    prefill_new: int
+    decode_contexts: list[int] | None
+
+    def plus(self, n: int, c: int, samples: bool) -> RowSums:
+        """These sums with one more row."""
+        pairs = n * c + n * (n + 1) // 2
+        if n == 1:
+            contexts = self.decode_contexts + [c] if self.decode_contexts is not None else None
+            return replace(self, num_tokens=self.num_tokens + 1, num_seqs=self.num_seqs + 1,
+                           num_sampled=self.num_sampled + samples, decode_pairs=self.decode_pairs + pairs,
+                           decode_kv_tokens=self.decode_kv_tokens + c + 1, decode_contexts=contexts)
+        return replace(self, num_tokens=self.num_tokens + n, num_seqs=self.num_seqs + 1,
+                       num_sampled=self.num_sampled + samples, prefill_pairs=self.prefill_pairs + pairs,
+                       prefill_kv_tokens=self.prefill_kv_tokens + c + n, prefill_new=self.prefill_new + n)
+
+
 class StepCostModel:
     def __init__(self, shape: ModelShape, profile: DeviceProfile) -> None:
         self.shape = shape
@@ -112,6 +141,10 @@ class StepCostModel:
     def rows_features(self, rows: Iterable[tuple[int, int, bool]]) -> StepFeatures:
         """Features of (new tokens, context length, samples) rows (a runner that walks its
         plan anyway passes the rows it built)."""
+        return self._features(self._sums(rows))
+
+    def _sums(self, rows: Iterable[tuple[int, int, bool]]) -> RowSums:
+        # The simulator's hot path (every simulated step): plain locals, one object at the end.
         num_tokens = num_seqs = num_sampled = 0
         decode_pairs = decode_kv_tokens = 0
         prefill_pairs = prefill_kv_tokens = prefill_new = 0
@@ -130,9 +163,15 @@ class StepCostModel:
                 prefill_pairs += pairs
                 prefill_kv_tokens += c + n
                 prefill_new += n
+        return RowSums(num_tokens, num_seqs, num_sampled, decode_pairs, decode_kv_tokens, prefill_pairs,
+                       prefill_kv_tokens, prefill_new, decode_contexts)
+
+    def _features(self, sums: RowSums) -> StepFeatures:
+        num_tokens, num_sampled, prefill_new = sums.num_tokens, sums.num_sampled, sums.prefill_new
+        decode_pairs, decode_kv_tokens = sums.decode_pairs, sums.decode_kv_tokens
         decode_new = num_tokens - prefill_new
-        if decode_contexts:  # a grouped backend attends (and gathers) each group at its longest
-            decode_pairs = decode_kv_tokens = padded_decode_tokens(decode_contexts)
+        if sums.decode_contexts:  # a grouped backend attends (and gathers) each group at its longest
+            decode_pairs = decode_kv_tokens = padded_decode_tokens(sums.decode_contexts)
         kv = self._kv_bytes_per_token
         dense = (
             self._dense_flops_per_token * num_tokens,
@@ -148,14 +187,21 @@ class StepCostModel:
             kv * (decode_kv_tokens + decode_new) + self._qo_bytes_per_token * decode_new,
         )
         prefill = (
-            self._attn_flops_per_pair * prefill_pairs,
-            kv * (prefill_kv_tokens + prefill_new) + self._qo_bytes_per_token * prefill_new,
+            self._attn_flops_per_pair * sums.prefill_pairs,
+            kv * (sums.prefill_kv_tokens + prefill_new) + self._qo_bytes_per_token * prefill_new,
         )
         parts = (dense, head, decode, prefill)
         return StepFeatures(
             flops=tuple(p[0] for p in parts), bytes=tuple(p[1] for p in parts),
-            num_seqs=num_seqs, num_tokens=num_tokens,
+            num_seqs=sums.num_seqs, num_tokens=num_tokens,
         )
+
+    def predict_beside(self, planned: Sequence[tuple[int, int, bool]]) -> Callable[[tuple[int, int, bool]], float]:
+        """predict_rows(planned + [row]) as a function of one more row, the planned rows
+        summed once: the step-time budget (worker/step_budget.py) prices up to ~8 candidate
+        chunks beside the same few hundred decodes each time it cuts one."""
+        base = self._sums(planned)
+        return lambda row: predict(self._features(base.plus(*row)), self.profile)
 
     def predict(self, features: StepFeatures) -> float:
         return predict(features, self.profile)

@@ -155,10 +155,11 @@ class SimRunner:
         self._last_return = time.perf_counter()
         return RunnerOutput(token_ids, logprobs, forward_s)
 
-    def predict_step_s(self, rows: list[tuple[int, int, bool]]) -> float:
-        """The modelled time of a step of these (new tokens, context, samples) rows: exact
-        here, so the engine's step-time budget (worker/step_budget.py) needs no correction."""
-        return self.cost.predict_rows(rows)
+    @property
+    def step_predictor(self) -> StepCostModel:
+        """The step-time prediction of the engine's step-time budget (worker/step_budget.py):
+        the cost model this device waits by, exact here, so the budget needs no correction."""
+        return self.cost
 
     def _wait(self, start: float, modelled: float, overhead: float) -> float:
         """Sleep so that the step takes modelled * dilation of wall time, counting the
