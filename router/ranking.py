@@ -40,9 +40,9 @@ Modes, decided among the replicas where q fits (the others come last, least defi
     sessions by headroom put them where sessions were thinking (agentic, 4 replicas, 65
     req/s: 28/31/18/23 sessions, TTFT p99 2.7 s; dealt by count 25/24/23/28, 0.84 s).
   * "load_gate": some replica's ongoing requests (per unit of capacity) are over its share
-    by more than its gate limit plus the move's cost: it comes after the others, least
-    queued first. KV usage alone hides such a queue (an engine capped by max_num_seqs
-    queues while its blocks look free). The move cost (move_costs) is the prompt a move
+    by more than its gate limit plus the move's cost (gate_allowances: at most one more
+    limit): it comes after the others, least queued first. KV usage alone hides such a
+    queue (an engine capped by max_num_seqs queues while its blocks look free). The move cost (move_costs) is the prompt a move
     recomputes, in mean requests' worth of prefill: moving an agentic turn off its
     session's replica recomputes its whole history (the count-only gate moved 73 of 588
     turns, which carried 45% of all uncached prefill, TTFT p99 3.7 s).
@@ -246,6 +246,16 @@ def move_costs(scores: Sequence[ReplicaScore], request_tokens: float) -> dict[Re
             for s in scores}
 
 
+def gate_allowances(scores: Sequence[ReplicaScore], params: HeadroomParams, request_tokens: float) -> dict[ReplicaKey, float]:
+    """The excess each replica may carry before the gate sends this request elsewhere: its
+    gate limit plus the move's cost, the cost at most one more limit. Uncapped, a stream of
+    small cached requests (a mean of 8 uncached tokens) priced a 512-token prefix at 64
+    requests and the gate never closed on its owner: the hot spot the gate bounds would be
+    unbounded again. Capped, an owner carries at most twice its limit over its share."""
+    limits, moves = gate_limits(scores, params), move_costs(scores, request_tokens)
+    return {k: limit + min(moves[k], limit) for k, limit in limits.items()}
+
+
 def load_gate_tripped(scores: Sequence[ReplicaScore], params: HeadroomParams) -> bool:
     """True when some replica carries more excess than its gate limit."""
     if len(scores) < 2:
@@ -318,9 +328,9 @@ def rank_replicas(
     # Replicas with more excess over their share than their gate limit (gate_limits) plus
     # what moving the request away from them costs (move_costs) take no affinity and come
     # after the others, least loaded first.
-    excess, limits, moves = load_excess(scores), gate_limits(scores, params), move_costs(scores, request_tokens)
-    open_ = [s for s in fitting if excess[s.key] <= limits[s.key] + moves[s.key]]
-    gated = [s for s in fitting if excess[s.key] > limits[s.key] + moves[s.key]]
+    excess, allowed = load_excess(scores), gate_allowances(scores, params, request_tokens)
+    open_ = [s for s in fitting if excess[s.key] <= allowed[s.key]]
+    gated = [s for s in fitting if excess[s.key] > allowed[s.key]]
     ready = [s for s in open_ if s.within_target]
     owner = _owner(ready)
     spread = _least_sessions(ready, session_counts, index) if session_counts is not None else None

@@ -197,3 +197,20 @@ def test_headroom_deals_agentic_sessions_evenly_and_keeps_each_on_its_replica() 
     assert sorted(per_replica.values()) == [6, 6, 6, 6]
     modes = result.summary()["routers"][0]["modes"]
     assert modes["pow2"] == 1 and modes["spread"] == 23  # the first request comes before any report
+
+
+def test_the_move_cost_adds_at_most_one_more_gate_limit() -> None:
+    """Small cached requests make the mean tiny (8 tokens): a 1,024-token history would cost
+    128 requests and its owner would never be gated. Capped at one limit (8), the owner that
+    is 17 over its share is gated all the same, and one 15 over is not."""
+    prefix = list(range(1024))
+
+    def ranking(num_waiting: int) -> Ranking:
+        reports = {"owner": report(500, num_waiting=num_waiting, prefix_hashes=hash_full_blocks(prefix, BS)),
+                   "a": report(500), "b": report(500)}
+        return rank_replicas(session_request(0, prefix), views_for(reports, ReservationLedger()), PARAMS, NOW,
+                             random.Random(0), request_tokens=8.0)
+
+    assert ranking(23).order[0] == "owner"  # share 23/3: excess 15.3 <= 8 + 8
+    gated = ranking(26)  # share 26/3: excess 17.3 > 16
+    assert (gated.mode, gated.order[-1]) == (MODE_LOAD_GATE, "owner")
