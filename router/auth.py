@@ -137,9 +137,14 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 def grpc_authorization(metadata: list[tuple[str, str | bytes]] | None) -> str | None:
-    """The `authorization` entry of gRPC invocation metadata (keys arrive lower-case)."""
+    """The `authorization` entry of gRPC invocation metadata."""
+    return grpc_metadata_value(metadata, "authorization")
+
+
+def grpc_metadata_value(metadata: list[tuple[str, str | bytes]] | None, name: str) -> str | None:
+    """The first `name` entry of gRPC invocation metadata (keys arrive lower-case)."""
     for key, value in metadata or ():
-        if key.lower() == "authorization":
+        if key.lower() == name:
             return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
     return None
 

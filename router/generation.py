@@ -144,8 +144,10 @@ class GenerationStream:
         metrics: IngressMetrics,
         arrival_time: float | None = None,  # time.monotonic() when the HTTP request came in
         max_migrations: int = 2,  # resumes per engine request after a replica dies (router/migration.py)
+        session_id: str | None = None,  # the client's session (router/sessions.py), for the request router
     ) -> None:
         self._handle = generate_handle
+        self._session_id = session_id
         self._max_migrations = max_migrations
         self.num_migrations = 0
         self.inputs = inputs
@@ -177,7 +179,8 @@ class GenerationStream:
 
     async def start(self) -> None:
         for inp in self.inputs:
-            request = GenerateRequest(f"{self.request_id}-{inp.index}", inp.prompt_token_ids, inp.params)
+            request = GenerateRequest(f"{self.request_id}-{inp.index}", inp.prompt_token_ids, inp.params,
+                                      session_id=self._session_id)
             self._tasks.append(asyncio.create_task(self._feed(inp.index, request)))
         try:
             self._first = await self._next()

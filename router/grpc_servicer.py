@@ -49,13 +49,14 @@ import grpc
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import errors
-from router.auth import ANONYMOUS, Principal, grpc_authorization
+from router.auth import ANONYMOUS, Principal, grpc_authorization, grpc_metadata_value
 from router.generation import GenerationStream
 from router.grpc_convert import (
     Clock, echo_text, engine_inputs, num_choices, prompt_logprobs, replica_stats, set_finish, set_stop, status_code_of,
     token_logprobs, tokenize,
 )
 from router.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
+from router.sessions import SESSION_HEADER, client_session_id
 
 if TYPE_CHECKING:
     from ray.serve.grpc_util import RayServegRPCContext
@@ -126,7 +127,7 @@ class GrpcServicer:
 
     async def _generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext | None) -> pb.GenerateResponse:
         clock = Clock()
-        stream = await self._start(request, clock, self._authenticate(grpc_context))
+        stream = await self._start(request, clock, self._authenticate(grpc_context), grpc_context)
         response = pb.GenerateResponse(request_id=stream.request_id, model=self.pipeline.settings.served_model_name)
         tokenizer, prompts = self.pipeline.tokenizer, {inp.index: inp.prompt_token_ids for inp in stream.inputs}
         choices = {i: pb.Choice(index=i, text=echo_text(request, ids, tokenizer)) for i, ids in prompts.items()}
@@ -165,7 +166,7 @@ class GrpcServicer:
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
         clock = Clock()
         try:
-            stream = await self._start(request, clock, self._authenticate(grpc_context))
+            stream = await self._start(request, clock, self._authenticate(grpc_context), grpc_context)
         except errors.APIError as e:
             raise _fail(grpc_context, e) from None
         # Each choice's first message leads with the echo and carries the prompt logprobs.
@@ -281,9 +282,11 @@ class GrpcServicer:
             raise errors.model_not_found(model)
         return served
 
-    async def _start(self, request: pb.GenerateRequest, clock: Clock, principal: Principal) -> GenerationStream:
+    async def _start(self, request: pb.GenerateRequest, clock: Clock, principal: Principal,
+                     grpc_context: RayServegRPCContext | None) -> GenerationStream:
         """Validates the message, then runs it through the pipeline (which waits for the
-        first output, so that errors before any token have their status)."""
+        first output, so that errors before any token have their status). The session is
+        the `x-session-id` metadata's (router/sessions.py)."""
         model = self._model(request.model)
         _check_size(request, self.pipeline.settings.max_body_bytes)
         # The client's id names the engine request and appears in logs: short and printable.
@@ -293,6 +296,7 @@ class GrpcServicer:
             )
         tokenizer, max_n = self.pipeline.tokenizer, self.pipeline.settings.max_n
         n = num_choices(request, max_n)  # before any work: the in-flight share is n
+        metadata = grpc_context.invocation_metadata() if grpc_context is not None else None
         return await self.pipeline.start(
             principal,
             n,
@@ -300,6 +304,7 @@ class GrpcServicer:
             lambda max_model_len: engine_inputs(request, model, tokenizer, max_model_len, max_n),
             request.request_id or f"grpc-{uuid.uuid4().hex}",
             clock.arrival,
+            client_session_id(grpc_metadata_value(metadata, SESSION_HEADER), None),
         )
 
 

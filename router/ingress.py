@@ -54,6 +54,7 @@ from router.key_limits import KeyLimits
 from router.metrics import CONTENT_TYPE, IngressMetrics
 from router.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
 from router.serve_internals import initialized_request_router_of
+from router.sessions import SESSION_HEADER, client_session_id
 from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.workers import Workers
 from worker.api import load_tokenizer
@@ -255,7 +256,7 @@ class Ingress(GrpcMethods):
         stream = await self.pipeline.start(
             principal, req.n * num_prompts, num_bytes,
             lambda max_model_len: convert.completion_inputs(req, tokenizer, max_model_len, max_n),
-            f"cmpl-{uuid.uuid4().hex}", arrival,
+            f"cmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
         )
         formatter = convert.CompletionFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs is not None, req.prompt_logprobs)
         if req.echo:
@@ -272,7 +273,7 @@ class Ingress(GrpcMethods):
         stream = await self.pipeline.start(
             principal, req.n, num_bytes,
             lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
-            f"chatcmpl-{uuid.uuid4().hex}", arrival,
+            f"chatcmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
         )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
         formatter = convert.ChatFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)

@@ -1,5 +1,8 @@
 """Which replica serves each session, and how many active sessions each replica holds (pure;
-no Ray). The headroom policy (router/policies/headroom.py) keeps one per router.
+no Ray). The headroom policy (router/policies/headroom.py) keeps one per router. A request's
+session id comes from its client (client_session_id: the x-session-id header or gRPC
+metadata, else the OpenAI `user` field), rides on the GenerateRequest, and the request
+router reads it there (router/router_base.py's request_session_id).
 
 A session's turns re-send its history, so the replica that served its last turn caches it
 (soft affinity: router/ranking.py's session credit). A session also brings future work that
@@ -13,10 +16,28 @@ order of last dispatch (oldest first), so expiry pops from the front.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 
 from router.headroom import ReplicaKey
+
+# Where a client names its session: this HTTP header or gRPC metadata key, else the OpenAI
+# `user` field (one end user's requests share a replica's cache; soft, like any session).
+SESSION_HEADER = "x-session-id"
+# Longer ids are kept as a digest: the routers hold one per active session.
+MAX_SESSION_ID_CHARS = 128
+
+
+def client_session_id(header: str | None, user: str | None) -> str | None:
+    """The session a client request belongs to (None: it names none): the x-session-id
+    header, else the `user` field."""
+    session_id = header or user
+    if not session_id:
+        return None
+    if len(session_id) > MAX_SESSION_ID_CHARS:
+        return "sha256:" + hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return session_id
 
 
 class SessionTable:

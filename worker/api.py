@@ -170,6 +170,9 @@ class GenerateRequest:
     # engine request belongs to, set only when tracing is on and the trace is sampled
     # (router/tracing.py). None: nothing on the worker side traces it (worker/tracing.py).
     trace_context: dict[str, str] | None = None
+    # The client's session (router/sessions.py's client_session_id): the request router's
+    # soft affinity and its spread of new sessions. The engine ignores it.
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)

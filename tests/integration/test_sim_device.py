@@ -70,3 +70,44 @@ def test_the_same_request_streams_the_same_tokens_twice(url: str) -> None:
     assert chunks >= 1
     whole = httpx.post(f"{url}/completions", json=body, timeout=60).json()
     assert whole["choices"][0]["text"] == first
+
+
+def test_sessions_named_by_header_or_user_reach_the_router(url: str) -> None:
+    """The official client names a session with the `x-session-id` header or the `user`
+    field: each new session is spread by the ingress's router (mode "spread"), and its
+    next turn follows it to its replica (mode "affinity", the session's soft preference)."""
+    import openai
+
+    from tests.integration.test_admission import metric
+    from tests.waiting import wait_until
+
+    metrics_url = url.removesuffix("/v1") + "/metrics"
+
+    def decisions() -> dict[str, float]:
+        text = httpx.get(metrics_url, timeout=30).text
+        return {m: metric(text, "kvserve:router_decisions_total", mode=m) or 0.0 for m in ("spread", "affinity")}
+
+    def fresh() -> bool:  # a report younger than the staleness bound (3 periods of 0.5 s)
+        age = metric(httpx.get(metrics_url, timeout=30).text, "kvserve:router_stats_age_seconds")
+        return age is not None and age < 1.0
+
+    def turn(client: Any, session: int, history: list[dict[str, str]]) -> None:
+        named = {"extra_headers": {"x-session-id": f"s-{session}"}} if session % 2 else {"user": f"user-{session}"}
+        reply = client.chat.completions.create(model=MODEL, messages=history, max_tokens=2, **named)
+        history.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+
+    with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60) as client:
+        client.completions.create(model=MODEL, prompt="warm", max_tokens=1)  # the router exists now
+        wait_until(fresh, 30.0, 0.1, message="a fresh routing report")
+        histories = {s: [{"role": "user", "content": f"Session {s} asks about the sea, at some length. " * 8}]
+                     for s in range(4)}
+        before = decisions()
+        for s, history in histories.items():
+            turn(client, s, history)
+        first = decisions()
+        for s, history in histories.items():
+            history.append({"role": "user", "content": "And then?"})
+            turn(client, s, history)
+        second = decisions()
+    assert first["spread"] - before["spread"] == 4  # a stale report would have made one pow2
+    assert second["affinity"] - first["affinity"] == 4 and second["spread"] == first["spread"]

@@ -167,9 +167,13 @@ class FakeIngress(GrpcMethods):
 
 
 class FakeContext:
-    def __init__(self) -> None:
+    def __init__(self, metadata: list[tuple[str, str]] | None = None) -> None:
         self._code: grpc.StatusCode | None = None
         self._details = ""
+        self._metadata = metadata or []
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self._metadata
 
     def set_code(self, code: grpc.StatusCode) -> None:
         self._code = code
@@ -390,3 +394,10 @@ def test_engine_inputs_reject_bad_n_and_logit_bias(kwargs: dict[str, Any], fragm
     with pytest.raises(APIError) as info:
         engine_inputs(request(**kwargs), "tiny", FakeTokenizer(), MAX_MODEL_LEN, max_n=4)
     assert info.value.status == 400 and fragment in info.value.message
+
+
+async def test_the_session_comes_from_the_x_session_id_metadata() -> None:
+    ingress = FakeIngress()
+    await collect(ingress, request(max_tokens=1), FakeContext([("x-session-id", "agent-7")]))
+    await collect(ingress, request(max_tokens=1), FakeContext())
+    assert [call.request.session_id for call in ingress.worker.calls] == ["agent-7", None]

@@ -50,6 +50,16 @@ async def test_a_finished_request_is_charged_what_it_used() -> None:
     assert holds_nothing(p, limits) and tokens_left(limits) == TOKENS_PER_MINUTE - 10
 
 
+async def test_the_session_rides_on_every_engine_request() -> None:
+    p, worker, _ = pipeline(None)
+    stream = await p.start(KEY, 2, 10, inputs(4, 1, n=2), "r", 0.0, session_id="s-1")
+    [e async for e in stream]
+    assert [call.request.session_id for call in worker.calls] == ["s-1", "s-1"]
+    stream = await p.start(KEY, 1, 10, inputs(4, 1), "r2", 0.0)
+    [e async for e in stream]
+    assert worker.calls[-1].request.session_id is None
+
+
 async def test_a_cancelled_stream_is_charged_only_what_it_produced() -> None:
     p, worker, limits = pipeline()
     worker.hold = True

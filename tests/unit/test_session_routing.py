@@ -23,7 +23,7 @@ from router.ranking import (
     score_replica,
 )
 from router.reservations import ReservationLedger
-from router.sessions import SessionTable
+from router.sessions import MAX_SESSION_ID_CHARS, SessionTable, client_session_id
 from tests.unit.test_headroom_policy import BS, NOW, PARAMS, report, views_for
 
 
@@ -60,6 +60,17 @@ def test_session_table_is_bounded_least_recently_used_first() -> None:
     assert dict(table.active_counts(3.0)) == {"b": 1, "c": 1}
     with pytest.raises(ValueError):
         SessionTable(idle_s=0.0)
+
+
+def test_the_client_names_its_session_by_header_else_user() -> None:
+    assert client_session_id("s-1", "alice") == "s-1"
+    assert client_session_id(None, "alice") == client_session_id("", "alice") == "alice"
+    assert client_session_id(None, None) is None and client_session_id("", "") is None
+    long = "x" * (MAX_SESSION_ID_CHARS + 1)
+    digest = client_session_id(long, None)
+    assert digest is not None and digest.startswith("sha256:") and len(digest) == 7 + 64
+    assert digest == client_session_id(None, long) != client_session_id(None, long + "y")
+    assert client_session_id("x" * MAX_SESSION_ID_CHARS, None) == "x" * MAX_SESSION_ID_CHARS
 
 
 # ---------------------------------------------------------------- spread
