@@ -42,10 +42,11 @@ Modes, decided among the replicas where q fits (the others come last, least defi
   * "load_gate": some replica's ongoing requests (per unit of capacity) are over its share
     by more than its gate limit plus the move's cost (gate_allowances: at most one more
     limit): it comes after the others, least queued first. KV usage alone hides such a
-    queue (an engine capped by max_num_seqs queues while its blocks look free). The move cost (move_costs) is the prompt a move
-    recomputes, in mean requests' worth of prefill: moving an agentic turn off its
-    session's replica recomputes its whole history (the count-only gate moved 73 of 588
-    turns, which carried 45% of all uncached prefill, TTFT p99 3.7 s).
+    queue (an engine capped by max_num_seqs queues while its blocks look free). The move
+    cost (move_costs) is the prompt a move recomputes, in mean requests' worth of
+    prefill: moving an agentic turn off its session's replica recomputes its whole
+    history (the count-only gate moved 73 of 588 turns, which carried 45% of all uncached
+    prefill, TTFT p99 3.7 s).
   * "pow2": no replica has fresh stats, or the request has no token ids: power of two
     choices on queue length. Stale stats never refuse traffic: stale replicas are ranked
     by power of two after the fitting fresh ones, before the non-fitting ones.

@@ -31,10 +31,6 @@ if TYPE_CHECKING:
     from worker.scheduler import SchedulerOutput
 
 Row = tuple[int, int, bool]  # (new tokens, context tokens, samples): the cost model's row
-Predict = Callable[[list[Row]], float]
-# planned rows -> (one more row -> predicted seconds of planned + [row]): the search prices
-# several candidate chunks beside the same decodes, which a cost model sums once.
-Beside = Callable[[list[Row]], Callable[[Row], float]]
 
 
 class StepPredictor(Protocol):
@@ -42,12 +38,10 @@ class StepPredictor(Protocol):
 
     def predict_rows(self, rows: list[Row]) -> float: ...
 
-    def predict_beside(self, planned: list[Row]) -> Callable[[Row], float]: ...
-
-
-def beside_of(predict: Predict) -> Beside:
-    """A Beside from a plain prediction (each candidate re-predicts every row)."""
-    return lambda planned: lambda row: predict(planned + [row])
+    def predict_beside(self, planned: list[Row]) -> Callable[[Row], float]:
+        """predict_rows(planned + [row]) as a function of `row`: the search prices several
+        candidate chunks beside the same decodes, which a cost model sums once."""
+        ...
 
 MIN_PREFILL_TOKENS = 64  # a prompt always advances: the budget never starves it below this a step
 _SEARCH_STEP = 16  # tokens: the binary search stops within this of the largest n that fits
@@ -55,12 +49,10 @@ _RATIO_WEIGHT = 0.05  # the running ratio's weight for each new measurement (~20
 
 
 class StepTimeBudget:
-    def __init__(self, predict: Predict, max_step_time_s: float, corrected: bool = False,
-                 beside: Beside | None = None) -> None:
+    def __init__(self, predictor: StepPredictor, max_step_time_s: float, corrected: bool = False) -> None:
         if max_step_time_s <= 0:
             raise ValueError(f"max_step_time_s must be > 0, got {max_step_time_s}")
-        self.predict = predict
-        self.beside = beside or beside_of(predict)  # the same prediction, for the search
+        self.predictor = predictor
         self.max_step_time_s = max_step_time_s
         self.corrected = corrected  # measured steps correct the prediction (observe_plan): a real device
         self.ratio = 1.0  # measured / predicted forward time (observe)
@@ -74,7 +66,7 @@ class StepTimeBudget:
         first prefill, so a prompt always advances; 0 for the ones after it)."""
         floor = min(floor, limit)
         target = self.max_step_time_s / self.ratio
-        with_row = self.beside(planned)
+        with_row = self.predictor.predict_beside(planned)
         if with_row((limit, context, True)) <= target:
             return limit
         self.num_capped += 1
@@ -99,7 +91,7 @@ class StepTimeBudget:
         step that samples nothing may read 0 and carry its time into the next reading
         (worker/forward_timer.py): its prediction is carried with it. The measure is the
         forward's, not the host's, so the target holds device time per step."""
-        predicted = self.predict(list(rows)) + self._carried_s
+        predicted = self.predictor.predict_rows(list(rows)) + self._carried_s
         if measured_s <= 0:
             self._carried_s = predicted
             return
@@ -137,9 +129,9 @@ def engine_step_budget(max_step_time_s: float | None, runner: object,
     if max_step_time_s is None:
         return None
     if predictor is not None:
-        return StepTimeBudget(predictor.predict_rows, max_step_time_s, corrected=True, beside=predictor.predict_beside)
+        return StepTimeBudget(predictor, max_step_time_s, corrected=True)
     exact: StepPredictor | None = getattr(runner, "step_predictor", None)
     if exact is None:
         raise ValueError("max_step_time_s needs a step-time prediction: a device profile "
                          "(engine.step_time_profile) on a real device")
-    return StepTimeBudget(exact.predict_rows, max_step_time_s, beside=exact.predict_beside)
+    return StepTimeBudget(exact, max_step_time_s)

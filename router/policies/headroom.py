@@ -67,9 +67,9 @@ class HeadroomPolicy:
             self.ledger.prune(now, None, self.params.unconfirmed_ttl_s, self.params.reservation_ttl_s)
         session = counts = None
         if request.session_id is not None:
-            counts = self.sessions.active_counts(now)
+            active = self.sessions.active_counts(now)  # expires idle sessions first
             session = self.sessions.replica_of(request.session_id)
-            counts = counts if session is None else None  # only a new session is spread
+            counts = active if session is None else None  # only a new session is spread
         ranking = rank_replicas(request.profile, [self._view(v) for v in views], self.params, now, self._rng,
                                 hints=self._hints(request, views), session_replica=session,
                                 session_counts=counts, request_tokens=self.request_tokens)

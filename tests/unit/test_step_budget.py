@@ -3,6 +3,8 @@ carry, its correction by measured steps, the scheduler using it, and engines on 
 and a real (CPU) device under it."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from tests.unit.scheduler_helpers import make_scheduler, make_seq, step
@@ -21,8 +23,18 @@ def linear(rows: list[tuple[int, int, bool]]) -> float:
     return t
 
 
+class Linear:
+    """`linear` as the budget's StepPredictor."""
+
+    def predict_rows(self, rows: list[tuple[int, int, bool]]) -> float:
+        return linear(rows)
+
+    def predict_beside(self, planned: list[tuple[int, int, bool]]) -> Callable[[tuple[int, int, bool]], float]:
+        return lambda row: linear(planned + [row])
+
+
 def test_prefill_tokens_fill_the_time_left_by_the_decodes() -> None:
-    budget = StepTimeBudget(linear, 10 * MS)
+    budget = StepTimeBudget(Linear(), 10 * MS)
     decodes = [(1, 500, True)] * 20  # 1 + 2 ms: 7 ms left, minus 1 ms of context at 1000
     n = budget.prefill_tokens(decodes, 1000, 2048)
     assert 600 - 16 <= n <= 600 and linear(decodes + [(n, 1000, True)]) <= 10 * MS
@@ -30,14 +42,14 @@ def test_prefill_tokens_fill_the_time_left_by_the_decodes() -> None:
 
 
 def test_a_fitting_chunk_keeps_the_token_budget() -> None:
-    budget = StepTimeBudget(linear, 10 * MS)
+    budget = StepTimeBudget(Linear(), 10 * MS)
     assert budget.prefill_tokens([(1, 10, True)], 0, 256) == 256  # 1 + 0.1 + 2.56 ms fits
     assert budget.num_capped == 0
 
 
 def test_a_step_without_decodes_keeps_the_whole_token_budget() -> None:
     sched = make_scheduler(max_num_batched_tokens=512, max_model_len=2048, num_blocks=512)
-    sched.step_budget = StepTimeBudget(linear, 1 * MS)  # less than any step takes
+    sched.step_budget = StepTimeBudget(Linear(), 1 * MS)  # less than any step takes
     sched.add(make_seq("long", 1000))
     plan, _ = step(sched)
     assert plan.num_new_tokens == [512]  # nothing waits on this step
@@ -45,12 +57,12 @@ def test_a_step_without_decodes_keeps_the_whole_token_budget() -> None:
 
 
 def test_a_prompt_always_advances() -> None:
-    budget = StepTimeBudget(linear, 2 * MS)  # 200 decodes alone take 21 ms
+    budget = StepTimeBudget(Linear(), 2 * MS)  # 200 decodes alone take 21 ms
     assert budget.prefill_tokens([(1, 10, True)] * 200, 0, 2048) == MIN_PREFILL_TOKENS
 
 
 def test_measured_steps_correct_the_prediction() -> None:
-    budget = StepTimeBudget(linear, 10 * MS)
+    budget = StepTimeBudget(Linear(), 10 * MS)
     decodes = [(1, 500, True)] * 20
     before = budget.prefill_tokens(decodes, 0, 2048)
     for _ in range(200):  # the device runs twice as slow as its profile says
@@ -61,7 +73,7 @@ def test_measured_steps_correct_the_prediction() -> None:
 
 
 def test_a_later_prefill_row_gets_only_what_is_left() -> None:
-    budget = StepTimeBudget(linear, 10 * MS)
+    budget = StepTimeBudget(Linear(), 10 * MS)
     planned = [(1, 500, True)] * 20 + [(500, 0, True)]  # 3 + 5 ms: 2 ms left
     n = budget.prefill_tokens(planned, 1000, 2048, floor=0)  # 1 ms of it goes to the context
     assert 100 - 16 <= n <= 100
@@ -69,7 +81,7 @@ def test_a_later_prefill_row_gets_only_what_is_left() -> None:
 
 
 def test_a_step_that_reads_zero_carries_its_prediction() -> None:
-    budget = StepTimeBudget(linear, 10 * MS)
+    budget = StepTimeBudget(Linear(), 10 * MS)
     rows = [(1, 0, True), (128, 0, True)]
     for _ in range(300):  # CUDA: a chunk that samples nothing reads 0, the next reading holds both
         budget.observe(rows, 0.0)
@@ -79,7 +91,7 @@ def test_a_step_that_reads_zero_carries_its_prediction() -> None:
 
 def test_rejects_a_non_positive_target() -> None:
     with pytest.raises(ValueError):
-        StepTimeBudget(linear, 0.0)
+        StepTimeBudget(Linear(), 0.0)
     with pytest.raises(ValueError):
         SchedulerConfig(max_step_time_s=-1.0)
     from cluster.config import ConfigError, KVServeConfig
@@ -90,7 +102,7 @@ def test_rejects_a_non_positive_target() -> None:
 
 def test_scheduler_prices_each_admitted_prompt_at_its_own_place() -> None:
     sched = make_scheduler(max_num_batched_tokens=512, max_model_len=2048, num_blocks=512)
-    sched.step_budget = StepTimeBudget(linear, 3 * MS)
+    sched.step_budget = StepTimeBudget(Linear(), 3 * MS)
     for i in range(4):
         sched.add(make_seq(f"d{i}", 8, max_tokens=50))
     step(sched)
@@ -106,7 +118,7 @@ def test_scheduler_prices_each_admitted_prompt_at_its_own_place() -> None:
 
 def test_scheduler_gives_the_prompt_only_what_fits_beside_the_decodes() -> None:
     sched = make_scheduler(max_num_batched_tokens=512, max_model_len=2048, num_blocks=512)
-    sched.step_budget = StepTimeBudget(linear, 3 * MS)
+    sched.step_budget = StepTimeBudget(Linear(), 3 * MS)
     decoding = [make_seq(f"d{i}", 8, max_tokens=50) for i in range(4)]
     for seq in decoding:
         sched.add(seq)
