@@ -21,6 +21,7 @@ root conftest leaves this directory out of a plain `pytest tests/` run.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import tempfile
@@ -54,10 +55,26 @@ MIXED_POOL = "kvserve_pool_mixed"
 _PROXY_PORT_ENV = "RAY_SERVE_WORKER_PROXY_HTTP_PORT"
 
 
+# Proxy ports come from below Linux's ephemeral range (32768+) and above Ray's worker ports
+# (10002-19999). A port is picked when a host is added but bound only when Serve starts a
+# proxy there, minutes later: one picked from the ephemeral range (bind to port 0) can be
+# handed to any other socket meanwhile, and Ray's own servers bind port 0. A reference
+# stream once read "RemoteProtocolError: illegal request line" from a node's proxy port
+# (not reproduced; the likely cause).
+_PORTS = itertools.count(20_000 + os.getpid() % 1_000 * 10)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for port in _PORTS:
+        if port >= 32_768:
+            break
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 @dataclass
