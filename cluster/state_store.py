@@ -175,6 +175,10 @@ class RedisLimitStore:
         # acquire for the key removes them first, so that a client that sends its next
         # request as soon as the last one ends is not refused because of the release's lag.
         self._releasing: dict[str, set[str]] = {}
+        # Members a write-back may (re-)add to Redis: a release of one of them does not
+        # count as landed (it stays in _releasing, carried by each acquire) until that
+        # write-back's ADD has landed, since the ADD can come after the release's ZREM.
+        self._rewriting: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._heartbeat: asyncio.Task[None] | None = None
@@ -235,7 +239,7 @@ class RedisLimitStore:
         self._held.pop(slot.member, None)
         if slot.local:
             self.local.release(slot.key_id)
-        if slot.local and not self.up:
+        if slot.local and not self.up and slot.member not in self._rewriting:
             return  # taken and given back during the outage: never written to Redis
         # A local slot too: it was written back to Redis when Redis came back.
         self._releasing.setdefault(slot.key_id, set()).add(slot.member)
@@ -322,28 +326,28 @@ class RedisLimitStore:
         while True:
             await asyncio.sleep(self.spec.lease_ttl_s / 3)
             if self.up:
-                await self._renew_held("XX")
+                await self._renew_held("XX", dict(self._held))
 
-    async def _renew_held(self, mode: str) -> dict[str, str]:
-        """Renews (XX: only members still there) or writes back (ADD) the held slots;
-        returns the slots it covered (member -> key_id)."""
-        snapshot = dict(self._held)
-        for key_id, members in _by_key(snapshot).items():
+    async def _renew_held(self, mode: str, slots: dict[str, str]) -> None:
+        """Renews (XX: only members still there) or writes back (ADD) `slots` (member -> key_id)."""
+        for key_id, members in _by_key(slots).items():
             key = self._slots_key(key_id)
             if await self._call(lambda: self._renew(keys=[key], args=[self._ttl_ms, mode, *members])) is _DOWN:
                 break
-        return snapshot
 
     async def _write_back(self) -> None:
         """After an outage: Redis may have restarted empty, and slots taken meanwhile are
-        only counted here. A slot released while this ran may have been written back
-        after its release's ZREM: remove it again (a later release's ZREM comes after)."""
-        written = await self._renew_held("ADD")
+        only counted here. A slot released while the ADD is on its way may be re-added
+        after its release's ZREM (and after an acquire that carried it), so its release
+        stays pending (_rewriting) until the ADD has landed, then is removed once more."""
+        slots = dict(self._held)
+        self._rewriting |= set(slots)  # kept, with any earlier attempt's, until an ADD lands
+        await self._renew_held("ADD", slots)
+        if not self.up:
+            return  # down again on the way: the next write-back sends it all again
+        self._rewriting.clear()
         for key_id, members in list(self._releasing.items()):
             await self._remove_released(key_id, sorted(members))
-        gone = {member: key_id for member, key_id in written.items() if member not in self._held}
-        for key_id, members in _by_key(gone).items():
-            await self._remove_released(key_id, members)
 
     async def _remove_released(self, key_id: str, members: list[str]) -> None:
         if members and await self._call(lambda: self._client.zrem(self._slots_key(key_id), *members)) is not _DOWN:
@@ -351,8 +355,9 @@ class RedisLimitStore:
 
     def _released_landed(self, key_id: str, members: list[str]) -> None:
         pending = self._releasing.get(key_id)
-        if pending is not None and members:
-            pending.difference_update(members)
+        landed = [m for m in members if m not in self._rewriting]  # a write-back may still re-add the others
+        if pending is not None and landed:
+            pending.difference_update(landed)
             if not pending:
                 self._releasing.pop(key_id, None)
 

@@ -332,3 +332,47 @@ def test_reconnect_survives_an_outage_during_its_write_back(prefix: str) -> None
         return up
 
     assert run(scenario())
+
+
+def test_a_slot_released_during_the_write_back_is_not_counted_after_it(redis_server: RedisServer, prefix: str) -> None:
+    """Two clients at their limit of 2 through an outage (the integration test's race, once
+    seen in CI as a 429): slots taken while Redis was down are written back when it
+    returns; one released while that ADD is on its way is ZREMed (and carried by the next
+    acquire) before the ADD re-adds it. The acquire after the ADD must not count it."""
+    slots_key = f"{prefix}:key:{KEY}:slots"
+
+    async def scenario() -> None:
+        s = store(redis_server, prefix)
+        real = s._renew
+        add_may_go = asyncio.Event()
+        after_add: dict[str, Any] = {}
+
+        async def gated(keys: list[str], args: list[Any]) -> Any:
+            if args[1] != "ADD":
+                return await real(keys=keys, args=args)
+            await add_may_go.wait()  # the ADD is slow to land
+            result = await real(keys=keys, args=args)
+            # Landed: the second client's request ends and its next one comes at once.
+            s.release_slot(second.slot)
+            after_add["grant"] = await s.acquire_slot(KEY, 2)
+            after_add["members"] = set(redis_server.client().zrange(slots_key, 0, -1))
+            return result
+
+        s._renew = gated  # type: ignore[method-assign]
+        with redis_server.stopped():
+            first = await s.acquire_slot(KEY, 2)
+            second = await s.acquire_slot(KEY, 2)
+            assert first.slot.local and second.slot.local and not s.up
+        await eventually(lambda: s.up, "the store to reconnect")  # its write-back waits at the gate
+        s.release_slot(first.slot)  # the first client's request ends, its next one comes at once
+        again = await s.acquire_slot(KEY, 2)
+        assert again.slot is not None and not again.slot.local
+        add_may_go.set()
+        await eventually(lambda: "grant" in after_add, "the write-back's ADD")
+        grant = after_add["grant"]
+        assert grant.slot is not None, f"refused at {grant.in_flight} in flight: {after_add['members']}"
+        await eventually(lambda: not s._releasing, "the releases to land")
+        assert set(redis_server.client().zrange(slots_key, 0, -1)) == {again.slot.member, grant.slot.member}
+        await close(s)
+
+    run(scenario())
