@@ -11,8 +11,8 @@ tests/multinode, shaped as on Kubernetes:
 Every node is 127.0.0.1 (Ray's loopback switch, cluster/local_ray.py), so the Serve proxy
 each node runs gets a port of its own (RAY_SERVE_WORKER_PROXY_HTTP_PORT, read by the
 proxy from its node's environment): a client can connect to the proxy on a given node.
-Tests add and remove hosts (`remove_node` kills every process of a node at once: the
-way a host is lost here) and leave the cluster as they found it.
+Tests add and remove hosts (`remove_host` kills every process of a node at once, its Ray
+workers included: the way a host is lost here) and leave the cluster as they found it.
 
 This session must not share a process with tests/integration (a driver connects to one
 cluster): scripts/test.sh runs `pytest tests/multinode` as its own invocation, and the
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.redis_server import REDIS_SERVER, RedisServer
@@ -119,9 +120,18 @@ class MultiNodeCluster:
         return host
 
     def remove_host(self, name: str) -> Host:
-        """Lose the host: every process of the node is killed (no graceful shutdown)."""
+        """Lose the host: every process of the node is killed at once (no graceful shutdown).
+
+        The node's Ray workers (replicas, its proxy) are SIGKILLed with the node's own
+        processes: remove_node kills only the latter, and a worker outlived its raylet by
+        up to ~2 s, long enough to finish the streams a "lost" host was serving."""
         host = self.hosts.pop(name)
+        workers = _worker_processes(host.node)
+        for process in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
         self.cluster.remove_node(host.node, allow_graceful=False)
+        psutil.wait_procs(workers, timeout=10)
         return host
 
     def readd_host(self, lost: Host) -> Host:
@@ -132,6 +142,14 @@ class MultiNodeCluster:
 
     def host_of(self, node_id: str) -> Host | None:
         return next((h for h in self.hosts.values() if h.node_id == node_id), None)
+
+
+def _worker_processes(node: Any) -> list[psutil.Process]:
+    """The node's Ray workers: every process its raylet started (and theirs)."""
+    from ray._private import ray_constants
+
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+    return psutil.Process(raylet.pid).children(recursive=True)
 
 
 @contextmanager

@@ -50,11 +50,17 @@ def app(multinode: MultiNodeCluster, model_dir: Path) -> Iterator[str]:
         workers={"num_replicas": 2, "num_gpus": 1, "resources": {MIXED_POOL: 1}},
         ingress={"num_replicas": 1, "resources": {INGRESS_RESOURCE: 0.01}, "max_migrations": 2},
     )
+    gpu_hosts = {name: multinode.hosts[name] for name in ("a", "b")}
     serve.run(build_app(config), name=APP, route_prefix=f"/{APP}")
     try:
         yield APP
     finally:
         serve.delete(APP)
+        # A test that failed between losing a host and re-adding it: the modules after
+        # this one find the cluster as it was (else their apps wait for a pool unit).
+        for name, host in gpu_hosts.items():
+            if name not in multinode.hosts:
+                multinode.readd_host(host)
 
 
 def test_replicas_spread_over_the_gpu_hosts_and_the_ingress_stays_on_the_cpu_node(
