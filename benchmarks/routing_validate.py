@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -178,7 +179,10 @@ def modelled_saturation_rps(config: SimConfig, device: SimDevice, kind: str, num
     return num_requests / summary["duration_s"]
 
 
-def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str, float]:
+def validate_engine(quick: bool, profile_path: str | None, log: Log,
+                    step_check: Callable[..., AbstractContextManager[None]] | None = None) -> dict[str, float]:
+    """`step_check(engine, cost, log)`, when given, wraps each real run (a context manager:
+    benchmarks/routing_validate_steps.py sets each step against its prediction)."""
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from worker.default_model import default_model_path
     from worker.engine import Engine
@@ -195,8 +199,11 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str
     num_blocks = engine.runner.num_blocks
     shape = load_shape(path, dtype_bytes=4)
 
+    costs: list[StepCostModel] = []  # the latest calibration's, last
+
     def simulator(profile) -> tuple[SimConfig, SimDevice]:  # noqa: ANN001 (DeviceProfile)
         cost = StepCostModel(shape, profile)
+        costs.append(cost)
         device = SimDevice(make_runner=lambda n: SimRunner(cost, n, 16, shape.vocab_size, sleep=False),
                            num_blocks=num_blocks, vocab_size=shape.vocab_size,
                            kv_bytes_per_token=shape.kv_bytes_per_token(), max_model_len=scheduler.max_model_len)
@@ -222,7 +229,8 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log) -> dict[str
     for i in range(ENGINE_REPEATS):
         if i > 0 and not profile_path:  # calibrate again right before this run: the machine drifts
             config, device = simulator(engine_profile(None, log))
-        real = run_engine_real_time(engine, [replace(r, request_id=f"{r.request_id}-{i}") for r in requests])
+        with step_check(engine, costs[-1], log) if step_check is not None else nullcontext():
+            real = run_engine_real_time(engine, [replace(r, request_id=f"{r.request_id}-{i}") for r in requests])
         engine.kv.pool.reset_prefix_cache()  # each repeat starts cold, as the simulation does
         sim = Figures.of_sim(simulate(config, requests, device).summary())
         reals.append(real)

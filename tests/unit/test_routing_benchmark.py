@@ -181,3 +181,37 @@ def test_validation_error_is_the_median_of_each_pairs_own_error() -> None:
     assert paired == {"ttft_p50_s": 0.0, "ttft_p99_s": 0.0, "output_tokens_per_s": 0.0}  # pairs: 0, -23, 0 %
     with pytest.raises(ValueError):
         median_pair_errors(reals, sims[:2])
+
+
+def test_step_check_sets_each_model_step_against_its_prediction() -> None:
+    """benchmarks.routing_validate_steps: the hooks see the plan before execute, skip steps
+    that ran nothing, restore the engine, and log each kind of step against its prediction."""
+    from types import SimpleNamespace
+
+    from benchmarks.routing_validate_steps import step_check
+
+    plans = [SimpleNamespace(num_new_tokens=[64, 1]), None, SimpleNamespace(num_new_tokens=[1, 1])]
+
+    class Runner:
+        def execute(self, plan: SimpleNamespace) -> str:
+            return "ran"
+
+    class Engine:  # the wrapper is under test, not the engine: steps that call the runner or not
+        def __init__(self) -> None:
+            self.runner = Runner()
+
+        def step(self) -> list[str]:
+            plan = plans.pop(0)
+            return [] if plan is None else [self.runner.execute(plan)]
+
+    class Cost:
+        def plan_time_s(self, plan: SimpleNamespace) -> float:
+            return 1e-3 * sum(plan.num_new_tokens)  # 65 ms with the chunk, 2 ms decodes only
+
+    engine, lines = Engine(), []
+    with step_check(engine, Cost(), lines.append):
+        assert [engine.step() for _ in range(3)] == [["ran"], [], ["ran"]]
+    assert engine.step.__func__ is Engine.step and engine.runner.execute.__func__ is Runner.execute  # unhooked
+    assert len(lines) == 2
+    assert lines[0].startswith("    steps with a prefill chunk: 1, ") and "predicted 65.00 ms" in lines[0]
+    assert lines[1].startswith("    steps decodes only: 1, ") and "predicted 2.00 ms" in lines[1]
