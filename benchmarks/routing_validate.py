@@ -199,11 +199,8 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log,
     num_blocks = engine.runner.num_blocks
     shape = load_shape(path, dtype_bytes=4)
 
-    costs: list[StepCostModel] = []  # the latest calibration's, last
-
-    def simulator(profile) -> tuple[SimConfig, SimDevice]:  # noqa: ANN001 (DeviceProfile)
+    def simulator(profile) -> tuple[SimConfig, SimDevice, StepCostModel]:  # noqa: ANN001 (DeviceProfile)
         cost = StepCostModel(shape, profile)
-        costs.append(cost)
         device = SimDevice(make_runner=lambda n: SimRunner(cost, n, 16, shape.vocab_size, sleep=False),
                            num_blocks=num_blocks, vocab_size=shape.vocab_size,
                            kv_bytes_per_token=shape.kv_bytes_per_token(), max_model_len=scheduler.max_model_len)
@@ -211,9 +208,9 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log,
                            max_num_seqs=scheduler.max_num_seqs,
                            max_num_batched_tokens=scheduler.max_num_batched_tokens,
                            max_model_len=scheduler.max_model_len, block_size=16, num_blocks=num_blocks, seed=7)
-        return config, device
+        return config, device, cost
 
-    config, device = simulator(engine_profile(profile_path, log))
+    config, device, cost = simulator(engine_profile(profile_path, log))
     kind = ENGINE_WORKLOAD["kind"]
     kw = {k: v for k, v in ENGINE_WORKLOAD.items() if k != "kind"}
     num_requests = ENGINE_REQUESTS[quick]
@@ -228,8 +225,8 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log,
     reals, sims = [], []
     for i in range(ENGINE_REPEATS):
         if i > 0 and not profile_path:  # calibrate again right before this run: the machine drifts
-            config, device = simulator(engine_profile(None, log))
-        with step_check(engine, costs[-1], log) if step_check is not None else nullcontext():
+            config, device, cost = simulator(engine_profile(None, log))
+        with step_check(engine, cost, log) if step_check is not None else nullcontext():
             real = run_engine_real_time(engine, [replace(r, request_id=f"{r.request_id}-{i}") for r in requests])
         engine.kv.pool.reset_prefix_cache()  # each repeat starts cold, as the simulation does
         sim = Figures.of_sim(simulate(config, requests, device).summary())
