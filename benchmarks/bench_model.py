@@ -7,7 +7,7 @@ Shape: hidden 512, 8 layers, 8 heads (head_dim 64), 2 KV heads (GQA 4:1), interm
 and saved as safetensors, once: later calls find the files and return at once (the
 directory name carries a version, so a change to the recipe builds a fresh one).
 
-Random init gives near-uniform logits; like tests/tiny_models.py, every matrix is scaled
+Random init gives near-uniform logits; like tests/support/tiny_models.py, every matrix is scaled
 up (x3) so that greedy choices are decisive and "token-identical across engines" does
 not hinge on summation order. Special ids: pad 0, bos 1, eos 2 (the workload avoids them).
 """

@@ -1,7 +1,7 @@
 """Open-loop replay of a simulator workload against a real OpenAI endpoint: each request is
 sent at its arrival time x `dilation` (real seconds per modelled second), streaming, whether
 or not earlier ones have finished. Used by benchmarks.router and the simulator's validation
-against a real Serve cluster (benchmarks/routing_validate_cluster.py), so both load the cluster the
+against a real Serve cluster (benchmarks/routing/validate_cluster.py), so both load the cluster the
 same way."""
 from __future__ import annotations
 

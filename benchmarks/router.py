@@ -8,7 +8,7 @@ ingress replicas (each with its own request router and admission control), 8 wor
 replicas with engine.device sim:h200 (the real scheduler, KV manager and prefix cache; the
 llama-3-8b shape's step times from the H200 cost model, slept x the time dilation, so that
 8 "GPUs" fit on a 2-core box). Only `routing.router` differs between the two sides:
-kv_headroom, or pow2 (Serve's own router; kvserve's admission control then never holds a
+headroom, or pow2 (Serve's own router; kvserve's admission control then never holds a
 request: it has no headroom view to judge with).
 
 Workload: b2b (cluster/sim/workloads.py: G customer groups, each request = its group's
@@ -54,8 +54,8 @@ from typing import Any
 
 from benchmarks.open_loop import replay
 
-ROUTERS = ("kv_headroom", "pow2")
-SIM_POLICY = {"kv_headroom": "headroom", "pow2": "pow2"}  # the same code in the simulator
+ROUTERS = ("headroom", "pow2")
+SIM_POLICY = {"headroom": "headroom", "pow2": "pow2"}  # the same code in the simulator
 APP_NAME = "bench-router"
 MODEL = "sim"
 
@@ -116,7 +116,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_order(repeat: int) -> tuple[str, ...]:
-    """kv_headroom first in even repeats (0-based), pow2 first in odd ones."""
+    """headroom first in even repeats (0-based), pow2 first in odd ones."""
     return ROUTERS if repeat % 2 == 0 else ROUTERS[::-1]
 
 
@@ -137,7 +137,7 @@ def pair_ratios(headroom: RunResult, pow2: RunResult) -> tuple[float, float]:
 
 
 def result_line(runs: list[dict[str, RunResult]]) -> str:
-    ratios = [pair_ratios(r["kv_headroom"], r["pow2"]) for r in runs]
+    ratios = [pair_ratios(r["headroom"], r["pow2"]) for r in runs]
     ttft = spread([t for t, _ in ratios])[0]
     good = spread([g for _, g in ratios])[0]
     return f"RESULT ttft_p99_ratio={ttft:.3f} goodput_ratio={good:.3f} runs={len(runs)}"
@@ -257,7 +257,7 @@ def report(runs: list[dict[str, RunResult]]) -> list[str]:
         lines.append(f"{router}: over {len(runs)} runs, median (min-max): TTFT p99 {p99[0]:.1f} ({p99[1]:.1f}-{p99[2]:.1f}) ms, "
                      f"goodput {good[0]:.2f} ({good[1]:.2f}-{good[2]:.2f}) req/s (modelled time)")
     for repeat, pair in enumerate(runs):
-        ttft, good = pair_ratios(pair["kv_headroom"], pair["pow2"])
+        ttft, good = pair_ratios(pair["headroom"], pair["pow2"])
         lines.append(f"repeat {repeat + 1}: ttft_p99_ratio={ttft:.3f} goodput_ratio={good:.3f}")
     lines.append(result_line(runs))
     return lines

@@ -16,9 +16,7 @@ import json
 import statistics
 import time
 
-from transformers import AutoTokenizer
-
-from worker.api import SamplingParams, StructuredOutput
+from worker.api import SamplingParams, StructuredOutput, load_tokenizer
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.default_model import default_model_path
 from worker.engine import Engine
@@ -60,7 +58,7 @@ def main() -> None:
         cache=CacheConfig(kv_cache_bytes=64 * 1024**2),
         scheduler=SchedulerConfig(max_num_seqs=args.batch),
     ))
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(path)
     prompts = [tok(f"Story {i}: the little cat")["input_ids"] for i in range(args.batch)]
     decode_step_s(engine, prompts, 4, True)  # warm-up: compile + cache the grammar, torch kernels
     decode_step_s(engine, prompts, 4, False)

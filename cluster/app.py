@@ -1,7 +1,7 @@
 """Builds the kvserve Serve application from a `KVServeConfig`.
 
-    ingress (FastAPI, router.ingress.Ingress) ──handle──> worker (worker.replica.WorkerReplica)
-                                                         routed by KVHeadroomRouter (or pow2)
+    ingress (FastAPI, router.frontend.ingress.Ingress) ──handle──> worker (worker.replica.WorkerReplica)
+                                                         routed by PolicyRouter (or pow2)
 
 Entry points:
 - `build_app(config)` for Python (the CLI, tests);
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from ray import serve
@@ -24,17 +24,17 @@ from cluster.config import KVSERVE_POLICY, AutoscalingSection, KVServeConfig
 from cluster.deps import missing
 from cluster.state_store import RedisStoreSpec
 from cluster.tracing import TracingSetup, check_exporter
-from router.ingress import Ingress
-from router.settings import IngressSettings
+from router.frontend.ingress import Ingress
+from router.frontend.settings import IngressSettings
+from router.routing import ROUTER_CLASS
 from worker.replica import WorkerReplica
 
 logger = logging.getLogger(__name__)
 
 WORKER_DEPLOYMENT = "worker"
 INGRESS_DEPLOYMENT = "ingress"
-KV_HEADROOM_ROUTER = "router.request_router:KVHeadroomRouter"
-# Every other router name but Serve's own pow2: a policy of router/policies/ by that name.
-POLICY_ROUTER = "router.policy_router:PolicyRouter"
+# Every router name but Serve's own pow2: a policy of router/routing/policies/ by that name.
+POLICY_ROUTER = ROUTER_CLASS
 # Streams per ingress replica beyond its 429 bound that still reach it: /health, /metrics,
 # /v1/models must answer while it is saturated with generation requests.
 _INGRESS_CONTROL_HEADROOM = 64
@@ -56,11 +56,10 @@ def build_app(config: KVServeConfig) -> Application:
 
 PREFILL_DEPLOYMENT = "prefill"
 DECODE_DEPLOYMENT = "decode"
-PREFILL_POOL_ROUTER = "router.disagg:PrefillPoolRouter"
 
 
 def build_disaggregated_app(config: KVServeConfig) -> Application:
-    """ingress -> prefill pool (exports KV) -> decode pool (imports it): router/disagg.py."""
+    """ingress -> prefill pool (exports KV) -> decode pool (imports it): router/frontend/disagg.py."""
     assert config.disaggregation is not None
     pools = {}
     for name, (pool_config, options) in pool_options(config).items():
@@ -83,14 +82,8 @@ def pool_options(config: KVServeConfig) -> dict[str, tuple[KVServeConfig, dict[s
     for name, section in ((PREFILL_DEPLOYMENT, config.disaggregation.prefill), (DECODE_DEPLOYMENT, config.disaggregation.decode)):
         pool_config = config.model_copy(update={"workers": section})
         options = worker_options(pool_config)
-        router = options.get("request_router_config")
-        if name == PREFILL_DEPLOYMENT and router is not None:
-            if router.request_router_class != KV_HEADROOM_ROUTER:
-                raise ValueError(f"disaggregation needs routing 'kv_headroom' or 'pow2', got {config.routing.router!r}")
-            # The same policy, plus: release_kv goes to the replica that pinned the blocks.
-            # (Rebuilt, not model_copy'd: the config serializes the class when validated.)
-            fields = {k: getattr(router, k) for k in type(router).model_fields if k != "request_router_class"}
-            options["request_router_config"] = RequestRouterConfig(request_router_class=PREFILL_POOL_ROUTER, **fields)
+        if name == PREFILL_DEPLOYMENT and config.routing.router not in ("headroom", "pow2"):
+            raise ValueError(f"disaggregation needs routing 'headroom' or 'pow2', got {config.routing.router!r}")
         out[name] = (pool_config, options)
     return out
 
@@ -257,10 +250,9 @@ def _cluster_has_gpus() -> bool:
 
 
 def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
-    """The request router the worker deployment runs: kv_headroom (router/request_router.py),
-    a baseline policy by name through the one generic PolicyRouter (router/policy_router.py),
-    or None for Serve's default power-of-two-choices (stats are still reported, for metrics
-    and autoscaling). Both router classes are part of kvserve: no fallback."""
+    """The request router the worker deployment runs: a policy of router/routing/policies/ by
+    name through router/routing/serve_router.py's PolicyRouter, or None for Serve's default
+    power-of-two-choices (stats are still reported, for metrics and autoscaling)."""
     name = config.routing.router
     if name == "pow2":
         return None
@@ -268,15 +260,13 @@ def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
     # with a shared view (state.redis_url) each counts the others' reservations; without one
     # they re-converge at each report. Serve's report period comes from the same params.
     shared = config.shared_view_spec()
-    view_kwargs: dict[str, Any] = {"warm_start": config.routing.warm_start}
+    kwargs: dict[str, Any] = {"policy": name, "warm_start": config.routing.warm_start}
     if shared is not None:
-        view_kwargs["shared_view"] = shared.to_dict()
-    if name == "kv_headroom":
-        fields = config.routing.headroom_params().serve_router_config()
-        fields["request_router_kwargs"] = {**fields["request_router_kwargs"], **view_kwargs}  # type: ignore[dict-item]
-        return RequestRouterConfig(request_router_class=KV_HEADROOM_ROUTER, **fields)
-    kwargs = {"policy": name, "stats_period_s": config.routing.stats_period_s, **view_kwargs,
-              **config.routing.router_kwargs}
+        kwargs["shared_view"] = shared.to_dict()
+    if name == "headroom":  # typed and checked params (RoutingSection validates them)
+        kwargs.update(asdict(config.routing.routing_params()))
+    else:  # the baseline's own options, checked by make_policy when the router starts
+        kwargs.update({"stats_period_s": config.routing.stats_period_s, **config.routing.router_kwargs})
     return RequestRouterConfig(
         request_router_class=POLICY_ROUTER,
         request_router_kwargs=kwargs,
@@ -286,10 +276,10 @@ def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
 
 def grpc_servicer() -> str:
     """The servicer function to give Serve's gRPC proxy (`gRPCOptions.grpc_servicer_functions`):
-    the generated registration plus a cancel fix (router/grpc_proxy.py). Raises
+    the generated registration plus a cancel fix (router/frontend/grpc_proxy.py). Raises
     MissingDependencyError, with what to install, when grpc or the stubs do not import."""
     try:
-        from router.grpc_proxy import GRPC_SERVICER
+        from router.frontend.grpc_proxy import GRPC_SERVICER
     except ImportError as e:
         raise missing("the gRPC API (config grpc.enabled)", e) from e
     return GRPC_SERVICER

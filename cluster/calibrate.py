@@ -44,9 +44,8 @@ DECODE_CONTEXTS = (16, 256, 1024)
 PREFILL_CHUNKS = (32, 128, 512)
 PREFILL_CHUNKS_PER_PROMPT = 4  # chunk contexts 0, P, 2P, 3P
 # Mixed steps: (prompt chunk, decode batch, decode context). Pure decode and pure prefill
-# points alone fitted a profile that priced mixed steps 2-28% fast (a 32-token chunk with 4
-# decodes: 8.3 ms modelled, 10.7 measured; 2026-12-01 21:05), and every TTFT of a loaded
-# engine ends with one: validation 1's simulated TTFT p50 ran ~10% under the real one.
+# points alone fit a profile that prices mixed steps fast, and every TTFT of a loaded
+# engine ends with one, so the simulated TTFT would run under the real one.
 MIXED = ((32, 4, 128), (128, 16, 128), (512, 4, 128))
 NUM_DECODE_STEPS = 12  # per decode point (median taken)
 NUM_REPEATS = 7  # per prefill point (median taken)

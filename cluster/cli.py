@@ -196,7 +196,7 @@ def listen_warnings(config: KVServeConfig, environ: dict[str, str] | None = None
         lines.append(f"HTTP listens on {config.http.host}:{config.http.port}, beyond this machine"
                      + ("" if auth_on else f"; no API keys are set (${keys_env}): anyone who can reach it may use it"))
     if config.grpc.enabled:
-        # Serve's own gRPC port is always plaintext (router/grpc_tls.py); TLS, when
+        # Serve's own gRPC port is always plaintext (router/frontend/grpc_tls.py); TLS, when
         # configured, is on grpc.tls_port beside it.
         tls = config.grpc.tls_port
         lines.append(f"gRPC listens on every interface ([::]:{config.grpc.port}; Serve has no host option for it) "
@@ -265,10 +265,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from cluster.app import build_app, grpc_servicer
-    from router.grpc_health import APP_NAME_ENV
+    from router.frontend.grpc_health import APP_NAME_ENV
 
     # Serve's gRPC proxy reads its TLS settings from the node's environment
-    # (router/grpc_tls.py): a local cluster inherits this process's.
+    # (router/frontend/grpc_tls.py): a local cluster inherits this process's.
     os.environ.update(config.grpc.tls_env if config.grpc.enabled else {})
     os.environ[APP_NAME_ENV] = config.app_name  # the app the proxy's health service probes
     record = None  # the local cluster's record for `kvserve status` (cluster/local_ray.py)

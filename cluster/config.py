@@ -5,7 +5,7 @@ The same `KVServeConfig` is read by the CLI (`kvserve serve --config FILE`), by
 builder validates its args with it), and by the Helm chart (which renders its values into
 those args). It is the edge of the system, so it is pydantic with `extra="forbid"`;
 inside, each layer owns frozen dataclasses (the engine's `worker.config.EngineConfig`, the
-ingress's `router.settings.IngressSettings`, the router's `router.headroom.HeadroomParams`,
+ingress's `router.frontend.settings.IngressSettings`, the router's `router.routing.types.RoutingParams`,
 ...). A section field that configures one of them takes its default from it, and the
 dataclass is built from the section by one mapping (cluster/config_fields.py): no default
 is written twice.
@@ -37,9 +37,9 @@ from cluster.pool_config import (  # noqa: F401 -- re-exported: part of the one 
 )
 from cluster.state_store import RedisStoreSpec
 from cluster.tracing import ObservabilitySection
-from router.redis_view import SharedViewSpec
-from router.headroom import HeadroomParams
-from router.settings import MAX_WAITING_FOR_DECODE, IngressSettings
+from router.routing.redis_view import SharedViewSpec
+from router.routing.types import RoutingParams
+from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 __all__ = [
@@ -54,9 +54,9 @@ _REDIS_RENAMES = {"password_env": "redis_password_env"}
 
 
 class ModelSection(Section):
-    # A local directory or a Hugging Face Hub id. None: the embedded default model.
+    # A local directory or .gguf file, or a Hugging Face Hub id. None: the embedded default model.
     path: str | None = None
-    # The `model` name clients send. Default: the directory's name for a local path, the
+    # The `model` name clients send. Default: the directory's (file's) name for a local path, the
     # id for a Hub id, "kvserve-tiny" for the embedded default.
     served_model_name: str | None = None
     trust_remote_code: bool = default_of(ModelConfig, "trust_remote_code")
@@ -76,10 +76,11 @@ class ModelSection(Section):
             from worker.default_model import DEFAULT_MODEL_NAME
 
             return DEFAULT_MODEL_NAME
-        local = Path(self.path).expanduser()
-        if local.is_dir() or self.path.startswith((".", "/", "~")):
-            return local.resolve().name
-        return self.path  # a Hub id, e.g. "meta-llama/Llama-3.2-1B"
+        from worker.model_path import is_hub_id  # the workers' rule for the same value
+
+        if is_hub_id(self.path):
+            return self.path  # e.g. "meta-llama/Llama-3.2-1B"
+        return Path(self.path).expanduser().resolve().name
 
 
 class EngineSection(Section):
@@ -150,7 +151,7 @@ class HTTPSection(Section):
 class GRPCSection(Section):
     port: int = Field(9000, ge=0, le=65535)
     enabled: bool = True
-    # TLS on a second port of Serve's gRPC proxy (router/grpc_tls.py: Serve 2.60 itself
+    # TLS on a second port of Serve's gRPC proxy (router/frontend/grpc_tls.py: Serve 2.60 itself
     # serves only plaintext, on `port`). All three paths are PEM files on every node;
     # tls_client_ca_file set -> mutual TLS.
     tls_port: int | None = Field(None, ge=0, le=65535)
@@ -170,25 +171,26 @@ class GRPCSection(Section):
 
     @property
     def tls_env(self) -> dict[str, str]:
-        """The environment that turns TLS on in Serve's gRPC proxy (router/grpc_tls.py)."""
+        """The environment that turns TLS on in Serve's gRPC proxy (router/frontend/grpc_tls.py)."""
         if self.tls_port is None:
             return {}
-        from router.grpc_tls import TLSConfig
+        from router.frontend.grpc_tls import TLSConfig
 
         return TLSConfig(self.tls_port, self.tls_cert_file or "", self.tls_key_file or "", self.tls_client_ca_file).to_env()
 
 
 class RoutingSection(Section):
-    # kv_headroom: router/request_router.py:KVHeadroomRouter. pow2: Serve's default. The
-    # baselines (router/policies/) run through router/policy_router.py:PolicyRouter.
-    router: Literal["kv_headroom", "pow2", "round_robin", "least_kv", "prefix_affinity", "sticky"] = "kv_headroom"
+    # The routing policy (router/routing/policies/), run by router/routing/serve_router.py's
+    # PolicyRouter; pow2 is Serve's own router. "kv_headroom" is accepted for "headroom" (in
+    # the Literal so that the Helm schema accepts it too) and stored as "headroom".
+    router: Literal["headroom", "pow2", "round_robin", "least_kv", "prefix_affinity", "sticky", "kv_headroom"] = "headroom"
     # How often worker replicas report their routing stats. The one value for both Serve's
-    # report period and the router's staleness judgement (HeadroomParams.stats_period_s).
-    stats_period_s: float = Field(default_of(HeadroomParams, "stats_period_s"), gt=0)
-    # Further HeadroomParams fields (router/headroom.py), e.g. {load_gate_threshold: 2}.
+    # report period and the router's staleness judgement (RoutingParams.stats_period_s).
+    stats_period_s: float = Field(default_of(RoutingParams, "stats_period_s"), gt=0)
+    # Further RoutingParams fields (router/routing/types.py), e.g. {load_gate_threshold: 2}.
     router_kwargs: dict[str, Any] = Field(default_factory=dict)
     # With state.redis_url set: the ingress replicas' routers share one routing view in Redis
-    # (every router's reservations and prefix hints: router/redis_view.py), so that several
+    # (every router's reservations and prefix hints: router/routing/redis_view.py), so that several
     # ingress replicas do not herd onto the replica that looked best at the last report.
     # Redis down: each router routes on its own view until it is back.
     shared_view: bool = True
@@ -201,19 +203,24 @@ class RoutingSection(Section):
     # worker replica for its routing stats, so it knows what each caches from the start.
     warm_start: bool = True
 
+    @field_validator("router", mode="before")
+    @classmethod
+    def _router_alias(cls, value: Any) -> Any:
+        return "headroom" if value == "kv_headroom" else value
+
     @model_validator(mode="after")
     def _known_router_kwargs(self) -> RoutingSection:
-        if self.router == "kv_headroom":
-            self.headroom_params()  # a typo or a bad value fails here, not in Serve
+        if self.router == "headroom":
+            self.routing_params()  # a typo or a bad value fails here, not in Serve
         return self
 
-    def headroom_params(self) -> HeadroomParams:
+    def routing_params(self) -> RoutingParams:
         """The KV-headroom router's parameters; router_kwargs win over the typed fields."""
-        return HeadroomParams.from_kwargs({"stats_period_s": self.stats_period_s, **self.router_kwargs})
+        return RoutingParams.from_kwargs({"stats_period_s": self.stats_period_s, **self.router_kwargs})
 
 
 class DisaggregationSection(Section):
-    """Prefill/decode disaggregation (router/disagg.py): two worker pools instead of one
+    """Prefill/decode disaggregation (router/frontend/disagg.py): two worker pools instead of one
     mixed pool. Each pool is a worker deployment with its own replicas, resources and
     autoscaling (give them `role: prefill` / `role: decode`); both use the routing section's
     router. The `workers` section is then unused."""
@@ -300,7 +307,7 @@ class KVServeConfig(Section):
         return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig, self.engine))
 
     def ingress_settings(self, state_store: Any = None) -> IngressSettings:
-        """router.settings' IngressSettings from the ingress and model sections."""
+        """router.frontend.settings' IngressSettings from the ingress and model sections."""
         return build(
             IngressSettings, self.ingress, self.model,
             served_model_name=self.model.resolved_name(), tokenizer_path=self.model.resolved_path(),

@@ -12,7 +12,7 @@ readable errors). So that no default is written twice:
     every dataclass field is taken from the section field of the same name (or the renamed
     one); fields the sections do not have keep the dataclass's default.
 
-tests/unit/test_config_mapping.py checks that every section field either reaches a
+tests/unit/cluster/test_config_mapping.py checks that every section field either reaches a
 dataclass this way or is a documented deployment-only field.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ is hand-written and left as it is.
     python -m cluster.helm_schema --write   # regenerate after changing the config schema
     python -m cluster.helm_schema --check   # exit 1 when values.schema.json is stale
 
-tests/unit/test_helm_schema.py fails while the file is stale.
+tests/unit/cluster/test_helm_schema.py fails while the file is stale.
 
 The conversion: every `$ref` is inlined (Helm 3 validates with draft-07 validators, Helm 4
 with draft 2020-12; an inlined schema means the same to both and cannot collide with the

@@ -4,7 +4,7 @@ call parsing) and the shared state in Redis where the per-key limits are counted
 cluster-wide.
 
 Part of the one schema (cluster/config.py). The ingress's own settings are
-`router.settings.IngressSettings` and the Redis store's `cluster.state_store.RedisStoreSpec`
+`router.frontend.settings.IngressSettings` and the Redis store's `cluster.state_store.RedisStoreSpec`
 (frozen dataclasses, with their defaults); the sections take their defaults from there and
 hand them back through `build`.
 """
@@ -17,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 from cluster.config_fields import ByteSize, Section, default_of
 from cluster.pool_config import CustomResources, IngressAutoscalingSection
 from cluster.state_store import RedisStoreSpec
-from router.settings import IngressSettings
+from router.frontend.settings import IngressSettings
 
 # StateSection.redis_url as a JSON-schema pattern: redis:// or rediss://, a host, an optional
 # port and db, and no password (a user part without ':' is allowed).
@@ -43,7 +43,7 @@ class IngressSection(Section):
     # A stream whose worker replica dies is resumed on another one (prompt + the tokens
     # already sent; greedy output unchanged) at most this many times; 0: fail it (503).
     max_migrations: int = Field(default_of(IngressSettings, "max_migrations"), ge=0)
-    # API keys (router/auth.py): the environment variable holding them, comma-separated,
+    # API keys (router/frontend/auth.py): the environment variable holding them, comma-separated,
     # each a plaintext key or `sha256:<hex digest>` (hashed at start-up; plaintext is not
     # kept). Unset or empty: authentication off. The Helm chart fills KVSERVE_API_KEYS
     # from a Secret.
@@ -55,7 +55,7 @@ class IngressSection(Section):
     tokens_per_minute_per_key: int | None = Field(default_of(IngressSettings, "tokens_per_minute_per_key"), ge=1)
     # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
     metrics_public: bool = default_of(IngressSettings, "metrics_public")
-    # Admission control (router/admission.py): while no worker replica can take a request
+    # Admission control (router/routing/admission.py): while no worker replica can take a request
     # (KV headroom, and at most admission_max_waiting_per_replica waiting there), hold it in
     # a queue fair between API keys: at most admission_queue_size requests per ingress
     # replica (0: off), each at most admission_max_wait_s (unset: request_timeout_s); beyond

@@ -1,5 +1,5 @@
 """The ingress replicas' shared state in Redis: per-API-key concurrency slots and
-tokens-per-minute budgets, counted cluster-wide (router/key_limits.py's LimitStore).
+tokens-per-minute budgets, counted cluster-wide (router/frontend/key_limits.py's LimitStore).
 
 Keys (never an API key or a prompt: `key_id` is the first 12 hex digits of the key's SHA-256):
 
@@ -43,7 +43,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from router.key_limits import LocalLimitStore, SlotGrant, TokenGrant
+from router.frontend.key_limits import LocalLimitStore, SlotGrant, TokenGrant
 
 logger = logging.getLogger(__name__)
 

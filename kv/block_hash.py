@@ -27,8 +27,8 @@ def hash_full_blocks(
     """Hashes of every full block of `token_ids`; extends `known` (already-hashed prefix) in place.
 
     The same chain as folding `hash_block`, computed faster: the new tokens are packed
-    once and each digest (the parent's little-endian bytes) feeds the next block as is
-    (a 7,000-token prompt: 1.4 -> 0.75 ms; routers and engines hash every prompt)."""
+    once and each digest (the parent's little-endian bytes) feeds the next block as is:
+    routers and engines hash every prompt, so this is on every request's path."""
     hashes = known if known is not None else []
     start = len(hashes) * block_size
     num_new = (len(token_ids) - start) // block_size

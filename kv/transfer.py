@@ -45,7 +45,7 @@ class KVTransferError(ValueError):
 class KVSourceLostError(KVTransferError):
     """The export is gone with the replica (or node) that made it: a failure of that
     replica, not of the request. The ingress resumes the request on the decode pool from
-    its prompt and the tokens already sent (router/migration.py lists this name)."""
+    its prompt and the tokens already sent (router/frontend/migration.py lists this name)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -2,11 +2,11 @@
 
 Each function below is the only place its private attribute is touched, and says which
 public API it stands in for (or that Serve has none). `PRIVATE_APIS` lists them all with
-a check that the attribute still exists; tests/unit/test_serve_internals.py runs those
+a check that the attribute still exists; tests/unit/router/test_serve_internals.py runs those
 checks, so a Ray upgrade that moves one fails there, naming the Ray version and the
 attribute, instead of somewhere deep in a routing decision.
 
-Also private, but not an attribute read here: router/grpc_proxy.py wraps the handler
+Also private, but not an attribute read here: router/frontend/grpc_proxy.py wraps the handler
 factory of Serve's gRPC server (`gRPCGenericServer.service_handler_factory`); it is in
 `PRIVATE_APIS` too.
 """
@@ -33,7 +33,7 @@ def use_child_request_id(suffix: int | str) -> None:
     hung every n=2 request). A child id per engine request fixes that, and lets routers
     that key their bookkeeping by the id (the KV-headroom ledger) tell them apart. Serve
     then no longer links these calls to the HTTP request for cancellation; the caller
-    (router/generation.py) cancels them itself.
+    (router/frontend/generation.py) cancels them itself.
 
     Public API it stands in for: none (Serve has no option to set a handle call's request
     id). Private: `ray.serve.context._serve_request_context` (a ContextVar),
@@ -114,7 +114,7 @@ def initialized_request_router_of(handle: Any) -> Any:
 # -- the controller's gRPC options --------------------------------------------------------------
 def grpc_servicer_functions() -> list[str]:
     """The servicer functions ("module.function") the running Serve instance's gRPC proxy
-    was started with, for tests that need router/grpc_proxy.py's fix registered. Blocks
+    was started with, for tests that need router/frontend/grpc_proxy.py's fix registered. Blocks
     (ray.get): call it from synchronous code only.
 
     Public API it stands in for: none (serve.status() does not show the gRPC options).
@@ -130,7 +130,7 @@ def grpc_servicer_functions() -> list[str]:
 
 async def grpc_proxy_port() -> int:
     """The port Serve's gRPC proxies listen on, read from the controller (for the health
-    service in the proxy, router/grpc_health.py, which probes the app through it).
+    service in the proxy, router/frontend/grpc_health.py, which probes the app through it).
 
     Public API it stands in for: none. Private: the same controller call as
     `grpc_servicer_functions`. (A worker node's proxy may listen on
@@ -262,7 +262,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                "serve_internals.initialized_request_router_of", _handle_router_no_init),
     PrivateApi("RunningReplica._actor_handle.record_routing_stats", "serve_internals.fetch_routing_stats",
                _replica_stats_on_demand),
-    PrivateApi("gRPCGenericServer.service_handler_factory", "router/grpc_proxy.py", _grpc_handler_factory),
+    PrivateApi("gRPCGenericServer.service_handler_factory", "router/frontend/grpc_proxy.py", _grpc_handler_factory),
     PrivateApi("ray.serve.context._get_global_client()._controller.get_grpc_config",
                "serve_internals.grpc_servicer_functions, serve_internals.grpc_proxy_port", _controller_grpc_config),
     PrivateApi("ray.serve.context._get_global_client().get_serve_details", "serve_internals.serve_instance_details",

@@ -9,7 +9,7 @@ it sends, and each routing decision.
 The trace crosses Ray Serve handle calls inside the request: `kvserve.generate` puts its W3C
 trace context (`traceparent`) in the GenerateRequest (`trace_context`), which the request
 router reads from the pending call's arguments and the worker replica from its argument.
-A migration (router/migration.py) is an event on `kvserve.generate`; the resumed call gets a
+A migration (router/frontend/migration.py) is an event on `kvserve.generate`; the resumed call gets a
 route and a replica span of its own under the same parent.
 
 A request's trace is a new one, or, with observability.accept_client_trace_context, the

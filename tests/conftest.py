@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.redis_server import REDIS_SERVER, RedisServer
+from tests.support.redis_server import REDIS_SERVER, RedisServer
 from worker.engine import Engine
 from worker.api import RequestOutput
 from worker.api import SamplingParams
@@ -34,7 +34,7 @@ class TinyModels:
         self._lock = threading.Lock()
 
     def __call__(self, family: str) -> Path:
-        from tests.tiny_models import make_tiny_model
+        from tests.support.tiny_models import make_tiny_model
 
         with self._lock:
             if family not in self._dirs:
@@ -74,7 +74,7 @@ class HFReference:
     def __call__(
         self, family: str, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]
     ) -> list[list[int]]:
-        from tests.tiny_models import hf_greedy
+        from tests.support.tiny_models import hf_greedy
 
         keys = [(family, tuple(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
         missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
@@ -151,7 +151,7 @@ def run_engine_fixture() -> Callable[..., dict[str, list[int]]]:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """A real redis-server on a free loopback port for the whole session (tests/redis_server.py).
+    """A real redis-server on a free loopback port for the whole session (tests/support/redis_server.py).
     A test that stops it starts it again. Skipped only when the binary is missing (CI
     installs it: scripts/test.sh)."""
     if REDIS_SERVER is None:

@@ -163,14 +163,14 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    # A migrated request (router/migration.py): the last this-many prompt tokens are output
+    # A migrated request (router/frontend/migration.py): the last this-many prompt tokens are output
     # the client already has; the detokenizer replays them so text continues seamlessly.
     num_resumed_tokens: int = 0
     # The W3C trace context (`traceparent`, maybe `tracestate`) of the ingress span this
     # engine request belongs to, set only when tracing is on and the trace is sampled
     # (router/tracing.py). None: nothing on the worker side traces it (worker/tracing.py).
     trace_context: dict[str, str] | None = None
-    # The client's session (router/sessions.py's client_session_id): the request router's
+    # The client's session (router/routing/sessions.py's client_session_id): the request router's
     # soft affinity and its spread of new sessions. The engine ignores it.
     session_id: str | None = None
 
@@ -249,7 +249,7 @@ class ReplicaDrainingError(RuntimeError):
 @dataclass(frozen=True)
 class RoutingStats:
     """What a worker replica reports through Ray Serve's routing stats (its
-    `record_routing_stats`), and what the KV-headroom router reads (router/headroom.py's
+    `record_routing_stats`), and what the KV-headroom router reads (router/routing/types.py's
     ReplicaReport). Serve carries it as a dict: `to_dict()`."""
 
     free_blocks: int  # free KV blocks, evictable cached ones included
@@ -263,7 +263,7 @@ class RoutingStats:
     timestamp: float  # time.time() when taken
     healthy: bool  # False: the router stops choosing this replica (Serve will replace it)
     # Mixed GPU types: this replica's throughput relative to the reference device the
-    # router's HeadroomParams.prefill_tokens_per_s describes, and its own prefill rate when
+    # router's RoutingParams.prefill_tokens_per_s describes, and its own prefill rate when
     # it knows one (0: unknown). The router weighs work and load shares by them.
     capacity_weight: float = 1.0
     prefill_tokens_per_s: float = 0.0  # measured, in device seconds (worker/step_meters.py)
@@ -278,7 +278,7 @@ class RoutingStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-# Keys of the routing-stats dict (the contract with router/request_router.py).
+# Keys of the routing-stats dict (the contract with router/routing/serve_router.py).
 ROUTING_STATS_KEYS = tuple(f.name for f in fields(RoutingStats))
 
 

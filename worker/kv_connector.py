@@ -18,7 +18,7 @@ The engine calls a connector at fixed points of every step and never branches on
 `NullConnector` is for runners that cannot move KV (fakes, simulated devices): it refuses
 such requests. `KVTransferConnector` needs a `KVTransferRunner`. A replica serves either
 role through the same connector: which requests export and which import is decided per
-request by the router (router/disagg.py), not by the engine.
+request by the router (router/frontend/disagg.py), not by the engine.
 """
 from __future__ import annotations
 

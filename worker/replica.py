@@ -71,7 +71,7 @@ class WorkerReplica:
             async for out in outputs:
                 if key in self._cut and out.finished and out.finish_reason == "abort":
                     # Not "abort" to the client: a replica failure, which the ingress
-                    # resumes on another replica (router/migration.py).
+                    # resumes on another replica (router/frontend/migration.py).
                     raise ReplicaDrainingError("this worker replica was removed before the request "
                                                "finished; resume it on another replica")
                 yield out
@@ -81,7 +81,7 @@ class WorkerReplica:
             if not self._streams:
                 self._no_streams.set()
 
-    # -- prefill/decode disaggregation (kv/transfer.py, router/disagg.py) -------------------
+    # -- prefill/decode disaggregation (kv/transfer.py, router/frontend/disagg.py) -------------------
     async def prefill(self, request: GenerateRequest) -> tuple[RequestOutput | None, KVHandle | None]:
         """Compute the prompt's KV and first token; export the KV. Returns the first output
         and a handle to the KV, or no handle when the request ends with that token (then
@@ -114,7 +114,7 @@ class WorkerReplica:
 
     async def release_kv(self, request_id: str, replica_id: str = "") -> None:
         """The decode side has the request's KV (or gave up on it): free the prefill copy.
-        `replica_id` is for the router (router/disagg.py sends it to that replica)."""
+        `replica_id` is for the router (router/frontend/disagg.py sends it to that replica)."""
         self.engine.release_kv(request_id)
         self._kv_transport().release(request_id)
 

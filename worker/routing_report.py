@@ -4,7 +4,7 @@ replicas (cluster/sim/replica.py), so the router reads the same figures from bot
 
 Besides the engine's stats it forecasts the KV its requests will still grow into, so the
 router counts a replica's decode work from the moment it is known, not when the blocks are
-taken (router/ranking.py's capacity):
+taken (router/routing/scoring.py's capacity):
 
     expected(r)        = r's mean observed output length (worker/step_meters.py), or
                          FALLBACK_OUTPUT_TOKENS while nothing has finished
@@ -36,7 +36,7 @@ from worker.engine import Engine, EngineStats
 from worker.sequence import Sequence
 
 # Output tokens forecast per request before any has finished (the router's default
-# HeadroomParams.expected_output_tokens; worker/ does not import router/).
+# RoutingParams.expected_output_tokens; worker/ does not import router/).
 FALLBACK_OUTPUT_TOKENS = 256
 
 

@@ -12,7 +12,7 @@ prefills. Torch-free, O(1) per record, no allocation beyond a bounded deque.
 Why only budget-full steps: a step that carries a few prefill tokens beside a full decode
 batch is limited by how little was queued, not by the device; counting it would make a
 lightly loaded replica look slow at prefill, and the router would release its prefix
-affinity for nothing (router/work.py within_target). A full step is what the device does
+affinity for nothing (router/routing/work.py within_target). A full step is what the device does
 while it has a backlog, which is exactly the rate the router divides a backlog by.
 
 Why a long window (256 full steps, ~13 s of a busy H200 at 2048-token chunks): decode-heavy

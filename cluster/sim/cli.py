@@ -29,7 +29,7 @@ _AUTOSCALE = AutoscaleOptions()
 
 
 def register(subparsers: Any) -> None:
-    from router.policies import POLICY_NAMES
+    from router.routing.policies import POLICY_NAMES
 
     p = subparsers.add_parser("simulate", help="discrete-event simulation of a cluster (virtual clock, no Ray)")
     p.add_argument("--shape", default=_DEFAULTS.shape, help="model shape name or config.json (default %(default)s)")

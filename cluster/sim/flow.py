@@ -20,7 +20,7 @@ from cluster.sim.metrics import RequestRecord
 from cluster.sim.replica import SimReplica
 from cluster.sim.workloads import SimRequest
 from kv.transfer import KVExport
-from router.policies import RoutingRequest
+from router.routing.policies import RoutingRequest
 from worker.api import RequestOutput
 from worker.api import SamplingParams
 

@@ -7,7 +7,7 @@ What a router knows (and nothing more):
     `report_lag_s` (so they are always stale by lag .. lag + period);
   * the requests it dispatched itself (its policy's own bookkeeping: reservations etc.);
   * each replica's current number of ongoing requests (`queue_len` of the views, what
-    Serve's queue-length probes return; see router/policies/base.py).
+    Serve's queue-length probes return; see router/routing/policies/base.py).
 
 Serve's `max_ongoing_requests`: the router offers its ranked list; the first replica
 below the cap takes the request. When every replica is at the cap, Serve backs off and
@@ -23,7 +23,7 @@ from typing import Any
 
 from cluster.sim.clock import EventQueue
 from cluster.sim.replica import SimReplica
-from router.headroom import ReplicaReport, ReplicaView
+from router.routing.types import ReplicaReport, ReplicaView
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Pool:
 class Pending:
     """One request waiting for (or routed to) a replica of a pool."""
 
-    routing_request: Any  # router.policies.RoutingRequest
+    routing_request: Any  # router.routing.policies.RoutingRequest
     dispatch: Callable[[SimReplica], None]  # sends it to the chosen replica
     enqueued_at: float = 0.0
 
@@ -63,7 +63,7 @@ class SimRouter:
     def __init__(self, index: int, policies: dict[str, Any], pools: dict[str, Pool], clock: EventQueue,
                  max_ongoing_requests: int) -> None:
         self.index = index
-        self.policies = policies  # role -> policy object (router.policies.make_policy)
+        self.policies = policies  # role -> policy object (router.routing.policies.make_policy)
         self.pools = pools
         self.clock = clock
         self.max_ongoing_requests = max_ongoing_requests
@@ -75,7 +75,7 @@ class SimRouter:
         self.report_age_sum = 0.0
         self.min_report_age = float("inf")
         self.num_dispatched_unreported = 0
-        self.modes: dict[str, int] = {}  # decisions by the policy's mode (router/ranking.py MODE_*), if it has modes
+        self.modes: dict[str, int] = {}  # decisions by the policy's mode (router/routing/scoring.py MODE_*), if it has modes
 
     @property
     def num_queued(self) -> int:

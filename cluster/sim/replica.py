@@ -25,7 +25,7 @@ import torch
 from cluster.sim.clock import EventQueue
 from kv.kv_cache import KVCacheSpec
 from kv.transfer import KVExport
-from router.headroom import HeadroomParams, RequestProfile
+from router.routing.types import RoutingParams, RequestProfile
 from worker.async_engine import MAX_PREFIX_HASHES
 from worker.engine import Engine
 from worker.routing_report import build_routing_stats
@@ -37,7 +37,7 @@ from worker.scheduler import SchedulerOutput
 
 OutputSink = Callable[["SimReplica", RequestOutput, float], None]
 # The device a capacity weight of 1 means: the router's default prefill rate's.
-_REFERENCE_PREFILL_TOKENS_PER_S = HeadroomParams().prefill_tokens_per_s
+_REFERENCE_PREFILL_TOKENS_PER_S = RoutingParams().prefill_tokens_per_s
 
 
 class VirtualDevice:

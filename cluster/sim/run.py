@@ -29,9 +29,9 @@ from cluster.sim.shared_view import pool_views
 from cluster.sim.metrics import SimResult, Tracker, late_requests_proving_p99_miss
 from cluster.sim.replica import SimReplica, VirtualDevice
 from cluster.sim.workloads import SimRequest
-from router.headroom import HeadroomParams, ReplicaReport
-from router.policies.base import check_options
-from router.routing_view import RoutingView
+from router.routing.types import RoutingParams, ReplicaReport
+from router.routing.policies.base import check_options
+from router.routing.routing_view import RoutingView
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
 
@@ -40,7 +40,7 @@ _SCHEDULER = SchedulerConfig()
 # as stalled (far longer than any step, transfer or replica start-up).
 STALL_TIMEOUT_S = 3600.0
 _CACHE = CacheConfig()
-# Policies built on a RoutingView (router/routing_view.py), which SimConfig.shared_view can share.
+# Policies built on a RoutingView (router/routing/routing_view.py), which SimConfig.shared_view can share.
 VIEW_POLICIES = frozenset({"headroom"})
 
 
@@ -49,16 +49,16 @@ class SimConfig:
     shape: str = "llama-3-8b"  # worker/sim/shapes name, or a config.json path
     profile: str = "h200"  # worker/sim/profiles name, or a profile JSON path
     num_replicas: int = 8  # the mixed pool (ignored when disaggregated)
-    router: str = "round_robin"  # router.policies.POLICY_NAMES
-    policy_params: HeadroomParams | None = None  # None: defaults, with this config's period and lag
-    # The policy's own options (router.policies.make_policy's **options, e.g. sticky's
+    router: str = "round_robin"  # router.routing.policies.POLICY_NAMES
+    policy_params: RoutingParams | None = None  # None: defaults, with this config's period and lag
+    # The policy's own options (router.routing.policies.make_policy's **options, e.g. sticky's
     # prefill_tokens_per_s), as (name, value) pairs so the config stays frozen and hashable.
     policy_options: tuple[tuple[str, Any], ...] = ()
     # The request path outside the engine that a real cluster adds before the router's
     # decision: HTTP proxy -> ingress -> Serve dispatch (and the first token's way back,
     # lumped in here). Each request reaches its ingress router this long after its arrival;
     # TTFT and E2E still count from the arrival. 0: not modelled. A MEASURED input (see
-    # benchmarks/routing_validate_cluster.py), never fitted to a result.
+    # benchmarks/routing/validate_cluster.py), never fitted to a result.
     dispatch_latency_s: float = 0.0
     # The same path as a measured distribution (seconds, e.g. a calibration run's per-request
     # residuals): each request's latency is drawn from these, seeded by `seed`, instead of
@@ -115,10 +115,10 @@ class SimConfig:
             raise ValueError(f"shared_view needs a policy that reads a routing view {sorted(VIEW_POLICIES)}, "
                              f"not {self.router!r}")
 
-    def headroom_params(self) -> HeadroomParams:
+    def routing_params(self) -> RoutingParams:
         if self.policy_params is not None:
             return self.policy_params
-        return HeadroomParams(stats_period_s=self.stats_period_s, report_lag_s=self.report_lag_s)
+        return RoutingParams(stats_period_s=self.stats_period_s, report_lag_s=self.report_lag_s)
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ class Simulation:
         self.replica_count: list[tuple[float, int]] = []
         roles = ("prefill", "decode") if config.disagg.enabled else ("mixed",)
         self.pools = {role: Pool(role) for role in roles}
-        params = config.headroom_params()
+        params = config.routing_params()
         # Private views are the policies' own (make_policy); shared ones are built here.
         views = {role: pool_views(config.num_ingress, config.shared_view_rtt_s, params.report_lag_s, self.clock)
                  if config.shared_view else [None] * config.num_ingress for role in roles}
@@ -299,14 +299,14 @@ class Simulation:
         )
 
 
-def _make_policy(config: SimConfig, params: HeadroomParams, seed: int, view: RoutingView | None) -> Any:
-    """The router's policy object (router.policies.make_policy); with a shared view, the
+def _make_policy(config: SimConfig, params: RoutingParams, seed: int, view: RoutingView | None) -> Any:
+    """The router's policy object (router.routing.policies.make_policy); with a shared view, the
     view-reading policy is built on its pool's view instead of a private one."""
     if view is None:
-        from router.policies import make_policy
+        from router.routing.policies import make_policy
 
         return make_policy(config.router, params, seed=seed, **dict(config.policy_options))
-    from router.policies.headroom import HeadroomPolicy
+    from router.routing.policies.headroom import HeadroomPolicy
 
     check_options(config.router, dict(config.policy_options), ())
     return HeadroomPolicy(params, seed, view=view)

@@ -1,6 +1,6 @@
 """The routing view several ingress routers share (contract 3 of router v2), on the virtual clock.
 
-A real deployment shares one view through Redis (router/redis_view.py); here the routers
+A real deployment shares one view through Redis (router/routing/redis_view.py); here the routers
 of a pool hold the SAME in-process LocalRoutingView, which is what Redis makes of it:
 one ledger of unreflected work and one prefix-hint table for every router. A private
 view per router (SimConfig.shared_view=False) is the herding failure the shared one fixes.
@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from cluster.sim.clock import EventQueue
-from router.reservations import PerReplica, ReplicaKey, Unreflected
-from router.routing_view import LocalRoutingView, RoutingView
+from router.routing.reservations import PerReplica, ReplicaKey, Unreflected
+from router.routing.routing_view import LocalRoutingView, RoutingView
 
 
 class DelayedView:

@@ -161,7 +161,7 @@ def _bursty(rng: np.random.Generator, n: int, rate_rps: float, gamma_shape: floa
 
 # llm-d's shared-prefix benchmark (its precise prefix-cache scorer, 2025-09): customer
 # groups, each a 6,000-token system prefix shared by its users' 1,200-token questions. Its
-# 150 groups needed 73% of that cluster's KV; benchmarks/routing_setup.py sizes num_groups the
+# 150 groups needed 73% of that cluster's KV; benchmarks/routing/setup.py sizes num_groups the
 # same way for the simulated cluster (B2B_KV_SHARE of its KV), so that one replica cannot
 # hold every group but the cluster can hold each group once.
 B2B_NUM_GROUPS = 150

@@ -102,7 +102,7 @@ def with_pool_pinning(values: dict[str, Any]) -> dict[str, Any]:
 
 
 # The servicer function the chart names in grpc_options (templates/_helpers.tpl).
-GRPC_SERVICER = "router.grpc_proxy.add_KVServeServicer_to_server"
+GRPC_SERVICER = "router.frontend.grpc_proxy.add_KVServeServicer_to_server"
 
 
 def test_grpc_servicer_function_is_the_apps() -> None:
@@ -301,7 +301,7 @@ def test_everything_on(rendered: dict[str, Rendered]) -> None:
 
 
 def test_grpc_tls_from_a_secret(rendered: dict[str, Rendered]) -> None:
-    """grpcTLS.existingSecret: every Ray pod mounts it and gets router/grpc_tls.py's
+    """grpcTLS.existingSecret: every Ray pod mounts it and gets router/frontend/grpc_tls.py's
     environment (mutual TLS with clientCAKey); the gRPC Service and the NetworkPolicy open
     the TLS port beside the plaintext one; the app name the proxy's health probe names."""
     r = rendered["everything_on"]
@@ -413,7 +413,7 @@ REQUIRED_METRICS = (
     "kvserve:time_to_first_token_seconds", "kvserve:inter_token_latency_seconds", "kvserve:e2e_request_latency_seconds",
     "kvserve:num_requests_waiting", "kvserve:num_requests_running", "kvserve:kv_cache_usage_perc",
     "kvserve:num_preemptions", "kvserve:prompt_tokens", "kvserve:generation_tokens",
-    # Router v2 (router/admission.py, the request routers): issue 13's router metrics.
+    # Router v2 (router/routing/admission.py, the request routers): issue 13's router metrics.
     "kvserve:router_decisions", "kvserve:ingress_queue_time_seconds", "kvserve:ingress_queue_length",
     "kvserve:router_prefix_hit_tokens_predicted", "kvserve:router_prefix_hit_tokens_realised",
     "kvserve:router_requests_outstanding", "kvserve:router_reservations_unreflected", "kvserve:router_stats_age_seconds",
@@ -421,7 +421,7 @@ REQUIRED_METRICS = (
 
 
 class _FakeRouter:
-    """What the metrics read of a request router (router/metrics.py's RouterStatsCollector)."""
+    """What the metrics read of a request router (router/frontend/metrics.py's RouterStatsCollector)."""
 
     def __init__(self) -> None:
         self.num_decisions_by_mode = {"headroom": 1}
@@ -431,8 +431,8 @@ class _FakeRouter:
 
 
 def _exposed_metric_names() -> set[str]:
-    """What router/metrics.py really exposes, from one rendered scrape."""
-    from router.metrics import IngressMetrics
+    """What router/frontend/metrics.py really exposes, from one rendered scrape."""
+    from router.frontend.metrics import IngressMetrics
 
     m = IngressMetrics("m")
     m.observe_first_token(0.1)
@@ -463,7 +463,7 @@ def test_grafana_dashboard(rendered: dict[str, Rendered]) -> None:
         assert word in titles
     used = set(re.findall(r"kvserve:[a-z0-9_:]+", text))
     missing = used - _exposed_metric_names()
-    assert not missing, f"the dashboard queries series router/metrics.py does not expose: {sorted(missing)}"
+    assert not missing, f"the dashboard queries series router/frontend/metrics.py does not expose: {sorted(missing)}"
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     assert not rendered["grpc_off_hub_model"].kind("ConfigMap")

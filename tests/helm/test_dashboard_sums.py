@@ -2,7 +2,7 @@
 
 The chart's ServiceMonitor scrapes /metrics on every pod behind the HTTP Service (one
 Serve proxy each); each proxy hands the scrape to an ingress replica, which renders its own
-request metrics and the engine stats of EVERY worker replica (router/metrics.py). Summed
+request metrics and the engine stats of EVERY worker replica (router/frontend/metrics.py). Summed
 naively over targets, every worker's queue would count once per pod.
 
 Here the chart is rendered by the real Helm engine; the dashboard's queries are taken from
@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import IngressMetrics
-from tests.fake_runner import TOKEN, VOCAB, FakeRunner
+from router.frontend.metrics import IngressMetrics
+from tests.support.fake_runner import TOKEN, VOCAB, FakeRunner
 from tests.helm.chart import NAMESPACE, Rendered
 from tests.helm.promql import STALE, Evaluator, Series, parse
 from worker.api import SamplingParams

@@ -3,7 +3,7 @@
 `FakeEngineWorker` is worker/replica.py's `WorkerReplica` unchanged (generate, the stats Serve
 reads for routing and autoscaling, the drain on removal) over the real `Engine` and
 `AsyncEngine` (scheduler, KV block pool, waiting queue, step thread). Only the model runner
-is fake (tests/fake_runner.py): every step takes `step_s` and samples token `TOKEN` for each
+is fake (tests/support/fake_runner.py): every step takes `step_s` and samples token `TOKEN` for each
 row that reaches its end, so a request with `max_tokens` k and no EOS runs exactly k decode steps. With a small
 `max_num_seqs` the waiting queue grows under load exactly as a real engine's does.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from tests.fake_runner import TOKEN, VOCAB, FakeRunner
+from tests.support.fake_runner import TOKEN, VOCAB, FakeRunner
 from worker.async_engine import AsyncEngine
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine

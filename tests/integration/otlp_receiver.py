@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Admission control through real Serve (router/admission.py): with a simulated-device
+"""Admission control through real Serve (router/routing/admission.py): with a simulated-device
 worker busy and its queue bound reached (admission_max_waiting_per_replica 0), further
 requests are held at the ingress, one more than the hold queue is answered 429 with
 Retry-After, and the held ones are served once the busy request ends. /metrics shows the

@@ -1,4 +1,4 @@
-"""API keys and per-key limits end to end (router/auth.py): the app deployed with keys in
+"""API keys and per-key limits end to end (router/frontend/auth.py): the app deployed with keys in
 the ingress replica's environment, as the Helm chart does with its Secret.
 
 HTTP: 401 without or with a wrong key on /v1/* and /metrics, /health open, 200 with a
@@ -49,7 +49,7 @@ class Api:
 def api(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     from ray import serve
 
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     model_dir: Path = make_served_model(tmp_path_factory.mktemp("auth") / "tiny")
     config = tiny_app.tiny_config(

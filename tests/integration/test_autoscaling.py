@@ -34,7 +34,7 @@ from ray import serve  # noqa: E402
 from cluster.app import worker_options  # noqa: E402
 from cluster.config import KVServeConfig  # noqa: E402
 from tests.integration.fake_engine_worker import TOKEN, FakeEngineWorker  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 from worker.api import GenerateRequest, SamplingParams  # noqa: E402
 
 pytestmark = [

@@ -30,7 +30,7 @@ from ray import serve
 
 from cluster.app import INGRESS_DEPLOYMENT, build_app
 from cluster.config import KVServeConfig
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = [
     pytest.mark.integration,

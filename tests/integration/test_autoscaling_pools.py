@@ -36,7 +36,7 @@ from cluster.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, pool_options
 from cluster.config import KVServeConfig
 from tests.integration.fake_engine_worker import TOKEN, FakeEngineWorker
 from tests.integration.test_autoscaling import Result, consume
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 from worker.api import GenerateRequest, SamplingParams
 
 pytestmark = [

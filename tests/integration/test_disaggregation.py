@@ -26,7 +26,7 @@ def apps(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     from ray import serve
 
     from cluster.app import build_app
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     model_dir = make_served_model(tmp_path_factory.mktemp("served-pd") / "tiny")
     mixed = tiny_config(MIXED, model_dir, MODEL)

@@ -3,7 +3,7 @@
 - a worker replica killed (ray.kill) while greedy streams run: every stream completes,
   token-identical to an undisturbed run (request migration); Serve replaces the replica;
   no KV block leaks on the survivors;
-- an engine step that raises (a worker whose runner is wrapped by tests/fault_runner.py,
+- an engine step that raises (a worker whose runner is wrapped by tests/support/fault_runner.py,
   test-only): only that step's request fails, clearly; the next ones are served;
 - overload well above capacity for OVERLOAD_S seconds: accepted requests complete, the
   excess gets 429, worker RSS stays flat, latency is back to normal afterwards;
@@ -41,7 +41,7 @@ from benchmarks.soak import (
     worker_stats,
 )
 from tests.integration.conftest import free_port
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -88,7 +88,7 @@ class App:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     return make_served_model(tmp_path_factory.mktemp("faults") / "tiny")
 
@@ -257,7 +257,7 @@ def test_engine_step_failure_fails_only_that_step(serve_cluster: Any, model_dir:
 
     from cluster.app import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, ingress_options, ingress_settings, worker_options
     from cluster.config import KVServeConfig
-    from router.ingress import Ingress
+    from router.frontend.ingress import Ingress
     from tests.integration.failing_worker import FailingStepWorker
 
     name, prefix = "faults-step", "/faults-step"

@@ -29,7 +29,7 @@ import hypothesis
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from router import openai_protocol as p  # noqa: E402
+from router.frontend import openai_protocol as p  # noqa: E402
 from tests.integration import tiny_app  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -62,7 +62,7 @@ def api(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     from ray import serve
     from transformers import AutoTokenizer
 
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     model_dir: Path = make_served_model(tmp_path_factory.mktemp("fuzz") / "tiny")
     config = tiny_config(model_dir)

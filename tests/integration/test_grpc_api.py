@@ -1,8 +1,8 @@
 """kvserve's gRPC API end to end: a real grpcio client -> Ray Serve's gRPC proxy -> the
-ingress (router.grpc_servicer: GrpcMethods -> GrpcServicer) -> a worker replica running a tiny model.
+ingress (router.frontend.grpc_servicer: GrpcMethods -> GrpcServicer) -> a worker replica running a tiny model.
 
 The app is cluster.app.build_app's, deployed on the session's Serve instance, whose
-proxy registers the KVServe service through router.grpc_proxy (tests/integration/conftest.py
+proxy registers the KVServe service through router.frontend.grpc_proxy (tests/integration/conftest.py
 via cluster.app.grpc_servicer).
 
 Waits poll worker stats through a DeploymentHandle with a deadline; nothing sleeps to
@@ -27,12 +27,12 @@ from cluster.app import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, build_app, ingres
 from cluster.config import KVServeConfig  # noqa: E402
 from protos.kvserve.v1 import kvserve_pb2 as pb  # noqa: E402
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc  # noqa: E402
-from router.client import KVServeClient, KVServeError  # noqa: E402
-from router.grpc_proxy import GRPC_SERVICER  # noqa: E402
-from router.grpc_servicer import GrpcMethods  # noqa: E402
+from router.frontend.client import KVServeClient, KVServeError  # noqa: E402
+from router.frontend.grpc_proxy import GRPC_SERVICER  # noqa: E402
+from router.frontend.grpc_servicer import GrpcMethods  # noqa: E402
 from router.serve_internals import grpc_servicer_functions  # noqa: E402
-from router.ingress import Ingress  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
+from router.frontend.ingress import Ingress  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 from worker.async_engine import EngineDeadError  # noqa: E402
 from worker.api import GenerateRequest  # noqa: E402
 
@@ -106,7 +106,7 @@ def tiny_config(model_dir: Path) -> KVServeConfig:
 
 @pytest.fixture(scope="module")
 def served_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     return make_served_model(tmp_path_factory.mktemp("grpc-model") / MODEL)
 
@@ -239,7 +239,7 @@ def test_token_ids_chat_stop_and_seed(app: GrpcApp) -> None:
 def test_echo_and_prompt_logprobs(app: GrpcApp) -> None:
     """echo puts the prompt before the text; prompt_logprobs (or echo with logprobs) give
     one entry per prompt token, the first without a logprob; the stream carries them in
-    each choice's first message. Values are HF-exact in tests/unit/test_prompt_logprobs_vs_hf.py."""
+    each choice's first message. Values are HF-exact in tests/unit/worker/test_prompt_logprobs_vs_hf.py."""
     prompt = "Echo this prompt back"
     ids = app.ids(prompt)
     plain = app.call("Generate", greedy(prompt, max_tokens=5))
@@ -390,7 +390,7 @@ def proxy_servicer_functions() -> list[str]:
 def test_cancelling_a_stream_the_client_stopped_reading_aborts_it(app: GrpcApp) -> None:
     """The client stops reading; HTTP/2 flow control then holds the proxy in its write to
     the client, where the cancellation lands. Serve 2.60's proxy alone leaks the request
-    then (it ran to max_tokens); router.grpc_proxy's servicer function fixes it."""
+    then (it ran to max_tokens); router.frontend.grpc_proxy's servicer function fixes it."""
     registered = proxy_servicer_functions()
     assert GRPC_SERVICER in registered, f"the proxy registers {registered}, without the fix in {GRPC_SERVICER}"
     idle = app.wait_idle()

@@ -3,7 +3,7 @@ values (hand-picked and fuzzed with hypothesis) -> the right status codes; the p
 the replicas keep serving and no KV block is left held.
 
 Statuses: a message that does not decode as the request type is INVALID_ARGUMENT,
-answered in the proxy (router/grpc_proxy.py; grpc alone says INTERNAL); one over the
+answered in the proxy (router/frontend/grpc_proxy.py; grpc alone says INTERNAL); one over the
 receive limit (grpc's default 4 MiB) is RESOURCE_EXHAUSTED; everything that decodes but
 is wrong is INVALID_ARGUMENT (NOT_FOUND for an unknown model).
 """
@@ -52,7 +52,7 @@ class App:
 def app(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
     from ray import serve
 
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     model_dir: Path = make_served_model(tmp_path_factory.mktemp("grpc-bad") / "tiny")
     tiny_app.deploy(tiny_app.tiny_config(APP, model_dir, MODEL, {"max_queued_requests": 64}))

@@ -3,9 +3,9 @@
 verdict, server reflection listing the services, and TLS / mutual TLS with certificates
 generated here.
 
-The TLS tests run router/grpc_tls.py's port on a grpc.aio server of their own: the
+The TLS tests run router/frontend/grpc_tls.py's port on a grpc.aio server of their own: the
 session's Serve instance started without TLS settings, and Serve's proxy reads them from
-the node's environment when it starts (router/grpc_tls.py)."""
+the node's environment when it starts (router/frontend/grpc_tls.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,11 +22,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from router.grpc_health import KVSERVE_SERVICE, add_health_servicer
-from router.grpc_tls import TLSConfig, add_tls_port
+from router.frontend.grpc_health import KVSERVE_SERVICE, add_health_servicer
+from router.frontend.grpc_tls import TLSConfig, add_tls_port
 from tests.integration.conftest import free_port
 from tests.integration.tiny_app import tiny_config
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +42,7 @@ def channel(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
     from ray import serve
 
     from cluster.app import build_app
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     model_dir = make_served_model(tmp_path_factory.mktemp("served") / "tiny")
     serve.run(build_app(tiny_config(APP, model_dir, MODEL)), name=APP, route_prefix=f"/{APP}")

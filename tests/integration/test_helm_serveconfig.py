@@ -54,7 +54,7 @@ def deployed(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> It
     require_helm()
     from ray import serve
 
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     model_dir = str(make_served_model(tmp_path_factory.mktemp("helm-served") / "tiny"))
     (result,) = run_jobs([render_job(chart_values(model_dir))])

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import free_port
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -49,7 +49,7 @@ def api(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     from transformers import AutoTokenizer
 
     from cluster.app import build_app
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     model_dir = make_served_model(tmp_path_factory.mktemp("served") / "tiny")
     config = tiny_config(APP_NAME, model_dir, MODEL, ingress={

@@ -44,7 +44,7 @@ class App:
 def app(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
     from ray import serve
 
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     receiver = OTLPReceiver()
     model_dir = make_served_model(tmp_path_factory.mktemp("operating") / "tiny")

@@ -1,4 +1,4 @@
-"""Baseline routing policies through real Ray Serve: router/policy_router.py's PolicyRouter,
+"""Baseline routing policies through real Ray Serve: router/routing/serve_router.py's PolicyRouter,
 configured by cluster/app.py from `routing.router`, over the real worker replica and engine
 with a model-free runner (tests/integration/fake_engine_worker.py).
 
@@ -21,7 +21,7 @@ from ray import serve  # noqa: E402
 from cluster.app import POLICY_ROUTER, worker_options  # noqa: E402
 from cluster.config import KVServeConfig  # noqa: E402
 from tests.integration.fake_engine_worker import FakeEngineWorker  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 from worker.api import GenerateRequest  # noqa: E402
 from worker.api import SamplingParams  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Per-key limits counted in Redis through Serve (cluster/state_store.py), and Redis down
 and back while requests flow: every request still succeeds, then Redis counts again.
 
-Redis is a real redis-server (tests/redis_server.py). That the ingress counts in Redis is
+Redis is a real redis-server (tests/support/redis_server.py). That the ingress counts in Redis is
 shown from outside: slots the test writes into the key's Redis sorted set (as another
 ingress replica would hold them) make the next request a 429; the token bucket it charges
 appears under the app's key prefix.
@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.integration import tiny_app
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ class Api:
 def api(serve_cluster: Any, redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     from ray import serve
 
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     model_dir: Path = make_served_model(tmp_path_factory.mktemp("redis-state") / "tiny")
     config = tiny_app.tiny_config(

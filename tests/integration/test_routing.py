@@ -1,7 +1,7 @@
 """KV-headroom routing through real Ray Serve replicas (a fake engine, tests/integration/fake_worker.py).
 
 Calls go through a DeploymentHandle made in this driver process, so the router instance
-(router.request_router.KVHeadroomRouter, built by Serve from the deployment's
+(router.routing.serve_router.PolicyRouter, built by Serve from the deployment's
 RequestRouterConfig) runs here, on the handle's router thread; the tests read its view
 (`routing_view()`) to wait for conditions instead of sleeping.
 """
@@ -22,14 +22,14 @@ from ray.serve.config import RequestRouterConfig  # noqa: E402
 
 from kv.block_hash import hash_full_blocks  # noqa: E402
 from tests.integration.fake_worker import CONTROL_NAMESPACE, FakeControl, FakeWorker  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 from router.serve_internals import request_router_of  # noqa: E402
 from worker.api import GenerateRequest, SamplingParams  # noqa: E402
 
 # A test that hangs (a stream that never ends) fails on its own instead of eating the session.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-ROUTER_CLASS = "router.request_router:KVHeadroomRouter"
+ROUTER_CLASS = "router.routing.serve_router:PolicyRouter"
 STATS_PERIOD_S = 0.5
 BLOCK_SIZE = 16
 WAIT_S = 60.0  # every wait below (tests/integration/waiting.py)
@@ -171,7 +171,7 @@ def clean_fleet(fleet: Fleet) -> Iterator[Fleet]:
 
 def test_custom_router_runs_in_the_driver_handle(clean_fleet: Fleet) -> None:
     router = clean_fleet.router
-    assert type(router).__name__ == "KVHeadroomRouter"
+    assert type(router).__name__ == "PolicyRouter"
     assert router.params.stats_period_s == STATS_PERIOD_S
     view = clean_fleet.view()
     assert len(view) == 3

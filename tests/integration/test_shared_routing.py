@@ -1,10 +1,10 @@
 """Two ingress replicas sharing one routing view through a real redis-server (issue 13).
 
 Real Serve: a `Relay` deployment with TWO replicas plays the ingress (each replica holds a
-handle to the worker deployment, so each has its own KVHeadroomRouter copy, as each kvserve
+handle to the worker deployment, so each has its own PolicyRouter copy, as each kvserve
 ingress replica does), in front of two FakeWorker replicas (tests/integration/fake_worker.py:
 no model, test-set stats). The worker deployment's router kwargs carry `shared_view`, so
-both router copies count each other's reservations through Redis (router/redis_view.py).
+both router copies count each other's reservations through Redis (router/routing/redis_view.py).
 
 The worker stats period is long (30 s) on purpose: within a test no new report reflects
 any dispatch, so what keeps the routers from over-committing a replica is the view alone,
@@ -12,7 +12,7 @@ and what a router knows about a replica's cache at its first request comes from 
 (it pulls every replica's stats before its first decision), not from the controller's polls.
 
 Covered: a burst through both ingress replicas never promises the prefix owner more blocks
-than it has (private views would each fill it: tests/unit/test_routing_view.py shows that
+than it has (private views would each fill it: tests/unit/router/routing/test_routing_view.py shows that
 herding); Redis killed mid-burst -> every request is still served; a router that starts
 after a prefix was cached (as a restarted ingress's does) routes it to its owner on its
 first request.
@@ -33,10 +33,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kv.block_hash import hash_full_blocks
-from router.redis_view import SharedViewSpec
+from router.routing.redis_view import SharedViewSpec
 from tests.integration.fake_worker import CONTROL_NAMESPACE, FakeControl, FakeWorker
-from tests.redis_server import RedisServer
-from tests.waiting import wait_until
+from tests.support.redis_server import RedisServer
+from tests.support.waiting import wait_until
 from worker.api import GenerateRequest, SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -101,7 +101,7 @@ def cluster(serve_cluster: Any, redis_server: RedisServer) -> Iterator[Cluster]:
     worker = serve.deployment(FakeWorker).options(
         name="fake_worker", num_replicas=2, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0.1},
         request_router_config=RequestRouterConfig(
-            request_router_class="router.request_router:KVHeadroomRouter",
+            request_router_class="router.routing.serve_router:PolicyRouter",
             request_router_kwargs={"stats_period_s": STATS_PERIOD_S, "stale_after_periods": 100.0,
                                    "shared_view": shared.to_dict()},
             request_routing_stats_period_s=STATS_PERIOD_S,

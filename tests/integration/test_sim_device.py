@@ -79,7 +79,7 @@ def test_sessions_named_by_header_or_user_reach_the_router(url: str) -> None:
     import openai
 
     from tests.integration.test_admission import metric
-    from tests.waiting import wait_until
+    from tests.support.waiting import wait_until
 
     metrics_url = url.removesuffix("/v1") + "/metrics"
 

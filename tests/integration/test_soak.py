@@ -26,7 +26,7 @@ def root(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
     from cluster.app import build_app
     from cluster.config import KVServeConfig
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     model_dir = make_served_model(tmp_path_factory.mktemp("soak") / "tiny")
     config = KVServeConfig.from_dict(

@@ -15,7 +15,7 @@ import pytest
 
 from kv.transfer import KVExport
 from tests.conftest import run_engine
-from tests.tiny_models import make_tiny_model
+from tests.support.tiny_models import make_tiny_model
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine import Engine
 from worker.api import SamplingParams

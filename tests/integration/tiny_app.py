@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 T = TypeVar("T")
 

@@ -34,7 +34,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.redis_server import REDIS_SERVER, RedisServer
+from tests.support.redis_server import REDIS_SERVER, RedisServer
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # tests only
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every node on 127.0.0.1 (read at import)
@@ -217,7 +217,7 @@ def multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClu
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_served_model import make_served_model
+    from tests.support.tiny_served_model import make_served_model
 
     return make_served_model(tmp_path_factory.mktemp("multinode") / "tiny")
 

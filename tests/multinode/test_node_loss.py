@@ -29,7 +29,7 @@ from tests.multinode.placement import (
     placements,
     run_streams,
 )
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.multinode.conftest import INGRESS_RESOURCE, MIXED_POOL, MultiNodeCluster
 from tests.multinode.placement import app_config, completed, greedy_body, placements, run_streams
-from tests.waiting import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

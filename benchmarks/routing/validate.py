@@ -1,0 +1,295 @@
+"""The simulator against real runs, same seeded workload (benchmarks.routing's validations).
+
+1. Engine: the real engine (one replica, CPU, the embedded model, FP32), driven in real
+   time (each request added at its arrival time, the engine stepped as AsyncEngine's loop
+   does: step, then a stats snapshot), against `simulate` with the calibrated CPU profile
+   (`kvserve calibrate`, cluster/calibrate.py) on the same shape, KV size and scheduler
+   limits.
+   Calibration and the real run are paired ENGINE_REPEATS times; the error is the median
+   of the pairs' errors.
+2. Cluster: a real Ray Serve cluster of 8 simulated-device replicas vs the simulator
+   (benchmarks/routing/validate_cluster.py).
+
+Figures: TTFT p50, TTFT p99, output tokens/s (all output tokens / (last finish - first
+arrival)), relative error (sim - real) / real.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.workloads import SimRequest, make_workload
+
+Log = Callable[[str], None]
+# Validation 2's outcome from its own process: its errors (None if it failed), its log lines
+# and, if it failed, the traceback.
+ClusterValidation = tuple[dict[str, float] | None, list[str], str | None]
+
+
+@dataclass(frozen=True)
+class Figures:
+    ttft_p50_s: float
+    ttft_p99_s: float
+    output_tokens_per_s: float
+
+    @classmethod
+    def of(cls, arrivals: Sequence[float], first_tokens: Sequence[float], finishes: Sequence[float],
+           num_output_tokens: int) -> Figures:
+        ttft = np.asarray(first_tokens) - np.asarray(arrivals)
+        duration = max(finishes) - min(arrivals)
+        return cls(float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99)), num_output_tokens / duration)
+
+    @classmethod
+    def of_sim(cls, summary: dict) -> Figures:
+        return cls(summary["ttft_s"]["p50"], summary["ttft_s"]["p99"], summary["output_tokens_per_s"])
+
+    @classmethod
+    def median(cls, runs: Sequence[Figures]) -> Figures:
+        """Each figure's median over repeated real runs."""
+        return cls(*(float(np.median([getattr(r, k) for r in runs]))
+                     for k in ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s")))
+
+    def scaled(self, dilation: float) -> Figures:
+        """Real figures of a dilated run, in undilated time."""
+        return Figures(self.ttft_p50_s / dilation, self.ttft_p99_s / dilation, self.output_tokens_per_s * dilation)
+
+
+FIGURES = ("ttft_p50_s", "ttft_p99_s", "output_tokens_per_s")
+
+
+def relative_errors(real: Figures, sim: Figures) -> dict[str, float]:
+    """(sim - real) / real, in %, per figure."""
+    return {k: 100.0 * (getattr(sim, k) - getattr(real, k)) / getattr(real, k) for k in FIGURES}
+
+
+def median_pair_errors(reals: Sequence[Figures], sims: Sequence[Figures]) -> dict[str, float]:
+    """Each figure's median over the pairs of that pair's own error. A simulation is priced
+    by the calibration taken right before its real run, so that the machine's drift cancels
+    within the pair; medians of the real runs and of the simulations taken apart would set
+    one pair's real run against another pair's simulation."""
+    per_pair = [relative_errors(r, s) for r, s in zip(reals, sims, strict=True)]
+    return {k: float(np.median([e[k] for e in per_pair])) for k in FIGURES}
+
+
+def compare(name: str, real: Figures, sim: Figures, log: Log,
+            errors: dict[str, float] | None = None) -> dict[str, float]:
+    """Log real vs simulated and the errors (default: of these two figures)."""
+    errors = errors if errors is not None else relative_errors(real, sim)
+    log(f"  {name}: {'':14} {'TTFT p50':>10} {'TTFT p99':>10} {'out tok/s':>10}")
+    log(f"  {'':{len(name) + 16}} {real.ttft_p50_s:>10.4f} {real.ttft_p99_s:>10.4f} {real.output_tokens_per_s:>10.1f}  real")
+    log(f"  {'':{len(name) + 16}} {sim.ttft_p50_s:>10.4f} {sim.ttft_p99_s:>10.4f} {sim.output_tokens_per_s:>10.1f}  simulated")
+    log(f"  {'':{len(name) + 16}} {errors['ttft_p50_s']:>+9.1f}% {errors['ttft_p99_s']:>+9.1f}% "
+        f"{errors['output_tokens_per_s']:>+9.1f}%  error")
+    return errors
+
+
+def into_vocab(requests: Sequence[SimRequest], vocab_size: int) -> list[SimRequest]:
+    """Token ids folded into [1, vocab): equal ids stay equal, so shared prefixes stay shared."""
+    return [replace(r, prompt_token_ids=tuple(1 + (t - 1) % (vocab_size - 1) for t in r.prompt_token_ids))
+            for r in requests]
+
+
+# -- 1. the real engine vs the simulator -------------------------------------------------------
+ENGINE_WORKLOAD = dict(kind="sharegpt", input_mean=160.0, output_mean=48.0, max_len=768)
+
+
+def run_engine_real_time(engine, requests: Sequence[SimRequest]) -> Figures:  # noqa: ANN001 (worker.engine.Engine)
+    from worker.api import SamplingParams
+
+    pending = deque(requests)
+    first: dict[str, float] = {}
+    finish: dict[str, float] = {}
+    num_tokens = 0
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and pending[0].arrival_s <= now:
+            r = pending.popleft()
+            engine.add_request(r.request_id, list(r.prompt_token_ids),
+                               SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
+        if not engine.has_unfinished():
+            time.sleep(max(pending[0].arrival_s - now, 0.0))  # idle until the next arrival (a benchmark)
+            continue
+        outputs = engine.step()
+        engine.stats()  # AsyncEngine's loop takes this snapshot after every step (so did calibrate)
+        t = time.perf_counter() - start
+        for out in outputs:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, t)
+                num_tokens += len(out.new_token_ids)
+            if out.finished:
+                finish[out.request_id] = t
+    arrivals = [r.arrival_s for r in requests]
+    return Figures.of(arrivals, [first[r.request_id] for r in requests], list(finish.values()), num_tokens)
+
+
+ENGINE_NUM_THREADS = 1  # torch threads: the engine here and the calibration that priced it
+ENGINE_LOAD_FRACTION = 0.5  # the run's rate: this fraction of the modelled saturation rate
+ENGINE_REQUESTS = {True: 100, False: 300}  # --quick (120 until 2026-12-01 21:40: ~2 s a pair), full
+# Calibration and the real run, paired, this many times; the error is the median over the
+# pairs of each pair's error (median_pair_errors). The machine's speed drifts within tens of seconds: one
+# 10 s run's TTFT p50 moved -5% to +13% against one profile (2026-12-01 13:13), and three
+# runs 20-50 s after one calibration drifted 19.0 -> 21.2 ms (-20% against it, 13:41).
+ENGINE_REPEATS = 3
+# Calibration's grid here: the regime this workload runs in (decode contexts up to its
+# ~800-token sequences), so a calibration takes ~10 s, not the full grid's ~25 s
+# (32 prompts of 1,024 tokens are prefilled for its largest decode point alone).
+ENGINE_GRID = dict(decode_contexts=(16, 128, 512))
+
+
+def engine_profile(profile_path: str | None, log: Log):  # noqa: ANN201 (worker.sim.profiles.DeviceProfile)
+    """The CPU profile to price the engine with: `profile_path`, else a calibration now,
+    with the engine's thread count. Now, not the committed fit: a shared 2-core machine
+    runs 15-20% faster or slower from one hour to the next (the committed profile of 09:39
+    predicted TTFT p50 16% high on the idle machine at 13:11, a fresh one -9%), and a
+    calibrated profile is a statement about the machine as it is."""
+    from cluster.calibrate import GridSpec, calibrate
+    from worker.sim.profiles import load_profile
+
+    if profile_path:
+        profile = load_profile(profile_path)
+        log(f"validation 1: CPU profile {profile_path} ({profile.source})")
+        return profile
+    t0 = time.perf_counter()
+    profile, report, points = calibrate(None, "cpu-validation", ENGINE_NUM_THREADS, 16, spec=GridSpec(**ENGINE_GRID))
+    saved = os.path.join(tempfile.gettempdir(), f"kvserve-cpu-validation-{os.getpid()}.json")
+    profile.save(saved)
+    log(f"validation 1: calibrated a CPU profile now ({len(points)} engine steps, decode contexts "
+        f"{ENGINE_GRID['decode_contexts']}, {time.perf_counter() - t0:.0f} s, "
+        f"{ENGINE_NUM_THREADS} thread, saved to {saved}): fit error mean {100 * report.mean_rel_error:.1f}%, "
+        f"max {100 * report.max_rel_error:.1f}%")
+    return profile
+
+
+def modelled_saturation_rps(config: SimConfig, device: SimDevice, kind: str, num_requests: int, seed: int,
+                            vocab_size: int, **kw) -> float:
+    """Requests/s the modelled replica completes when every request is waiting at once
+    (the workload's requests, all arriving within a millisecond): its capacity."""
+    burst = into_vocab(make_workload(kind, num_requests, num_requests / 1e-3, seed, **kw), vocab_size)
+    summary = simulate(config, burst, device).summary()
+    return num_requests / summary["duration_s"]
+
+
+def validate_engine(quick: bool, profile_path: str | None, log: Log,
+                    step_check: Callable[..., AbstractContextManager[None]] | None = None) -> dict[str, float]:
+    """`step_check(engine, cost, log)`, when given, wraps each real run (a context manager:
+    benchmarks/routing/validate_steps.py sets each step against its prediction)."""
+    from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from worker.default_model import default_model_path
+    from worker.engine import Engine
+    from worker.sim.cost_model import StepCostModel
+    from worker.sim.runner import SimRunner
+    from worker.sim.shapes import load_shape
+
+    path = default_model_path()
+    scheduler = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048)  # prompt + output <= 1536
+    cache = CacheConfig(block_size=16, kv_cache_bytes=64 * 1024**2, enable_prefix_caching=True)
+    engine = Engine.from_config(EngineConfig(
+        model=ModelConfig(model=path, device="cpu", dtype="float32", num_threads=ENGINE_NUM_THREADS),
+        cache=cache, scheduler=scheduler))
+    num_blocks = engine.runner.num_blocks
+    shape = load_shape(path, dtype_bytes=4)
+
+    def simulator(profile) -> tuple[SimConfig, SimDevice, StepCostModel]:  # noqa: ANN001 (DeviceProfile)
+        cost = StepCostModel(shape, profile)
+        device = SimDevice(make_runner=lambda n: SimRunner(cost, n, 16, shape.vocab_size, sleep=False),
+                           num_blocks=num_blocks, vocab_size=shape.vocab_size,
+                           kv_bytes_per_token=shape.kv_bytes_per_token(), max_model_len=scheduler.max_model_len)
+        config = SimConfig(shape=path, profile=profile.name, num_replicas=1, router="round_robin",
+                           max_num_seqs=scheduler.max_num_seqs,
+                           max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                           max_model_len=scheduler.max_model_len, block_size=16, num_blocks=num_blocks, seed=7)
+        return config, device, cost
+
+    config, device, cost = simulator(engine_profile(profile_path, log))
+    kind = ENGINE_WORKLOAD["kind"]
+    kw = {k: v for k, v in ENGINE_WORKLOAD.items() if k != "kind"}
+    num_requests = ENGINE_REQUESTS[quick]
+    capacity = modelled_saturation_rps(config, device, kind, num_requests, 7, shape.vocab_size, **kw)
+    rate = ENGINE_LOAD_FRACTION * capacity
+    requests = into_vocab(make_workload(kind, num_requests, rate, 7, **kw), shape.vocab_size)
+    log(f"  workload: {kind} {kw}, {num_requests} requests at {rate:.2f} req/s (Poisson, seed 7) = "
+        f"{ENGINE_LOAD_FRACTION:.0%} of the modelled saturation rate {capacity:.2f} req/s; engine "
+        f"{ENGINE_NUM_THREADS} torch thread, max_num_seqs {scheduler.max_num_seqs}, max_num_batched_tokens "
+        f"{scheduler.max_num_batched_tokens}, {num_blocks} KV blocks; load average {os.getloadavg()[0]:.1f} at start")
+    engine.step()  # warm-up (first-step allocations), before the clock starts
+    reals, sims = [], []
+    for i in range(ENGINE_REPEATS):
+        if i > 0 and not profile_path:  # calibrate again right before this run: the machine drifts
+            config, device, cost = simulator(engine_profile(None, log))
+        with step_check(engine, cost, log) if step_check is not None else nullcontext():
+            real = run_engine_real_time(engine, [replace(r, request_id=f"{r.request_id}-{i}") for r in requests])
+        engine.kv.pool.reset_prefix_cache()  # each repeat starts cold, as the simulation does
+        sim = Figures.of_sim(simulate(config, requests, device).summary())
+        reals.append(real)
+        sims.append(sim)
+        e = relative_errors(real, sim)
+        log(f"  pair {i + 1}/{ENGINE_REPEATS}: real TTFT p50 {real.ttft_p50_s:.4f} s, p99 {real.ttft_p99_s:.4f} s, "
+            f"{real.output_tokens_per_s:.1f} tok/s; simulated {sim.ttft_p50_s:.4f} s, {sim.ttft_p99_s:.4f} s, "
+            f"{sim.output_tokens_per_s:.1f} tok/s; error {e['ttft_p50_s']:+.1f}%, {e['ttft_p99_s']:+.1f}%, "
+            f"{e['output_tokens_per_s']:+.1f}%")
+    log(f"  load average {os.getloadavg()[0]:.1f} at end (the real engine runs on the wall clock: a machine "
+        f"shared with other jobs slows it, the calibrated profile does not)")
+    real, sim = Figures.median(reals), Figures.median(sims)
+    apart = relative_errors(real, sim)
+    log(f"  (the medians taken apart would read {apart['ttft_p50_s']:+.1f}%, {apart['ttft_p99_s']:+.1f}%, "
+        f"{apart['output_tokens_per_s']:+.1f}%; until 2026-12-01 18:40 that was the figure)")
+    return compare(f"engine (1 CPU replica, {ENGINE_REPEATS} pairs: medians; error: median of the pairs' errors)",
+                   real, sim, log, median_pair_errors(reals, sims))
+
+
+def validate_cluster_buffered(quick: bool) -> ClusterValidation:
+    """Validation 2 in its own process, beside the router table: its log lines come back
+    (printed after validation 1's, so the log keeps its order), with its errors or the
+    traceback of its failure. It runs on the wall clock but mostly waits (dilated steps
+    sleep), and its calibration run measures the dispatch path under the same load as the
+    validated run; the table's processes run at a lower priority (routing.TABLE_NICE) so
+    that a woken replica or proxy gets a core at once."""
+    import traceback
+
+    from benchmarks.routing.validate_cluster import validate_cluster
+
+    lines: list[str] = []
+    try:
+        return validate_cluster(quick, lines.append), lines, None
+    except Exception:  # reported by validate_all, which leaves the figure unknown
+        return None, lines, traceback.format_exc()
+
+
+def validate_all(quick: bool, cpu_profile: str | None, log: Log, cluster: Callable[[], ClusterValidation]) -> float:
+    """Both validations; the worst |error| in % of TTFT p50 and output tokens/s. `cluster`
+    waits for validation 2's result (validate_cluster_buffered, run in its own process):
+    it is awaited before validation 1 starts, whose real engine must have the machine to
+    itself, and its lines are logged after validation 1's."""
+    import traceback
+
+    log("")
+    worst = 0.0
+    errors_2, lines, failure = cluster()
+
+    def cluster_run() -> dict[str, float]:
+        for line in lines:
+            log(line)
+        if failure is not None:
+            raise RuntimeError(failure)
+        assert errors_2 is not None
+        return errors_2
+
+    for name, run in (("engine", lambda: validate_engine(quick, cpu_profile, log)), ("cluster", cluster_run)):
+        try:
+            errors = run()
+        except Exception:  # a failed validation is reported, and leaves the figure unknown
+            log(f"validation {name} FAILED:\n{traceback.format_exc()}")
+            worst = math.nan
+            continue
+        worst = max(worst, abs(errors["ttft_p50_s"]), abs(errors["output_tokens_per_s"]))
+    return worst

@@ -1,0 +1,83 @@
+"""Validation 1 (benchmarks/routing/validate.py: the real engine against the simulator on
+the CPU) with each real step set against the calibrated cost model's prediction for the
+same plan. It tells the two causes of a TTFT error apart: a cost model that mispredicts
+some kind of step (one kind's ratio off in every pair), or a machine whose speed moved
+between a pair's calibration and its run (every kind's ratio off together, by a different
+amount in each pair).
+
+    python -m benchmarks.routing.validate_steps
+
+Per pair, per kind of step (with a prefill chunk / decodes only): steps, median wall time
+of engine.step() and of the runner's execute, the median prediction, and the ratios of
+their sums to the predictions' sum. The timing hooks cost a few µs a step; the table's
+validation runs without them.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from benchmarks.routing.validate import Log, validate_engine
+
+KINDS = (("with a prefill chunk", True), ("decodes only", False))
+
+
+@contextmanager
+def step_check(engine: Any, cost: Any, log: Log) -> Iterator[None]:  # worker.engine.Engine, StepCostModel
+    """Times each engine.step() and its runner.execute(plan) while the block runs, then logs
+    them against cost.plan_time_s(plan) (predicted before execute: the plan's sequences
+    still hold this step's starting positions)."""
+    runner, real_execute, real_step = engine.runner, engine.runner.execute, engine.step
+    rows: list[tuple[float, float, float, bool]] = []  # step s, execute s, predicted s, has a prefill chunk
+    current: dict[str, Any] = {}
+
+    def execute(plan: Any) -> Any:
+        current["predicted"] = cost.plan_time_s(plan)
+        current["prefill"] = any(n > 1 for n in plan.num_new_tokens)
+        t0 = time.perf_counter()
+        out = real_execute(plan)
+        current["execute"] = time.perf_counter() - t0
+        return out
+
+    def step() -> Any:
+        current.clear()
+        t0 = time.perf_counter()
+        out = real_step()
+        if current:  # a step that ran the model
+            rows.append((time.perf_counter() - t0, current["execute"], current["predicted"], current["prefill"]))
+        return out
+
+    runner.execute, engine.step = execute, step
+    try:
+        yield
+    finally:
+        runner.execute, engine.step = real_execute, real_step
+        log_steps(rows, log)
+
+
+def log_steps(rows: list[tuple[float, float, float, bool]], log: Log) -> None:
+    table = np.array([r[:3] for r in rows]).reshape(-1, 3)
+    prefill = np.array([r[3] for r in rows], dtype=bool)
+    for name, kind in KINDS:
+        t = table[prefill == kind]
+        if not len(t):
+            continue
+        log(f"    steps {name}: {len(t)}, median step {1e3 * np.median(t[:, 0]):.2f} ms, execute "
+            f"{1e3 * np.median(t[:, 1]):.2f} ms, predicted {1e3 * np.median(t[:, 2]):.2f} ms; sums: step/predicted "
+            f"{t[:, 0].sum() / t[:, 2].sum():.3f}, execute/predicted {t[:, 1].sum() / t[:, 2].sum():.3f}")
+
+
+def main() -> int:
+    errors = validate_engine(True, None, lambda line: print(line, flush=True), step_check)
+    print(f"RESULT ttft_p50_error_pct={errors['ttft_p50_s']:.1f} ttft_p99_error_pct={errors['ttft_p99_s']:.1f} "
+          f"tokens_per_s_error_pct={errors['output_tokens_per_s']:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

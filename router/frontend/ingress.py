@@ -1,0 +1,365 @@
+"""The HTTP ingress: a Ray Serve FastAPI deployment speaking OpenAI's API.
+
+Each handler is thin: read and validate the body, run it through the request pipeline
+that gRPC uses too (router/frontend/pipeline.py: admit, tokenize once here, charge the key's
+budget, stream through the worker handle, settle), convert the events back to OpenAI's
+JSON or server-sent events. Limits, checked before any work:
+
+- no or a wrong API key (when keys are configured, router/frontend/auth.py) -> 401
+- body over `max_body_bytes`                    -> 413 (Content-Length, then while reading)
+- malformed JSON, unknown field, bad value       -> 400
+- unknown model                                  -> 404
+- prompt + max_tokens over max_model_len, n over max_n -> 400
+- more than `max_queued_requests` (weighted by n) in flight on this replica -> 429 at once
+- no worker can take it (KV headroom, queue bound): held (router/routing/admission.py); the hold
+  queue full or `admission_max_wait_s` passed -> 429 with Retry-After
+- over the API key's concurrent requests or tokens per minute -> 429 at once
+- no result within `request_timeout_s`           -> 504
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize,
+/detokenize and /version, /health, /metrics; all but /health and /version need the API key
+when keys are configured (/metrics too, unless metrics_public). The
+gRPC methods come from router/frontend/grpc_servicer.py (GrpcMethods -> GrpcServicer, the same pipeline).
+
+No `from __future__ import annotations` here: Serve rebuilds the FastAPI routes of the
+class, and FastAPI must then resolve the handlers' annotations (`Request`) at runtime.
+"""
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router import errors
+from router.frontend import openai_convert as convert
+from router.frontend import openai_protocol as p
+from router.frontend import tokenize_api as tk
+from router.routing import RouterSnapshotSource
+from router.frontend.auth import ApiKeys, Principal
+from router.frontend.disagg import DisaggregatedGenerate
+from router.frontend.generation import GenerationStream
+from router.frontend.grpc_servicer import GrpcMethods, GrpcServicer
+from router.frontend.key_limits import KeyLimits
+from router.frontend.metrics import CONTENT_TYPE, IngressMetrics
+from router.frontend.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
+from router.serve_internals import initialized_request_router_of
+from router.routing import SESSION_HEADER, client_session_id
+from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
+from router.frontend.workers import Workers
+from worker.api import load_tokenizer
+from router.frontend.tools import tool_mode
+from router.tracing import ClientTraceContext
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+try:
+    KVSERVE_VERSION = package_version("kvserve")
+except PackageNotFoundError:  # run from a source tree without an install
+    KVSERVE_VERSION = "0+unknown"
+
+app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
+app.add_middleware(ClientTraceContext)  # a client's traceparent, when accepted (router/tracing.py)
+
+
+@app.exception_handler(errors.APIError)
+async def _api_error(request: Request, exc: errors.APIError) -> JSONResponse:
+    retry_after = getattr(exc, "retry_after_s", None)  # admission control's sheds (router/routing/admission.py)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    body = errors.APIError(exc.status_code, str(exc.detail), "invalid_request_error").body()
+    return JSONResponse(body, status_code=exc.status_code)
+
+
+@app.exception_handler(Exception)
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s", request.url.path)
+    return JSONResponse(errors.internal(f"Internal error: {type(exc).__name__}.").body(), status_code=500)
+
+
+async def read_json(request: Request, limit: int) -> tuple[dict[str, Any], int]:
+    """The body as a JSON object, and its size in bytes (APIError 400 / 413)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise errors.body_too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise errors.body_too_large(limit)
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise errors.bad_request(f"The request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
+    if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(data):
+        # JSON may spell a lone UTF-16 surrogate ("\ud83d"); Python keeps it in the str,
+        # and the tokenizer and the response encoder then fail on it (a 500 before this).
+        raise errors.bad_request(
+            "The request body contains a lone UTF-16 surrogate escape (such as \\ud83d without its pair); "
+            "strings must be valid Unicode.", None, "invalid_json"
+        )
+    return data, len(body)
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def parse(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise errors.from_validation_error(e) from None
+
+
+def _prompt_lengths(inputs: list[convert.EngineInput]) -> list[int]:
+    lengths: dict[int, int] = {}
+    for inp in inputs:
+        lengths[inp.prompt_index] = len(inp.prompt_token_ids)
+    return list(lengths.values())
+
+
+async def _sse_events(
+    stream: GenerationStream,
+    formatter: convert.CompletionFormatter | convert.ChatFormatter,
+    prompt_lengths: list[int],
+    include_usage: bool,
+    continuous_usage: bool,
+) -> AsyncIterator[str]:
+    """`data: {chunk}` events, an optional usage chunk, then `data: [DONE]`. An error
+    after the first token can only be reported in the stream: an error event, then DONE."""
+    states = {inp.index: convert.ChoiceState(inp.index, inp.prompt_index) for inp in stream.inputs}
+    try:
+        for chunk in formatter.start_chunks(sorted(states)):
+            yield convert.sse(chunk)
+        async for event in stream:
+            states[event.index].add(event.output)
+            chunk = formatter.delta_chunk(event.index, event.output)
+            if chunk is not None:
+                if include_usage and continuous_usage:
+                    chunk.usage = convert.usage_of(list(states.values()), prompt_lengths)
+                yield convert.sse(chunk)
+        if include_usage:
+            yield convert.sse(formatter.usage_chunk(convert.usage_of(list(states.values()), prompt_lengths)))
+    except errors.APIError as e:
+        yield convert.sse(e.body())
+    except Exception as e:  # a bug: still end the stream in a way clients understand
+        logger.exception("stream %s failed", stream.request_id)
+        yield convert.sse(errors.internal(f"The request failed: {type(e).__name__}.").body())
+    finally:
+        stream.close()  # also on client disconnect (this generator is cancelled): settles
+    yield convert.SSE_DONE
+
+
+async def _respond(
+    stream: GenerationStream,
+    formatter: convert.CompletionFormatter | convert.ChatFormatter,
+    req: p.CompletionRequest | p.ChatCompletionRequest,
+) -> Response:
+    """The started stream as server-sent events, or, once it has finished, one JSON body."""
+    prompt_lengths = _prompt_lengths(stream.inputs)
+    if req.stream:
+        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
+        events = _sse_events(stream, formatter, prompt_lengths, req.include_usage, continuous)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    states = {inp.index: convert.ChoiceState(inp.index, inp.prompt_index) for inp in stream.inputs}
+    async for event in stream:  # closes (and settles) the stream when done or on error
+        states[event.index].add(event.output)
+    usage = convert.usage_of(list(states.values()), prompt_lengths)
+    return JSONResponse(formatter.response(list(states.values()), usage).model_dump())
+
+
+def echo_texts(prompt: Any, inputs: list[convert.EngineInput], tokenizer: Any) -> dict[int, str]:
+    """Each choice's prompt as text for `echo`: a text prompt as sent, token ids decoded."""
+    texts = [prompt] if isinstance(prompt, str) else list(prompt) if all(isinstance(x, str) for x in prompt) else None
+    return {
+        inp.index: texts[inp.prompt_index] if texts is not None else tokenizer.decode(inp.prompt_token_ids)
+        for inp in inputs
+    }
+
+
+# Serve snapshots what the class refers to when `serve.ingress` runs: everything the
+# class uses must be defined above this line.
+@serve.ingress(app)
+class Ingress(GrpcMethods):
+    def __init__(
+        self, worker: Any, settings: IngressSettings, prefill_worker: Any = None,
+        max_waiting_for_decode: int = MAX_WAITING_FOR_DECODE,
+    ) -> None:
+        if settings.setup is not None:  # this process's set-up from cluster/ (tracing: cluster/tracing.py)
+            settings.setup()
+        self.settings = settings
+        generate = worker.options(stream=True)
+        if prefill_worker is not None:  # prefill/decode disaggregation (router/frontend/disagg.py)
+            generate = DisaggregatedGenerate(prefill_worker, worker, max_waiting_for_decode)
+        workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill_worker)
+        # Digests only (router/frontend/auth.py); a malformed entry fails the replica's start.
+        api_keys = ApiKeys.from_env(settings.api_keys_env)
+        api_keys.log_startup(settings.api_keys_env)
+        # Per-key limits: counted here, or cluster-wide in the shared store cluster/ injected.
+        store = settings.state_store.build() if settings.state_store is not None else None
+        key_limits = KeyLimits(settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key, store=store)
+        tokenizer = load_tokenizer(settings.tokenizer_path, settings.trust_remote_code)
+        # Admission control judges with the reports of this replica's request router for the
+        # worker pool; off when disaggregated (the prefill pool is routed elsewhere).
+        routing_source = RouterSnapshotSource(worker) if prefill_worker is None else None
+        # Every series this replica serves carries its id (router/frontend/metrics.py: no double counting).
+        metrics = IngressMetrics(settings.served_model_name, ingress_replica=serve.get_replica_context().replica_id.unique_id)
+        metrics.router.source = lambda: initialized_request_router_of(worker)
+        self.pipeline = RequestPipeline(settings, workers, tokenizer, metrics, api_keys, key_limits, routing_source)
+        self.grpc = GrpcServicer(self.pipeline)
+
+    # -- OpenAI endpoints ------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        principal, req, num_bytes = await self._read(request, p.CompletionRequest)
+        convert.check_n(req.n, self.settings.max_n)
+        num_prompts = 1 if isinstance(req.prompt, str) or all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
+        # A list of prompts multiplies the engine requests as n does: bounded the same way
+        # (by the in-flight bound, or max_n when that is larger), before any tokenizing.
+        max_choices = max(self.pipeline.limiter.limit, self.settings.max_n)
+        if req.n * num_prompts > max_choices:
+            raise errors.bad_request(
+                f"This request asks for {req.n * num_prompts} completions ({num_prompts} prompts x n={req.n}); "
+                f"this server allows at most {max_choices} per request.",
+                "prompt",
+                "invalid_value",
+            )
+        tokenizer, max_n = self.pipeline.tokenizer, self.settings.max_n
+        stream = await self.pipeline.start(
+            principal, req.n * num_prompts, num_bytes,
+            lambda max_model_len: convert.completion_inputs(req, tokenizer, max_model_len, max_n),
+            f"cmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
+        )
+        formatter = convert.CompletionFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs is not None, req.prompt_logprobs)
+        if req.echo:
+            ids = {inp.index: inp.prompt_token_ids for inp in stream.inputs}
+            formatter.set_echo(echo_texts(req.prompt, stream.inputs, tokenizer), ids, req.logprobs)
+        return await _respond(stream, formatter, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        principal, req, num_bytes = await self._read(request, p.ChatCompletionRequest)
+        convert.check_n(req.n, self.settings.max_n)
+        tokenizer, max_n, parser = self.pipeline.tokenizer, self.settings.max_n, self.settings.tool_call_parser
+        stream = await self.pipeline.start(
+            principal, req.n, num_bytes,
+            lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
+            f"chatcmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
+        )
+        mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
+        formatter = convert.ChatFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)
+        return await _respond(stream, formatter, req)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authenticate(request)
+        info = await self.pipeline.workers.model_info()
+        card = p.ModelCard(id=self.settings.served_model_name, root=self.settings.tokenizer_path, max_model_len=info["max_model_len"])
+        return JSONResponse(p.ModelList(data=[card]).model_dump())
+
+    # -- vLLM's utility endpoints -------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /tokenize: the ids generation would see, with the context length."""
+        _, req, num_bytes = await self._read(request, tk.TokenizeRequest)
+        tokenizer = self.pipeline.tokenizer
+        ids = await self._off_loop(num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
+        info = await self.pipeline.workers.model_info()
+        strs = [self.pipeline.texts(t) for t in ids] if req.return_token_strs else None
+        out = tk.TokenizeResponse(count=len(ids), max_model_len=int(info["max_model_len"]), tokens=ids, token_strs=strs)
+        return JSONResponse(out.model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM)."""
+        _, req, num_bytes = await self._read(request, tk.DetokenizeRequest)
+        tokenizer = self.pipeline.tokenizer
+        text = await self._off_loop(num_bytes, lambda: tk.detokenize_text(req, tokenizer))
+        return JSONResponse(tk.DetokenizeResponse(prompt=text).model_dump())
+
+    @app.get("/version")
+    async def version(self) -> JSONResponse:
+        """kvserve's version; public like /health (it says nothing a client could misuse)."""
+        return JSONResponse(tk.VersionResponse(version=KVSERVE_VERSION).model_dump())
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 when a worker answers its health check; 503 otherwise, and while draining
+        (a readiness probe then takes this instance out of rotation)."""
+        reason = "The server is shutting down." if self.pipeline.limiter.draining else None
+        reason = reason or await self.pipeline.workers.unhealthy_reason()
+        if reason is not None:
+            error = errors.APIError(503, reason, "server_error", None, "unhealthy")
+            return JSONResponse(error.body(), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        if not self.settings.metrics_public:
+            self._authenticate(request)
+        return Response(self.pipeline.metrics.render(await self.pipeline.workers.stats()), media_type=CONTENT_TYPE)
+
+    # -- shutdown (cluster/cli.py, on SIGTERM) --------------------------------------------------
+    async def begin_drain(self) -> int:
+        """Refuse new requests with 503 from now on; running ones go on. Returns how many
+        (weighted by n) are still in flight."""
+        self.pipeline.limiter.draining = True
+        return self.pipeline.limiter.in_flight
+
+    async def num_in_flight(self) -> int:
+        return self.pipeline.limiter.in_flight
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _authenticate(self, request: Request) -> Principal:
+        return self.pipeline.authenticate(request.headers.get("authorization"))
+
+    @staticmethod
+    async def _off_loop(num_bytes: int, work: Callable[[], T]) -> T:
+        """Tokenizer work for a large body runs off the event loop (as the pipeline does)."""
+        if num_bytes > LARGE_REQUEST_BYTES:
+            return await asyncio.to_thread(work)
+        return work()
+
+    async def _read(self, request: Request, model: type[M]) -> tuple[Principal, M, int]:
+        """Authenticate, read the JSON body (bounded), validate it and check its `model`
+        (optional where the endpoint allows it): every POST endpoint starts so."""
+        principal = self._authenticate(request)
+        body, num_bytes = await read_json(request, self.settings.max_body_bytes)
+        req = parse(model, body)
+        name = getattr(req, "model", None)
+        if name is not None:
+            self._check_model(name)
+        return principal, req, num_bytes
+
+    def _check_model(self, model: str) -> None:
+        if model != self.settings.served_model_name:
+            raise errors.model_not_found(model)

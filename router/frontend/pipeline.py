@@ -1,0 +1,144 @@
+"""One request pipeline for both front ends: admit -> convert -> charge -> stream -> settle.
+
+    HTTP handler (router/frontend/ingress.py)           gRPC method (router/frontend/grpc_servicer.py)
+      authenticate, read + validate the body     authenticate, validate the message
+                       \\                         /
+              RequestPipeline.start(principal, weight, ..., to_inputs, request_id)
+                admit    the key's concurrency slot (router/frontend/key_limits.py), then this
+                         replica's in-flight share (InFlightLimiter)        -> 429 / 503
+                convert  tokenize + sampling params, with the workers' max_model_len,
+                         off the event loop when the request is large      -> 400
+                charge   the worst case from the key's tokens-per-minute budget -> 429
+                hold     admission control (router/routing/admission.py): while no worker replica
+                         can take it, held in a queue fair between keys -> 429 at its bound
+                stream   GenerationStream.start(): the engine requests go out through
+                         the worker handle (KV-headroom router) and the first output is
+                         awaited, so that errors before any token have their status
+              -> GenerationStream; the front end converts its events to its wire format
+                settle   when the stream closes (finished, failed, cancelled): the unused
+                         part of the charge is refunded, the slot and share released
+
+Each stage undoes what the earlier ones took when it fails, so a request refused at any
+point holds nothing. The front ends only convert: a body or message into `to_inputs`,
+events into chunks or messages, errors into statuses.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket
+from router.frontend.auth import ANONYMOUS, ApiKeys, Principal
+from router.frontend.generation import GenerationStream, InFlightLimiter, StreamPermit
+from router.frontend.key_limits import JointPermit, KeyLimits, worst_case_tokens
+from router.frontend.metrics import IngressMetrics
+from router.frontend.openai_convert import EngineInput, TokenTexts
+from router.frontend.settings import IngressSettings
+from router.frontend.workers import Workers
+
+# Requests above this many bytes are tokenized off the event loop (a long prompt takes
+# milliseconds).
+LARGE_REQUEST_BYTES = 64 * 1024
+
+# Builds a request's engine inputs given the longest sequence a worker holds.
+ToInputs = Callable[[int], list[EngineInput]]
+
+
+class RequestPipeline:
+    """What both front ends share: the collaborators and the request's stages."""
+
+    def __init__(
+        self,
+        settings: IngressSettings,
+        workers: Workers,
+        tokenizer: object,
+        metrics: IngressMetrics,
+        api_keys: ApiKeys,
+        key_limits: KeyLimits,
+        # The request router's reports for admission control (router/routing/admission_source.py's
+        # RouterSnapshotSource on the worker handle); None: admission control off.
+        routing_source: SnapshotSource | None = None,
+    ) -> None:
+        self.settings = settings
+        self.workers = workers
+        self.tokenizer = tokenizer
+        self.texts = TokenTexts(tokenizer)
+        self.metrics = metrics
+        self.limiter = InFlightLimiter(settings.max_queued_requests, metrics)
+        self.api_keys = api_keys
+        self.key_limits = key_limits
+        self.admission = AdmissionController(
+            routing_source, settings.admission_queue_size, settings.admission_max_wait_s or settings.request_timeout_s,
+            settings.admission_max_waiting_per_replica, metrics,
+        )
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The caller of a request with this `Authorization` value (HTTP header or gRPC
+        metadata): ANONYMOUS when keys are off, else APIError 401 unless it is a key."""
+        return self.api_keys.authenticate(authorization)
+
+    async def admit(self, principal: Principal, weight: int) -> JointPermit:
+        """The key's concurrency slot, then this replica's in-flight share (429 for either)."""
+        lease = None
+        if principal is not ANONYMOUS and self.key_limits.enabled:
+            lease = await self.key_limits.acquire(principal.key_id)
+        try:
+            permit = self.limiter.acquire(weight)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        return JointPermit(permit, lease)
+
+    async def start(
+        self,
+        principal: Principal,
+        weight: int,  # engine requests it will send (n x prompts): its in-flight share
+        request_bytes: int,
+        to_inputs: ToInputs,
+        request_id: str,
+        arrival: float,  # time.monotonic() when the request came in
+        session_id: str | None = None,  # the client's session (router/routing/sessions.py)
+    ) -> GenerationStream:
+        permit = await self.admit(principal, weight)
+        try:
+            info = await self.workers.model_info()
+            inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]))
+            if permit.lease is not None:
+                await permit.lease.charge(worst_case_tokens(inputs))
+            profiles = [RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens)) for inp in inputs]
+            ticket = await self.admission.admit(principal.key_id, profiles)
+        except BaseException:
+            permit.release()
+            raise
+        stream = GenerationStream(
+            self.workers.generate, inputs, request_id, AdmittedPermit(permit, ticket), self.settings.request_timeout_s,
+            self.metrics, arrival,
+            max_migrations=self.settings.max_migrations, session_id=session_id,
+        )
+        await stream.start()  # on failure the stream has closed: refunded, released
+        return stream
+
+    @staticmethod
+    async def _convert(request_bytes: int, to_inputs: ToInputs, max_model_len: int) -> list[EngineInput]:
+        if request_bytes > LARGE_REQUEST_BYTES:
+            return await asyncio.to_thread(to_inputs, max_model_len)
+        return to_inputs(max_model_len)
+
+
+class AdmittedPermit:
+    """What a stream holds: the pipeline's JointPermit and its admission Ticket, given
+    back together when the stream closes (the ticket first: it lets a held request go)."""
+
+    def __init__(self, permit: StreamPermit, ticket: Ticket) -> None:
+        self._permit = permit
+        self.ticket = ticket
+
+    def settle(self, used_tokens: int) -> None:
+        self._permit.settle(used_tokens)
+
+    def release(self) -> None:
+        try:
+            self.ticket.release()
+        finally:
+            self._permit.release()

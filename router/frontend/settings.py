@@ -1,0 +1,59 @@
+"""What the ingress needs to know, built by cluster/ from the user's config.
+
+A frozen dataclass (not the pydantic schema) so that router/ does not depend on cluster/.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.frontend.auth import DEFAULT_API_KEYS_ENV
+from router.frontend.key_limits import StateStoreFactory
+
+# Prefill/decode disaggregation (router/frontend/disagg.py): requests per ingress replica admitted
+# but not yet decoding (waiting for their prefill or for a decode replica); one more is
+# answered 429 before any work is done.
+MAX_WAITING_FOR_DECODE = 256
+
+
+@dataclass(frozen=True)
+class IngressSettings:
+    served_model_name: str
+    tokenizer_path: str  # a local directory or a Hub id (tokenizer files only are read)
+    max_queued_requests: int = 1024  # weighted by n; beyond it: 429 at once
+    max_body_bytes: int = 4 * 1024**2  # beyond it: 413
+    max_n: int = 16
+    request_timeout_s: float = 600.0
+    # Times one engine request is resumed on another replica after its replica died
+    # (router/frontend/migration.py); 0 turns migration off.
+    max_migrations: int = 2
+    trust_remote_code: bool = False
+    # How long /metrics waits for the workers' stats before answering without them.
+    stats_timeout_s: float = 2.0
+    # API keys (router/frontend/auth.py): the environment variable with the keys (plaintext or
+    # `sha256:<hex>`, comma-separated); unset or empty: authentication off.
+    api_keys_env: str | None = DEFAULT_API_KEYS_ENV
+    # Per API key; None: no limit. Counted per ingress replica, or cluster-wide when
+    # `state_store` is set.
+    max_concurrent_requests_per_key: int | None = None
+    tokens_per_minute_per_key: int | None = None
+    # Where the per-key limits are counted: None, this replica; else a factory built once
+    # per replica (cluster/state_store.py: Redis, with this replica as the fallback).
+    state_store: StateStoreFactory | None = None
+    # /metrics without an API key (e.g. for a Prometheus scraper) when keys are on.
+    metrics_public: bool = False
+    # Admission control (router/routing/admission.py): while no worker replica can take a request
+    # (KV headroom, and at most `admission_max_waiting_per_replica` requests waiting there),
+    # hold it here in a queue fair between API keys, at most `admission_queue_size` requests
+    # per ingress replica (one more: 429 with Retry-After) and `admission_max_wait_s` each
+    # (then 429; None: until the request's own timeout). 0 turns it off. Stale stats never
+    # hold a request.
+    admission_queue_size: int = 256
+    admission_max_wait_s: float | None = None
+    admission_max_waiting_per_replica: int = 8
+    # Tool calls in chat output (router/frontend/tool_parsers.py): hermes | llama3_json | auto (from
+    # the chat template's text).
+    tool_call_parser: str = "auto"
+    # Set-up of the replica's own process, called first thing by the ingress (cluster/
+    # injects it: tracing, cluster/tracing.py). None: nothing to set up.
+    setup: Callable[[], object] | None = None

@@ -1,0 +1,103 @@
+"""The worker deployment as both front ends see it: the generate stream, the model's
+facts, every replica's stats, and a health check.
+
+One place for what /v1/models and gRPC ListModels, /metrics and gRPC Stats, /health and
+gRPC Health each used to ask the worker handle for themselves.
+
+Disaggregated (router/frontend/disagg.py), the engine requests touch two pools: the decode pool
+(`handle`) and the prefill pool (`prefill_handle`). Stats then come from both, each
+replica's dict tagged with its `pool` ("prefill" | "decode"), and health needs both: a
+cluster whose prefill pool is down cannot answer a single request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from router import errors
+from router.frontend.generation import api_error_of
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 10.0
+
+
+class Workers:
+    def __init__(self, handle: Any, generate: Any, stats_timeout_s: float, prefill_handle: Any = None) -> None:
+        self.handle = handle  # DeploymentHandle of the worker deployment (the decode pool when disaggregated)
+        self.prefill_handle = prefill_handle  # the prefill pool's, when disaggregated
+        # What GenerationStream sends engine requests through: handle.options(stream=True),
+        # or router/frontend/disagg.py's DisaggregatedGenerate.
+        self.generate = generate
+        self._stats_timeout_s = stats_timeout_s
+        self._model_info: dict[str, Any] | None = None
+
+    async def model_info(self) -> dict[str, Any]:
+        """The workers' model facts, fetched once. `max_model_len` is the longest sequence
+        a worker can hold: the model's limit, or the KV pool's when that is smaller (so that
+        a default max_tokens always fits, and a too-long request is a 400 here). A worker
+        call that fails is the API error a client should see (503 when no worker is up)."""
+        if self._model_info is None:
+            try:
+                info = dict(await self.handle.model_info.remote())
+                stats = await self.handle.stats.remote()
+            except errors.APIError:
+                raise
+            except Exception as e:
+                raise api_error_of(e) from None
+            capacity = int(stats["total_blocks"]) * int(info["block_size"])
+            info["max_model_len"] = min(int(info["max_model_len"]), capacity)
+            self._model_info = info
+        return self._model_info
+
+    def pools(self) -> dict[str, Any]:
+        """Pool name -> handle: {"decode", "prefill"} when disaggregated; otherwise the one
+        pool, unnamed ("" : its stats carry no `pool` key, as before disaggregation)."""
+        if self.prefill_handle is None:
+            return {"": self.handle}
+        return {"prefill": self.prefill_handle, "decode": self.handle}
+
+    async def stats(self) -> list[dict[str, Any]]:
+        """`stats` of every worker replica of every pool (Serve's broadcast, the pools
+        asked at once); ones that fail are left out."""
+        pools = self.pools()
+        answers = await asyncio.gather(*(self._pool_stats(h) for h in pools.values()))
+        return [{**s, "pool": name} if name else s for name, pool in zip(pools, answers) for s in pool]
+
+    async def _pool_stats(self, handle: Any) -> list[dict[str, Any]]:
+        try:
+            results = await handle.broadcast("stats").results_async(
+                timeout_s=self._stats_timeout_s, return_exceptions=True
+            )
+        except Exception as e:
+            logger.warning("worker stats unavailable: %r", e)
+            return []
+        return [r for r in results if isinstance(r, dict)]
+
+    async def unhealthy_reason(self, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
+        """None when a worker of every pool answers its health check within `timeout_s`;
+        else why not (the pools are asked at once)."""
+        pools = self.pools()
+        reasons = await asyncio.gather(*(_unhealthy(h, timeout_s) for h in pools.values()))
+        for name, reason in zip(pools, reasons):
+            if reason is not None:
+                return f"{name} pool: {reason}" if name else reason
+        return None
+
+
+async def _unhealthy(handle: Any, timeout_s: float) -> str | None:
+    response = handle.check_health.remote()
+    try:
+        await asyncio.wait_for(_awaited(response), timeout_s)
+    except asyncio.TimeoutError:
+        response.cancel()
+        return f"No worker answered its health check within {timeout_s:g} s."
+    except Exception as e:
+        cause = getattr(e, "cause", None) or e
+        return f"No healthy worker: {type(cause).__name__}: {cause}"[:1000]
+    return None
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable

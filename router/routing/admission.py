@@ -1,0 +1,388 @@
+"""Admission control at the ingress: hold a request while no worker replica can take it,
+in a bounded queue that is fair between API keys; shed with 429 at the bound.
+
+    pipeline: admit (key slot, in-flight share) -> convert -> charge -> ADMISSION -> stream
+                                                                          │
+       no fresh stats / nothing of ours in flight / some replica fits ───>│ go now
+       otherwise: held in FairQueue (round robin between keys) ──────────>│ go when one fits
+       queue full, or held longer than max_wait_s ─────────> 429 + Retry-After (gRPC RESOURCE_EXHAUSTED)
+
+Why at the ingress: a request pushed into an engine that has no room waits there anyway
+(and, with KV pressure, gets preempted and recomputed); held here, it is routed later with
+fresher stats, to whichever replica freed up first, and overload is visible to the client
+as a 429 with a hint instead of as an ever-longer TTFT.
+
+"Can some replica take it" (`judge`), from the routing stats the request router in this
+process holds (the same reports it ranks with), the work its routing view says was sent to
+each replica since (u(r): router/routing/reservations.py's Unreflected; none for a baseline router)
+and what this ingress admitted that the router has not sent yet:
+
+    avail(r) = free_blocks(r) - reserved_blocks(r) - decode_growth_blocks(r) - u.blocks(r)
+               (router/routing/scoring.py's report_headroom and score, the same arithmetic; need:
+               prompt + expected decode blocks at r's observed mean output length, less the
+               blocks r has cached; growth: what r's requests will still grow into; u.blocks:
+               the needs reserved there, their decode blocks included)
+    fits(r)  = avail(r) >= need(q, r)
+    slots(r) = max(max_waiting_per_replica - num_waiting(r) - u.requests(r), 0)  where fits(r), else 0
+    admit   <=> sum_r slots(r) > pending                          (requests, see below)
+            and sum_{r fits} avail(r) - pending_blocks >= min_r need(q, r)
+
+  `pending`: requests this controller let go that are in flight towards some replica
+  (which one only the router knows) and counted nowhere else yet. With a view, an admission
+  stops counting once the router has sent it (the view counts it from then on): the
+  router's send count (routed_total) is matched to admissions in grant order. Without one,
+  or as a safety net, it stops counting once its dispatch is reflected (admitted at t,
+  every replica reported at t + report_lag_s or later).
+
+Never refuse because stats are stale (the router then ranks by power of two choices): a
+request goes at once when any live replica's report is missing or stale, when the router is
+not kvserve's (no RoutingParams: Serve's own pow2), or when this ingress has nothing in
+flight (holding can only help when there is work ahead of the request; this also means a
+request too large for any replica's headroom is never held forever: the engine answers it).
+With several ingress replicas, the work every ingress sent meets in the routers' shared view
+(router/routing/redis_view.py, through Redis): each ingress judges with all of it, and only its own
+admissions the router has not sent yet (admission to the replica's acceptance) count for it
+alone. With private views (or a baseline router) each counts only what its own router sent
+and its own pending requests, so N ingresses can over-admit up to N-fold until the next
+reports make them agree, once per stats period. The view is read between decisions (the
+router observes each new report as Serve delivers it: router/routing/serve_router.py's
+update_replicas), from the copy its last sync read (another router's work read then stops
+counting once a report reflects it): no Redis round trip here.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from router import errors
+from router.routing.fair_queue import FairQueue
+from router.routing.types import RoutingParams, ReplicaReport, RequestProfile, is_fresh
+from router.routing.scoring import report_headroom
+from router.routing.reservations import NOTHING, Unreflected
+
+Clock = Callable[[], float]
+
+# How often held requests are re-judged while any are held (reports arrive once per stats
+# period; a completion at this ingress re-judges at once).
+POLL_INTERVAL_S = 0.05
+# Weight of the newest queue wait in the moving average that Retry-After is derived from.
+_WAIT_EWMA_ALPHA = 0.2
+
+REASON_FITS = "fits"
+REASON_FULL = "full"
+REASON_STALE = "stale"  # some replica without fresh stats: pow2 fallback, never refuse
+REASON_NO_ROUTER = "no_router"  # no kvserve router (yet): nothing to judge with
+REASON_IDLE = "idle"  # nothing of this ingress in flight
+REASON_OFF = "off"
+REASON_TOO_LARGE = "too_large"  # more blocks than any replica has at all: the engine answers it
+
+
+@dataclass(frozen=True)
+class RoutingSnapshot:
+    """What the request router in this process knows of the worker replicas right now."""
+
+    reports: tuple[ReplicaReport | None, ...]  # one per live replica; None: no report yet
+    params: RoutingParams  # the router's (fallback decode tokens, staleness, report lag)
+    now: float  # the reports' clock (time.time())
+    # The router's routing view, aligned with `reports`: the work promised to each replica
+    # since its report (shared view: by every ingress's router). Empty: the router keeps none.
+    unreflected: tuple[Unreflected, ...] = ()
+    # Engine requests (generate calls) this process's router has sent so far, the ones its
+    # view counts; None when the router keeps no view.
+    routed_total: int | None = None
+
+
+class SnapshotSource(Protocol):
+    def snapshot(self) -> RoutingSnapshot | None:
+        """None while there is no kvserve router to ask (Serve's own router, or none yet)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Verdict:
+    admit: bool
+    reason: str
+    # Prompt tokens the best-placed fresh replica reports cached, summed over the request's
+    # engine inputs: the prefix hit routing could get (metrics: predicted vs realised).
+    predicted_cached_tokens: int = 0
+    need_blocks: int = 0  # the request's blocks on the replica where it needs fewest
+
+
+@dataclass
+class _Pending:
+    admitted_at: float
+    num_requests: int
+    blocks: int
+    # Engine requests granted by this controller up to and including this one's: it has been
+    # sent once the router has sent that many of them (AdmissionController._forget_dispatched).
+    granted_through: int = 0
+
+
+def judge(
+    profiles: Sequence[RequestProfile],
+    snapshot: RoutingSnapshot | None,
+    pending: Sequence[_Pending],
+    max_waiting_per_replica: int,
+) -> Verdict:
+    """Whether a request (its engine inputs' profiles) can go now; see the module docstring."""
+    if snapshot is None:
+        return Verdict(True, REASON_NO_ROUTER)
+    params = snapshot.params
+    unreflected = snapshot.unreflected or (NOTHING,) * len(snapshot.reports)
+    live = [(r, u) for r, u in zip(snapshot.reports, unreflected, strict=True) if r is None or r.healthy]
+    reports = [r for r, _ in live]
+    if not reports or any(not is_fresh(r, snapshot.now, params) for r in reports):
+        return Verdict(True, REASON_STALE)
+    slots = 0
+    free = 0
+    min_need: int | None = None
+    predicted = 0
+    for profile in profiles:
+        best = 0
+        for r in reports:
+            assert r is not None  # fresh
+            best = max(best, profile.cached_blocks(r.block_size, r.prefix_hashes) * r.block_size)
+        predicted += best
+    too_large = True
+    for r, u in live:
+        assert r is not None
+        need = 0
+        for profile in profiles:
+            cached = profile.cached_blocks(r.block_size, r.prefix_hashes)
+            need += max(profile.total_blocks(r.block_size, r.expected_output_tokens(params)) - cached, 0)
+        too_large = too_large and need > r.total_blocks
+        # What its waiting prompts, the growth of its requests and the work sent there since
+        # its report leave: router/routing/scoring.py's score, whole share. Not u.decode_blocks too:
+        # a reservation's blocks are its need, expected decode included.
+        available = report_headroom(r) - u.blocks
+        if available < need:
+            continue
+        # Requests sent since the report may wait there too (the router counts them as ongoing).
+        slots += max(max_waiting_per_replica - r.num_waiting - u.requests, 0)
+        free += available
+        min_need = need if min_need is None else min(min_need, need)
+    if too_large:  # holding cannot help: let the engine refuse it (400) now
+        return Verdict(True, REASON_TOO_LARGE, predicted)
+    num_pending = sum(p.num_requests for p in pending)
+    pending_blocks = sum(p.blocks for p in pending)
+    fits = min_need is not None and slots - num_pending >= len(profiles) and free - pending_blocks >= min_need
+    return Verdict(fits, REASON_FITS if fits else REASON_FULL, predicted, min_need or 0)
+
+
+class AdmissionMetrics(Protocol):
+    def observe_admitted(self, wait_s: float, reason: str, predicted_cached_tokens: int) -> None: ...
+
+    def observe_shed(self, reason: str) -> None: ...
+
+    def set_queue_length(self, length: int) -> None: ...
+
+
+class Ticket:
+    """An admitted request's place in the controller's counts until its stream closes;
+    release() is idempotent."""
+
+    def __init__(self, controller: AdmissionController, num_requests: int, verdict: Verdict, wait_s: float) -> None:
+        self._controller = controller
+        self.num_requests = num_requests
+        self.verdict = verdict
+        self.wait_s = wait_s
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._controller._release(self)
+
+
+@dataclass
+class _Held:
+    key: str
+    profiles: list[RequestProfile]
+    enqueued_at: float  # time.monotonic()
+    future: asyncio.Future[Ticket] = field(repr=False)
+
+
+class AdmissionController:
+    """One per ingress replica. `admit` returns at once (a Ticket) or after holding the
+    request; raises APIError 429 (with retry_after_s) when the request is shed."""
+
+    def __init__(
+        self,
+        source: SnapshotSource | None,
+        queue_size: int,
+        max_wait_s: float,
+        max_waiting_per_replica: int,
+        metrics: AdmissionMetrics | None = None,
+        poll_interval_s: float = POLL_INTERVAL_S,
+        clock: Clock = time.time,  # the reports' clock
+    ) -> None:
+        self._source = source
+        self.queue = FairQueue(queue_size)
+        self.max_wait_s = max_wait_s
+        self.max_waiting_per_replica = max_waiting_per_replica
+        self._metrics = metrics
+        self._poll_interval_s = poll_interval_s
+        self._clock = clock
+        self._pending: list[_Pending] = []  # in grant order
+        self.num_in_flight = 0  # engine requests admitted here whose streams are open
+        # Matching the router's sends to grants here (a snapshot with a view): engine
+        # requests granted, how many of them the router has sent, and its count at the last
+        # judge (None: no view then).
+        self._num_granted = 0
+        self._num_dispatched = 0
+        self._routed_total: int | None = None
+        self._wait_ewma_s = 0.0
+        self._ticker: asyncio.Task[None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._source is not None and self.queue.capacity > 0
+
+    @property
+    def retry_after_s(self) -> int:
+        """What a shed request is told to wait: the recent queue wait, at least 1 s."""
+        return max(1, math.ceil(self._wait_ewma_s))
+
+    # ------------------------------------------------------------------ admitting
+    async def admit(self, key: str, profiles: list[RequestProfile]) -> Ticket:
+        if not self.enabled:
+            return self._grant(len(profiles), Verdict(True, REASON_OFF), 0.0)
+        if not len(self.queue):  # nobody held ahead of it
+            verdict = self._judge(profiles)
+            if verdict.admit:
+                return self._grant(len(profiles), verdict, 0.0)
+        held = _Held(key, profiles, time.monotonic(), asyncio.get_running_loop().create_future())
+        if not self.queue.push(key, held):
+            raise self._shed("queue_full", f"The server's admission queue is full ({self.queue.capacity} requests held)")
+        self._queue_changed()
+        self.pump()
+        try:
+            async with asyncio.timeout(self.max_wait_s):
+                return await asyncio.shield(held.future)
+        except TimeoutError:
+            self._drop(held)
+            raise self._shed("queue_timeout", f"No worker could take the request within {self.max_wait_s:g} s") from None
+        except asyncio.CancelledError:
+            self._drop(held)
+            raise
+
+    def _drop(self, held: _Held) -> None:
+        """The waiter is gone: out of the queue, or, when it was granted meanwhile, released."""
+        if self.queue.remove(held.key, held):
+            self._queue_changed()
+        elif held.future.done() and not held.future.cancelled():
+            held.future.result().release()
+        held.future.cancel()
+
+    def pump(self) -> None:
+        """Let held requests go, round robin between keys, while the next one can go."""
+        while len(self.queue):
+            held: _Held = self.queue.peek()
+            verdict = self._judge(held.profiles)
+            if not verdict.admit:
+                break
+            self.queue.pop()
+            held.future.set_result(self._grant(len(held.profiles), verdict, time.monotonic() - held.enqueued_at))
+        self._queue_changed()
+
+    def _judge(self, profiles: list[RequestProfile]) -> Verdict:
+        snapshot = self._source.snapshot() if self._source is not None else None
+        if snapshot is not None:
+            self._forget_dispatched(snapshot)
+            self._forget_reflected(snapshot)
+        verdict = judge(profiles, snapshot, self._pending, self.max_waiting_per_replica)
+        if not verdict.admit and self.num_in_flight == 0:
+            return replace(verdict, admit=True, reason=REASON_IDLE)
+        return verdict
+
+    def _forget_dispatched(self, snapshot: RoutingSnapshot) -> None:
+        """With a routing view, a pending admission stops counting once the router has sent
+        it: the view counts it from then on (every ingress's, when shared). Sends are matched
+        to grants in grant order, by count: as routed_total advances by k, the oldest k
+        requests' worth are sent; an entry of n > 1 requests goes when all n are.
+
+        Invariant: _num_dispatched <= the grants here that the router has sent or never will
+        (cancelled first), so an entry is dropped at its send or later, never before (late
+        only counts it twice until a report reflects it). Hence a first view, or a router
+        whose count restarted, only sets the baseline: what it sent before cannot be told
+        apart from this controller's grants. The one exception: a migrated request is sent
+        twice (router/frontend/migration.py); the cap at _num_granted bounds what that drops early."""
+        total = snapshot.routed_total
+        previous, self._routed_total = self._routed_total, total
+        if total is None:
+            return
+        if self.num_in_flight == 0:
+            # Every grant here has been sent or given up: the count is exact again (sends
+            # before a baseline, grants cancelled before their send).
+            self._num_dispatched = self._num_granted
+        elif previous is not None and total >= previous:
+            self._num_dispatched = min(self._num_dispatched + total - previous, self._num_granted)
+        sent = 0
+        while sent < len(self._pending) and self._pending[sent].granted_through <= self._num_dispatched:
+            sent += 1
+        del self._pending[:sent]
+
+    def _forget_reflected(self, snapshot: RoutingSnapshot) -> None:
+        """Pending admissions that every replica has reported since stop counting (and any
+        older than the staleness bound: a fresh report is newer than that)."""
+        if not self._pending:
+            return
+        cutoff = snapshot.now - snapshot.params.stale_after_s
+        reports = [r for r in snapshot.reports if r is not None]
+        if reports and len(reports) == len(snapshot.reports):
+            cutoff = max(cutoff, min(r.timestamp for r in reports) - snapshot.params.report_lag_s)
+        self._pending = [p for p in self._pending if p.admitted_at > cutoff]
+
+    def _grant(self, num_requests: int, verdict: Verdict, wait_s: float) -> Ticket:
+        self.num_in_flight += num_requests
+        # Every grant goes through the router, pending or not (stale stats, ...): its send
+        # advances routed_total too.
+        self._num_granted += num_requests
+        if verdict.reason in (REASON_FITS, REASON_IDLE):
+            self._pending.append(_Pending(self._clock(), num_requests, verdict.need_blocks, self._num_granted))
+        if wait_s > 0:
+            self._wait_ewma_s += _WAIT_EWMA_ALPHA * (wait_s - self._wait_ewma_s)
+        if self._metrics is not None:
+            self._metrics.observe_admitted(wait_s, verdict.reason, verdict.predicted_cached_tokens)
+        return Ticket(self, num_requests, verdict, wait_s)
+
+    def _release(self, ticket: Ticket) -> None:
+        self.num_in_flight -= ticket.num_requests
+        if len(self.queue):
+            self.pump()
+
+    def _shed(self, reason: str, message: str) -> errors.APIError:
+        if self._metrics is not None:
+            self._metrics.observe_shed(reason)
+        retry = self.retry_after_s
+        return shed_error(f"{message}; retry after {retry} s.", retry)
+
+    # ------------------------------------------------------------------ the ticker
+    def _queue_changed(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set_queue_length(len(self.queue))
+        if len(self.queue) and (self._ticker is None or self._ticker.done()):
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # a release outside the loop (a stream collected): the next admit restarts it
+                return
+            self._ticker = loop.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        """Re-judge the held requests while there are any: reports change without a
+        completion here (another ingress's requests finish, a replica is added)."""
+        while len(self.queue):
+            await asyncio.sleep(self._poll_interval_s)  # a polling period, not synchronisation
+            self.pump()
+
+
+def shed_error(message: str, retry_after_s: int) -> errors.APIError:
+    """429 with a Retry-After hint (router/frontend/ingress.py sends it as the header; gRPC maps 429
+    to RESOURCE_EXHAUSTED and the message says it)."""
+    error = errors.APIError(429, message, "rate_limit_error", None, "server_overloaded")
+    error.retry_after_s = retry_after_s  # type: ignore[attr-defined]
+    return error

@@ -1,0 +1,246 @@
+"""What the KV-headroom routing policy reads and is tuned by (pure; no Ray import):
+RoutingParams, a replica's parsed routing-stats report (ReplicaReport), a request's
+prompt as the policy sees it (RequestProfile), a replica as a router sees it at choice
+time (ReplicaView), staleness, and power of two choices (the fallback when stats are stale
+and Serve's own default). The ranking itself is router/routing/scoring.py; the work model
+router/routing/work.py.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+from kv.block_hash import hash_full_blocks
+
+ReplicaKey = Hashable
+
+
+
+@dataclass(frozen=True)
+class RoutingParams:
+    """Policy parameters (request_router_kwargs of the deployment's RequestRouterConfig)."""
+
+    # Decode tokens counted per request: min(max_tokens, this), until the replica reports
+    # its observed mean output length (ReplicaReport.mean_output_tokens), which replaces it.
+    # Most requests stop well before max_tokens; counting all of it would make every
+    # replica look full.
+    expected_output_tokens: int = 256
+    # Credit for a fully cached prompt, in rank_key units (1.0 = a whole replica's headroom).
+    prefix_weight: float = 1.0
+    # A replica with more than this many requests (per unit of capacity) over the least
+    # loaded one takes no affinity and ranks after the others. Counted on the requests
+    # ongoing there (Serve's queue length): a smaller limit trips on every burst a prefix
+    # group sends its owner and turns affinity off exactly when it pays.
+    load_gate_threshold: float = 8.0
+    # ...or this fraction of the replica's share of the ongoing requests, when that is more
+    # (router/routing/scoring.py gate_limits): the spread a busy cluster shows anyway.
+    load_gate_fraction: float = 0.25
+    # The period at which replicas report (RequestRouterConfig.request_routing_stats_period_s):
+    # `serve_router_config()` sets Serve's period from this field, so the two cannot differ.
+    stats_period_s: float = 1.0
+    # Stats older than stale_after_periods * stats_period_s are stale.
+    stale_after_periods: float = 3.0
+    # A report reflects a dispatch only when taken at least this long after it (transit
+    # to the replica + clock skew between hosts).
+    report_lag_s: float = 0.05
+    # Fraction of each replica's free blocks this router may promise. With N router
+    # replicas (ingress replicas), 1/N keeps their private views from over-committing.
+    headroom_share: float = 1.0
+    # Reservations never confirmed by Serve (request cancelled before it was sent) are
+    # dropped after this long; any reservation after reservation_ttl_s.
+    unconfirmed_ttl_s: float = 60.0
+    reservation_ttl_s: float = 3600.0
+    # Prompt tokens per second a reference replica prefills (a replica's capacity_weight
+    # scales it; a replica that reports its own measured figure overrides it). 40k: one
+    # H200 on llama-3-8b at 2048-token chunks (worker/sim's cost model).
+    prefill_tokens_per_s: float = 40_000.0
+    # Affinity release: the prefix owner keeps the request while its queued prefill work
+    # can be done within this long; the TTFT term of rank_key is in these units too. The
+    # reported queue counts waiting prompts whole (their cached prefix is matched only at
+    # admission), so this is generous: 2 s, the simulator's TTFT SLO.
+    target_ttft_s: float = 2.0
+    # rank_key credit for the replica that served the request's session last (soft).
+    session_weight: float = 0.25
+    # A session counts as active on its replica (router/routing/sessions.py: new sessions go where
+    # the fewest are) until this long after its last turn; its soft affinity lasts as long.
+    # The prefix hints' lifetime (router/routing/routing_view.py), so a session is not forgotten
+    # while its history is still believed cached.
+    session_idle_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.expected_output_tokens < 0:
+            raise ValueError(f"expected_output_tokens must be >= 0, got {self.expected_output_tokens}")
+        if self.prefix_weight < 0:
+            raise ValueError(f"prefix_weight must be >= 0, got {self.prefix_weight}")
+        if self.load_gate_threshold < 0 or self.load_gate_fraction < 0:
+            raise ValueError("load_gate_threshold and load_gate_fraction must be >= 0")
+        if self.stats_period_s <= 0 or self.stale_after_periods <= 0:
+            raise ValueError("stats_period_s and stale_after_periods must be > 0")
+        if self.report_lag_s < 0:
+            raise ValueError(f"report_lag_s must be >= 0, got {self.report_lag_s}")
+        if not 0.0 < self.headroom_share <= 1.0:
+            raise ValueError(f"headroom_share must be in (0, 1], got {self.headroom_share}")
+        if self.unconfirmed_ttl_s <= 0 or self.reservation_ttl_s <= 0:
+            raise ValueError("unconfirmed_ttl_s and reservation_ttl_s must be > 0")
+        if self.prefill_tokens_per_s <= 0 or self.target_ttft_s <= 0:
+            raise ValueError("prefill_tokens_per_s and target_ttft_s must be > 0")
+        if self.session_weight < 0:
+            raise ValueError(f"session_weight must be >= 0, got {self.session_weight}")
+        if self.session_idle_s <= 0:
+            raise ValueError(f"session_idle_s must be > 0, got {self.session_idle_s}")
+
+    @property
+    def stale_after_s(self) -> float:
+        return self.stale_after_periods * self.stats_period_s
+
+    def serve_router_config(self) -> dict[str, object]:
+        """RequestRouterConfig's fields for these parameters (besides the router class):
+        Serve's report period is derived from stats_period_s, never set beside it."""
+        return {"request_router_kwargs": asdict(self), "request_routing_stats_period_s": self.stats_period_s}
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, object]) -> RoutingParams:
+        """Build from request_router_kwargs; unknown keys are an error (typos must not pass)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown KV-headroom router parameter(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """One routing-stats report (worker.api.RoutingStats), parsed once."""
+
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_waiting_prompt_tokens: int
+    reserved_blocks: int
+    prefix_hashes: frozenset[int]
+    timestamp: float
+    # False once the replica cannot serve (its engine loop stopped, a tensor-parallel rank
+    # died): the router stops choosing it at its next report, before Serve's health check
+    # replaces it.
+    healthy: bool = True
+    # The replica's throughput relative to the reference device (mixed GPU types), and its
+    # own measured prefill rate (0: not measured; params.prefill_tokens_per_s x weight).
+    capacity_weight: float = 1.0
+    prefill_tokens_per_s: float = 0.0
+    # KV blocks its queued and running requests will still grow into (forecast by the
+    # replica, worker/routing_report.py), and its observed mean output length (0: none yet).
+    decode_growth_blocks: int = 0
+    mean_output_tokens: float = 0.0
+
+    @classmethod
+    def from_stats(cls, stats: Mapping[str, object] | None) -> ReplicaReport | None:
+        """None when the replica has not reported yet or the report is malformed."""
+        if not stats:
+            return None
+        try:
+            report = cls(
+                free_blocks=int(stats["free_blocks"]),  # type: ignore[arg-type]
+                total_blocks=int(stats["total_blocks"]),  # type: ignore[arg-type]
+                block_size=int(stats["block_size"]),  # type: ignore[arg-type]
+                num_running=int(stats.get("num_running", 0)),  # type: ignore[arg-type]
+                num_waiting=int(stats.get("num_waiting", 0)),  # type: ignore[arg-type]
+                num_waiting_prompt_tokens=int(stats.get("num_waiting_prompt_tokens", 0)),  # type: ignore[arg-type]
+                reserved_blocks=int(stats.get("reserved_blocks", 0)),  # type: ignore[arg-type]
+                prefix_hashes=frozenset(stats.get("prefix_hashes") or ()),  # type: ignore[arg-type]
+                timestamp=float(stats["timestamp"]),  # type: ignore[arg-type]
+                healthy=bool(stats.get("healthy", True)),
+                capacity_weight=float(stats.get("capacity_weight") or 1.0),  # type: ignore[arg-type]
+                prefill_tokens_per_s=float(stats.get("prefill_tokens_per_s") or 0.0),  # type: ignore[arg-type]
+                # Absent from reports of replicas older than these fields: no growth known.
+                decode_growth_blocks=int(stats.get("decode_growth_blocks") or 0),  # type: ignore[arg-type]
+                mean_output_tokens=float(stats.get("mean_output_tokens") or 0.0),  # type: ignore[arg-type]
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        if (report.block_size <= 0 or report.capacity_weight <= 0 or report.prefill_tokens_per_s < 0
+                or report.decode_growth_blocks < 0 or not report.mean_output_tokens >= 0):
+            return None
+        return report
+
+    def expected_output_tokens(self, params: RoutingParams) -> int:
+        """Decode tokens to count for a request sent here (before its max_tokens cap): the
+        replica's observed mean output length, or the parameter while it has none."""
+        if self.mean_output_tokens > 0:
+            return max(round(self.mean_output_tokens), 1)
+        return params.expected_output_tokens
+
+
+@dataclass
+class RequestProfile:
+    """What the policy needs of a request: its token ids and max_tokens."""
+
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    _hashes_by_block_size: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def block_hashes(self, block_size: int) -> list[int]:
+        """Chained hashes of the prompt's full blocks (kv.block_hash), memoised per block size."""
+        hashes = self._hashes_by_block_size.get(block_size)
+        if hashes is None:
+            hashes = hash_full_blocks(self.prompt_token_ids, block_size)
+            self._hashes_by_block_size[block_size] = hashes
+        return hashes
+
+    def cacheable_blocks(self, block_size: int) -> int:
+        """Most prompt blocks a cache hit can cover (the last prompt token is always computed)."""
+        return max(self.prompt_len - 1, 0) // block_size
+
+    def cached_blocks(self, block_size: int, prefix_hashes: frozenset[int]) -> int:
+        """Leading blocks of the prompt whose chained hash the replica reports as cached."""
+        if not prefix_hashes:
+            return 0
+        limit = self.cacheable_blocks(block_size)
+        num = 0
+        for h in self.block_hashes(block_size)[:limit]:
+            if h not in prefix_hashes:
+                break
+            num += 1
+        return num
+
+    def total_blocks(self, block_size: int, expected_output_tokens: int) -> int:
+        """Blocks the request will hold: prompt plus expected decode tokens (they share the
+        prompt's last partial block, hence one ceil over the sum)."""
+        num_tokens = self.prompt_len + min(max(self.max_tokens, 0), expected_output_tokens)
+        return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """A replica as this router sees it at choice time."""
+
+    key: ReplicaKey
+    report: ReplicaReport | None
+    unreflected_blocks: int = 0  # reserved by this router, not yet in a report
+    unreflected_requests: int = 0
+    queue_len: int = 0  # requests outstanding there as far as this router knows (pow2)
+    # Work promised since the report (the ledger's Unreflected): uncached prompt tokens still
+    # to prefill, and the decode blocks those requests will grow into.
+    unreflected_prefill_tokens: int = 0
+    unreflected_decode_blocks: int = 0
+
+
+def is_fresh(report: ReplicaReport | None, now: float, params: RoutingParams) -> bool:
+    return report is not None and now - report.timestamp <= params.stale_after_s
+
+
+def power_of_two(views: Sequence[ReplicaView], rng: random.Random) -> list[ReplicaKey]:
+    """Two random replicas, shorter queue first (ties: random order), then the rest shuffled."""
+    if not views:
+        return []
+    order = list(views)
+    rng.shuffle(order)
+    first, rest = order[:2], order[2:]
+    first.sort(key=lambda v: v.queue_len)  # stable: ties keep the random order
+    return [v.key for v in first + rest]

@@ -1,0 +1,217 @@
+"""benchmarks.routing's pieces that are logic, not measurement: the goodput search, the
+run sizing, the validation figures (no simulation, no Ray)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.routing.search import RunFigures, Search, Window, goodput_at_slo
+from benchmarks.routing.validate import Figures, into_vocab, median_pair_errors, relative_errors
+from cluster.sim.workloads import SimRequest
+
+
+def fake_run(capacity: float, calls: list[float]):
+    def run(rate: float) -> RunFigures:
+        calls.append(rate)
+        ok = rate <= capacity
+        # Past capacity the queue grows with the overload; with no capacity at all, nothing helps.
+        ttft99 = 1.0 if ok else (5.0 if capacity <= 0 else 2.0 + rate / capacity)
+        return RunFigures(rate, ok, min(rate, capacity), 0.1, ttft99, 0.02, 100.0 * rate, 0.0, 1.0)
+    return run
+
+
+def test_search_steps_up_then_bisects_geometrically() -> None:
+    calls: list[float] = []
+    best = goodput_at_slo(fake_run(37.0, calls), 10.0, Search(bisect_steps=2, step=2.0))
+    # 10 ok, 20 ok, 40 fails -> bracket [20, 40]; sqrt(800) = 28.3 ok; sqrt(20 * 40 * ...) = 33.6 ok
+    assert calls[:3] == [10.0, 20.0, 40.0]
+    assert math.isclose(calls[3], math.sqrt(20 * 40)) and math.isclose(calls[4], math.sqrt(calls[3] * 40))
+    assert best.meets_slo and best.rate_rps == calls[4]
+
+
+def test_search_steps_down_when_the_start_fails() -> None:
+    calls: list[float] = []
+    best = goodput_at_slo(fake_run(3.0, calls), 10.0, Search(bisect_steps=0, step=2.0))
+    assert calls == [10.0, 5.0, 2.5] and best.rate_rps == 2.5
+
+
+def test_search_gives_up_with_a_zero_when_nothing_meets_the_slo() -> None:
+    calls: list[float] = []
+    best = goodput_at_slo(fake_run(0.0, calls), 10.0, Search(bisect_steps=1, step=2.0))
+    assert not best.meets_slo and best.goodput_rps == 0.0
+    # The second miss was no better than the first (TTFT p99 5.0 both): no rate will do.
+    assert calls == [10.0, 5.0]
+
+
+def test_window_sizes_runs_by_arrival_time() -> None:
+    w = Window(5.0, 100, 500)
+    assert [w.num_requests(r) for r in (1.0, 40.0, 1000.0)] == [100, 200, 500]
+
+
+def test_validation_figures_and_dilation() -> None:
+    f = Figures.of([0.0, 1.0, 2.0], [0.5, 1.5, 4.0], [1.0, 3.0, 6.0], 60)
+    assert (f.ttft_p50_s, f.output_tokens_per_s) == (0.5, 10.0)
+    g = f.scaled(10.0)
+    assert (g.ttft_p50_s, g.output_tokens_per_s) == (0.05, 100.0)
+
+
+def test_into_vocab_keeps_equal_ids_equal() -> None:
+    reqs = [SimRequest("a", 0.0, (5, 1500, 2999), 4), SimRequest("b", 0.0, (5, 1500, 7), 4)]
+    a, b = into_vocab(reqs, 1460)
+    assert all(1 <= t < 1460 for t in a.prompt_token_ids + b.prompt_token_ids)
+    assert a.prompt_token_ids[:2] == b.prompt_token_ids[:2]
+
+
+def test_search_marks_a_goodput_it_never_saw_fail_as_a_lower_bound() -> None:
+    calls: list[float] = []
+    best = goodput_at_slo(fake_run(1e9, calls), 10.0, Search(bisect_steps=3, step=2.0, max_steps_out=2))
+    assert calls == [10.0, 20.0, 40.0] and best.lower_bound and best.rate_rps == 40.0
+
+
+def test_sticky_gets_the_cost_models_prefill_throughput_and_only_sticky() -> None:
+    from benchmarks.routing.setup import modelled_prefill_tokens_per_s, sim_config
+    from worker.sim.cost_model import SeqWork, StepCostModel
+    from worker.sim.profiles import load_profile
+    from worker.sim.shapes import load_shape
+
+    config = sim_config("sticky", 4)
+    chunk = config.max_num_batched_tokens
+    step = StepCostModel(load_shape("llama-3-8b"), load_profile("h200")).step_time_s([SeqWork(chunk, 0)])
+    assert dict(config.policy_options) == {"prefill_tokens_per_s": modelled_prefill_tokens_per_s()}
+    assert math.isclose(modelled_prefill_tokens_per_s(), chunk / step)
+    assert sim_config("headroom", 4).policy_options == ()
+
+
+def test_quick_plan_never_clamps_a_window_and_covers_every_workload() -> None:
+    """A cap on requests would shrink a high rate's arrival window into one burst (the
+    batch slots absorb it and the search never sees the SLO flip): only a floor applies."""
+    from benchmarks.routing.setup import FULL, MIN_REQUESTS, QUICK, WORKLOADS
+
+    for plan in (QUICK, FULL):
+        for workload in WORKLOADS:
+            w = plan.window_for(workload)
+            assert w.num_requests(10_000.0) == round(10_000.0 * w.window_s)
+            assert w.num_requests(0.01) == MIN_REQUESTS
+    assert QUICK.window_for("code").window_s > QUICK.window_for("sharegpt").window_s
+
+
+def test_multi_ingress_configs_differ_from_one_router_only_in_routers_and_view() -> None:
+    """No 1/N headroom share any more: several routers see the same parameters as one."""
+    from benchmarks.routing.setup import NUM_INGRESS, sim_config
+
+    private, shared = (sim_config("headroom", 4, NUM_INGRESS, shared_view=s) for s in (False, True))
+    assert (private.num_ingress, private.shared_view, shared.shared_view) == (NUM_INGRESS, False, True)
+    assert private.policy_params == shared.policy_params == sim_config("headroom", 4).policy_params
+
+
+def test_b2b_is_sized_to_llm_ds_share_of_the_clusters_kv_with_a_warm_up() -> None:
+    """b2b groups fill B2B_KV_SHARE (73%) of the simulated cluster's KV at any replica count
+    (one replica cannot hold them all, the cluster holds each once), and the warm-up spreads
+    one request per group so that their prefill is WARMUP_PREFILL_SHARE of the cluster's."""
+    from benchmarks.routing.setup import (
+        B2B_WARMUP_MAX_TOKENS,
+        WARMUP_PREFILL_SHARE,
+        modelled_prefill_tokens_per_s,
+        sim_config,
+        workload_kw,
+    )
+    from cluster.sim.run import SimDevice
+    from cluster.sim.workloads import B2B_KV_SHARE, B2B_PREFIX_LEN, B2B_QUESTION_LEN
+
+    assert workload_kw("sharegpt", 4) == {} and workload_kw("agentic", 8) == {"warmup_s": 24.0}
+    for n in (4, 8):
+        kw = workload_kw("b2b", n)
+        kv_tokens = n * SimDevice.from_config(sim_config("round_robin", n)).num_blocks * 16
+        assert kw["num_groups"] * B2B_PREFIX_LEN == pytest.approx(B2B_KV_SHARE * kv_tokens, rel=0.01)
+        assert kw["warmup_max_tokens"] == B2B_WARMUP_MAX_TOKENS
+        assert kw["num_groups"] * B2B_PREFIX_LEN > kv_tokens / n  # more than one replica holds
+        prefill_s = kw["num_groups"] * (B2B_PREFIX_LEN + B2B_QUESTION_LEN) / (n * modelled_prefill_tokens_per_s())
+        assert kw["warmup_s"] == pytest.approx(prefill_s / WARMUP_PREFILL_SHARE, abs=0.1)
+
+
+def test_cell_goodput_is_the_highest_rate_that_met_the_slo() -> None:
+    from benchmarks.routing.table import Cell
+
+    met = RunFigures(40.0, True, 31.5, 0.1, 1.2, 0.05, 900.0, 0.8, 1.1)
+    never = RunFigures(0.0, False, 0.0, math.nan, math.nan, math.nan, 0.0, 0.0, 1.0)
+    assert Cell([met], []).goodput() == 40.0 and Cell([met], []).attained() == 31.5
+    assert Cell([met, never], []).goodput() == 20.0
+
+
+def test_search_tries_a_known_miss_first_and_stops_at_the_resolution() -> None:
+    """A router as good as round robin: round robin's bracket top (tried first) misses,
+    its start (round robin's goodput) meets, and the bracket is already as narrow as
+    bisection makes it: two runs, the same rate."""
+    search = Search(bisect_steps=2, step=2.0)
+    rr_calls: list[float] = []
+    rr = goodput_at_slo(fake_run(37.0, rr_calls), 10.0, search)
+    assert math.isclose(rr.next_miss_rps, 40.0) and rr.next_miss_rps / rr.rate_rps <= search.resolution * (1 + 1e-9)
+    calls: list[float] = []
+    same = goodput_at_slo(fake_run(37.0, calls), rr.rate_rps, search, known_miss=rr.next_miss_rps)
+    assert calls == [rr.next_miss_rps, rr.rate_rps] and same.rate_rps == rr.rate_rps
+    assert same.next_miss_rps == rr.next_miss_rps
+    # A better router meets the known miss: it steps on from there (never running the
+    # start, below its bracket) and bisects as usual.
+    calls = []
+    better = goodput_at_slo(fake_run(150.0, calls), rr.rate_rps, search, known_miss=rr.next_miss_rps)
+    assert calls[:3] == [40.0, 80.0, 160.0] and len(calls) == 5
+    assert better.meets_slo and 80.0 <= better.rate_rps <= 150.0 and better.next_miss_rps / better.rate_rps <= 2 ** 0.25 + 1e-9
+
+
+def test_search_with_a_known_miss_steps_down_from_the_start_when_both_miss() -> None:
+    """A router worse than round robin misses the known miss and the start, then steps
+    down from the start; the known miss's TTFT is not the "no relief" reference (only
+    rates at or below the start are)."""
+    calls: list[float] = []
+    worse = goodput_at_slo(fake_run(12.0, calls), 20.0, Search(bisect_steps=1, step=2.0), known_miss=25.0)
+    assert calls[:3] == [25.0, 20.0, 10.0] and len(calls) == 4 and math.isclose(calls[3], math.sqrt(200.0))
+    assert worse.meets_slo and worse.rate_rps == 10.0 and worse.next_miss_rps == calls[3]
+
+
+def test_validation_error_is_the_median_of_each_pairs_own_error() -> None:
+    """Each simulation is compared with the real run its calibration was paired with (the
+    shape of the 2026-12-01 17:10 log: one real run slowed by the machine). Medians taken
+    apart set pair 3's real run against pair 2's simulation."""
+    reals = [Figures(0.016, 0.10, 520.0), Figures(0.022, 0.12, 510.0), Figures(0.019, 0.12, 515.0)]
+    sims = [Figures(0.016, 0.10, 520.0), Figures(0.017, 0.10, 510.0), Figures(0.019, 0.12, 515.0)]
+    apart = relative_errors(Figures.median(reals), Figures.median(sims))
+    assert apart["ttft_p50_s"] == pytest.approx(100.0 * (0.017 - 0.019) / 0.019)  # -10.5%
+    paired = median_pair_errors(reals, sims)
+    assert paired == {"ttft_p50_s": 0.0, "ttft_p99_s": 0.0, "output_tokens_per_s": 0.0}  # pairs: 0, -23, 0 %
+    with pytest.raises(ValueError):
+        median_pair_errors(reals, sims[:2])
+
+
+def test_step_check_sets_each_model_step_against_its_prediction() -> None:
+    """benchmarks.routing.validate_steps: the hooks see the plan before execute, skip steps
+    that ran nothing, restore the engine, and log each kind of step against its prediction."""
+    from types import SimpleNamespace
+
+    from benchmarks.routing.validate_steps import step_check
+
+    plans = [SimpleNamespace(num_new_tokens=[64, 1]), None, SimpleNamespace(num_new_tokens=[1, 1])]
+
+    class Runner:
+        def execute(self, plan: SimpleNamespace) -> str:
+            return "ran"
+
+    class Engine:  # the wrapper is under test, not the engine: steps that call the runner or not
+        def __init__(self) -> None:
+            self.runner = Runner()
+
+        def step(self) -> list[str]:
+            plan = plans.pop(0)
+            return [] if plan is None else [self.runner.execute(plan)]
+
+    class Cost:
+        def plan_time_s(self, plan: SimpleNamespace) -> float:
+            return 1e-3 * sum(plan.num_new_tokens)  # 65 ms with the chunk, 2 ms decodes only
+
+    engine, lines = Engine(), []
+    with step_check(engine, Cost(), lines.append):
+        assert [engine.step() for _ in range(3)] == [["ran"], [], ["ran"]]
+    assert engine.step.__func__ is Engine.step and engine.runner.execute.__func__ is Runner.execute  # unhooked
+    assert len(lines) == 2
+    assert lines[0].startswith("    steps with a prefill chunk: 1, ") and "predicted 65.00 ms" in lines[0]
+    assert lines[1].startswith("    steps decodes only: 1, ") and "predicted 2.00 ms" in lines[1]
