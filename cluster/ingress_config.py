@@ -25,7 +25,7 @@ REDIS_URL_PATTERN = r"^rediss?://([^\s:@/]+@)?(\[[0-9a-fA-F:.]+\]|[^\s:@/\[\]]+)
 
 
 class IngressSection(Section):
-    # The chart runs two or more, on a CPU node group (README "Reliability": a node that
+    # The chart runs two or more, on a CPU node group (docs/operations.md "Reliability": a node that
     # hosts an ingress replica takes that replica's streams with it when it dies).
     num_replicas: int = Field(1, ge=1)
     # Scale the ingress on streams per replica (Serve's policy); then num_replicas is unused.

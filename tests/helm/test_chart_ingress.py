@@ -1,5 +1,5 @@
 """The chart's ingress placement: the ingress replicas and the proxies clients reach run on a
-CPU worker group (`ingressGroup`), never on the GPU hosts or the head (README "Reliability";
+CPU worker group (`ingressGroup`), never on the GPU hosts or the head (docs/operations.md "Reliability";
 tests/multinode/test_ingress_placement.py shows what a lost ingress node or proxy does)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.helm.chart import Rendered
 
 def test_ingress_group_holds_the_ingress_and_the_client_proxies(rendered: dict[str, Rendered]) -> None:
     """By default the ingress replicas (two, one per pod) and the proxies clients reach run
-    on a CPU worker group, never on the GPU hosts or the head (README "Reliability")."""
+    on a CPU worker group, never on the GPU hosts or the head (docs/operations.md "Reliability")."""
     r = rendered["default"]
     cluster = r.rayservice["spec"]["rayClusterConfig"]
     group = cluster["workerGroupSpecs"][0]

@@ -6,7 +6,7 @@ this test's own ($RAY_TMPDIR, so that no other Ray user of the machine is distur
 $RAY_ADDRESS is unset: serve must ignore the file and come up. Then every TCP socket that
 serve's process tree listens on is on loopback, except Serve's gRPC proxy and each Serve
 replica's inter-deployment gRPC server, which bind every interface (Serve 2.60 has no
-host option for either; README "Ports").
+host option for either; docs/security.md "Listening addresses and ports").
 
 Does not use the session cluster: serve runs as its own process.
 """

@@ -1,4 +1,4 @@
-"""Which node losses break a client's stream (README "Reliability").
+"""Which node losses break a client's stream (docs/operations.md "Reliability").
 
 A host "c" runs the ingress replica of app `on-gpu` (an ingress scheduled onto a GPU host)
 and, because it hosts a replica, a Serve proxy. App `off-gpu` has its ingress on the CPU
