@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.api import GGUF_INSTALL_HINT, MissingDependencyError, is_gguf, load_tokenizer, require_gguf  # noqa: F401
+from worker.model_path import is_hub_id, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +170,5 @@ def check_local_model(model: str, trust_remote_code: bool = False) -> None:
     """For `kvserve serve`, before Ray starts: read and check a local model's config
     (UnsupportedModelError, MissingDependencyError, FileNotFoundError). A Hub id is
     checked where it is downloaded, when the worker loads it."""
-    path = Path(model).expanduser()
-    if path.is_dir() or (path.is_file() and is_gguf(path)):
-        load_hf_config(path, trust_remote_code)
-    elif path.exists():
-        raise FileNotFoundError(f"model {model!r} is a file, not a model directory or a .gguf file")
+    if not is_hub_id(model):
+        load_hf_config(resolve_model_path(model), trust_remote_code)

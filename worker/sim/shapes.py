@@ -2,7 +2,10 @@
 
 A shape is read from a Hugging Face `config.json` (no weights, no tokenizer): the named
 shapes shipped under `shapes/` are copies of the published configs' architecture fields,
-and any model directory or config file works too (e.g. the embedded default model).
+and any model directory or config file works too (e.g. the embedded default model). A
+.gguf file keeps its config in binary metadata: it is read by worker.model_config, the
+reader the engine loads the model with (transformers, so torch; only a real device or
+`kvserve calibrate` asks for one).
 
 Counting (Llama family, Qwen3 the same plus negligible q/k norms; biases ignored):
     per layer:  q: hidden x heads*head_dim      k, v: hidden x kv_heads*head_dim each
@@ -15,6 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from worker.api import is_gguf
 
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
 
@@ -122,17 +127,22 @@ def named_shapes() -> list[str]:
 
 
 def load_shape(name_or_path: str, dtype_bytes: int | None = None) -> ModelShape:
-    """A named shape ("llama-3-8b"), a config.json, or a model directory holding one."""
+    """A named shape ("llama-3-8b"), a config.json, a model directory holding one, or a
+    .gguf file."""
     named = SHAPES_DIR / f"{name_or_path}.json"
     if named.is_file():
         return ModelShape.from_hf_config(json.loads(named.read_text()), name_or_path, dtype_bytes)
     path = Path(name_or_path).expanduser()
+    if path.is_file() and is_gguf(path):
+        from worker.model_config import load_hf_config
+
+        return ModelShape.from_hf_config(load_hf_config(path).to_dict(), path.stem, dtype_bytes)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(
             f"model shape {name_or_path!r} is neither a named shape ({', '.join(named_shapes())}) "
-            f"nor a config.json / model directory"
+            f"nor a config.json / model directory / .gguf file"
         )
     name = path.parent.name if path.name == "config.json" else path.stem
     return ModelShape.from_hf_config(json.loads(path.read_text()), name, dtype_bytes)

@@ -6,8 +6,8 @@
     engine step: a request whose future is done enters the scheduler; until then it
                  waits, and the step thread never waits on a compile.
 
-The llguidance tokenizer (built from the model's HF tokenizer, ~1 s for a large
-vocabulary) is built on the pool too, by the first compile.
+The llguidance tokenizer (built from the model's HF tokenizer: slow for a large
+vocabulary, too slow for the step thread) is built on the pool too, by the first compile.
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
-from worker.api import StructuredOutput
+from worker.api import StructuredOutput, load_tokenizer
 from worker.structured.grammar import GrammarError, grammar_of, llguidance_module
 
 DEFAULT_CACHE_SIZE = 256
@@ -41,22 +42,15 @@ class GrammarCompiler:
 
     @classmethod
     def for_hf_tokenizer(cls, hf_tokenizer: Any, vocab_size: int) -> GrammarCompiler:
-        def make() -> Any:
-            import llguidance.hf
-
-            return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
-
-        return cls(make)
+        return cls(lambda: _llguidance_tokenizer(hf_tokenizer, vocab_size))
 
     @classmethod
-    def for_model_path(cls, path: Any, vocab_size: int) -> GrammarCompiler:
-        def make() -> Any:
-            import llguidance.hf
-            from transformers import AutoTokenizer
-
-            return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(path), n_vocab=vocab_size)
-
-        return cls(make)
+    def for_model_path(cls, path: Path | str, vocab_size: int, trust_remote_code: bool = False) -> GrammarCompiler:
+        """The model's tokenizer is loaded by worker.api.load_tokenizer, the loader the
+        ingress and the replica use: the grammar's vocabulary must be the very one the
+        prompt was tokenized and the output is detokenized with, whatever the model's
+        format (a directory, a single .gguf file)."""
+        return cls(lambda: _llguidance_tokenizer(load_tokenizer(path, trust_remote_code), vocab_size))
 
     def submit(self, so: StructuredOutput) -> Future[Any]:
         """A future of the spec's compiled matcher (a prototype: deep-copy it per
@@ -89,3 +83,11 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _llguidance_tokenizer(hf_tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's tokenizer for an HF one; `vocab_size` is the model's (its logits'
+    width), which may exceed the tokenizer's own length (padded embeddings)."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
