@@ -8,7 +8,7 @@ ingress replicas (each with its own request router and admission control), 8 wor
 replicas with engine.device sim:h200 (the real scheduler, KV manager and prefix cache; the
 llama-3-8b shape's step times from the H200 cost model, slept x the time dilation, so that
 8 "GPUs" fit on a 2-core box). Only `routing.router` differs between the two sides:
-headroom, or pow2 (Serve's own router; kvserve's admission control then never holds a
+headroom, or pow2 (Serve's default algorithm, through kvserve's PolicyRouter; kvserve's admission control then never holds a
 request: it has no headroom view to judge with).
 
 Workload: b2b (cluster/sim/workloads.py: G customer groups, each request = its group's

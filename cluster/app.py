@@ -22,7 +22,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 
 from cluster.config import KVSERVE_POLICY, AutoscalingSection, KVServeConfig
 from cluster.deps import missing
-from cluster.state_store import RedisStoreSpec
+from cluster.pool_config import IngressAutoscalingSection
 from cluster.tracing import TracingSetup, check_exporter
 from router.frontend.ingress import Ingress
 from router.frontend.settings import IngressSettings
@@ -94,7 +94,7 @@ def app_builder(args: dict[str, Any]) -> Application:
 
 
 def ingress_settings(config: KVServeConfig) -> IngressSettings:
-    settings = config.ingress_settings(state_store=state_store_spec(config))
+    settings = config.ingress_settings(state_store=config.redis_store_spec())
     return replace(settings, setup=tracing_setup(config, INGRESS_DEPLOYMENT))
 
 
@@ -106,10 +106,6 @@ def tracing_setup(config: KVServeConfig, component: str) -> TracingSetup:
     if setup.otlp_endpoint:
         check_exporter(setup.protocol())
     return setup
-
-
-def state_store_spec(config: KVServeConfig) -> RedisStoreSpec | None:
-    return config.redis_store_spec()
 
 
 def ingress_options(config: KVServeConfig) -> dict[str, Any]:
@@ -132,20 +128,9 @@ def ingress_autoscaling(config: KVServeConfig) -> dict[str, Any]:
     request may run (request_timeout_s), a scale-down never cuts a client's stream."""
     a = config.ingress.autoscaling
     assert a is not None
-    fields: dict[str, Any] = {
-        "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
-        "target_ongoing_requests": a.target_ongoing_requests,
-        "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s,
-        "look_back_period_s": a.look_back_period_s,
-    }
-    if a.metrics_interval_s != _SERVE_METRICS_INTERVAL_S:  # Serve warns on any explicit value
-        fields["metrics_interval_s"] = a.metrics_interval_s
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*metrics_interval_s.*deprecated", category=DeprecationWarning)
-        autoscaling = AutoscalingConfig(**fields)
     return {
         "num_replicas": "auto",
-        "autoscaling_config": autoscaling,
+        "autoscaling_config": serve_autoscaling_config(a),
         "graceful_shutdown_timeout_s": config.ingress.request_timeout_s,
         "graceful_shutdown_wait_loop_s": _DRAIN_POLL_S,
     }
@@ -201,6 +186,20 @@ def autoscaling_config(a: AutoscalingSection) -> AutoscalingConfig:
     """Serve's AutoscalingConfig for the worker pool. kvserve's policy runs as the class
     QueueDepthPolicy, which Serve instantiates once with `policy_kwargs` (the typed
     targets); Serve applies the delays and bounds to what it returns."""
+    extra: dict[str, Any] = {}
+    if a.initial_replicas is not None:
+        extra["initial_replicas"] = a.initial_replicas
+    if a.uses_kvserve_policy():
+        extra["policy"] = AutoscalingPolicy(policy_function=KVSERVE_POLICY, policy_kwargs=a.kvserve_policy_kwargs())
+    elif a.policy != "serve":
+        extra["policy"] = AutoscalingPolicy(policy_function=a.policy, policy_kwargs=dict(a.policy_kwargs))
+    return serve_autoscaling_config(a, **extra)
+
+
+def serve_autoscaling_config(a: AutoscalingSection | IngressAutoscalingSection, **extra: Any) -> AutoscalingConfig:
+    """Serve's AutoscalingConfig from the fields both autoscaling sections share (bounds,
+    Serve's target, timing), plus `extra` (a pool's policy, initial_replicas): the one place
+    the config is built, for the ingress and for every worker pool."""
     fields: dict[str, Any] = {
         "min_replicas": a.min_replicas,
         "max_replicas": a.max_replicas,
@@ -211,12 +210,7 @@ def autoscaling_config(a: AutoscalingSection) -> AutoscalingConfig:
     }
     if a.metrics_interval_s != _SERVE_METRICS_INTERVAL_S:  # Serve warns on any explicit value
         fields["metrics_interval_s"] = a.metrics_interval_s
-    if a.initial_replicas is not None:
-        fields["initial_replicas"] = a.initial_replicas
-    if a.uses_kvserve_policy():
-        fields["policy"] = AutoscalingPolicy(policy_function=KVSERVE_POLICY, policy_kwargs=a.kvserve_policy_kwargs())
-    elif a.policy != "serve":
-        fields["policy"] = AutoscalingPolicy(policy_function=a.policy, policy_kwargs=dict(a.policy_kwargs))
+    fields.update(extra)
     with warnings.catch_warnings():
         # metrics_interval_s is deprecated in favour of an environment variable that Ray 2.60
         # does not read yet; it is the only way to set the push interval.
@@ -249,13 +243,13 @@ def _cluster_has_gpus() -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def request_router_config(config: KVServeConfig) -> RequestRouterConfig | None:
+def request_router_config(config: KVServeConfig) -> RequestRouterConfig:
     """The request router the worker deployment runs: a policy of router/routing/policies/ by
-    name through router/routing/serve_router.py's PolicyRouter, or None for Serve's default
-    power-of-two-choices (stats are still reported, for metrics and autoscaling)."""
+    name (pow2 is Serve's own algorithm) through router/routing/serve_router.py's
+    PolicyRouter. Always PolicyRouter: the ingress reads each worker replica's batched
+    output stream by a call that names the replica (router/frontend/output_hub.py), which
+    only PolicyRouter sends to that replica."""
     name = config.routing.router
-    if name == "pow2":
-        return None
     # Every router copy (one per ingress replica) may promise a replica's whole headroom:
     # with a shared view (state.redis_url) each counts the others' reservations; without one
     # they re-converge at each report. Serve's report period comes from the same params.

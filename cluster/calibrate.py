@@ -18,8 +18,8 @@
 Prefix caching is off so each plan is exactly what was asked for.
 
 The clock: by default the process's CPU time, with one torch thread. On a machine shared
-with other work (this project's 2-core machines run several Ray clusters at once) wall
-time measures the contention, not the device; CPU time of a single-threaded engine is
+with other work (a small CI or development machine running several Ray clusters at once)
+wall time measures the contention, not the device; CPU time of a single-threaded engine is
 what its wall time would be on a core of its own. `--clock wall` for a dedicated machine.
 """
 from __future__ import annotations

@@ -181,7 +181,7 @@ class GRPCSection(Section):
 
 class RoutingSection(Section):
     # The routing policy (router/routing/policies/), run by router/routing/serve_router.py's
-    # PolicyRouter; pow2 is Serve's own router. "kv_headroom" is accepted for "headroom" (in
+    # PolicyRouter; pow2 is Serve's default algorithm. "kv_headroom" is accepted for "headroom" (in
     # the Literal so that the Helm schema accepts it too) and stored as "headroom".
     router: Literal["headroom", "pow2", "round_robin", "least_kv", "prefix_affinity", "sticky", "kv_headroom"] = "headroom"
     # How often worker replicas report their routing stats. The one value for both Serve's
@@ -321,7 +321,7 @@ class KVServeConfig(Section):
         if s.redis_url is None or not r.shared_view:
             return None
         return SharedViewSpec(
-            url=s.redis_url, key_prefix=s.key_prefix or f"kvserve:{self.app_name}", password_env=s.redis_password_env,
+            url=s.redis_url, key_prefix=self.redis_key_prefix(), password_env=s.redis_password_env,
             socket_timeout_s=s.socket_timeout_s, mode=r.shared_view_mode, refresh_s=r.shared_view_refresh_s,
         )
 
@@ -331,5 +331,9 @@ class KVServeConfig(Section):
         s = self.state
         if s.redis_url is None:
             return None
-        return build(RedisStoreSpec, s, renames=_REDIS_RENAMES, url=s.redis_url,
-                     key_prefix=s.key_prefix or f"kvserve:{self.app_name}")
+        return build(RedisStoreSpec, s, renames=_REDIS_RENAMES, url=s.redis_url, key_prefix=self.redis_key_prefix())
+
+    def redis_key_prefix(self) -> str:
+        """Prefix of every Redis key this app writes, the per-key limits' and the shared
+        routing view's alike: state.key_prefix, else "kvserve:<app_name>"."""
+        return self.state.key_prefix or f"kvserve:{self.app_name}"

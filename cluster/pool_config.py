@@ -22,6 +22,15 @@ KVSERVE_POLICIES = (KVSERVE_POLICY, "cluster.autoscaling:queue_depth_policy")
 # QueueDepthPolicy's constructor arguments: the fields of PoolTargets.
 KVSERVE_POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(PoolTargets))
 
+# Serve's autoscaling timing: the same defaults for the worker pools and the ingress (the
+# two sections below; cluster/app.py's serve_autoscaling_config hands either to Serve).
+UPSCALE_DELAY_S = 10.0
+DOWNSCALE_DELAY_S = 120.0
+LOOK_BACK_PERIOD_S = 30.0
+# Serve's own default for AutoscalingConfig.metrics_interval_s: cluster/app.py passes the
+# field only when it differs, since Serve warns on any explicit value.
+METRICS_INTERVAL_S = 10.0
+
 
 class AutoscalingSection(Section):
     min_replicas: int = Field(1, ge=0)  # 0 only with scale_to_zero: true
@@ -42,15 +51,14 @@ class AutoscalingSection(Section):
     target_ongoing_requests: float = Field(64.0, gt=0)
     # -- Timing, applied by Serve to whichever policy runs. A change happens once it has been
     # wanted continuously for the delay; metrics are averaged over look_back_period_s.
-    upscale_delay_s: float = Field(10.0, ge=0)
-    downscale_delay_s: float = Field(120.0, ge=0)
+    upscale_delay_s: float = Field(UPSCALE_DELAY_S, ge=0)
+    downscale_delay_s: float = Field(DOWNSCALE_DELAY_S, ge=0)
     # Serve warns (and will refuse in a later release) unless this exceeds metrics_interval_s.
-    look_back_period_s: float = Field(30.0, gt=0)
+    look_back_period_s: float = Field(LOOK_BACK_PERIOD_S, gt=0)
     # How often replicas (and handles) push their stats to Serve's controller. Ray 2.60 reads
     # this AutoscalingConfig field (deprecated); its successor environment variable
-    # RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S is defined but not read. This
-    # default is Serve's own (cluster/app.py passes the field only when it differs).
-    metrics_interval_s: float = Field(10.0, gt=0)
+    # RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S is defined but not read.
+    metrics_interval_s: float = Field(METRICS_INTERVAL_S, gt=0)
     # The scaling policy, "module:function_or_class". Default: kvserve's policy above;
     # "serve": Serve's built-in policy; anything else: a custom policy, given policy_kwargs
     # (when it is a class). For kvserve's policy, policy_kwargs may carry the typed fields
@@ -113,10 +121,10 @@ class IngressAutoscalingSection(Section):
     # Streams one ingress replica carries on average before another is added; keep it
     # well under ingress.max_queued_requests (the 429 bound).
     target_ongoing_requests: float = Field(256.0, gt=0)
-    upscale_delay_s: float = Field(10.0, ge=0)
-    downscale_delay_s: float = Field(120.0, ge=0)
-    look_back_period_s: float = Field(30.0, gt=0)
-    metrics_interval_s: float = Field(10.0, gt=0)  # as AutoscalingSection's
+    upscale_delay_s: float = Field(UPSCALE_DELAY_S, ge=0)
+    downscale_delay_s: float = Field(DOWNSCALE_DELAY_S, ge=0)
+    look_back_period_s: float = Field(LOOK_BACK_PERIOD_S, gt=0)
+    metrics_interval_s: float = Field(METRICS_INTERVAL_S, gt=0)  # as AutoscalingSection's
 
     @model_validator(mode="after")
     def _bounds(self) -> IngressAutoscalingSection:

@@ -9,8 +9,9 @@ Invariants:
 - the free queue is ordered by eviction priority: the head is evicted first. Freed blocks
   go to the tail, so the least recently used cached block is evicted first;
 - blocks never handed out are the queue's head, in id order, and exist only as a count
-  until handed out (a pool of 50k+ blocks is built per engine, and per simulated replica
-  in every simulator run: linking them all up front cost ~50 ms a pool).
+  until handed out (a pool of tens of thousands of blocks is built per engine, and per
+  simulated replica in every simulator run: linking them all up front would be work
+  proportional to the pool at every build, for blocks a short run may never touch).
 All operations are O(1) per block (doubly linked free queue, dict for the cache).
 """
 from __future__ import annotations

@@ -6,9 +6,11 @@ RateLimitError (429), and so on.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class APIError(Exception):
@@ -73,3 +75,13 @@ def from_validation_error(error: ValidationError) -> APIError:
     if param is None:  # a check across fields
         return bad_request(message[:1].upper() + message[1:] + ".", None, "invalid_value")
     return bad_request(f"Invalid value for '{param}': {message}.", param, "invalid_value")
+
+
+def validated(model: type[M], data: Any) -> M:
+    """`data` validated as `model`; the first problem raised as the 400 OpenAI words it
+    (from_validation_error). One rule for both front ends: HTTP bodies and gRPC messages
+    (converted to the same request models) are refused with the same messages."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None

@@ -163,16 +163,16 @@ def _set_error(span: Span, error: BaseException | None) -> None:
     span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"[:200]))
 
 
-def record_route(pending_request: Any, mode: str, order: Any, num_candidates: int, started_s: float) -> None:
+def record_route(request: Any, mode: str, order: Any, num_candidates: int, started_s: float) -> None:
     """A request router's decision for one `generate`/`prefill`/`decode` call, as a span
-    under the call's engine request. `order`: the ranked replica ids (ReplicaID), best
-    first; `started_s`: the router's time.time() when the decision began. Calls without a
-    trace context (other methods, tracing off at the ingress) are not recorded."""
+    under the call's engine request. `request`: the object the call carries
+    (router/routing/serve_router.py's call_request); `order`: the ranked replica ids
+    (ReplicaID), best first; `started_s`: the router's time.time() when the decision
+    began. Calls without a trace context (other methods, tracing off at the ingress) are
+    not recorded."""
     tracer = _tracer
-    if tracer is None or pending_request is None:
+    if tracer is None:
         return
-    args = pending_request.args
-    request = args[0] if args else pending_request.kwargs.get("request")
     carrier = getattr(request, "trace_context", None)
     if not carrier:
         return

@@ -2,12 +2,11 @@
 
 Chunked prefill (Sarathi-Serve) lets a long prompt join the running decode batch a chunk at
 a time, so decodes never stall for a whole prompt. But a chunk's cost grows with its
-context: on a simulated H200 serving llama-3-8b, a 2,048-token chunk at an 8K-token context
-beside 72 long decodes is a ~90-130 ms step, and every decoding request waits that long for
-its next token (benchmarks/results/routing-probe-agentic-2026-12-02-0059.txt). A smaller
-max_num_batched_tokens fixes the gap but costs prefill throughput where steps are cheap:
-1,024 tokens met a 100 ms ITL p99 on agentic sessions and lost b2b's TTFT SLO. A budget in
-time adapts per step:
+context: a full-size chunk deep into a long prompt, beside a large batch of long decodes,
+makes a step several times as long as a decode step, and every decoding request waits
+that long for its next token. A smaller max_num_batched_tokens bounds that step but costs
+prefill throughput (TTFT) wherever steps are cheap: a token count cannot tell a chunk at a
+short context from one at a long context. A budget in time can, so it adapts per step:
 
     a step that carries decodes gives each prefill row in turn (a running chunk, then
     admitted prompts) at most the n tokens such that

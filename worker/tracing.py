@@ -16,7 +16,7 @@ anyway (arrival, first admission, first token; time.monotonic() of this process)
 is opened inside the step loop and nothing is done per step.
 
 Off (no tracer installed, or a request without trace context: the ingress did not sample
-it) the replica streams the engine's outputs as before; `is_traced` is the one check per
+it) the replica streams the engine's outputs untouched; `is_traced` is the one check per
 request. The tracer provider (SDK, exporter) is set up by cluster/tracing.py; this module
 only uses the OpenTelemetry API.
 """

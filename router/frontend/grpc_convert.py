@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
-from pydantic import BaseModel, ValidationError
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import errors
 from router.frontend import openai_convert as convert
 from router.frontend import openai_protocol as p
 from worker.api import RequestOutput, TokenLogprob
-
-M = TypeVar("M", bound=BaseModel)
 
 STATUS_CODES: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
@@ -52,13 +49,6 @@ _FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "presence_penalty", 
 
 def status_code_of(error: errors.APIError) -> grpc.StatusCode:
     return STATUS_CODES.get(error.status, grpc.StatusCode.UNKNOWN)
-
-
-def _parse(model: type[M], data: dict[str, Any]) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise errors.from_validation_error(e) from None
 
 
 def _proto_float(value: float) -> float:
@@ -144,11 +134,11 @@ def engine_inputs(
             body.update(logprobs=True, top_logprobs=logprobs)
         if request.HasField("add_generation_prompt"):
             body["add_generation_prompt"] = request.add_generation_prompt
-        return convert.chat_inputs(_parse(p.ChatCompletionRequest, body), tokenizer, max_model_len, max_n)
+        return convert.chat_inputs(errors.validated(p.ChatCompletionRequest, body), tokenizer, max_model_len, max_n)
     body["prompt"] = request.prompt or list(request.prompt_token_ids)
     body["logprobs"] = logprobs
     body["echo"] = request.echo
-    return convert.completion_inputs(_parse(p.CompletionRequest, body), tokenizer, max_model_len, max_n)
+    return convert.completion_inputs(errors.validated(p.CompletionRequest, body), tokenizer, max_model_len, max_n)
 
 
 def tokenize(request: pb.TokenizeRequest, model: str, tokenizer: Any) -> list[int]:
@@ -159,7 +149,7 @@ def tokenize(request: pb.TokenizeRequest, model: str, tokenizer: Any) -> list[in
         body: dict[str, Any] = {"model": model, "messages": _messages(request.messages)}
         if request.HasField("add_generation_prompt"):
             body["add_generation_prompt"] = request.add_generation_prompt
-        return list(convert.encode_chat(tokenizer, _parse(p.ChatCompletionRequest, body)))
+        return list(convert.encode_chat(tokenizer, errors.validated(p.ChatCompletionRequest, body)))
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
     return list(tokenizer(request.prompt, add_special_tokens=add_special).input_ids)
 

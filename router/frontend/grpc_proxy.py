@@ -6,7 +6,7 @@
 service exactly as the generated `protos.kvserve.v1.kvserve_pb2_grpc.add_KVServeServicer_to_server`
 does; Serve's proxy imports and calls it in the proxy actor when its gRPC server starts.
 
-The fix (Ray Serve 2.60, measured in tests/integration/test_grpc_api.py). When a client
+The fix (Ray Serve 2.60, pinned by tests/integration/test_grpc_api.py). When a client
 cancels a server-streaming call, grpc cancels the proxy's handler task wherever it is
 awaiting. If that is inside Serve's response generator (waiting for the next message
 from the ingress), Serve cancels the replica call and the engine aborts the request.
@@ -20,8 +20,8 @@ a task of its own, feeding an unbounded queue, and writes the messages itself: g
 cancellation then always lands in the coroutine, which cancels the task, and the task
 only ever waits inside Serve's generator, so Serve's own cancel path runs. The coroutine
 returns only after Serve's generator has finished (grpc frees the call when it returns,
-and Serve's generator still reads it: a first version that let it outlive the call
-crashed the proxy with a segfault in `context.peer()`). The queue holds what the client
+and Serve's generator still reads it: a generator that outlives the call crashes the
+proxy with a segfault in `context.peer()`). The queue holds what the client
 has not read yet: at most one request's messages.
 
 Undecodable requests. grpc answers a message its deserializer cannot parse (truncated,

@@ -26,7 +26,7 @@ through `grpc_context.set_code/set_details`; how it reaches the client differs:
   the proxy turns into that status (and logs the exception).
 
 Cancellation (Ray Serve 2.60, read in serve/_private/proxy.py and
-proxy_response_generator.py, measured in tests/integration/test_grpc_api.py): when the
+proxy_response_generator.py, pinned by tests/integration/test_grpc_api.py): when the
 client cancels, grpc cancels the proxy's handler task; ProxyResponseGenerator catches the
 CancelledError and calls `.cancel()` on the response, which cancels the replica's call:
 a CancelledError is raised in the method here, whose `finally` closes the

@@ -33,7 +33,7 @@ Router and admission metrics (per ingress replica: each runs its own request rou
   each engine request's first output): the gap is locality that routing gave up (load
   spreading) or that was evicted between the report and the admission;
 - the request router itself, read at each scrape from the router in this process
-  (router/routing/serve_router.py, router/routing/serve_router.py): `kvserve:router_decisions{mode}`
+  (router/routing/serve_router.py): `kvserve:router_decisions{mode}`
   (affinity / spread / headroom / load_gate / pow2 / a policy's mode), and per replica
   `kvserve:router_requests_outstanding`, `kvserve:router_reservations_unreflected`
   (dispatches no report shows yet) and `kvserve:router_stats_age_seconds`.

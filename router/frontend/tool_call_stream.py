@@ -8,7 +8,7 @@ the object's closing brace or the format's closing tag.
 
 The head must name the call first (`name`, then `arguments` or `parameters`), which is
 how Hermes/Qwen and Llama 3.x write calls. Any other shape (arguments first, arguments
-as a JSON string) is buffered until the object closes and goes out whole, as before.
+as a JSON string) is buffered until the object closes and goes out whole, in one delta.
 The streamed arguments are the model's own text, so they parse to the same JSON as the
 non-streamed call's (which is re-serialised); tests compare the parsed values.
 """

@@ -33,6 +33,8 @@ class RouterSnapshotSource:
         params = getattr(router, "params", None)
         if router is None or not isinstance(params, RoutingParams):
             return None
+        if getattr(getattr(router, "policy", None), "name", "") == "pow2":
+            return None  # pow2 stands for Serve's own router, which holds nothing back
         for _ in range(3):
             try:
                 replicas = list(router.curr_replicas.values())

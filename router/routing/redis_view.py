@@ -1,6 +1,6 @@
-"""A routing view shared by every ingress replica through Redis (issue 13, "Shared routing
-view in Redis"): each router adds the work every OTHER router promised each replica since
-that replica's last report, and the prefix hints every router learned.
+"""A routing view shared by every ingress replica through Redis: each router adds the
+work every OTHER router promised each replica since that replica's last report, and the
+prefix hints every router learned.
 
 Where it lives in Redis (the key layout, the wire format, the Lua scripts and why one
 field per router): router/routing/redis_view_scripts.py.

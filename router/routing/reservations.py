@@ -1,14 +1,15 @@
 """The router's reservation ledger: work promised to each replica since that replica's last
 stats report (counted at dispatch time, since reports are seconds old): KV blocks, requests,
 uncached prefill tokens and the decode blocks those requests will still grow into. The
-policy in router/routing/types.py adds them to what the report shows."""
+headroom policy (router/routing/scoring.py) adds them to what the report shows."""
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-ReplicaKey = Hashable
+from router.routing.types import ReplicaKey
+
 # A per-request figure that may depend on the replica (uncached prefill tokens do: prefix hits).
 PerReplica = int | Mapping[ReplicaKey, int]
 

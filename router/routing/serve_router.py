@@ -45,20 +45,15 @@ How Serve 2.60 drives it (read from ray/serve/_private/router.py and request_rou
 
 Several router copies (one per ingress replica) each see only their own dispatches unless
 they share a view: with private views they herd onto the replica that looked best at the
-last report (tests/unit/router/routing/test_routing_view.py shows it), so with `shared_view` in the kwargs
-(cluster/app.py sets it when state.redis_url is set) every copy counts every copy's
-reservations and prefix hints through Redis (router/routing/redis_view.py). Reservations stop
-counting once a report taken after the dispatch arrives: that report shows every router's
-requests, so even private views re-converge once per stats period.
-
-The routing view (router/routing/routing_view.py) a view-aware policy (headroom) keeps its
-reservations and prefix hints in: private (LocalRoutingView) unless request_router_kwargs
-carry `shared_view` (router/routing/redis_view.py's SharedViewSpec as a dict), then shared
-by every router copy (one per ingress replica) through Redis; its read is awaited before
-each decision (`RedisRoutingView.sync`: one round trip at most, bounded wait). With private
-views the copies herd onto the replica that looked best at the last report; reservations
-stop counting once a report taken after the dispatch arrives, so even private views
-re-converge once per stats period.
+last report (tests/unit/router/routing/test_routing_view.py shows it). A view-aware policy
+(headroom) keeps its reservations and prefix hints in a routing view
+(router/routing/routing_view.py): private (LocalRoutingView) unless request_router_kwargs
+carry `shared_view` (router/routing/redis_view.py's SharedViewSpec as a dict; cluster/app.py
+sets it when state.redis_url is set), then shared by every copy through Redis, its read
+awaited before each decision (`RedisRoutingView.sync`: one round trip at most, bounded
+wait). Reservations stop counting once a report taken after the dispatch arrives: that
+report shows every router's requests, so even private views re-converge once per stats
+period.
 
 Warm start (`warm_start`, default on): before its first decision a router asks every
 candidate replica for its routing stats now (serve_internals.fetch_routing_stats), so a
@@ -101,12 +96,18 @@ def make_view(shared_view: Mapping[str, Any] | None, params: RoutingParams) -> R
     return RedisRoutingView(SharedViewSpec.from_dict(shared_view), params.report_lag_s)
 
 
+def call_request(pending_request: PendingRequest | None) -> Any:
+    """The request object a call carries: its first argument, or its `request` keyword (a
+    GenerateRequest for `generate`); None without a pending request."""
+    if pending_request is None:
+        return None
+    return pending_request.args[0] if pending_request.args else pending_request.kwargs.get("request")
+
+
 def request_profile(pending_request: PendingRequest | None) -> RequestProfile | None:
     """The routing-relevant part of a `WorkerReplica.generate(GenerateRequest)` call, or None
     for any other call (stats, model_info, abort...), which is routed by power-of-two."""
-    if pending_request is None:
-        return None
-    request = pending_request.args[0] if pending_request.args else pending_request.kwargs.get("request")
+    request = call_request(pending_request)
     token_ids = getattr(request, "prompt_token_ids", None)
     if not isinstance(token_ids, (list, tuple)) or not token_ids:
         return None
@@ -118,10 +119,7 @@ def request_profile(pending_request: PendingRequest | None) -> RequestProfile | 
 
 def request_session_id(pending_request: PendingRequest | None) -> str | None:
     """The `generate` call's session id (soft affinity), when the request carries one."""
-    if pending_request is None:
-        return None
-    request = pending_request.args[0] if pending_request.args else pending_request.kwargs.get("request")
-    session_id = getattr(request, "session_id", None)
+    session_id = getattr(call_request(pending_request), "session_id", None)
     return session_id if isinstance(session_id, str) and session_id else None
 
 
@@ -197,7 +195,7 @@ class PolicyRouter(RequestRouter):
             order = self.policy.rank(request, views, now)
             mode = getattr(self.policy, "last_mode", "") or self.policy.name
         self.num_decisions_by_mode[mode] += 1
-        tracing.record_route(pending_request, mode, order, len(candidate_replicas), now)
+        tracing.record_route(call_request(pending_request), mode, order, len(candidate_replicas), now)
         # One replica per rank: within a rank Serve would pick by queue length itself.
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         return [[by_id[key]] for key in order]
@@ -226,7 +224,7 @@ class PolicyRouter(RequestRouter):
         async def pull(replica: RunningReplica) -> None:
             try:
                 self._warm_stats[replica.replica_id] = await fetch_routing_stats(replica)
-            except Exception as e:  # noqa: BLE001 -- a replica that cannot answer is routed as before
+            except Exception as e:  # noqa: BLE001 -- no warm stats: its first report counts, as it would anyway
                 logger.debug("warm start: no stats from %s (%s)", replica.replica_id, e)
 
         try:

@@ -2,8 +2,7 @@
 RoutingParams, a replica's parsed routing-stats report (ReplicaReport), a request's
 prompt as the policy sees it (RequestProfile), a replica as a router sees it at choice
 time (ReplicaView), staleness, and power of two choices (the fallback when stats are stale
-and Serve's own default). The ranking itself is router/routing/scoring.py; the work model
-router/routing/work.py.
+and Serve's own default). The ranking and the work model are router/routing/scoring.py.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ generation config, tokenizer files with a chat template) without any download:
 2. a byte-level BPE tokenizer trained on it with the `tokenizers` library, so that any
    string, emoji and other non-ASCII text included, round-trips through bytes;
 3. a small `LlamaForCausalLM` trained on it with plain torch on CPU for a fixed number
-   of steps (about two minutes on two cores), so that greedy decoding answers in
+   of steps (minutes, not hours, on a laptop-class CPU), so that greedy decoding answers in
    readable English and stops with EOS.
 
 Everything is seeded and the data order is fixed; the step count, not a wall-clock
@@ -35,13 +35,14 @@ from worker.default_model.corpus import MODEL_NAME, Document, generate_corpus
 
 SEED = 1234
 # An upper bound: BPE stops merging when no pair occurs twice, and the narrow synthetic
-# corpus runs out at about 1460 tokens. Unseen text still encodes (byte fallback).
+# corpus runs out of such pairs below it. Unseen text still encodes (byte fallback).
 VOCAB_SIZE = 2048
-# More than the default steps consume (2560 rows of ~3400), so no document repeats.
+# More than the default steps consume (DEFAULT_STEPS x BATCH_SIZE packed rows), so no
+# document repeats.
 NUM_DOCUMENTS = 24_000
 SEQUENCE_LENGTH = 256
-# Small batches, more steps: on two CPU cores throughput per token is the same for
-# batches of 8 and 32 rows, and a tiny budget learns more from more updates.
+# Small batches, more steps: for a model this small on a few CPU cores a bigger batch
+# does not raise tokens per second, and a tiny budget learns more from more updates.
 BATCH_SIZE = 8
 DEFAULT_STEPS = 320
 PEAK_LEARNING_RATE = 5e-3
@@ -263,8 +264,8 @@ def build(out: Path, num_steps: int) -> dict[str, object]:
     random.seed(SEED)
     torch.manual_seed(SEED)
     # Same results on every run of the same machine. One thread: the thread count changes
-    # the order of float reductions, so it is pinned; and for a model this small, two
-    # threads on a busy two-core machine measured 3-4x slower than one (spin waits).
+    # the order of float reductions, so it is pinned; and a model this small has ops too
+    # small to split, so extra threads only add spin waits (worse on a busy machine).
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
 

@@ -6,7 +6,7 @@ same corpus, byte for byte, on every machine and Python version (no hash-ordered
 containers, no text read from the installed environment).
 
 The text is deliberately narrow (greetings, simple facts, short stories, plain
-sentences): a model of about a million parameters trained for two minutes can learn
+sentences): a model of about a million parameters trained for minutes on a CPU can learn
 narrow text well enough to answer in readable English and to stop with EOS, and the
 point of this model is to exercise the serving engine, not to know things.
 

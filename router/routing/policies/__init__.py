@@ -12,7 +12,7 @@ virtual clock. See router/routing/policies/base.py for the protocol.
                      exceeds prefill throughput x target time, then the least-loaded
     headroom         kvserve: KV headroom with reservations, work-based load (uncached prefill
                      tokens), prefix and session affinity released at a target TTFT
-                     (router/routing/scoring.py, router/routing/work.py)
+                     (router/routing/scoring.py)
 """
 from __future__ import annotations
 

@@ -5,11 +5,11 @@ report, the prefix of this request it caches, and the prefill work queued there
 
 Modes, decided among the replicas where q fits (the others come last, least deficit first):
   * "affinity": the owner (highest credit > 0; ties: lower ttft) first, while its prefill
-    backlog with q stays within prefill rate x target_ttft_s (router/routing/work.py) and its
-    ongoing requests are not more over its share than its gate limit (gate_limits:
-    load_gate_threshold, or load_gate_fraction of the share when more). Affinity with a
-    principled release: the owner keeps its prefix as long as it can still prefill in
-    time, and no longer (no hot spot, no death spiral).
+    backlog with q stays within prefill rate x target_ttft_s (router/routing/scoring.py's
+    within_target) and its ongoing requests are not more over its share than its gate
+    limit (gate_limits: load_gate_threshold, or load_gate_fraction of the share when more).
+    Affinity with a principled release: the owner keeps its prefix as long as it can still
+    prefill in time, and no longer (no hot spot, no death spiral).
   * "headroom": otherwise, highest rank_key first: the fill term spreads a burst in
     proportion to headroom (reserved at dispatch, so stale reports do not herd it), the
     TTFT term sends work where it is prefilled soonest, partial matches pull gently.

@@ -99,7 +99,10 @@ def test_drain_options() -> None:
 
 
 def test_router_selection() -> None:
-    assert "request_router_config" not in worker_options(config(routing={"router": "pow2"}))
+    # pow2 too runs through PolicyRouter (Serve's algorithm): the ingress's batched output
+    # streams name their replica, which only PolicyRouter honours.
+    pow2 = worker_options(config(routing={"router": "pow2"}))["request_router_config"]
+    assert pow2.request_router_class == POLICY_ROUTER and pow2.request_router_kwargs["policy"] == "pow2"
     # "kv_headroom" is the accepted alias of "headroom": both give the same router.
     for name in ("headroom", "kv_headroom"):
         chosen = worker_options(config(routing={"router": name, "stats_period_s": 0.5})).get("request_router_config")

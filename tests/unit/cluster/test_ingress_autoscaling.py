@@ -45,3 +45,13 @@ def test_fixed_size_ingress_is_unchanged() -> None:
 def test_bad_ingress_scaling_is_refused(ingress: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         config(ingress)
+
+
+def test_metrics_interval_default_is_serves_own() -> None:
+    """Both autoscaling sections default metrics_interval_s to Serve's own default, so that
+    cluster/app.py leaves the deprecated field unset (Serve warns on any explicit value)."""
+    from ray.serve.config import AutoscalingConfig
+
+    from cluster.pool_config import METRICS_INTERVAL_S
+
+    assert METRICS_INTERVAL_S == AutoscalingConfig.model_fields["metrics_interval_s"].default
