@@ -3,7 +3,9 @@ stream of outputs; abort; stats.
 
 Threads: the step loop runs on its own thread and owns the engine core. Callers on the
 asyncio loop talk to it through a thread-safe inbox (add / abort) and receive outputs
-through one `call_soon_threadsafe` per step; neither side ever blocks the other.
+through one `call_soon_threadsafe` per step; neither side ever blocks the other. On a
+device that works beside the host, the loop publishes each step's outputs, takes the stats
+and drains the inbox while the next step is on the device (worker/step_overlap.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from worker.api import RequestError
 from worker.output_processor import RequestOutputProcessor
 from worker.api import RequestOutput
 from worker.api import SamplingParams
+from worker.step_overlap import AppliedStep
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        from worker.model_config import load_tokenizer
+        from worker.api import load_tokenizer
 
         engine = Engine.from_config(config)
         tokenizer = load_tokenizer(engine.model_path, config.model.trust_remote_code)
@@ -184,22 +187,53 @@ class AsyncEngine:
     # -- step-loop side (thread) ------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while True:
-                block = not self.engine.has_unfinished()
-                if not self._drain_inbox(block):
-                    return
-                outputs = self.engine.step()
-                self._stats = self.engine.stats()
-                # Going idle: snapshot now, whatever the period, so that stats asked for while
-                # idle (a router's warm start, the controller's poll) show the last request's
-                # cached blocks; while busy, at most every 0.5 s (the walk is not free).
-                self._snapshot_prefix_hashes(0.0 if not self.engine.has_unfinished() else 0.5)
-                if outputs:
-                    self._publish(outputs)
+            if self.engine.overlaps_device:
+                self._run_overlapped()
+            else:
+                self._run_serial()
         except BaseException as e:  # a bug in the core: fail everything, loudly
             logger.exception("engine loop died")
             self._dead = e
             self._publish_error(EngineDeadError(f"the engine loop has stopped: {e}"))
+
+    def _run_serial(self) -> None:
+        """One step at a time: its outputs leave when it has run (a runner that computes on
+        the host, where nothing could overlap)."""
+        while True:
+            block = not self.engine.has_unfinished()
+            if not self._drain_inbox(block):
+                return
+            outputs = self.engine.step()
+            self._after_step(outputs)
+
+    def _run_overlapped(self) -> None:
+        """Step N's outputs are built and published, the stats taken and the inbox drained
+        while step N+1 is on the device (worker/step_overlap.py draws the timeline)."""
+        applied: AppliedStep | None = None  # applied to the scheduler, outputs not yet built
+        while True:
+            if applied is None and not self.engine.has_unfinished():
+                if not self._drain_inbox(block=True):
+                    return
+            launched = self.engine.launch_step()  # the device works from here
+            outputs = self.engine.step_outputs(applied) if applied is not None else []
+            self._after_step(outputs + launched.outputs)
+            if not self._drain_inbox(block=False):
+                return
+            if launched.plan.is_empty:
+                applied = None
+                self.engine.wait_for_compiles()
+                continue
+            applied = self.engine.complete_step(launched)
+
+    def _after_step(self, outputs: list[RequestOutput]) -> None:
+        """Stats, the prefix-hash snapshot, and the step's outputs to their streams."""
+        self._stats = self.engine.stats()
+        # Going idle: snapshot now, whatever the period, so that stats asked for while
+        # idle (a router's warm start, the controller's poll) show the last request's
+        # cached blocks; while busy, at most every 0.5 s (the walk is not free).
+        self._snapshot_prefix_hashes(0.0 if not self.engine.has_unfinished() else 0.5)
+        if outputs:
+            self._publish(outputs)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply queued adds/aborts; wait for one when idle. False means stop."""

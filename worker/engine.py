@@ -1,7 +1,11 @@
 """The engine core: schedule -> execute -> postprocess, one iteration per `step()`.
 
 Synchronous and single-threaded on purpose (the async wrapper runs it on its own thread):
-the scheduler, block pool and sequences are only ever touched from one thread.
+the scheduler, block pool and sequences are only ever touched from one thread. On a runner
+whose device works while the host does (worker/step_overlap.py), the same iteration runs
+in three calls instead, so that the previous step's outputs are built under the device's
+time: launch_step (plan, launch), step_outputs (of the step before), complete_step (wait,
+apply).
 Disaggregation (KV export and import) is not in the step: the KV connector
 (worker/kv_connector.py) is called at fixed points of it.
 """
@@ -22,13 +26,14 @@ from kv.transfer import KVExport, KVTransferError
 from worker.api import KVImportError, RequestError
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from worker.kv_connector import KVConnector, SavedKV, make_connector
-from worker.api import RequestOutput
+from worker.api import RequestOutput, RunnerOutput
 from worker.runner_protocols import Runner
 from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
 from worker.step_budget import StepPredictor, engine_step_budget, profile_predictor
 from worker.step_meters import OutputLengthTracker, PrefillRateMeter
+from worker.step_overlap import AppliedStep, LaunchedStep, overlaps
 from worker.structured.compiler import GrammarCompiler
 from worker.structured.state import GrammarState
 
@@ -138,7 +143,7 @@ class Engine:
         engine = cls(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config),
                      step_time_predictor=predictor)
         engine.model_path = path
-        engine.grammar = GrammarCompiler.for_model_path(path, hf_config.vocab_size)
+        engine.grammar = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
         return engine
 
     @property
@@ -234,30 +239,86 @@ class Engine:
 
     # -- the iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Plan, run, apply, publish."""
+        """Plan, run, apply, publish: one step, start to finish, on the calling thread."""
+        step = self._plan_step()
+        if step.plan.is_empty:
+            self.wait_for_compiles()
+            return step.outputs
+        try:
+            result = self.runner.execute(step.plan)
+        except Exception as e:  # fail this step's requests, keep serving the rest
+            return step.outputs + self._failed_step(step.plan, e)
+        applied = self._apply(step, result)
+        outputs = step.outputs + self.step_outputs(applied)
+        self._account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
+        return outputs
+
+    # The overlapped step (worker/step_overlap.py draws its timeline): launch_step, then
+    # the previous step's step_outputs while the device works, then complete_step.
+    @property
+    def overlaps_device(self) -> bool:
+        """Whether this engine's runner returns from a launch while the device works."""
+        return overlaps(self.runner)
+
+    def launch_step(self) -> LaunchedStep:
+        """Plan the next step and start it on the device (returns while the device works).
+        An empty plan launches nothing; a failed launch is reported by complete_step."""
+        step = self._plan_step()
+        if not step.plan.is_empty:
+            try:
+                step.handle = self.runner.launch(step.plan)
+            except Exception as e:
+                step.error = e
+        return step
+
+    def complete_step(self, step: LaunchedStep) -> AppliedStep:
+        """Wait for a launched step and apply its result (blocks freed, sequences
+        advanced); its outputs are built later, by step_outputs."""
+        if step.plan.is_empty:
+            return AppliedStep(step.plan)
+        if step.error is None:
+            try:
+                result = self.runner.wait(step.handle)
+            except Exception as e:
+                step.error = e
+        if step.error is not None:
+            return AppliedStep(step.plan, failed=self._failed_step(step.plan, step.error))
+        applied = self._apply(step, result)
+        self._account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
+        return applied
+
+    def step_outputs(self, applied: AppliedStep) -> list[RequestOutput]:
+        """The RequestOutputs of an applied step (one per sequence that got a token)."""
+        if applied.failed is not None:
+            return applied.failed
+        return self._postprocess(applied.plan, applied.logprobs, applied.changed, applied.saved)
+
+    def wait_for_compiles(self) -> None:
+        """Nothing to run but grammar compiles: wait for one, briefly."""
+        if self.awaiting_grammar:
+            wait([s.grammar.future for s in self.awaiting_grammar], GRAMMAR_POLL_S, FIRST_COMPLETED)
+
+    def _plan_step(self) -> LaunchedStep:
         start = time.perf_counter()
         self.connector.expire_pins()
         outputs = self._admit_compiled() if self.awaiting_grammar else []
         plan = self._timed(self.scheduler.schedule)
         outputs += self._load_kv(plan)  # imports admitted this step: their KV into their blocks
-        if plan.is_empty:
-            if self.awaiting_grammar:  # nothing to run but compiles: wait for one, briefly
-                wait([s.grammar.future for s in self.awaiting_grammar], GRAMMAR_POLL_S, FIRST_COMPLETED)
-            return outputs
-        try:
-            result = self.runner.execute(plan)
-        except Exception as e:  # fail this step's requests, keep serving the rest
-            logger.exception("engine step failed; failing %d requests", len(plan.seqs))
-            return outputs + self._fail(plan, e)
+        return LaunchedStep(plan, outputs, start_s=start)
+
+    def _apply(self, step: LaunchedStep, result: RunnerOutput) -> AppliedStep:
+        plan = step.plan
         budget = self.scheduler.step_budget
         if budget is not None and budget.corrected:  # before update moves num_computed_tokens
             budget.observe_plan(plan, result.token_ids, result.forward_s)
         saved = self.connector.save_kv(plan, result.token_ids)  # before update frees blocks
         changed = self._timed(self.scheduler.update, plan, result.token_ids)
-        outputs += self._postprocess(plan, result.logprobs, changed, saved)
         self.prefill_meter.record(plan.num_new_tokens, result.forward_s)
-        self._account(len(changed), time.perf_counter() - start, result.forward_s)
-        return outputs
+        return AppliedStep(plan, result.logprobs, changed, saved)
+
+    def _failed_step(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        logger.error("engine step failed; failing %d requests", len(plan.seqs), exc_info=error)
+        return self._fail(plan, error)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar has compiled enter the scheduler (in arrival order); a
@@ -356,7 +417,7 @@ class Engine:
     @staticmethod
     def _output(seq: Sequence, new_token_ids: list[int], logprobs: list | None) -> RequestOutput:
         # Positional, in RequestOutput's field order (once per token: 13 keywords cost ~1 us
-        # more than positions, ~5% of a simulated token; tests/unit/test_engine_output.py
+        # more than positions, ~5% of a simulated token; tests/unit/worker/test_engine_output.py
         # checks every field by name).
         return RequestOutput(
             seq.request_id,

@@ -1,5 +1,8 @@
 """Executes a scheduler plan as ONE flat token batch and samples the next tokens.
 
+`execute(plan)` is `wait(launch(plan))`: launch queues the step on the device, wait samples
+(worker/step_overlap.py: on CUDA the engine works on the host in between).
+
 Per step: build the flat inputs (token ids, positions, KV slots, attention metadata) with
 a handful of tensor ops, run the model over every token, compute logits only for the
 last token of each sequence that samples, and sample the whole batch at once.
@@ -7,7 +10,9 @@ last token of each sequence that samples, and sample the whole batch at once.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +26,8 @@ from worker.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.forward_timer import ForwardTimer
 from worker.memory_profile import activation_peak_bytes
 from worker.model.llama import LlamaArch
-from worker.model.loader import load_model, resolve_model_path
+from worker.model.loader import load_model
+from worker.model_path import resolve_model_path
 from worker.model.parallel import SINGLE, TPContext, kv_head_range
 from worker import prompt_logprobs
 from worker.api import TokenLogprob
@@ -50,6 +56,17 @@ class HostBatch:
     num_decodes: int
     sample_rows: list[int]  # plan indices of the seqs that sample this step
     last_token_idx: list[int]  # flat token whose logits each of them samples from
+
+
+@dataclass
+class LaunchedBatch:
+    """A step between launch and wait: its logits queued on the device (None: nothing to
+    sample on this rank), the rows they sample for, and the grammar masks being built."""
+
+    plan: SchedulerOutput
+    sample_rows: list[int]
+    logits: torch.Tensor | None
+    masks: Future[Any] | None  # worker/structured/bitmask.py's MaskPrefetcher
 
 
 def resolve_device(name: str) -> torch.device:
@@ -164,6 +181,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        return self.wait(self.launch(plan))
+
+    # -- the step split at the device (worker/step_overlap.py) -------------------------------
+    @property
+    def overlaps_device(self) -> bool:
+        """On CUDA, launch returns with the forward queued on the stream and the host is
+        free until wait's sync; on a CPU device launch computes the forward itself."""
+        return self.device.type == "cuda"
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput) -> LaunchedBatch:
+        """Inputs, the forward and the logits, queued on the device; no host sync (prompt
+        logprobs aside)."""
         # Decodes (1 query token) first, shortest context first (see worker/decode_groups.py).
         num_new, seqs = plan.num_new_tokens, plan.seqs
         order = sorted(
@@ -180,23 +210,33 @@ class ModelRunner:
         hidden = self._forward(batch)
         if self.supports_prompt_logprobs:
             self._prompt_logprobs(plan, order, batch, hidden)
-        token_ids: list[int | None] = [None] * len(plan.seqs)
-        logprobs: list[TokenLogprob | None] = [None] * len(plan.seqs)
         sample_rows = batch.sample_rows
         if not sample_rows or self.sampler is None:
             if sample_rows:  # a TP rank other than 0: it only joins the collectives
                 self.model.compute_logits(hidden[last_token_idx])
             self.timer.stop()
-            return RunnerOutput(token_ids, logprobs, self.timer.elapsed_s())
+            return LaunchedBatch(plan, [], None, None)
         logits = self.model.compute_logits(hidden[last_token_idx])
         self.timer.stop()
-        # The step's one host sync: the sampled ids (the timer's events complete before it).
-        sampled = self.sampler(
-            logits, [plan.seqs[i] for i in sample_rows], masks.result() if masks is not None else None
-        )
-        for row, i in enumerate(sample_rows):
-            token_ids[i] = sampled.token_ids[row]
-            logprobs[i] = sampled.logprobs[row]
+        return LaunchedBatch(plan, sample_rows, logits, masks)
+
+    @torch.inference_mode()
+    def wait(self, launched: LaunchedBatch) -> RunnerOutput:
+        """Sample the launched step's logits: the step's one host sync (the sampled ids;
+        the timer's events complete before it)."""
+        plan = launched.plan
+        token_ids: list[int | None] = [None] * len(plan.seqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(plan.seqs)
+        if launched.logits is not None:
+            assert self.sampler is not None  # launch leaves logits only on the rank that samples
+            masks = launched.masks
+            sampled = self.sampler(
+                launched.logits, [plan.seqs[i] for i in launched.sample_rows],
+                masks.result() if masks is not None else None,
+            )
+            for row, i in enumerate(launched.sample_rows):
+                token_ids[i] = sampled.token_ids[row]
+                logprobs[i] = sampled.logprobs[row]
         return RunnerOutput(token_ids, logprobs, self.timer.elapsed_s())
 
     @property

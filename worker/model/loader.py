@@ -26,7 +26,6 @@ from safetensors import safe_open
 from worker.attention.base import AttentionBackend
 from worker.model.llama import LlamaArch, LlamaForCausalLM
 from worker.model_config import is_gguf
-from worker.model_path import resolve_model_path  # noqa: F401 (its old home; torch-free there)
 from worker.model.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )

@@ -26,7 +26,9 @@ inside one kernel compute and memory traffic overlap, so each takes the max):
   torch backend does; varlen kernels split the work by the same line), so each half
   gets its own max instead of one max hiding the other.
 The overheads are host work (scheduling, input building, the sampled-ids sync, output
-handling); on a GPU they overlap nothing in this engine's synchronous step loop.
+handling) that a serial step loop adds to every step. The simulated device counts them in
+its step time either way; under the async engine's overlapped loop (worker/step_overlap.py)
+the engine's own output handling runs beside that time instead of inside it.
 """
 from __future__ import annotations
 

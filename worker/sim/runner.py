@@ -1,7 +1,7 @@
 """The simulated device's runner: the real engine drives it in place of the model runner.
 
 It loads no weights and allocates no KV tensors (the block pool's bookkeeping is all a
-simulated replica holds per block). Each `execute(plan)`:
+simulated replica holds per block). Each step (`execute(plan)`, or `launch` then `wait`):
 - prices the plan with the step-cost model (worker/sim/cost_model.py);
 - samples, for each row that reaches the end of its tokens, a deterministic token: a
   hash of the sequence's WHOLE token history (and the request's seed, when it has one).
@@ -11,9 +11,12 @@ simulated replica holds per block). Each `execute(plan)`:
   which is what a simulation wants (lengths set by the workload);
 - with `sleep=True` (a live cluster of simulated replicas) waits the modelled step time
   times `time_dilation` on the engine's step thread: the sleep stands for the device's
-  work, it is not synchronisation. The host work the engine did since the previous step
-  (schedule, update, outputs: real Python time) is taken off the modelled host
-  overheads, up to their size, so that it is not counted twice;
+  work, it is not synchronisation. Two ways, as the engine drives it:
+  `execute` (the serial Engine.step) takes the host work the engine did since the previous
+  step (schedule, update, outputs: real Python time) off the modelled host overheads, up
+  to their size, so that it is not counted twice; `launch` / `wait` (the async engine's
+  overlapped loop, worker/step_overlap.py) run the whole modelled step on the clock from
+  the launch while the host works beside it, as a GPU runs a launched step;
 - with `sleep=False` (the discrete-event simulator) returns at once; the modelled time
   is in `last_step_s` (and RunnerOutput.forward_s) for a virtual clock to advance by.
 
@@ -29,17 +32,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from worker.engine import Engine
+from worker.model_config import cap_to_kv_capacity, max_model_len_for
 from worker.api import RunnerOutput
 from worker.api import TokenLogprob
 from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
-from worker.sim.cost_model import StepCostModel
+from worker.sim.cost_model import StepCostModel, StepFeatures
 from worker.sim.device import parse_sim_device
 from worker.sim.profiles import DeviceProfile, load_profile
 from worker.sim.shapes import ModelShape, load_shape
@@ -91,9 +95,18 @@ def history_hash(token_ids: list[int], start: int = 0, state: int = 0) -> int:
     return (state * pow(_BASE, len(new), 1 << 64) + folded) & _MASK
 
 
+@dataclass
+class SimStep:
+    """A launched step: its output, ready when the clock reaches `done_at` (perf_counter)."""
+
+    output: RunnerOutput
+    done_at: float
+
+
 class SimRunner:
-    """Satisfies the engine's Runner protocol (worker/engine.py): `num_blocks` and
-    `execute(plan) -> RunnerOutput`."""
+    """Satisfies the engine's Runner protocol (worker/runner_protocols.py): `num_blocks` and
+    `execute(plan) -> RunnerOutput`; and, sleeping, OverlappingRunner's launch / wait
+    (worker/step_overlap.py)."""
 
     def __init__(
         self,
@@ -128,7 +141,49 @@ class SimRunner:
         return self.time_dilation if self.sleep else 1.0
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The serial device (Engine.step): returns once the step's time has passed, the
+        engine's host work since the previous step counted against the modelled overheads."""
         start = time.perf_counter()
+        token_ids, logprobs, features, modelled = self._model_step(plan)
+        forward_s = modelled
+        if self.sleep:
+            forward_s = self._wait(start, modelled, self.cost.overhead_s(features))
+        self._last_return = time.perf_counter()
+        return RunnerOutput(token_ids, logprobs, forward_s)
+
+    # -- the overlapping device (worker/step_overlap.py) ------------------------------------------
+    @property
+    def overlaps_device(self) -> bool:
+        """A sleeping runner is a device beside the host: launch returns at once and the step
+        runs on the clock meanwhile. Without sleep there is no wall time to overlap."""
+        return self.sleep
+
+    def launch(self, plan: SchedulerOutput) -> SimStep:
+        """Start the step: the device is busy from now for the modelled time x dilation.
+
+        The modelled time, overheads included, is the device's busy time here; the engine's
+        host work is not taken off it (unlike `execute`), because it runs beside the step.
+        So host work done while no step is in flight (the engine's update and schedule)
+        adds to the wall time, and host work done while one is in flight (outputs, stats)
+        adds nothing until it outgrows the step. The pricing and the token hashing below are
+        the device's own work (sampling), inside its time."""
+        start = time.perf_counter()
+        token_ids, logprobs, _, modelled = self._model_step(plan)
+        device_s = modelled * self.time_dilation if self.sleep else 0.0
+        return SimStep(RunnerOutput(token_ids, logprobs, device_s or modelled), start + device_s)
+
+    def wait(self, step: SimStep) -> RunnerOutput:
+        """The step's output once its time has passed (at once if it already has: the host
+        spent longer in between than the device needed)."""
+        if self.sleep:
+            remaining = step.done_at - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)  # the device's work, not synchronisation
+        self._last_return = time.perf_counter()
+        return step.output
+
+    def _model_step(self, plan: SchedulerOutput) -> tuple[list[int | None], list[TokenLogprob | None], StepFeatures, float]:
+        """The step's sampled tokens, logprobs, cost features and modelled seconds."""
         seqs = plan.seqs
         token_ids: list[int | None] = [None] * len(seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
@@ -149,11 +204,7 @@ class SimRunner:
         self.last_step_s = modelled
         self.total_step_s += modelled
         self.num_steps += 1
-        forward_s = modelled
-        if self.sleep:
-            forward_s = self._wait(start, modelled, self.cost.overhead_s(features))
-        self._last_return = time.perf_counter()
-        return RunnerOutput(token_ids, logprobs, forward_s)
+        return token_ids, logprobs, features, modelled
 
     @property
     def step_predictor(self) -> StepCostModel:
@@ -221,14 +272,19 @@ def build_sim_engine(
     """The real Engine (scheduler, KV cache manager, step loop) on a SimRunner.
 
     KV blocks: cache.num_blocks_override when set, else the device memory *
-    cache.gpu_memory_utilization minus the weights. max_model_len is capped by the shape's
-    max_position_embeddings. Tokens are drawn from [0, token_vocab_size) (default: the
-    shape's vocabulary), never from eos_token_ids (default: the shape's)."""
+    cache.gpu_memory_utilization minus the weights. max_model_len: the shape's
+    max_position_embeddings when unset, never more than it, and never more than the KV
+    pool holds. Tokens are drawn from [0, token_vocab_size) (default: the shape's
+    vocabulary), never from eos_token_ids (default: the shape's)."""
     shape = load_shape(shape) if isinstance(shape, str) else shape
     profile = load_profile(profile) if isinstance(profile, str) else profile
     cost = StepCostModel(shape, profile)
     num_blocks = cache.num_blocks_override or cost.num_kv_blocks(cache.block_size, cache.gpu_memory_utilization)
-    scheduler = replace(scheduler, max_model_len=min(scheduler.max_model_len, shape.max_position_embeddings))
+    # As Engine.from_config does for a real model: unset means the model's own context
+    # length (the shape's max_position_embeddings), a larger one is cut to it, and no
+    # sequence may outgrow the KV pool.
+    max_model_len = cap_to_kv_capacity(max_model_len_for(scheduler.max_model_len, shape), num_blocks, cache.block_size)
+    scheduler = replace(scheduler, max_model_len=max_model_len)
     eos = frozenset(shape.eos_token_ids) if eos_token_ids is None else eos_token_ids
     runner = SimRunner(
         cost, num_blocks, cache.block_size, token_vocab_size or shape.vocab_size,

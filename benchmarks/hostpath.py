@@ -1,0 +1,341 @@
+"""The host path at device speed: how much of the time a step takes is host work the
+device waits for, and what rate reaches the caller against the rate the device models.
+
+    python -m benchmarks.hostpath [--quick] [--repeats N] [--prompt-len N]
+
+Two parts. The ENGINE alone, here; then the whole Serve path (benchmarks/hostpath_serve.py:
+serving CPU per token, delivered / device rate through HTTP, streamed and not). One simulated worker engine, built from the config `kvserve serve --device sim:h200
+--model-shape llama-3-8b` builds (max_num_seqs 256, time dilation 1: every modelled second
+is a wall second), behind its async API (worker/async_engine.py: the step thread, the
+inbox, one publication per step to an asyncio loop), with an in-process consumer that only
+counts tokens (no tokenizer: detokenization belongs to the Serve path). Two batches, every
+request submitted at once, greedy, EOS ignored:
+
+    b64:  64 requests x 256 output tokens      b256: 256 requests x 128 output tokens
+    (prompts of --prompt-len distinct token ids, 128 by default: no prefix-cache hits;
+    --quick: 64 and 32 output tokens, one repeat)
+
+Per run:
+- modelled device rate = output tokens / sum of the modelled step times (the step-cost
+  model's figure for each step the engine ran: runner.last_step_s);
+- delivered rate = output tokens / wall seconds from submitting the requests to the last
+  token reaching the consumer; delivered ratio = delivered / modelled (1.0: the device
+  never waited for the host). Wall time: other load on the box lowers it;
+- exposed engine host time: the engine thread's CPU time (time.thread_time, read on that
+  thread by wrappers around the runner's device calls) spent while no step was on the
+  device: from each step's completion (execute or wait returning) to the next step's start
+  (execute or launch entered), plus any host work done inside a step's device window
+  beyond the window's modelled length (the device finished first and waited). Thread CPU
+  time, not wall time: a busy box stretches the wall time of the same work (and the GIL
+  handed to the consumer thread adds waiting), but not the CPU time the engine thread
+  itself needs. engine_host_pct = that time / the modelled step time, summed over the
+  run's steps (a ratio of sums), in percent. The wall-clock counterpart (busy span minus
+  the modelled step times) is printed beside it.
+Each figure is the median over --repeats runs (3; --quick 1). The machine's load
+average is printed before and after.
+
+The LAST line is machine-readable:
+    RESULT serve_us_per_token_stream=<us> serve_us_per_token=<us> delivered_ratio_b64=<x>
+           delivered_ratio_b256=<x> engine_host_pct_b256=<p> engine_host_pct_b64=<p>
+           engine_delivered_ratio_b64=<x> engine_delivered_ratio_b256=<x>
+(serve_* over every run's tokens, streamed or not; delivered_ratio_* through Serve, not
+streamed, medians; engine_* the engine alone, medians).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.api import SamplingParams
+from worker.async_engine import AsyncEngine
+from worker.config import EngineConfig, ModelConfig, SchedulerConfig
+from worker.engine import Engine
+
+DEVICE = "sim:h200"
+MODEL_SHAPE = "llama-3-8b"
+MAX_NUM_SEQS = 256
+BATCHES = ((64, 256), (256, 128))  # (requests, output tokens each)
+QUICK_BATCHES = ((64, 64), (256, 32))
+
+
+def engine_config() -> EngineConfig:
+    """What `kvserve serve --device sim:h200 --model-shape llama-3-8b` gives a worker
+    (cluster/config.py), with max_num_seqs 256 and the default time dilation of 1."""
+    from worker.default_model import default_model_path
+
+    return EngineConfig(
+        model=ModelConfig(model=default_model_path(), device=DEVICE, model_shape=MODEL_SHAPE),
+        scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS),
+    )
+
+
+# -- the engine thread's device timeline ------------------------------------------------------
+@dataclass
+class DeviceStep:
+    start_cpu: float  # engine thread CPU seconds when the step went to the device
+    start_wall: float
+    modelled_s: float = 0.0
+    window_cpu: float = 0.0  # host CPU between its start and its wait (its device window)
+    end_cpu: float = 0.0  # when its result was back on the host
+    end_wall: float = 0.0
+
+
+@dataclass
+class DeviceTimeline:
+    """Wraps the runner's device calls (execute; launch and wait where the runner splits
+    them) and records, on the engine thread, when each step starts and completes."""
+
+    time_dilation: float
+    steps: list[DeviceStep] = field(default_factory=list)
+
+    def attach(self, runner: Any) -> None:
+        steps = self.steps
+        if hasattr(runner, "execute"):
+            execute = runner.execute
+
+            def timed_execute(plan: Any) -> Any:
+                step = DeviceStep(time.thread_time(), time.perf_counter())
+                result = execute(plan)
+                step.end_cpu, step.end_wall = time.thread_time(), time.perf_counter()
+                step.window_cpu = step.end_cpu - step.start_cpu
+                step.modelled_s = runner.last_step_s
+                steps.append(step)
+                return result
+
+            runner.execute = timed_execute
+        if hasattr(runner, "launch") and hasattr(runner, "wait"):
+            launch, wait = runner.launch, runner.wait
+            in_flight: dict[int, DeviceStep] = {}
+
+            def timed_launch(plan: Any) -> Any:
+                step = DeviceStep(time.thread_time(), time.perf_counter())
+                handle = launch(plan)
+                step.modelled_s = runner.last_step_s
+                in_flight[id(handle)] = step
+                return handle
+
+            def timed_wait(handle: Any) -> Any:
+                step = in_flight.pop(id(handle))
+                step.window_cpu = time.thread_time() - step.start_cpu
+                result = wait(handle)
+                step.end_cpu, step.end_wall = time.thread_time(), time.perf_counter()
+                steps.append(step)
+                return result
+
+            runner.launch, runner.wait = timed_launch, timed_wait
+
+    def gap_cpu_s(self) -> float:
+        """Engine-thread CPU between one step's completion and the next one's start."""
+        steps = self.steps
+        return sum(max(b.start_cpu - a.end_cpu, 0.0) for a, b in zip(steps, steps[1:]))
+
+    def overrun_cpu_s(self) -> float:
+        """Engine-thread CPU inside steps' device windows beyond the windows' length."""
+        return sum(max(s.window_cpu - s.modelled_s * self.time_dilation, 0.0) for s in self.steps)
+
+    def exposed_host_cpu_s(self) -> float:
+        """Engine-thread CPU while the device had no step: the gaps, plus host work past a
+        step's device window (the device finished first and waited)."""
+        return self.gap_cpu_s() + self.overrun_cpu_s()
+
+    def modelled_s(self) -> float:
+        return sum(s.modelled_s for s in self.steps)
+
+
+# -- one measurement ---------------------------------------------------------------------------
+@dataclass
+class EngineRun:
+    num_requests: int
+    output_tokens: int
+    num_steps: int
+    modelled_s: float
+    wall_s: float
+    busy_wall_s: float  # first step's start to last step's completion
+    exposed_host_cpu_s: float
+    overrun_cpu_s: float  # the part of exposed_host_cpu_s that overran device windows
+    process_cpu_s: float
+
+    @property
+    def modelled_tokens_per_s(self) -> float:
+        return self.output_tokens / self.modelled_s
+
+    @property
+    def delivered_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def delivered_ratio(self) -> float:
+        return self.delivered_tokens_per_s / self.modelled_tokens_per_s
+
+    @property
+    def host_pct(self) -> float:
+        """Exposed engine host CPU over the modelled step time, in percent."""
+        return 100.0 * self.exposed_host_cpu_s / self.modelled_s
+
+    @property
+    def wall_excess_pct(self) -> float:
+        """The wall-clock counterpart: the busy span not covered by modelled step time."""
+        return 100.0 * (self.busy_wall_s - self.modelled_s) / self.modelled_s
+
+
+def prompt(index: int, prompt_len: int) -> list[int]:
+    """Distinct prompts (no two share a first block): ids 1..100000 in sequence."""
+    return [1 + (index * prompt_len + j) % 100_000 for j in range(prompt_len)]
+
+
+async def _consume(engine: AsyncEngine, num_requests: int, max_tokens: int, prompt_len: int) -> int:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+    async def one(i: int) -> int:
+        n = 0
+        async for out in engine.generate(prompt(i, prompt_len), params, request_id=f"r{i}"):
+            n += len(out.new_token_ids)
+        return n
+
+    counts = await asyncio.gather(*(one(i) for i in range(num_requests)))
+    return sum(counts)
+
+
+def measure_engine(num_requests: int, max_tokens: int, prompt_len: int = 128) -> EngineRun:
+    """One run of the engine alone at time dilation 1 (see the module docstring)."""
+    config = engine_config()
+    core = Engine.from_config(config)
+    timeline = DeviceTimeline(config.model.time_dilation)
+    timeline.attach(core.runner)
+    engine = AsyncEngine(core)  # no tokenizer: the consumer counts token ids
+
+    async def run() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        tokens = await _consume(engine, num_requests, max_tokens, prompt_len)
+        return tokens, time.perf_counter() - t0
+
+    cpu0 = time.process_time()
+    try:
+        tokens, wall_s = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    process_cpu_s = time.process_time() - cpu0
+    steps = timeline.steps
+    expected = num_requests * max_tokens
+    if tokens != expected:
+        raise RuntimeError(f"the consumer got {tokens} tokens, expected {expected}")
+    return EngineRun(
+        num_requests=num_requests,
+        output_tokens=tokens,
+        num_steps=len(steps),
+        modelled_s=timeline.modelled_s(),
+        wall_s=wall_s,
+        busy_wall_s=steps[-1].end_wall - steps[0].start_wall,
+        exposed_host_cpu_s=timeline.exposed_host_cpu_s(),
+        overrun_cpu_s=timeline.overrun_cpu_s(),
+        process_cpu_s=process_cpu_s,
+    )
+
+
+@dataclass
+class EngineSummary:
+    """Medians over repeats of one batch."""
+
+    num_requests: int
+    runs: list[EngineRun]
+
+    def median(self, name: str) -> float:
+        return statistics.median(getattr(r, name) for r in self.runs)
+
+
+def measure_engine_batch(num_requests: int, max_tokens: int, repeats: int, prompt_len: int) -> EngineSummary:
+    runs = []
+    for i in range(repeats):
+        run = measure_engine(num_requests, max_tokens, prompt_len)
+        runs.append(run)
+        print(
+            f"  b{num_requests} run {i + 1}/{repeats}: {run.output_tokens} tokens in {run.num_steps} steps; "
+            f"modelled {run.modelled_tokens_per_s:,.0f} tok/s ({1e3 * run.modelled_s / run.num_steps:.2f} ms/step), "
+            f"delivered {run.delivered_tokens_per_s:,.0f} tok/s (ratio {run.delivered_ratio:.3f}); "
+            f"exposed engine host CPU {1e6 * run.exposed_host_cpu_s / run.num_steps:.0f} us/step "
+            f"({1e6 * run.overrun_cpu_s / run.num_steps:.0f} of it past device windows) "
+            f"= {run.host_pct:.2f}% of the modelled step (wall excess {run.wall_excess_pct:.2f}%); "
+            f"process CPU {1e6 * run.process_cpu_s / run.output_tokens:.1f} us/token",
+            flush=True,
+        )
+    return EngineSummary(num_requests, runs)
+
+
+def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int) -> list[Any]:
+    """Each batch streamed and not, `repeats` times, the order alternating per repeat, on one
+    Serve app (benchmarks/hostpath_serve.py)."""
+    from benchmarks import hostpath_serve as hs
+
+    url = hs.start(hs.free_port())
+    runs = []
+    try:
+        hs.run_client(url, 8, 8, False, 999)  # warm: first-call imports, connections
+        for repeat in range(repeats):
+            for num_requests, max_tokens in batches:
+                for stream in ((False, True) if repeat % 2 == 0 else (True, False)):
+                    run = hs.measure(url, num_requests, max_tokens, stream, seed=repeat)
+                    runs.append(run)
+                    print(f"  repeat {repeat + 1}/{repeats} {run.line()}", flush=True)
+    finally:
+        hs.stop()
+    return runs
+
+
+def per_token_us(runs: list[Any]) -> float:
+    """Serving CPU over all the runs' tokens (a ratio of sums)."""
+    return 1e6 * sum(r.serving_cpu_s for r in runs) / max(sum(r.tokens for r in runs), 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer output tokens, one repeat")
+    p.add_argument("--repeats", type=int, default=None, help="runs per batch (default 3; --quick 1)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    args = p.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    batches = QUICK_BATCHES if args.quick else BATCHES
+    print(f"machine: {os.cpu_count()} CPUs, load average before {os.getloadavg()}")
+    print(f"engine: {DEVICE} {MODEL_SHAPE}, max_num_seqs {MAX_NUM_SEQS}, time dilation 1, "
+          f"prompts of {args.prompt_len} tokens, greedy, EOS ignored")
+    summaries: dict[int, EngineSummary] = {}
+    for num_requests, max_tokens in batches:
+        print(f"b{num_requests}: {num_requests} requests x {max_tokens} output tokens", flush=True)
+        summaries[num_requests] = measure_engine_batch(num_requests, max_tokens, repeats, args.prompt_len)
+    for b, s in summaries.items():
+        print(
+            f"b{b} (median of {len(s.runs)}): modelled device rate {s.median('modelled_tokens_per_s'):,.0f} tok/s, "
+            f"delivered {s.median('delivered_tokens_per_s'):,.0f} tok/s (ratio {s.median('delivered_ratio'):.3f}), "
+            f"exposed engine host time {s.median('host_pct'):.2f}% of the modelled step "
+            f"(wall clock: {s.median('wall_excess_pct'):.2f}%)"
+        )
+    print("the whole Serve path (HTTP proxy -> ingress -> worker), load client in its own process at nice 19:",
+          flush=True)
+    serve_runs = measure_serve(batches, repeats)
+    print(f"load average after {os.getloadavg()}")
+    plain = [r for r in serve_runs if not r.stream]
+    streamed = [r for r in serve_runs if r.stream]
+
+    def ratio(b: int) -> float:
+        return statistics.median(r.delivered_ratio for r in plain if r.num_requests == b)
+
+    b64, b256 = summaries[64], summaries[256]
+    print(f"serve: {per_token_us(plain):.0f} us/token not streamed, {per_token_us(streamed):.0f} us/token streamed; "
+          f"delivered ratio b64 {ratio(64):.3f}, b256 {ratio(256):.3f} (medians); "
+          f"errors {sum(r.errors for r in serve_runs)}")
+    print(
+        f"RESULT serve_us_per_token_stream={per_token_us(streamed):.0f} serve_us_per_token={per_token_us(plain):.0f} "
+        f"delivered_ratio_b64={ratio(64):.3f} delivered_ratio_b256={ratio(256):.3f} "
+        f"engine_host_pct_b256={b256.median('host_pct'):.2f} engine_host_pct_b64={b64.median('host_pct'):.2f} "
+        f"engine_delivered_ratio_b64={b64.median('delivered_ratio'):.3f} "
+        f"engine_delivered_ratio_b256={b256.median('delivered_ratio'):.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

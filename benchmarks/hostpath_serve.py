@@ -1,0 +1,233 @@
+"""The Serve path at device speed: what the serving layer costs per token, and what share
+of the device's token rate reaches HTTP clients (benchmarks/hostpath.py runs it).
+
+One worker replica on `sim:h200` (llama-3-8b shape, time dilation 1: every modelled second
+is a wall second, so host cost is not hidden), max_num_seqs 256, behind the real Serve app
+cluster/app.py builds (HTTP proxy -> ingress -> worker). N requests at once to
+/v1/completions, token-id prompts of 128 distinct tokens, ignore_eos, streamed (SSE) or not.
+
+- delivered rate = output tokens / wall seconds from the first request sent to the last
+  response complete; device rate = output tokens / the device seconds the worker's
+  steps modelled over the same run (its `modelled_device_s` stat, read before and after);
+  delivered ratio = delivered / device rate (1.0: the serving layer never held the device
+  back).
+- serving CPU per token = CPU seconds (user + system, psutil) of the Serve processes that
+  carry requests (HTTP proxy, ingress replica, worker replica: the engine's own host work
+  included) over the run / output tokens. CPU time, not wall time: other load on the box
+  stretches wall time but not the CPU the same work needs. Ray's own daemons (GCS, raylet,
+  Serve controller) are printed beside it, not counted.
+
+The load client runs in its own process at the lowest priority (nice 19): its CPU is not
+in any Serve process, and it cannot starve the server it measures. It parses only what it
+needs to count tokens (the usage of each response).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+APP_NAME = "hostpath"
+MODEL = "hostpath-sim"
+PROMPT_LEN = 128
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class ServeRun:
+    num_requests: int
+    max_tokens: int
+    stream: bool
+    tokens: int
+    wall_s: float
+    device_s: float
+    cpu_s: dict[str, float]  # per Serve process kind, over the run
+    daemon_cpu_s: float  # Ray's daemons over the run (not counted)
+    errors: int
+
+    @property
+    def serving_cpu_s(self) -> float:
+        return sum(self.cpu_s.values())
+
+    @property
+    def us_per_token(self) -> float:
+        return 1e6 * self.serving_cpu_s / max(self.tokens, 1)
+
+    @property
+    def device_rate(self) -> float:
+        return self.tokens / self.device_s if self.device_s > 0 else 0.0
+
+    @property
+    def delivered_rate(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def delivered_ratio(self) -> float:
+        return self.delivered_rate / self.device_rate if self.device_rate > 0 else 0.0
+
+    def line(self) -> str:
+        where = ", ".join(f"{k} {v:.2f} s" for k, v in sorted(self.cpu_s.items()))
+        return (f"serve b{self.num_requests} x {self.max_tokens} {'streamed' if self.stream else 'not streamed'}: "
+                f"{self.tokens} tokens in {self.wall_s:.2f} s = {self.delivered_rate:.0f} tok/s delivered, device "
+                f"{self.device_rate:.0f} tok/s ({self.device_s:.2f} s modelled): ratio {self.delivered_ratio:.3f}; "
+                f"serving CPU {self.serving_cpu_s:.2f} s = {self.us_per_token:.0f} us/token ({where}); "
+                f"Ray daemons {self.daemon_cpu_s:.2f} s; errors {self.errors}")
+
+
+# -- the app ------------------------------------------------------------------------------------
+def app_config() -> Any:
+    from cluster.config import KVServeConfig
+
+    return KVServeConfig.from_dict({
+        "app_name": APP_NAME, "route_prefix": f"/{APP_NAME}",
+        "model": {"served_model_name": MODEL},
+        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "time_dilation": 1.0,
+                   "max_num_seqs": 256, "max_model_len": 4096},
+        "workers": {"num_replicas": 1, "num_cpus": 0.1},
+        "ingress": {"num_replicas": 1, "num_cpus": 0.1, "api_keys_env": None, "max_queued_requests": 1024},
+    })
+
+
+def start(port: int) -> str:
+    """Ray, Serve and the app; the completions URL."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    from cluster.app import build_app
+    from cluster.local_ray import start_local_ray
+
+    start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled"}})
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+    serve.run(build_app(app_config()), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+    return f"http://127.0.0.1:{port}/{APP_NAME}/v1/completions"
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def modelled_device_s() -> float:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("worker", APP_NAME)
+    stats = handle.broadcast("stats").results(timeout_s=30)
+    return sum(float(s.get("modelled_device_s", 0.0)) for s in stats)
+
+
+# -- CPU of the Serve processes -------------------------------------------------------------------
+def process_kinds() -> dict[int, str]:
+    """pid -> "proxy" | "ingress" | "worker" for the processes that carry requests, "daemon"
+    for Ray's own (gcs_server, raylet, the Serve controller)."""
+    import psutil
+
+    kinds = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
+        cmdline = " ".join(proc.info.get("cmdline") or [])
+        if f"ServeReplica:{APP_NAME}:ingress" in cmdline:
+            kinds[proc.info["pid"]] = "ingress"
+        elif f"ServeReplica:{APP_NAME}:worker" in cmdline:
+            kinds[proc.info["pid"]] = "worker"
+        elif "ProxyActor" in cmdline:
+            kinds[proc.info["pid"]] = "proxy"
+        elif any(name in cmdline for name in ("gcs_server", "raylet", "ServeController")):
+            kinds[proc.info["pid"]] = "daemon"
+    return kinds
+
+
+def cpu_seconds(kinds: dict[int, str]) -> dict[str, float]:
+    import psutil
+
+    out: dict[str, float] = {}
+    for pid, kind in kinds.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        out[kind] = out.get(kind, 0.0) + t.user + t.system
+    return out
+
+
+# -- the load client (its own process) --------------------------------------------------------------
+def client_command(url: str, num_requests: int, max_tokens: int, stream: bool, seed: int) -> list[str]:
+    return ["nice", "-n", "19", sys.executable, "-m", "benchmarks.hostpath_serve", "--client", url,
+            str(num_requests), str(max_tokens), "1" if stream else "0", str(seed)]
+
+
+def run_client(url: str, num_requests: int, max_tokens: int, stream: bool, seed: int) -> dict[str, Any]:
+    proc = subprocess.run(client_command(url, num_requests, max_tokens, stream, seed), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"load client failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+async def _client(url: str, num_requests: int, max_tokens: int, stream: bool, seed: int) -> dict[str, Any]:
+    import httpx
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        base = (seed * 100_003 + i * PROMPT_LEN) % 30_000 + 100
+        body: dict[str, Any] = {"model": MODEL, "prompt": list(range(base, base + PROMPT_LEN)), "max_tokens": max_tokens,
+                                "temperature": 0.0, "ignore_eos": True, "stream": stream}
+        if not stream:
+            response = await client.post(url, json=body)
+            response.raise_for_status()
+            return int(response.json()["usage"]["completion_tokens"])
+        body["stream_options"] = {"include_usage": True}
+        tokens = 0
+        async with client.stream("POST", url, json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if line.startswith('data: {"') and '"usage":{' in line:
+                    usage = json.loads(line[6:]).get("usage")
+                    if usage:
+                        tokens = int(usage["completion_tokens"])
+        return tokens
+
+    limits = httpx.Limits(max_connections=num_requests + 8, max_keepalive_connections=num_requests + 8)
+    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(client, i) for i in range(num_requests)), return_exceptions=True)
+        wall = time.perf_counter() - start
+    errors = [r for r in results if isinstance(r, BaseException)]
+    return {"tokens": sum(r for r in results if isinstance(r, int)), "wall_s": wall, "errors": len(errors),
+            "error_sample": repr(errors[0])[:300] if errors else ""}
+
+
+# -- one measured run ---------------------------------------------------------------------------------
+def measure(url: str, num_requests: int, max_tokens: int, stream: bool, seed: int) -> ServeRun:
+    kinds = process_kinds()
+    device_before = modelled_device_s()
+    cpu_before = cpu_seconds(kinds)
+    result = run_client(url, num_requests, max_tokens, stream, seed)
+    cpu_after = cpu_seconds(kinds)
+    device_after = modelled_device_s()
+    spent = {k: cpu_after.get(k, 0.0) - cpu_before.get(k, 0.0) for k in cpu_after}
+    daemon = spent.pop("daemon", 0.0)
+    if result["errors"]:
+        print(f"  {result['errors']} errors, e.g. {result['error_sample']}", flush=True)
+    return ServeRun(num_requests, max_tokens, stream, int(result["tokens"]), float(result["wall_s"]),
+                    device_after - device_before, spent, daemon, int(result["errors"]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--client":
+    _, _, url_arg, n_arg, tokens_arg, stream_arg, seed_arg = sys.argv
+    print(json.dumps(asyncio.run(_client(url_arg, int(n_arg), int(tokens_arg), stream_arg == "1", int(seed_arg)))))

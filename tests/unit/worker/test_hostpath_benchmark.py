@@ -1,0 +1,57 @@
+"""benchmarks/hostpath.py's engine part: how it counts exposed host time (on synthetic
+timelines), and that a quick run ends with its RESULT line. No timing is asserted."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmarks import hostpath
+from benchmarks.hostpath import DeviceStep, DeviceTimeline
+from benchmarks.hostpath_serve import ServeRun
+
+
+def step(start_cpu: float, window_cpu: float, end_cpu: float, modelled_s: float) -> DeviceStep:
+    return DeviceStep(start_cpu, start_wall=0.0, modelled_s=modelled_s, window_cpu=window_cpu, end_cpu=end_cpu)
+
+
+def test_exposed_host_time_is_the_gaps_plus_work_past_the_device_windows() -> None:
+    timeline = DeviceTimeline(time_dilation=1.0)
+    timeline.steps += [
+        step(start_cpu=0.0, window_cpu=0.001, end_cpu=0.001, modelled_s=0.010),  # host fits the window
+        step(start_cpu=0.003, window_cpu=0.015, end_cpu=0.018, modelled_s=0.010),  # 5 ms past it
+        step(start_cpu=0.0185, window_cpu=0.002, end_cpu=0.0205, modelled_s=0.010),
+    ]
+    assert timeline.gap_cpu_s() == pytest.approx(0.002 + 0.0005)
+    assert timeline.overrun_cpu_s() == pytest.approx(0.005)
+    assert timeline.exposed_host_cpu_s() == pytest.approx(0.0075)
+    assert timeline.modelled_s() == pytest.approx(0.030)
+    dilated = DeviceTimeline(time_dilation=2.0, steps=timeline.steps)  # windows twice as long
+    assert dilated.overrun_cpu_s() == 0.0
+
+
+def test_quick_run_prints_the_result_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine part runs for real (fewer tokens); the Serve part's runs are given (it
+    needs its own Ray cluster; `python -m benchmarks.hostpath --quick` runs it), to pin the report."""
+    monkeypatch.setattr(hostpath, "QUICK_BATCHES", ((64, 4), (256, 2)))  # the same batches, fewer tokens
+    given = [
+        ServeRun(64, 4, False, 256, 0.5, 0.4, {"proxy": 0.001, "ingress": 0.002, "worker": 0.003}, 0.01, 0),
+        ServeRun(64, 4, True, 256, 0.5, 0.4, {"proxy": 0.010, "ingress": 0.020, "worker": 0.010}, 0.01, 0),
+        ServeRun(256, 2, False, 512, 0.5, 0.45, {"proxy": 0.002, "ingress": 0.002, "worker": 0.004}, 0.01, 0),
+        ServeRun(256, 2, True, 512, 0.5, 0.45, {"proxy": 0.020, "ingress": 0.020, "worker": 0.010}, 0.01, 0),
+    ]
+    monkeypatch.setattr(hostpath, "measure_serve", lambda batches, repeats: given)
+    assert hostpath.main(["--quick"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    number = r"[0-9.]+"
+    assert re.fullmatch(
+        rf"RESULT serve_us_per_token_stream=117 serve_us_per_token=18 delivered_ratio_b64=0.800 "
+        rf"delivered_ratio_b256=0.900 engine_host_pct_b256={number} engine_host_pct_b64={number} "
+        rf"engine_delivered_ratio_b64={number} engine_delivered_ratio_b256={number}", last
+    ), last
+
+
+def test_a_serve_run_reports_cpu_per_token_and_the_delivered_share() -> None:
+    run = ServeRun(64, 256, True, 16_384, 4.0, 2.0, {"proxy": 0.5, "ingress": 1.0, "worker": 0.138}, 0.3, 0)
+    assert run.us_per_token == pytest.approx(1e6 * 1.638 / 16_384)
+    assert run.device_rate == 8192.0 and run.delivered_rate == 4096.0 and run.delivered_ratio == 0.5

@@ -1,0 +1,89 @@
+"""Host work under device work: the engine step split at the device, so that while the
+device runs step N the host publishes step N-1's outputs (vLLM v1's async scheduling and
+SGLang's overlap scheduler do the same; this loop stops short of their placeholders).
+
+A runner that overlaps (`overlaps()` below) splits `execute(plan)` into `launch(plan)`,
+which returns as soon as the step is on the device, and `wait(handle)`, which returns its
+RunnerOutput once the device is done. The async engine's step thread then runs:
+
+    host    ..| wait N-1 | update N-1 | schedule N | launch N | outputs N-1, publish, stats, inbox | wait N |...
+    device  ..== N-1 ===|          (idle)                     |================ step N ================|
+
+    exposed host time per step: update + schedule + launch's host part (the device waits)
+    hidden: building step N-1's RequestOutputs, publishing them, the stats and prefix-hash
+            snapshots, draining the inbox (adds, aborts, KV releases); beyond the device
+            step they become exposed too (wait then finds the device already done)
+
+The rules, and why:
+- update N-1 and schedule N stay on the critical path: step N's decodes take as input the
+  tokens step N-1 sampled, and which sequences still run depends on N-1's stop checks.
+  Full async scheduling would plan N with placeholders for those tokens and drop tokens
+  of sequences that stopped a step late; it is not done here.
+- Step N-1's outputs are built after schedule N has run, from the state update N-1 left:
+  nothing on the step thread touches a sequence in between except schedule N, whose
+  preemptions only show in an output's num_preemptions (the count when it is published).
+- The inbox is drained while step N is on the device. An abort frees the sequence's blocks
+  while a plan that holds them is in flight; that is safe because no plan can take them
+  before schedule N+1, which follows wait N, and update N skips the finished sequence (its
+  token is dropped).
+- A launch that fails is reported by complete_step, after step N-1's outputs are built,
+  so that no request receives its error before the token it sampled the step before.
+- A runner that computes on the host itself (a CPU device, a test's fake) does not
+  overlap: there, step N+1's launch would run the whole step before step N's outputs
+  leave, delaying every output by a step. The engine's serial `step()` serves them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from worker.api import RequestOutput, RunnerOutput, TokenLogprob
+    from worker.scheduler import SchedulerOutput
+    from worker.sequence import Sequence
+
+
+@runtime_checkable
+class OverlappingRunner(Protocol):
+    @property
+    def overlaps_device(self) -> bool:
+        """Whether launch returns while the device still works (False: launch computes the
+        step on the host, and the engine steps serially)."""
+        ...
+
+    def launch(self, plan: SchedulerOutput) -> object:
+        """Start the plan's step on the device; the handle goes to `wait`."""
+        ...
+
+    def wait(self, handle: object) -> RunnerOutput:
+        """The step's RunnerOutput, once the device has finished it."""
+        ...
+
+
+def overlaps(runner: object) -> bool:
+    return isinstance(runner, OverlappingRunner) and runner.overlaps_device
+
+
+@dataclass
+class LaunchedStep:
+    """A step planned and (unless empty or failed) on the device."""
+
+    plan: SchedulerOutput
+    # Produced while planning (a failed grammar compile, a failed KV import); they leave
+    # with the previous step's outputs.
+    outputs: list[RequestOutput] = field(default_factory=list)
+    handle: object = None  # the runner's, while the step is on the device
+    error: Exception | None = None  # the launch failed: complete_step fails the plan
+    start_s: float = 0.0  # perf_counter when planning began
+
+
+@dataclass
+class AppliedStep:
+    """A step whose result the scheduler has applied; its RequestOutputs are built from
+    `changed` by Engine.step_outputs (under the next step's device time)."""
+
+    plan: SchedulerOutput
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    changed: list[Sequence] = field(default_factory=list)
+    saved: dict = field(default_factory=dict)  # the KV connector's exports (SavedKV)
+    failed: list[RequestOutput] | None = None  # the step failed: these are its outputs
