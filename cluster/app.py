@@ -50,7 +50,8 @@ def build_app(config: KVServeConfig) -> Application:
     worker = serve.deployment(WorkerReplica, name=WORKER_DEPLOYMENT).options(**worker_options(config))
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
     engine = worker.bind(config.engine_config(), drain_timeout_s=config.workers.drain_timeout_s,
-                         setup=tracing_setup(config, WORKER_DEPLOYMENT))
+                         setup=tracing_setup(config, WORKER_DEPLOYMENT),
+                         stream_interval_s=config.workers.stream_interval_ms / 1000)
     return ingress.bind(engine, ingress_settings(config))
 
 
@@ -110,16 +111,40 @@ def tracing_setup(config: KVServeConfig, component: str) -> TracingSetup:
 
 def ingress_options(config: KVServeConfig) -> dict[str, Any]:
     i = config.ingress
+    actor_options: dict[str, Any] = {"num_cpus": i.num_cpus}
+    if i.resources:
+        actor_options["resources"] = dict(i.resources)
+    elif i.off_gpu_hosts:
+        actor_options.update(ingress_placement(_alive_nodes()))
     options: dict[str, Any] = {
         "num_replicas": i.num_replicas,
         # Above the 429 bound, so that the ingress itself answers 429 (with an OpenAI
         # error body) instead of requests queueing in the proxy.
         "max_ongoing_requests": i.max_queued_requests + _INGRESS_CONTROL_HEADROOM,
-        "ray_actor_options": {"num_cpus": i.num_cpus, **({"resources": dict(i.resources)} if i.resources else {})},
+        "ray_actor_options": actor_options,
     }
     if i.autoscaling is not None:
         options.update(ingress_autoscaling(config))
     return options
+
+
+def ingress_placement(nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ray actor options that keep the ingress off the GPU hosts among `nodes` (ray.nodes()
+    of the cluster it deploys to): a label selector excluding their node ids, when some
+    node without GPUs can run it. Nothing when there is no such node (a one-node cluster,
+    a laptop) or no GPU host. Hosts that join later are not excluded: on Kubernetes the chart
+    pins the ingress to its own node group instead (ingress.resources)."""
+    gpu_ids = sorted(n["NodeID"] for n in nodes if n["Resources"].get("GPU", 0) > 0)
+    cpu_only = [n for n in nodes if n["Resources"].get("CPU", 0) > 0 and not n["Resources"].get("GPU", 0)]
+    if not gpu_ids or not cpu_only:
+        return {}
+    return {"label_selector": {"ray.io/node-id": f"!in({','.join(gpu_ids)})"}}
+
+
+def _alive_nodes() -> list[dict[str, Any]]:
+    import ray
+
+    return [n for n in ray.nodes() if n.get("Alive")] if ray.is_initialized() else []
 
 
 def ingress_autoscaling(config: KVServeConfig) -> dict[str, Any]:

@@ -34,6 +34,11 @@ class IngressSection(Section):
     # Custom Ray resources per ingress replica, e.g. {kvserve_ingress: 0.01} to keep the
     # ingress on the nodes that advertise it (the chart's ingress group) and off GPU hosts.
     resources: CustomResources = Field(default_factory=dict)
+    # Without `resources`, keep the ingress replicas off the nodes that advertise GPUs when
+    # the cluster has a CPU node: a GPU host that is lost (or preempted) would take every
+    # stream its ingress replica carries with it, those on surviving workers too. false:
+    # anywhere Ray puts them. cluster/app.py's ingress_placement says how.
+    off_gpu_hosts: bool = True
     # Requests (weighted by `n`) one ingress replica holds at once, streaming or
     # waiting for a worker; one more is answered 429 at once instead of piling up.
     max_queued_requests: int = Field(default_of(IngressSettings, "max_queued_requests"), ge=1)

@@ -168,6 +168,11 @@ class WorkersSection(Section):
     # still running then are cut, and the ingress resumes them on another replica
     # (ingress.max_migrations). It also bounds how long a scale-down or shutdown takes.
     drain_timeout_s: float = Field(60.0, ge=0)
+    # Outputs leave a worker replica at most this often per ingress replica, each request's
+    # tokens in between in one piece (worker/output_streams.py); a request's first token
+    # and its end leave at once. Streaming clients then get a chunk per interval rather than
+    # per token when steps are faster; 0: every step's outputs as they come.
+    stream_interval_ms: float = Field(50.0, ge=0)
 
     @field_validator("tensor_parallel_size")
     @classmethod

@@ -173,6 +173,14 @@ class GenerateRequest:
     # The client's session (router/routing/sessions.py's client_session_id): the request router's
     # soft affinity and its spread of new sessions. The engine ignores it.
     session_id: str | None = None
+    # The caller's batched output stream (worker/output_streams.py): outputs leave through
+    # the worker's `outputs(output_stream)` with every other request of that caller, once per
+    # step, instead of one Ray object per output on this request's own call. None: per call.
+    output_stream: str | None = None
+    # False: the caller reads only the final text (a non-streamed response). On a batched
+    # output stream the worker then sends the first output and the finished one, the
+    # outputs between folded into the last (worker/output_streams.py).
+    stream: bool = True
 
 
 @dataclass(frozen=True)
@@ -212,6 +220,29 @@ class RequestOutput:
     scheduled_time: float | None = None
     num_preemptions: int = 0
     extra: dict = field(default_factory=dict)
+
+    def absorb(self, later: RequestOutput) -> None:
+        """Fold the request's next output into this one, as if both were one update: the
+        tokens, text and logprobs of both in order, the later one's state and counts, the
+        earlier one's one-time fields (prompt logprobs, first times). Outputs of one
+        request that wait to leave together cross process boundaries as one object."""
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.text_delta += later.text_delta
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
+        self.num_prompt_tokens, self.num_output_tokens = later.num_prompt_tokens, later.num_output_tokens
+        self.num_cached_tokens = later.num_cached_tokens
+        self.error = later.error if later.error is not None else self.error
+        if self.first_token_time is None:
+            self.first_token_time = later.first_token_time
+        if self.scheduled_time is None:
+            self.scheduled_time = later.scheduled_time
+        self.num_preemptions = later.num_preemptions
+        if later.extra:
+            self.extra = {**self.extra, **later.extra}
 
 
 @dataclass
@@ -272,6 +303,9 @@ class RoutingStats:
     # requests that finished normally (0.0: none yet). worker/routing_report.py.
     decode_growth_blocks: int = 0
     mean_output_tokens: float = 0.0
+    # Sequences the engine runs at once (0: not said): a request sent while fewer run
+    # starts at once instead of waiting.
+    max_num_seqs: int = 0
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

@@ -26,6 +26,7 @@ from worker import tracing
 from worker.api import GenerateRequest, ReplicaDrainingError, RequestOutput
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig
+from worker.output_streams import OutputStreams
 from worker.routing_report import build_routing_stats
 from worker.runner_protocols import HealthCheckedRunner
 
@@ -34,14 +35,16 @@ logger = logging.getLogger(__name__)
 
 class WorkerReplica:
     def __init__(
-        self, engine_config: EngineConfig, drain_timeout_s: float = 60.0, setup: Callable[[], object] | None = None
+        self, engine_config: EngineConfig, drain_timeout_s: float = 60.0, setup: Callable[[], object] | None = None,
+        stream_interval_s: float = 0.0,
     ) -> None:
         if setup is not None:  # this process's set-up from cluster/ (tracing: cluster/tracing.py)
             setup()
-        self._attach(AsyncEngine.from_config(engine_config), engine_config.cache.block_size, drain_timeout_s)
+        self._attach(AsyncEngine.from_config(engine_config), engine_config.cache.block_size, drain_timeout_s,
+                     stream_interval_s)
         logger.info("worker replica ready: %s", engine_config.model.model)
 
-    def _attach(self, engine: AsyncEngine, block_size: int, drain_timeout_s: float) -> None:
+    def _attach(self, engine: AsyncEngine, block_size: int, drain_timeout_s: float, stream_interval_s: float = 0.0) -> None:
         """Everything but building the engine (tests attach an engine with a fake runner)."""
         self.engine = engine
         self.block_size = block_size
@@ -52,10 +55,50 @@ class WorkerReplica:
         self._cut: set[object] = set()  # streams the drain timeout ended (handed back)
         self._no_streams = asyncio.Event()
         self._no_streams.set()
+        # Batched outputs per ingress, paced by stream_interval_s (worker/output_streams.py).
+        self._outboxes = OutputStreams(stream_interval_s)
+        self.replica_id = _replica_id()  # Serve's unique id; what callers name this replica by
 
-    async def generate(self, request: GenerateRequest, kv_handle: KVHandle | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request: GenerateRequest, kv_handle: KVHandle | None = None
+    ) -> AsyncIterator[RequestOutput | str]:
         """Stream outputs as they are produced. If the caller goes away, Serve cancels this
-        generator and the engine aborts the request (blocks freed within one step)."""
+        generator and the engine aborts the request (blocks freed within one step).
+
+        With `request.output_stream` set, the outputs go to that stream's outbox instead
+        (worker/output_streams.py: one list per step for all of the ingress's requests,
+        drained by `outputs`). This call then yields one item, this replica's id, so the
+        caller knows which replica's stream to read, and ends when the request has."""
+        if request.output_stream is not None:
+            async for item in self._generate_batched(request, request.output_stream, kv_handle):
+                yield item
+            return
+        async for out in self._generate(request, kv_handle):
+            yield out
+
+    async def outputs(self, stream_id: str, replica_id: str = "") -> AsyncIterator[list[RequestOutput]]:
+        """The outputs of every request sent with `output_stream=stream_id`, one list per
+        drain (a step's worth, or more when the caller reads slower than steps come).
+        `replica_id` is for the router (router/routing/serve_router.py sends the call to that
+        replica); a call that reached another replica fails, as that replica is gone."""
+        if replica_id and replica_id != self.replica_id:
+            raise ReplicaDrainingError(f"output stream for replica {replica_id} reached {self.replica_id}: "
+                                       "that replica is gone; resume its requests elsewhere")
+        async for batch in self._outboxes.drain(stream_id):
+            yield batch
+
+    async def _generate_batched(
+        self, request: GenerateRequest, stream_id: str, kv_handle: KVHandle | None
+    ) -> AsyncIterator[str]:
+        self._outboxes.open_request(stream_id, request.request_id, hold=not request.stream)
+        try:
+            yield self.replica_id
+            async for out in self._generate(request, kv_handle):
+                self._outboxes.put(stream_id, out)
+        finally:
+            self._outboxes.close_request(stream_id, request.request_id)
+
+    async def _generate(self, request: GenerateRequest, kv_handle: KVHandle | None = None) -> AsyncIterator[RequestOutput]:
         if self._draining:
             raise ReplicaDrainingError("this worker replica is shutting down; retry on another replica")
         key = object()  # not the request id: a duplicate id must not untrack the original
@@ -67,7 +110,7 @@ class WorkerReplica:
                 resumed["kv_import"] = await self._kv_transport().receive(kv_handle)
             outputs = self.engine.generate(request.prompt_token_ids, request.params, request.request_id, **resumed)
             if tracing.is_traced(request):  # worker/tracing.py: spans at the end, from recorded times
-                outputs = tracing.traced(outputs, request, _replica_id(), "decode" if kv_handle is not None else "generate")
+                outputs = tracing.traced(outputs, request, self.replica_id, "decode" if kv_handle is not None else "generate")
             async for out in outputs:
                 if key in self._cut and out.finished and out.finish_reason == "abort":
                     # Not "abort" to the client: a replica failure, which the ingress
@@ -90,21 +133,21 @@ class WorkerReplica:
         params, prompt = request.params, request.prompt_token_ids
         if params.max_tokens == 1 or len(prompt) + 1 >= self.engine.engine.max_model_len:
             last = None
-            async for out in self.generate(request):
+            async for out in self._generate(request):
                 last = out
             return last, None
         prefill_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         last = None
         outputs = self.engine.generate(prompt, prefill_params, request.request_id, export_kv=True)
         if tracing.is_traced(request):
-            outputs = tracing.traced(outputs, request, _replica_id(), "prefill")
+            outputs = tracing.traced(outputs, request, self.replica_id, "prefill")
         async for out in outputs:
             last = out
         export = last.extra.pop("kv_export", None) if last is not None else None
         if last is None or last.finished or export is None:
             self.engine.release_kv(request.request_id)
             return last, None
-        return last, self._kv_transport().send(export, _replica_id())
+        return last, self._kv_transport().send(export, self.replica_id)
 
     async def decode(self, request: GenerateRequest, kv_handle: KVHandle) -> AsyncIterator[RequestOutput]:
         """Continue a request a prefill replica started: import its KV, then stream the
@@ -143,7 +186,11 @@ class WorkerReplica:
     async def stats(self) -> dict[str, float | str]:
         """Engine stats plus `replica_id` (the ingress labels per-replica metrics with it;
         it gathers these from every replica with DeploymentHandle.broadcast)."""
-        return {**self.engine.stats().to_dict(), "replica_id": _replica_id()}
+        stats: dict[str, float | str] = {**self.engine.stats().to_dict(), "replica_id": self.replica_id}
+        modelled = getattr(self.engine.engine.runner, "total_step_s", None)
+        if modelled is not None:  # a simulated device: the device seconds its steps model
+            stats["modelled_device_s"] = float(modelled)
+        return stats
 
     async def model_info(self) -> dict:
         eng = self.engine.engine

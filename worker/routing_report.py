@@ -89,4 +89,5 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
         prefill_tokens_per_s=engine.prefill_meter.tokens_per_s,
         decode_growth_blocks=growth,
         mean_output_tokens=mean,
+        max_num_seqs=scheduler.config.max_num_seqs,
     )

@@ -145,7 +145,9 @@ class GenerationStream:
         arrival_time: float | None = None,  # time.monotonic() when the HTTP request came in
         max_migrations: int = 2,  # resumes per engine request after a replica dies (router/frontend/migration.py)
         session_id: str | None = None,  # the client's session (router/routing/sessions.py), for the request router
+        stream: bool = True,  # False: the client reads only the final text (workers may fold outputs)
     ) -> None:
+        self._stream = stream
         self._handle = generate_handle
         self._session_id = session_id
         self._max_migrations = max_migrations
@@ -180,7 +182,7 @@ class GenerationStream:
     async def start(self) -> None:
         for inp in self.inputs:
             request = GenerateRequest(f"{self.request_id}-{inp.index}", inp.prompt_token_ids, inp.params,
-                                      session_id=self._session_id)
+                                      session_id=self._session_id, stream=self._stream)
             self._tasks.append(asyncio.create_task(self._feed(inp.index, request)))
         try:
             self._first = await self._next()

@@ -127,7 +127,7 @@ class GrpcServicer:
 
     async def _generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext | None) -> pb.GenerateResponse:
         clock = Clock()
-        stream = await self._start(request, clock, self._authenticate(grpc_context), grpc_context)
+        stream = await self._start(request, clock, self._authenticate(grpc_context), grpc_context, stream=False)
         response = pb.GenerateResponse(request_id=stream.request_id, model=self.pipeline.settings.served_model_name)
         tokenizer, prompts = self.pipeline.tokenizer, {inp.index: inp.prompt_token_ids for inp in stream.inputs}
         choices = {i: pb.Choice(index=i, text=echo_text(request, ids, tokenizer)) for i, ids in prompts.items()}
@@ -283,7 +283,7 @@ class GrpcServicer:
         return served
 
     async def _start(self, request: pb.GenerateRequest, clock: Clock, principal: Principal,
-                     grpc_context: RayServegRPCContext | None) -> GenerationStream:
+                     grpc_context: RayServegRPCContext | None, stream: bool = True) -> GenerationStream:
         """Validates the message, then runs it through the pipeline (which waits for the
         first output, so that errors before any token have their status). The session is
         the `x-session-id` metadata's (router/routing/sessions.py)."""
@@ -305,6 +305,7 @@ class GrpcServicer:
             request.request_id or f"grpc-{uuid.uuid4().hex}",
             clock.arrival,
             client_session_id(grpc_metadata_value(metadata, SESSION_HEADER), None),
+            stream=stream,
         )
 
 

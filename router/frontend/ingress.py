@@ -52,6 +52,7 @@ from router.frontend.generation import GenerationStream
 from router.frontend.grpc_servicer import GrpcMethods, GrpcServicer
 from router.frontend.key_limits import KeyLimits
 from router.frontend.metrics import CONTENT_TYPE, IngressMetrics
+from router.frontend.output_hub import OutputHub
 from router.frontend.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
 from router.serve_internals import initialized_request_router_of
 from router.routing import SESSION_HEADER, client_session_id
@@ -112,7 +113,7 @@ async def read_json(request: Request, limit: int) -> tuple[dict[str, Any], int]:
         raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
     if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(data):
         # JSON may spell a lone UTF-16 surrogate ("\ud83d"); Python keeps it in the str,
-        # and the tokenizer and the response encoder then fail on it (a 500 before this).
+        # and the tokenizer and the response encoder would then fail on it with a 500.
         raise errors.bad_request(
             "The request body contains a lone UTF-16 surrogate escape (such as \\ud83d without its pair); "
             "strings must be valid Unicode.", None, "invalid_json"
@@ -215,8 +216,11 @@ class Ingress(GrpcMethods):
         if settings.setup is not None:  # this process's set-up from cluster/ (tracing: cluster/tracing.py)
             settings.setup()
         self.settings = settings
-        generate = worker.options(stream=True)
-        if prefill_worker is not None:  # prefill/decode disaggregation (router/frontend/disagg.py)
+        # Outputs come back in batches, one list per engine step for all of this replica's
+        # requests on a worker (router/frontend/output_hub.py). Disaggregated, the decode
+        # side streams per request (router/frontend/disagg.py).
+        generate: Any = OutputHub(worker)
+        if prefill_worker is not None:
             generate = DisaggregatedGenerate(prefill_worker, worker, max_waiting_for_decode)
         workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill_worker)
         # Digests only (router/frontend/auth.py); a malformed entry fails the replica's start.
@@ -257,6 +261,7 @@ class Ingress(GrpcMethods):
             principal, req.n * num_prompts, num_bytes,
             lambda max_model_len: convert.completion_inputs(req, tokenizer, max_model_len, max_n),
             f"cmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
+            stream=req.stream,
         )
         formatter = convert.CompletionFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs is not None, req.prompt_logprobs)
         if req.echo:
@@ -274,6 +279,7 @@ class Ingress(GrpcMethods):
             principal, req.n, num_bytes,
             lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
             f"chatcmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
+            stream=req.stream,
         )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
         formatter = convert.ChatFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)

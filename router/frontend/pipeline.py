@@ -99,6 +99,7 @@ class RequestPipeline:
         request_id: str,
         arrival: float,  # time.monotonic() when the request came in
         session_id: str | None = None,  # the client's session (router/routing/sessions.py)
+        stream: bool = True,  # False: the client reads only the final text
     ) -> GenerationStream:
         permit = await self.admit(principal, weight)
         try:
@@ -114,7 +115,7 @@ class RequestPipeline:
         stream = GenerationStream(
             self.workers.generate, inputs, request_id, AdmittedPermit(permit, ticket), self.settings.request_timeout_s,
             self.metrics, arrival,
-            max_migrations=self.settings.max_migrations, session_id=session_id,
+            max_migrations=self.settings.max_migrations, session_id=session_id, stream=stream,
         )
         await stream.start()  # on failure the stream has closed: refunded, released
         return stream

@@ -23,7 +23,9 @@ and what this ingress admitted that the router has not sent yet:
                blocks r has cached; growth: what r's requests will still grow into; u.blocks:
                the needs reserved there, their decode blocks included)
     fits(r)  = avail(r) >= need(q, r)
-    slots(r) = max(max_waiting_per_replica - num_waiting(r) - u.requests(r), 0)  where fits(r), else 0
+    slots(r) = max(free_seqs(r) + max_waiting_per_replica - num_waiting(r) - u.requests(r), 0)
+               where fits(r), else 0 (free_seqs: max_num_seqs(r) - num_running(r), its free
+               running slots)
     admit   <=> sum_r slots(r) > pending                          (requests, see below)
             and sum_{r fits} avail(r) - pending_blocks >= min_r need(q, r)
 
@@ -161,8 +163,10 @@ def judge(
         available = report_headroom(r) - u.blocks
         if available < need:
             continue
-        # Requests sent since the report may wait there too (the router counts them as ongoing).
-        slots += max(max_waiting_per_replica - r.num_waiting - u.requests, 0)
+        # Requests sent since the report take its free running slots first, then may wait
+        # there too (the router counts them as ongoing): a burst at an idle replica starts
+        # at once instead of max_waiting_per_replica requests per report.
+        slots += max(r.free_seqs + max_waiting_per_replica - r.num_waiting - u.requests, 0)
         free += available
         min_need = need if min_need is None else min(min_need, need)
     if too_large:  # holding cannot help: let the engine refuse it (400) now

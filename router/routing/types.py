@@ -133,6 +133,12 @@ class ReplicaReport:
     # replica, worker/routing_report.py), and its observed mean output length (0: none yet).
     decode_growth_blocks: int = 0
     mean_output_tokens: float = 0.0
+    max_num_seqs: int = 0  # sequences it runs at once (0: not reported)
+
+    @property
+    def free_seqs(self) -> int:
+        """Requests it would start at once: its free running slots (0 when unknown)."""
+        return max(self.max_num_seqs - self.num_running, 0)
 
     @classmethod
     def from_stats(cls, stats: Mapping[str, object] | None) -> ReplicaReport | None:
@@ -156,6 +162,7 @@ class ReplicaReport:
                 # Absent from reports of replicas older than these fields: no growth known.
                 decode_growth_blocks=int(stats.get("decode_growth_blocks") or 0),  # type: ignore[arg-type]
                 mean_output_tokens=float(stats.get("mean_output_tokens") or 0.0),  # type: ignore[arg-type]
+                max_num_seqs=int(stats.get("max_num_seqs") or 0),  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError):
             return None

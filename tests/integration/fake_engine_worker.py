@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from kv.transfer import KVHandle
 from tests.support.fake_runner import TOKEN, VOCAB, FakeRunner
 from worker.async_engine import AsyncEngine
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
 from worker.api import RequestOutput
-from worker.replica import WorkerReplica, _replica_id
+from worker.replica import WorkerReplica
 from worker.api import GenerateRequest
 
 __all__ = ["TOKEN", "FakeEngineWorker", "make_fake_engine"]  # TOKEN: every sampled token (no EOS ids here)
@@ -46,9 +47,9 @@ class FakeEngineWorker(WorkerReplica):
         engine = make_fake_engine(max_num_seqs=max_num_seqs, step_s=step_s, num_blocks=num_blocks,
                                   block_size=block_size)
         self._attach(engine, block_size, drain_timeout_s)
-        self.replica_id = _replica_id()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        async for out in super().generate(request):
+    async def _generate(self, request: GenerateRequest, kv_handle: KVHandle | None = None) -> AsyncIterator[RequestOutput]:
+        # Below both output paths (per call and batched): every output names its replica.
+        async for out in super()._generate(request, kv_handle):
             out.extra["replica_id"] = self.replica_id
             yield out

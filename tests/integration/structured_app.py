@@ -28,7 +28,8 @@ def structured_app(serve_cluster: Any, app_name: str) -> Iterator[str]:
                 "block_size": 16, "num_blocks": 512, "max_model_len": 2048, "max_num_seqs": 48,
                 "device": "cpu", "dtype": "float32", "num_threads": 1,
             },
-            "workers": {"num_replicas": 1, "num_cpus": 1},
+            # Outputs per step (no pacing): the streaming tests see tokens as they come.
+            "workers": {"num_replicas": 1, "num_cpus": 1, "stream_interval_ms": 0},
             "ingress": {"num_cpus": 0.5, "request_timeout_s": 300, "api_keys_env": None, "max_queued_requests": 256},
             "routing": {"stats_period_s": 0.5},
         }

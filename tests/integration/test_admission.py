@@ -1,5 +1,6 @@
 """Admission control through real Serve (router/routing/admission.py): with a simulated-device
-worker busy and its queue bound reached (admission_max_waiting_per_replica 0), further
+worker busy (its one running slot taken) and its queue bound reached
+(admission_max_waiting_per_replica 0), further
 requests are held at the ingress, one more than the hold queue is answered 429 with
 Retry-After, and the held ones are served once the busy request ends. /metrics shows the
 hold queue, the admission decisions and the router's own counters."""
@@ -32,7 +33,9 @@ def base_url(serve_cluster: Any) -> Iterator[str]:
         "route_prefix": f"/{APP_NAME}",
         "model": {"served_model_name": MODEL},
         # Dilated: a decode step takes a few hundred ms, so the busy request stays busy.
-        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "max_model_len": 4096, "time_dilation": 50.0},
+        # One sequence at a time: the busy request fills the replica's only running slot.
+        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "max_model_len": 4096, "time_dilation": 50.0,
+                   "max_num_seqs": 1},
         "workers": {"num_replicas": 1, "num_cpus": 0.5},
         "ingress": {"num_cpus": 0.5, "api_keys_env": None, "admission_queue_size": 2,
                     "admission_max_waiting_per_replica": 0, "admission_max_wait_s": 120.0},

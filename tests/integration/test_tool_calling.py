@@ -169,4 +169,6 @@ def test_auto_hermes_call_streams_its_arguments_in_fragments(base_url: str) -> N
     assert names == [call.function.name] == [expected.function.name] == ["get_weather"]
     assert json.loads(call.function.arguments) == json.loads(expected.function.arguments)
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
-    assert fragments > 3  # token by token, not in one piece
+    # In pieces as it is generated, not in one piece at the end (a slow reader may get
+    # several steps' tokens in one piece: worker/output_streams.py).
+    assert fragments > 1

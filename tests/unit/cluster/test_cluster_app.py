@@ -1,6 +1,8 @@
 """Building the Serve application from the config (no Ray cluster is started)."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from ray.serve import Application
@@ -163,3 +165,20 @@ def test_grpc_servicer_is_the_cancel_safe_one_or_a_loud_error(monkeypatch: pytes
     monkeypatch.setitem(sys.modules, "router.frontend.grpc_proxy", None)  # as if grpc or the stubs did not import
     with pytest.raises(MissingDependencyError, match=r"gRPC API .* is unavailable: .*Install it: "):
         grpc_servicer()
+
+
+def _node(node_id: str, cpus: float, gpus: float = 0) -> dict[str, Any]:
+    return {"NodeID": node_id, "Alive": True, "Resources": {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}}
+
+
+def test_the_ingress_stays_off_gpu_hosts_when_a_cpu_node_can_run_it() -> None:
+    from cluster.app import ingress_placement
+
+    kuberay = [_node("head", 0), _node("cpu", 2), _node("gpu-b", 2, 1), _node("gpu-a", 2, 1)]
+    assert ingress_placement(kuberay) == {"label_selector": {"ray.io/node-id": "!in(gpu-a,gpu-b)"}}
+    assert ingress_placement([_node("laptop", 8)]) == {}  # no GPU host: nothing to avoid
+    assert ingress_placement([_node("head", 0), _node("gpu", 4, 1)]) == {}  # nowhere else to go
+    # Off without a cluster (no Ray here), with explicit resources (the chart's group), or when asked.
+    assert "label_selector" not in ingress_options(config())["ray_actor_options"]
+    pinned = ingress_options(config(ingress={"resources": {"kvserve_ingress": 0.01}}))["ray_actor_options"]
+    assert pinned == {"num_cpus": 0.5, "resources": {"kvserve_ingress": 0.01}}

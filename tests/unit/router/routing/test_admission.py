@@ -154,6 +154,22 @@ def test_requests_sent_since_the_report_use_up_slots() -> None:
     assert not judge([profile(), profile()], two, [], 4).admit
 
 
+def test_a_burst_takes_the_free_running_slots_before_it_waits() -> None:
+    """A replica that runs up to 16 sequences and runs 10 starts 6 more at once; then 4 may
+    wait there: a burst is not let through max_waiting requests per report."""
+    roomy = replace(report(free=1000, waiting=0), max_num_seqs=16, num_running=10)
+    assert roomy.free_seqs == 6
+    assert judge([profile()], snapshot(roomy, unreflected=(Unreflected(60, 9),)), [], 4).admit
+    assert not judge([profile()], snapshot(roomy, unreflected=(Unreflected(60, 10),)), [], 4).admit
+    # Not said by the replica: only the waiting room counts.
+    assert not judge([profile()], snapshot(report(free=1000), unreflected=(Unreflected(24, 4),)), [], 4).admit
+    assert ReplicaReport.from_stats({**roomy_stats(), "max_num_seqs": 16}).max_num_seqs == 16
+
+
+def roomy_stats() -> dict[str, object]:
+    return {"free_blocks": 10, "total_blocks": 20, "block_size": BS, "timestamp": NOW}
+
+
 def test_an_unhealthy_replica_is_not_counted() -> None:
     verdict = judge([profile()], snapshot(report(healthy=False), report(waiting=4)), [], 4)
     assert not verdict.admit
