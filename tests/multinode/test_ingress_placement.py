@@ -106,3 +106,26 @@ def _describe(o: Outcome) -> str:
         return f"transport:{o.transport_error.split(':')[0]}"
     r = o.result
     return f"status={r.status} finish={r.finish_reason} error={(r.error or {}).get('message', '')[:60]!r}"  # type: ignore[union-attr]
+
+
+def test_by_default_the_ingress_lands_off_the_gpu_hosts(multinode: MultiNodeCluster, model_dir: Path) -> None:
+    """`kvserve serve --address` on a bare cluster of KubeRay's shape (a head with no CPUs, a
+    CPU node, GPU hosts with CPUs of their own) and an ingress section that names no
+    resources: every ingress replica is placed on the CPU node (cluster/app.py's
+    ingress_placement), and the app serves."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    app = "mn-ing-default"
+    ingress = {"num_replicas": 2}  # no `resources`: the default placement decides
+    serve.run(build_app(app_config(app, model_dir, {"num_replicas": 1}, ingress)), name=app, route_prefix=f"/{app}")
+    try:
+        gpu_hosts = {h.node_id for name, h in multinode.hosts.items() if h.args["num_gpus"] > 0}
+        where = {p.node_id for p in placements(app, "ingress")}
+        assert len(placements(app, "ingress")) == 2
+        assert where == {multinode.hosts["ingress"].node_id}, (where, gpu_hosts)
+        r = httpx.post(f"{multinode.head_url}/{app}/v1/completions", json=greedy_body(0, 8), timeout=120)
+        assert r.status_code == 200, r.text
+    finally:
+        serve.delete(app)

@@ -45,7 +45,7 @@ MAPPINGS: list[tuple[type[BaseModel], type, dict[str, str]]] = [
 NOT_MAPPED: dict[type[BaseModel], set[str]] = {
     EngineSection: set(),
     ModelSection: {"path", "served_model_name"},  # resolved into ModelConfig.model / IngressSettings
-    IngressSection: {"num_replicas", "autoscaling", "num_cpus", "resources"},
+    IngressSection: {"num_replicas", "autoscaling", "num_cpus", "resources", "off_gpu_hosts"},
     StateSection: {"redis_url", "key_prefix"},  # given to RedisStoreSpec as url / key_prefix
     AutoscalingSection: {"min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
                          "upscale_delay_s", "downscale_delay_s", "look_back_period_s", "metrics_interval_s",

@@ -18,8 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.support.real_models import require_smollm2_gguf
-from worker.api import SamplingParams, StructuredOutput, load_tokenizer
+from worker.api import SamplingParams, StructuredOutput
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine import Engine
 from worker.structured.compiler import GrammarCompiler
@@ -49,16 +48,6 @@ WEATHER = {
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}}]
 MAX_TOKENS = 48
 NUM_BLOCKS, BLOCK = 32, 16
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    return require_smollm2_gguf()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(gguf_path: Path) -> Any:
-    return load_tokenizer(gguf_path)
 
 
 @pytest.fixture(scope="module")

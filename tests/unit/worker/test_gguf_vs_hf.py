@@ -15,10 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.real_models import require_smollm2_gguf
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine import Engine
-from worker.model_config import load_tokenizer
 from worker.api import SamplingParams
 
 pytestmark = pytest.mark.gguf
@@ -30,16 +28,6 @@ QUESTIONS = [
 ]
 MAX_TOKENS = 16
 NUM_BLOCKS, BLOCK = 64, 16
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    return require_smollm2_gguf()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(gguf_path: Path) -> Any:
-    return load_tokenizer(gguf_path)
 
 
 @pytest.fixture(scope="module")
