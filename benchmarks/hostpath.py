@@ -266,12 +266,12 @@ def measure_engine_batch(num_requests: int, max_tokens: int, repeats: int, promp
     return EngineSummary(num_requests, runs)
 
 
-def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int) -> list[Any]:
+def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int, direct_ingress: bool = False) -> list[Any]:
     """Each batch streamed and not, `repeats` times, the order alternating per repeat, on one
     Serve app (benchmarks/hostpath_serve.py)."""
     from benchmarks import hostpath_serve as hs
 
-    url = hs.start(hs.free_port())
+    url = hs.start(hs.free_port(), direct_ingress)
     runs = []
     try:
         hs.run_client(url, 8, 8, False, 999)  # warm: first-call imports, connections
@@ -296,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer output tokens, one repeat")
     p.add_argument("--repeats", type=int, default=None, help="runs per batch (default 3; --quick 1)")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="the Serve part through Serve's direct ingress (HAProxy, no Serve proxy; needs haproxy)")
+    p.add_argument("--write-serving-cost", metavar="PATH", nargs="?", const="cluster/sim/serving_cost.json",
+                   help="write the Serve runs' CPU per token, per kind of process, for kvserve simulate's "
+                        "serving-layer plan (default path: cluster/sim/serving_cost.json)")
     args = p.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
     batches = QUICK_BATCHES if args.quick else BATCHES
@@ -313,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             f"exposed engine host time {s.median('host_pct'):.2f}% of the modelled step "
             f"(wall clock: {s.median('wall_excess_pct'):.2f}%)"
         )
-    print("the whole Serve path (HTTP proxy -> ingress -> worker), load client in its own process at nice 19:",
+    print("the whole Serve path (HTTP proxy -> ingress -> worker), load client in its own process at a lower priority:",
           flush=True)
-    serve_runs = measure_serve(batches, repeats)
+    serve_runs = measure_serve(batches, repeats, args.direct_ingress)
     print(f"load average after {os.getloadavg()}")
     plain = [r for r in serve_runs if not r.stream]
     streamed = [r for r in serve_runs if r.stream]
@@ -323,6 +328,14 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(b: int) -> float:
         return statistics.median(r.delivered_ratio for r in plain if r.num_requests == b)
 
+    if args.write_serving_cost:
+        from cluster.sim.serving_cost import from_runs
+
+        cost = from_runs(serve_runs, f"python -m benchmarks.hostpath{' --quick' if args.quick else ''}, "
+                                     f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")
+        with open(args.write_serving_cost, "w") as f:
+            f.write(cost.to_json())
+        print(f"wrote {args.write_serving_cost}")
     b64, b256 = summaries[64], summaries[256]
     print(f"serve: {per_token_us(plain):.0f} us/token not streamed, {per_token_us(streamed):.0f} us/token streamed; "
           f"delivered ratio b64 {ratio(64):.3f}, b256 {ratio(256):.3f} (medians); "

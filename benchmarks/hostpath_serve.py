@@ -17,8 +17,8 @@ cluster/app.py builds (HTTP proxy -> ingress -> worker). N requests at once to
   stretches wall time but not the CPU the same work needs. Ray's own daemons (GCS, raylet,
   Serve controller) are printed beside it, not counted.
 
-The load client runs in its own process at the lowest priority (nice 19): its CPU is not
-in any Serve process, and it cannot starve the server it measures. It parses only what it
+The load client runs in its own process at a lower priority (nice 5): its CPU is not in
+any Serve process, and the server it measures comes first. It parses only what it
 needs to count tokens (the usage of each response).
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -38,6 +39,9 @@ APP_NAME = "hostpath"
 MODEL = "hostpath-sim"
 PROMPT_LEN = 128
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The load client's priority: below the server's, so that it cannot starve it, but not so
+# low that the server's work starves the client and the offered load trickles in.
+CLIENT_NICE = 5
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,14 @@ def app_config() -> Any:
     })
 
 
-def start(port: int) -> str:
-    """Ray, Serve and the app; the completions URL."""
+def start(port: int, direct_ingress: bool = False) -> str:
+    """Ray, Serve and the app; the completions URL. `direct_ingress`: Serve 2.60's direct
+    ingress (HAProxy in front of the ingress replicas, which serve HTTP themselves; no
+    Serve proxy hop), with Debian's haproxy."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if direct_ingress:
+        os.environ.update({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+                           "RAY_SERVE_HAPROXY_BINARY_PATH": shutil.which("haproxy") or "/usr/sbin/haproxy"})
     from ray import serve
     from ray.serve.config import HTTPOptions
 
@@ -140,7 +149,7 @@ def process_kinds() -> dict[int, str]:
             kinds[proc.info["pid"]] = "ingress"
         elif f"ServeReplica:{APP_NAME}:worker" in cmdline:
             kinds[proc.info["pid"]] = "worker"
-        elif "ProxyActor" in cmdline:
+        elif "ProxyActor" in cmdline or "haproxy" in (proc.info.get("name") or ""):
             kinds[proc.info["pid"]] = "proxy"
         elif any(name in cmdline for name in ("gcs_server", "raylet", "ServeController")):
             kinds[proc.info["pid"]] = "daemon"
@@ -162,7 +171,7 @@ def cpu_seconds(kinds: dict[int, str]) -> dict[str, float]:
 
 # -- the load client (its own process) --------------------------------------------------------------
 def client_command(url: str, num_requests: int, max_tokens: int, stream: bool, seed: int) -> list[str]:
-    return ["nice", "-n", "19", sys.executable, "-m", "benchmarks.hostpath_serve", "--client", url,
+    return ["nice", "-n", str(CLIENT_NICE), sys.executable, "-m", "benchmarks.hostpath_serve", "--client", url,
             str(num_requests), str(max_tokens), "1" if stream else "0", str(seed)]
 
 
@@ -190,7 +199,7 @@ async def _client(url: str, num_requests: int, max_tokens: int, stream: bool, se
         async with client.stream("POST", url, json=body) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
-                if line.startswith('data: {"') and '"usage":{' in line:
+                if line.startswith("data: {") and '"usage"' in line:
                     usage = json.loads(line[6:]).get("usage")
                     if usage:
                         tokens = int(usage["completion_tokens"])

@@ -12,14 +12,14 @@ prefills. Torch-free, O(1) per record, no allocation beyond a bounded deque.
 Why only budget-full steps: a step that carries a few prefill tokens beside a full decode
 batch is limited by how little was queued, not by the device; counting it would make a
 lightly loaded replica look slow at prefill, and the router would release its prefix
-affinity for nothing (router/routing/work.py within_target). A full step is what the device does
+affinity for nothing (router/routing/scoring.py within_target). A full step is what the device does
 while it has a backlog, which is exactly the rate the router divides a backlog by.
 
-Why a long window (256 full steps, ~13 s of a busy H200 at 2048-token chunks): decode-heavy
-moments (128 long-context decodes beside each chunk) pull a short window's figure from ~37k
-to ~20k tokens/s; with 32 steps, those dips released prefix affinity in bursts and b2b
-missed its TTFT SLO at the rate it met before (simulator, 4 replicas, 60.62 req/s: TTFT p99
-2.01 s; 256 steps: 1.14 s, the cost model's fixed figure: 1.28 s).
+Why a long window (256 full steps, seconds of a busy device): decode-heavy moments (many
+long-context decodes beside each chunk) pull a short window's figure far below the
+device's prefill rate, and a router reading those dips releases prefix affinity in bursts,
+which costs the TTFT the release is meant to protect. A long window follows the workload,
+not its moments.
 """
 from __future__ import annotations
 

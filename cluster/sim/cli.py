@@ -22,6 +22,7 @@ from cluster.sim.disagg import (
     DisaggOptions,
 )
 from cluster.sim.run import SimConfig, simulate
+from cluster.sim.serving_cost import ServingCost, describe
 from cluster.sim.workloads import WORKLOAD_NAMES, make_workload
 
 _DEFAULTS = SimConfig()
@@ -138,6 +139,9 @@ def _print_report(s: dict[str, Any], args: argparse.Namespace, wall_s: float) ->
     print(f"  E2E   {pct('e2e_s')}")
     print(f"  output {s['output_tokens_per_s']:.0f} tok/s   goodput {s['goodput_rps']:.2f} req/s "
           f"({s['goodput_fraction']:.1%} within TTFT {s['slo_ttft_ms']:g} ms, ITL {s['slo_itl_ms']:g} ms)")
+    for streamed in (True, False):
+        plan = ServingCost.load().plan(s["output_tokens_per_s"], s["num_replicas_created"], streamed)
+        print(f"  {describe(plan, streamed)}")
     print(f"  prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}   preemptions {s['num_preemptions']}   "
           f"load imbalance {s['load_imbalance']:.2f}   rejected {s['num_rejected']}")
     if s["num_rejected"]:

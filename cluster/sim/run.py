@@ -62,8 +62,7 @@ class SimConfig:
     dispatch_latency_s: float = 0.0
     # The same path as a measured distribution (seconds, e.g. a calibration run's per-request
     # residuals): each request's latency is drawn from these, seeded by `seed`, instead of
-    # the constant. The path is right-skewed (p10 0.4 ms, p90 4 ms modelled in validation 2),
-    # and a TTFT p50 shifts by more than the path's median when the engine's TTFT spreads.
+    # the constant. The path is right-skewed, and a TTFT p50 shifts by more than the path's median when the engine's TTFT spreads.
     dispatch_latency_samples: tuple[float, ...] = ()
     num_ingress: int = 1
     # Several ingress routers: True gives every router of a pool the SAME routing view (the

@@ -9,7 +9,7 @@ on the prefill pool and a decode stream on the decode pool.
        │  <── outputs, streamed ─────────────  KV, imports it into its own blocks, decodes
        └── prefill.release_kv(request_id, replica_id=...) once the decode side streams
            (or gave up): the prefill replica unpins. Sent to THAT replica by
-           the prefill pool's router (router/routing/serve_router.py); unacknowledged exports expire on the replica (30 s).
+           the prefill pool's router (router/routing/serve_router.py); unacknowledged exports expire on the replica (kv/transfer.py's DEFAULT_PIN_TIMEOUT_S).
 
 `DisaggregatedGenerate` looks like the worker handle's `generate` to GenerationStream
 (`.generate.remote(request)` -> an async-iterable response with `cancel()`), so streaming,

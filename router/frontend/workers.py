@@ -2,7 +2,7 @@
 facts, every replica's stats, and a health check.
 
 One place for what /v1/models and gRPC ListModels, /metrics and gRPC Stats, /health and
-gRPC Health each used to ask the worker handle for themselves.
+gRPC Health ask the worker handle.
 
 Disaggregated (router/frontend/disagg.py), the engine requests touch two pools: the decode pool
 (`handle`) and the prefill pool (`prefill_handle`). Stats then come from both, each
@@ -53,7 +53,7 @@ class Workers:
 
     def pools(self) -> dict[str, Any]:
         """Pool name -> handle: {"decode", "prefill"} when disaggregated; otherwise the one
-        pool, unnamed ("" : its stats carry no `pool` key, as before disaggregation)."""
+        pool, unnamed ("" : its stats carry no `pool` key)."""
         if self.prefill_handle is None:
             return {"": self.handle}
         return {"prefill": self.prefill_handle, "decode": self.handle}

@@ -50,13 +50,12 @@ class DeviceProfile:
     # Attention's own share of the FLOP peak (None: flops_efficiency). A GPU's fused
     # attention kernels run near the GEMMs' rate; the CPU backend's unfused attention
     # (scores materialised, a mask, paged KV gathered) runs far below it, so one shared
-    # efficiency fitted prefill chunks of 32, 128 and 512 tokens at -10%, +23% and -21%.
+    # efficiency cannot fit prefill chunks of different sizes.
     attention_flops_efficiency: float | None = None
     # The engine's attention backend pads decodes to their group's longest context
     # (worker/decode_groups.py: the CPU torch backend; GPU varlen kernels do not). Uniform
     # calibration batches never show it; a run's mixed contexts do: unpriced, the padding
-    # made validation 1's real decode steps ~5-15% slower than modelled and its TTFT p50
-    # ~10% higher (the same run priced by a fit on its own steps: within 4%).
+    # makes real decode steps slower than modelled, and TTFTs higher with them.
     padded_decode_attention: bool = False
     calibrated: bool = False
     source: str = ""

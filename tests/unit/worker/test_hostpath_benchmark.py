@@ -40,7 +40,7 @@ def test_quick_run_prints_the_result_line(capsys: pytest.CaptureFixture[str], mo
         ServeRun(256, 2, False, 512, 0.5, 0.45, {"proxy": 0.002, "ingress": 0.002, "worker": 0.004}, 0.01, 0),
         ServeRun(256, 2, True, 512, 0.5, 0.45, {"proxy": 0.020, "ingress": 0.020, "worker": 0.010}, 0.01, 0),
     ]
-    monkeypatch.setattr(hostpath, "measure_serve", lambda batches, repeats: given)
+    monkeypatch.setattr(hostpath, "measure_serve", lambda batches, repeats, direct=False: given)
     assert hostpath.main(["--quick"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     number = r"[0-9.]+"
