@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,12 +61,43 @@ _STOP = object()
 MAX_PREFIX_HASHES = 4096
 
 
+class _Sink:
+    """A `run_into` request's outputs, handled where they are delivered: detokenized, handed
+    on, and its end noted (a stop string ends it in the core too)."""
+
+    def __init__(self, processor: RequestOutputProcessor, on_output: Callable[[RequestOutput], None],
+                 done: asyncio.Future[None], abort: Callable[[], None]) -> None:
+        self.processor, self.on_output, self.done, self._abort = processor, on_output, done, abort
+        self.finished = False
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        if self.done.done():
+            return
+        if isinstance(item, BaseException):
+            self.done.set_exception(item)
+            return
+        out = self.processor.process(item)
+        if out.finished:
+            self.finished = True
+            if self.processor.stopped:
+                self._abort()
+        try:
+            self.on_output(out)
+        except BaseException as e:  # the consumer refused it: fail the request there
+            self.done.set_exception(e)
+            return
+        if out.finished:
+            self.done.set_result(None)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, tokenizer: Any = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Per request, where the step loop's outputs go (on the event loop): a queue its
+        # `generate` iterator reads, or a `run_into` sink that handles them in place.
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException] | _Sink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats: EngineStats = engine.stats()
@@ -150,6 +181,34 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
+                self._inbox.put(_Abort(request_id, notify=False))
+
+    async def run_into(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        on_output: Callable[[RequestOutput], None],
+        num_resumed_tokens: int = 0,
+    ) -> None:
+        """Run a request whose outputs are handed to `on_output` in the event-loop turn that
+        delivers their step: no task wakes per output, unlike iterating `generate` (the
+        batched output streams' path, worker/output_streams.py). Returns once the request
+        finished; raises what failed it; cancelling it aborts the request."""
+        self._ensure_started()
+        if request_id in self._streams:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self.engine.validate(prompt_token_ids, params)
+        processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, num_resumed_tokens)
+        assert self._loop is not None
+        sink = _Sink(processor, on_output, self._loop.create_future(), lambda: self._inbox.put(_Abort(request_id, notify=False)))
+        self._streams[request_id] = sink
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, False, None))
+        try:
+            await sink.done
+        finally:
+            self._streams.pop(request_id, None)
+            if not sink.finished:
                 self._inbox.put(_Abort(request_id, notify=False))
 
     def release_kv(self, request_id: str) -> None:
@@ -272,7 +331,7 @@ class AsyncEngine:
         for request_id, item in zip(request_ids, items):
             stream = self._streams.get(request_id)
             if stream is not None:
-                stream.put_nowait(item)
+                stream.put_nowait(item)  # a queue, or a sink that handles it now
 
     def _publish_error(self, error: BaseException) -> None:
         if self._loop is None:

@@ -15,9 +15,10 @@ and only then stop the engine thread (stopping it first would strand their strea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -93,18 +94,54 @@ class WorkerReplica:
         self._outboxes.open_request(stream_id, request.request_id, hold=not request.stream)
         try:
             yield self.replica_id
-            async for out in self._generate(request, kv_handle):
-                self._outboxes.put(stream_id, out)
+            if kv_handle is not None or tracing.is_traced(request):
+                async for out in self._generate(request, kv_handle):  # per-output path: spans, KV import
+                    self._outboxes.put(stream_id, out)
+            else:
+                await self._run_into_outbox(request, stream_id)
         finally:
             self._outboxes.close_request(stream_id, request.request_id)
 
-    async def _generate(self, request: GenerateRequest, kv_handle: KVHandle | None = None) -> AsyncIterator[RequestOutput]:
+    async def _run_into_outbox(self, request: GenerateRequest, stream_id: str) -> None:
+        """The request's outputs go to the outbox as the step loop delivers them."""
+        with self._tracked(request) as key:
+            cut_short = False
+
+            def on_output(out: RequestOutput) -> None:
+                nonlocal cut_short
+                if key in self._cut and out.finished and out.finish_reason == "abort":
+                    cut_short = True  # handed back below, not an "abort" to the client
+                    return
+                self._outboxes.put(stream_id, self._output(out))
+
+            await self.engine.run_into(request.prompt_token_ids, request.params, request.request_id, on_output,
+                                       request.num_resumed_tokens)
+            if cut_short:
+                raise ReplicaDrainingError("this worker replica was removed before the request "
+                                           "finished; resume it on another replica")
+
+    def _output(self, out: RequestOutput) -> RequestOutput:
+        """Every output this replica sends passes here (a test double tags its outputs)."""
+        return out
+
+    @contextlib.contextmanager
+    def _tracked(self, request: GenerateRequest) -> Iterator[object]:
+        """The request counts as an open stream (the drain waits for it) while inside."""
         if self._draining:
             raise ReplicaDrainingError("this worker replica is shutting down; retry on another replica")
         key = object()  # not the request id: a duplicate id must not untrack the original
         self._streams[key] = request.request_id
         self._no_streams.clear()
         try:
+            yield key
+        finally:
+            del self._streams[key]
+            self._cut.discard(key)
+            if not self._streams:
+                self._no_streams.set()
+
+    async def _generate(self, request: GenerateRequest, kv_handle: KVHandle | None = None) -> AsyncIterator[RequestOutput]:
+        with self._tracked(request) as key:
             resumed = {"num_resumed_tokens": request.num_resumed_tokens} if request.num_resumed_tokens else {}
             if kv_handle is not None:  # disaggregation: decode after a prefill replica's export
                 resumed["kv_import"] = await self._kv_transport().receive(kv_handle)
@@ -117,12 +154,7 @@ class WorkerReplica:
                     # resumes on another replica (router/frontend/migration.py).
                     raise ReplicaDrainingError("this worker replica was removed before the request "
                                                "finished; resume it on another replica")
-                yield out
-        finally:
-            del self._streams[key]
-            self._cut.discard(key)
-            if not self._streams:
-                self._no_streams.set()
+                yield self._output(out)
 
     # -- prefill/decode disaggregation (kv/transfer.py, router/frontend/disagg.py) -------------------
     async def prefill(self, request: GenerateRequest) -> tuple[RequestOutput | None, KVHandle | None]:

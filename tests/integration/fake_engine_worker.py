@@ -13,16 +13,12 @@ carries `extra["replica_id"]`, so a test knows which replica served a request.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-from kv.transfer import KVHandle
 from tests.support.fake_runner import TOKEN, VOCAB, FakeRunner
 from worker.async_engine import AsyncEngine
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
 from worker.api import RequestOutput
 from worker.replica import WorkerReplica
-from worker.api import GenerateRequest
 
 __all__ = ["TOKEN", "FakeEngineWorker", "make_fake_engine"]  # TOKEN: every sampled token (no EOS ids here)
 
@@ -48,8 +44,7 @@ class FakeEngineWorker(WorkerReplica):
                                   block_size=block_size)
         self._attach(engine, block_size, drain_timeout_s)
 
-    async def _generate(self, request: GenerateRequest, kv_handle: KVHandle | None = None) -> AsyncIterator[RequestOutput]:
-        # Below both output paths (per call and batched): every output names its replica.
-        async for out in super()._generate(request, kv_handle):
-            out.extra["replica_id"] = self.replica_id
-            yield out
+    def _output(self, out: RequestOutput) -> RequestOutput:
+        # Every output this replica sends (per call and batched) names its replica.
+        out.extra["replica_id"] = self.replica_id
+        return out

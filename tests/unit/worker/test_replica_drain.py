@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import pytest
 
@@ -79,6 +80,34 @@ async def test_drain_hands_back_streams_that_outlive_the_timeout() -> None:
         await asyncio.wait_for(stream, timeout=5)
     assert 0 < len(tokens(outputs)) < 600 and not any(out.finished for out in outputs)
     assert worker.engine._thread is None and worker._streams == {} and worker._cut == set()
+
+
+async def test_drain_hands_back_batched_requests_that_outlive_the_timeout() -> None:
+    """The same on the batched output path (worker/output_streams.py): the request's own
+    call fails as a replica failure, and its stream never carries an "abort" end."""
+    worker = FakeEngineWorker(max_num_seqs=2, step_s=0.01, drain_timeout_s=0.2)
+    batched = replace(request("long", 600), output_stream="ingress-1")
+    sent: list[RequestOutput] = []
+
+    async def call() -> None:
+        async for _ in worker.generate(batched):  # one item: the replica's id
+            pass
+
+    async def read() -> None:
+        async for batch in worker.outputs("ingress-1"):
+            sent.extend(batch)
+
+    control = asyncio.create_task(call())
+    reader = asyncio.create_task(read())
+    async with asyncio.timeout(10):
+        while not sent:
+            await asyncio.sleep(0.005)  # polling for the first output
+    await asyncio.wait_for(remove(worker), timeout=10)
+    with pytest.raises(ReplicaDrainingError, match="resume it on another replica"):
+        await asyncio.wait_for(control, timeout=5)
+    await asyncio.wait_for(reader, timeout=5)  # the stream ends: nothing in flight
+    assert 0 < len(tokens(sent)) < 600 and not any(out.finished for out in sent)
+    assert worker._streams == {} and worker._cut == set()
 
 
 async def test_drain_of_an_idle_replica_is_immediate() -> None:
