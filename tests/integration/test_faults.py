@@ -327,7 +327,9 @@ def test_sigterm_drains_then_exits_zero(tmp_path: Path, fault_counts: FaultCount
         async def scenario() -> tuple[StreamResult, list[int]]:
             first = asyncio.Event()
             statuses: list[int] = []
-            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0.0}
+            # Long enough to outlast the drain's first refusals: with outputs batched per step
+            # a few hundred tokens of the tiny model stream in well under a second.
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": 1800, "ignore_eos": True, "temperature": 0.0}
             async with httpx.AsyncClient(timeout=120.0) as client:
                 stream = asyncio.create_task(
                     stream_completion(client, f"{root}/v1/completions", body, on_chunk=lambda i: first.set())

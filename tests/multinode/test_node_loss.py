@@ -146,7 +146,7 @@ def test_gpu_host_lost_mid_stream(multinode: MultiNodeCluster, app: str) -> None
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    for _ in range(4):  # rounds of side-by-side streams until the watcher sees the new replica busy
+    for _ in range(12):  # rounds of side-by-side streams until the watcher sees the new replica busy
         again = asyncio.run(run_streams(_urls(multinode), 48))
         assert all(completed(o, 48) for o in again)
         assert [o.result.tokens for o in again] == [o.result.tokens[:48] for o in reference]
