@@ -24,6 +24,7 @@ from tests.multinode.conftest import INGRESS_RESOURCE, MIXED_POOL, MultiNodeClus
 from tests.multinode.placement import (
     app_config,
     completed,
+    engine_section,
     greedy_body,
     migrations_total,
     placements,
@@ -34,7 +35,10 @@ from tests.support.waiting import wait_until
 pytestmark = pytest.mark.integration
 
 APP = "mn-loss"
-MAX_TOKENS = 160
+# Long enough that the lost host's streams are still decoding when its node dies: with
+# outputs batched per step the tiny model streams a few hundred tokens in well under the
+# time it takes to pick the busiest host and remove it.
+MAX_TOKENS = 600
 NUM_STREAMS = 4
 
 
@@ -46,6 +50,8 @@ def app(multinode: MultiNodeCluster, model_dir: Path) -> Iterator[str]:
 
     config = app_config(
         APP, model_dir,
+        # Room for all four streams on the surviving replica once the lost host's migrate.
+        engine={**engine_section(), "num_blocks": 256},
         # One worker replica per GPU host: each asks for its pool's unit, which each host has once.
         workers={"num_replicas": 2, "num_gpus": 1, "resources": {MIXED_POOL: 1}},
         ingress={"num_replicas": 1, "resources": {INGRESS_RESOURCE: 0.01}, "max_migrations": 2},
