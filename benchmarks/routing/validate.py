@@ -1,10 +1,13 @@
 """The simulator against real runs, same seeded workload (benchmarks.routing's validations).
 
-1. Engine: the real engine (one replica, CPU, the embedded model, FP32), driven in real
-   time (each request added at its arrival time, the engine stepped as AsyncEngine's loop
-   does: step, then a stats snapshot), against `simulate` with the calibrated CPU profile
-   (`kvserve calibrate`, cluster/calibrate.py) on the same shape, KV size and scheduler
-   limits.
+1. Engine: the real engine (one replica, CPU, the embedded model, FP32) on its own clock
+   (each request added once the clock passes its arrival, the engine stepped as
+   AsyncEngine's loop does: step, then a stats snapshot), against `simulate` with the
+   calibrated CPU profile (`kvserve calibrate`, cluster/calibrate.py) on the same shape,
+   KV size and scheduler limits. The clock is the one the calibration priced the steps
+   with: by default the process's CPU time, which other load on the machine does not
+   move (a step advances it by the CPU seconds the step took; an idle engine jumps to the
+   next arrival, as a real one would sleep until it).
    Calibration and the real run are paired ENGINE_REPEATS times; the error is the median
    of the pairs' errors.
 2. Cluster: a real Ray Serve cluster of 8 simulated-device replicas vs the simulator
@@ -26,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from cluster.calibrate import CLOCKS
 from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.workloads import SimRequest, make_workload
 
@@ -102,26 +106,31 @@ def into_vocab(requests: Sequence[SimRequest], vocab_size: int) -> list[SimReque
 ENGINE_WORKLOAD = dict(kind="sharegpt", input_mean=160.0, output_mean=48.0, max_len=768)
 
 
-def run_engine_real_time(engine, requests: Sequence[SimRequest]) -> Figures:  # noqa: ANN001 (worker.engine.Engine)
+def run_engine_on_clock(engine, requests: Sequence[SimRequest],  # noqa: ANN001 (worker.engine.Engine)
+                        clock: Callable[[], float] = time.process_time) -> Figures:
+    """The engine's run, timed by `clock`: each step advances the run's time by what the
+    step (and the stats snapshot after it) took on that clock; requests join once the
+    time passes their arrival; an idle engine jumps to the next arrival."""
     from worker.api import SamplingParams
 
     pending = deque(requests)
     first: dict[str, float] = {}
     finish: dict[str, float] = {}
     num_tokens = 0
-    start = time.perf_counter()
+    now = 0.0
     while pending or engine.has_unfinished():
-        now = time.perf_counter() - start
         while pending and pending[0].arrival_s <= now:
             r = pending.popleft()
             engine.add_request(r.request_id, list(r.prompt_token_ids),
                                SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
         if not engine.has_unfinished():
-            time.sleep(max(pending[0].arrival_s - now, 0.0))  # idle until the next arrival (a benchmark)
+            now = pending[0].arrival_s
             continue
+        started = clock()
         outputs = engine.step()
         engine.stats()  # AsyncEngine's loop takes this snapshot after every step (so did calibrate)
-        t = time.perf_counter() - start
+        now += clock() - started
+        t = now
         for out in outputs:
             if out.new_token_ids:
                 first.setdefault(out.request_id, t)
@@ -134,24 +143,24 @@ def run_engine_real_time(engine, requests: Sequence[SimRequest]) -> Figures:  # 
 
 ENGINE_NUM_THREADS = 1  # torch threads: the engine here and the calibration that priced it
 ENGINE_LOAD_FRACTION = 0.5  # the run's rate: this fraction of the modelled saturation rate
-ENGINE_REQUESTS = {True: 100, False: 300}  # --quick (120 until 2026-12-01 21:40: ~2 s a pair), full
+ENGINE_REQUESTS = {True: 100, False: 300}  # --quick, full
 # Calibration and the real run, paired, this many times; the error is the median over the
-# pairs of each pair's error (median_pair_errors). The machine's speed drifts within tens of seconds: one
-# 10 s run's TTFT p50 moved -5% to +13% against one profile (2026-12-01 13:13), and three
-# runs 20-50 s after one calibration drifted 19.0 -> 21.2 ms (-20% against it, 13:41).
+# pairs of each pair's error (median_pair_errors): the machine's speed drifts within tens
+# of seconds, so a run is priced by the calibration taken right before it.
 ENGINE_REPEATS = 3
 # Calibration's grid here: the regime this workload runs in (decode contexts up to its
-# ~800-token sequences), so a calibration takes ~10 s, not the full grid's ~25 s
-# (32 prompts of 1,024 tokens are prefilled for its largest decode point alone).
+# longest sequences), a few seconds instead of the full grid's, whose largest decode point
+# alone prefills 32 prompts of 1,024 tokens.
 ENGINE_GRID = dict(decode_contexts=(16, 128, 512))
+# The clock of both sides: the calibration's steps and the real run's (cluster/calibrate.py).
+ENGINE_CLOCK = "process"
 
 
 def engine_profile(profile_path: str | None, log: Log):  # noqa: ANN201 (worker.sim.profiles.DeviceProfile)
     """The CPU profile to price the engine with: `profile_path`, else a calibration now,
-    with the engine's thread count. Now, not the committed fit: a shared 2-core machine
-    runs 15-20% faster or slower from one hour to the next (the committed profile of 09:39
-    predicted TTFT p50 16% high on the idle machine at 13:11, a fresh one -9%), and a
-    calibrated profile is a statement about the machine as it is."""
+    with the engine's thread count and clock. Now, not a committed fit: a shared machine's
+    speed moves from one hour to the next, and a calibrated profile is a statement about
+    the machine as it is."""
     from cluster.calibrate import GridSpec, calibrate
     from worker.sim.profiles import load_profile
 
@@ -160,7 +169,8 @@ def engine_profile(profile_path: str | None, log: Log):  # noqa: ANN201 (worker.
         log(f"validation 1: CPU profile {profile_path} ({profile.source})")
         return profile
     t0 = time.perf_counter()
-    profile, report, points = calibrate(None, "cpu-validation", ENGINE_NUM_THREADS, 16, spec=GridSpec(**ENGINE_GRID))
+    profile, report, points = calibrate(None, "cpu-validation", ENGINE_NUM_THREADS, 16, clock=ENGINE_CLOCK,
+                                        spec=GridSpec(**ENGINE_GRID))
     saved = os.path.join(tempfile.gettempdir(), f"kvserve-cpu-validation-{os.getpid()}.json")
     profile.save(saved)
     log(f"validation 1: calibrated a CPU profile now ({len(points)} engine steps, decode contexts "
@@ -227,7 +237,8 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log,
         if i > 0 and not profile_path:  # calibrate again right before this run: the machine drifts
             config, device, cost = simulator(engine_profile(None, log))
         with step_check(engine, cost, log) if step_check is not None else nullcontext():
-            real = run_engine_real_time(engine, [replace(r, request_id=f"{r.request_id}-{i}") for r in requests])
+            real = run_engine_on_clock(engine, [replace(r, request_id=f"{r.request_id}-{i}") for r in requests],
+                                       CLOCKS[ENGINE_CLOCK])
         engine.kv.pool.reset_prefix_cache()  # each repeat starts cold, as the simulation does
         sim = Figures.of_sim(simulate(config, requests, device).summary())
         reals.append(real)
@@ -237,12 +248,12 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log,
             f"{real.output_tokens_per_s:.1f} tok/s; simulated {sim.ttft_p50_s:.4f} s, {sim.ttft_p99_s:.4f} s, "
             f"{sim.output_tokens_per_s:.1f} tok/s; error {e['ttft_p50_s']:+.1f}%, {e['ttft_p99_s']:+.1f}%, "
             f"{e['output_tokens_per_s']:+.1f}%")
-    log(f"  load average {os.getloadavg()[0]:.1f} at end (the real engine runs on the wall clock: a machine "
-        f"shared with other jobs slows it, the calibrated profile does not)")
+    log(f"  load average {os.getloadavg()[0]:.1f} at end (both sides on the {ENGINE_CLOCK} clock: "
+        f"other load on the machine moves neither)")
     real, sim = Figures.median(reals), Figures.median(sims)
     apart = relative_errors(real, sim)
     log(f"  (the medians taken apart would read {apart['ttft_p50_s']:+.1f}%, {apart['ttft_p99_s']:+.1f}%, "
-        f"{apart['output_tokens_per_s']:+.1f}%; until 2026-12-01 18:40 that was the figure)")
+        f"{apart['output_tokens_per_s']:+.1f}%)")
     return compare(f"engine (1 CPU replica, {ENGINE_REPEATS} pairs: medians; error: median of the pairs' errors)",
                    real, sim, log, median_pair_errors(reals, sims))
 

@@ -7,22 +7,22 @@ amount in each pair).
 
     python -m benchmarks.routing.validate_steps
 
-Per pair, per kind of step (with a prefill chunk / decodes only): steps, median wall time
-of engine.step() and of the runner's execute, the median prediction, and the ratios of
+Per pair, per kind of step (with a prefill chunk / decodes only): steps, median time (on
+the validation's clock, validate.ENGINE_CLOCK) of engine.step() and of the runner's execute, the median prediction, and the ratios of
 their sums to the predictions' sum. The timing hooks cost a few µs a step; the table's
 validation runs without them.
 """
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
-from benchmarks.routing.validate import Log, validate_engine
+from benchmarks.routing.validate import ENGINE_CLOCK, Log, validate_engine
+from cluster.calibrate import CLOCKS
 
 KINDS = (("with a prefill chunk", True), ("decodes only", False))
 
@@ -35,21 +35,22 @@ def step_check(engine: Any, cost: Any, log: Log) -> Iterator[None]:  # worker.en
     runner, real_execute, real_step = engine.runner, engine.runner.execute, engine.step
     rows: list[tuple[float, float, float, bool]] = []  # step s, execute s, predicted s, has a prefill chunk
     current: dict[str, Any] = {}
+    clock = CLOCKS[ENGINE_CLOCK]
 
     def execute(plan: Any) -> Any:
         current["predicted"] = cost.plan_time_s(plan)
         current["prefill"] = any(n > 1 for n in plan.num_new_tokens)
-        t0 = time.perf_counter()
+        t0 = clock()
         out = real_execute(plan)
-        current["execute"] = time.perf_counter() - t0
+        current["execute"] = clock() - t0
         return out
 
     def step() -> Any:
         current.clear()
-        t0 = time.perf_counter()
+        t0 = clock()
         out = real_step()
         if current:  # a step that ran the model
-            rows.append((time.perf_counter() - t0, current["execute"], current["predicted"], current["prefill"]))
+            rows.append((clock() - t0, current["execute"], current["predicted"], current["prefill"]))
         return out
 
     runner.execute, engine.step = execute, step

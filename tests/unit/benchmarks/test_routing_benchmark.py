@@ -215,3 +215,27 @@ def test_step_check_sets_each_model_step_against_its_prediction() -> None:
     assert len(lines) == 2
     assert lines[0].startswith("    steps with a prefill chunk: 1, ") and "predicted 65.00 ms" in lines[0]
     assert lines[1].startswith("    steps decodes only: 1, ") and "predicted 2.00 ms" in lines[1]
+
+
+def test_the_real_engine_runs_on_the_validations_clock(tiny_llama) -> None:  # noqa: ANN001 (Path)
+    """Validation 1's real side: the run's time is the clock's, so the same run reads the
+    same on a busy machine. A clock that advances 10 ms per reading makes every step cost
+    exactly 10 ms (one reading before the step, one after): the first request's first token
+    at 10 ms, its third at 30 ms; the second arrives while the engine is idle, which jumps
+    to its arrival."""
+    import itertools
+
+    from benchmarks.routing.validate import run_engine_on_clock
+    from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from worker.engine import Engine
+
+    engine = Engine.from_config(EngineConfig(
+        model=ModelConfig(model=str(tiny_llama), device="cpu", dtype="float32"),
+        cache=CacheConfig(block_size=16, num_blocks_override=32), scheduler=SchedulerConfig(max_model_len=256)))
+    ticks = itertools.count()
+    requests = [SimRequest("a", 0.0, (1, 2, 3, 4), 3), SimRequest("b", 5.0, (5, 6, 7), 2)]
+    figures = run_engine_on_clock(engine, requests, clock=lambda: 0.01 * next(ticks))
+    assert figures.ttft_p50_s == pytest.approx(0.01)
+    assert figures.ttft_p99_s == pytest.approx(0.01)
+    # 5 tokens from the first arrival (0 s) to the last finish (5 s + 2 steps).
+    assert figures.output_tokens_per_s == pytest.approx(5 / 5.02)
