@@ -6,7 +6,8 @@ on the prefill pool and a decode stream on the decode pool.
        │                                      KV (kv/transfer.py) and PINS its blocks
        ├── first output ──> client            (time to first token = prefill only)
        ├── decode.decode(request, KVHandle) ─> decode replica (KV-headroom router): fetches the
-       │  <── outputs, streamed ─────────────  KV, imports it into its own blocks, decodes
+       │  <── outputs, batched per step ─────  KV, imports it into its own blocks, decodes
+       │      (router/frontend/output_hub.py: one stream per decode replica for all requests)
        └── prefill.release_kv(request_id, replica_id=...) once the decode side streams
            (or gave up): the prefill replica unpins. Sent to THAT replica by
            the prefill pool's router (router/routing/serve_router.py); unacknowledged exports expire on the replica (kv/transfer.py's DEFAULT_PIN_TIMEOUT_S).
@@ -29,9 +30,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ray.serve.request_router import PendingRequest, RunningReplica
 
 from router import errors
+from router.frontend.output_hub import OutputHub
 from router.frontend.settings import MAX_WAITING_FOR_DECODE
 from worker.api import GenerateRequest, RequestOutput
 
@@ -70,7 +71,8 @@ class DisaggregatedGenerate:
 
     def __init__(self, prefill_handle: Any, decode_handle: Any, max_waiting_for_decode: int = MAX_WAITING_FOR_DECODE) -> None:
         self.prefill = prefill_handle.options(stream=False)
-        self.decode = decode_handle.options(stream=True)
+        # The decode pool's tokens come back batched, as a mixed pool's do.
+        self.decode = OutputHub(decode_handle)
         self.queue = DecodeQueue(max_waiting_for_decode)
         self.generate = _Method(self)
         self._acks: set[asyncio.Task[Any]] = set()  # keep fire-and-forget acks alive
@@ -122,7 +124,7 @@ class DisaggregatedResponse:
             if self._handle is None:  # finished with its first token (or failed): final
                 yield first
                 return
-            decode = owner.decode.decode.remote(request, self._handle)
+            decode = owner.decode.decode(request, self._handle)
             self._calls.append(decode)
             yield first  # time to first token: the prefill alone
             async for out in decode:

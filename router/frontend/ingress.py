@@ -217,11 +217,10 @@ class Ingress(GrpcMethods):
             settings.setup()
         self.settings = settings
         # Outputs come back in batches, one list per engine step for all of this replica's
-        # requests on a worker (router/frontend/output_hub.py). Disaggregated, the decode
-        # side streams per request (router/frontend/disagg.py).
-        generate: Any = OutputHub(worker)
-        if prefill_worker is not None:
-            generate = DisaggregatedGenerate(prefill_worker, worker, max_waiting_for_decode)
+        # requests on a worker (router/frontend/output_hub.py); disaggregated, the decode
+        # pool's do (router/frontend/disagg.py).
+        generate: Any = (OutputHub(worker) if prefill_worker is None
+                         else DisaggregatedGenerate(prefill_worker, worker, max_waiting_for_decode))
         workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill_worker)
         # Digests only (router/frontend/auth.py); a malformed entry fails the replica's start.
         api_keys = ApiKeys.from_env(settings.api_keys_env)

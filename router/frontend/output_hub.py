@@ -18,7 +18,9 @@ died) fails every request waiting on it, each with the replica's error.
 
 `OutputHub.generate` stands in for `worker_handle.options(stream=True).generate` in
 router/frontend/generation.py: `.remote(request)` returns an async iterator of
-RequestOutputs with `.cancel()`.
+RequestOutputs with `.cancel()`. `OutputHub.decode` does the same for a disaggregated
+request's decode half (router/frontend/disagg.py): the decode replica imports the KV
+the prefill replica exported, and its tokens come back on the same batched stream.
 """
 from __future__ import annotations
 
@@ -53,12 +55,19 @@ class OutputHub:
         self.num_batches = 0  # lists received (tests, metrics)
 
     # -- one request -----------------------------------------------------------------------
-    def open(self, request: GenerateRequest) -> BatchedResponse:
+    def open(self, request: GenerateRequest, kv_handle: Any = None) -> BatchedResponse:
+        """The request's `generate` call, or with `kv_handle` its `decode` call (the decode
+        half of a disaggregated request), its outputs read from this hub."""
         request = replace(request, output_stream=self.stream_id)
         if request.request_id in self._queues:
             raise ValueError(f"request id {request.request_id!r} is already in flight on this ingress")
         self._queues[request.request_id] = asyncio.Queue()
-        return BatchedResponse(self, request, self._calls.generate.remote(request))
+        call = (self._calls.generate.remote(request) if kv_handle is None
+                else self._calls.decode.remote(request, kv_handle))
+        return BatchedResponse(self, request, call)
+
+    def decode(self, request: GenerateRequest, kv_handle: Any) -> BatchedResponse:
+        return self.open(request, kv_handle)
 
     def attach(self, request_id: str, replica_id: str) -> None:
         """The request runs on `replica_id`: read that replica's stream."""

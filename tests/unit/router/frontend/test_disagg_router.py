@@ -70,10 +70,25 @@ REQUEST = GenerateRequest("r-0", [5, 6, 7], SamplingParams(max_tokens=3))
 HANDLE = KVHandle("r-0", "local", object(), 3, 100, "replica-A")
 
 
+DECODE_REPLICA = "replica-D"
+
+
+def _decode_pool(decoded: list[Any]) -> _Handle:
+    """A decode pool speaking the batched protocol (router/frontend/output_hub.py): the
+    request's own call answers with the replica's id; its outputs come on that replica's
+    `outputs` stream, one list per step (an exception there: the replica died)."""
+    def respond(name: str, args: tuple, kwargs: dict) -> _Response:
+        if name in ("decode", "generate"):
+            return _Response(stream=[DECODE_REPLICA])
+        assert name == "outputs" and kwargs == {"replica_id": DECODE_REPLICA}, (name, kwargs)
+        return _Response(stream=[item if isinstance(item, BaseException) else [item] for item in decoded])
+
+    return _Handle(respond)
+
+
 def _pools(first: RequestOutput, handle: KVHandle | None, decoded: list[Any], gate: asyncio.Event | None = None):  # noqa: ANN202
     prefill = _Handle(lambda name, a, k: _Response(result=(first, handle), gate=gate) if name == "prefill" else _Response())
-    decode = _Handle(lambda name, a, k: _Response(stream=decoded))
-    return prefill, decode
+    return prefill, _decode_pool(decoded)
 
 
 async def _collect(gen: DisaggregatedGenerate, request: GenerateRequest = REQUEST) -> list[RequestOutput]:
@@ -90,7 +105,11 @@ def test_prefill_then_decode_then_ack_to_the_pinning_replica() -> None:
     assert [o.new_token_ids for o in outs] == [[11], [12], [13]]
     assert [c[0] for c in prefill.calls] == ["prefill", "release_kv"]
     assert prefill.calls[1][1] == ("r-0",) and prefill.calls[1][2] == {"replica_id": "replica-A"}
-    assert decode.calls == [("decode", (REQUEST, HANDLE), {})]
+    # The decode half went out on the decode pool's batched stream.
+    (name, args, kwargs), (outputs, _, _) = decode.calls
+    assert (name, args[0].request_id, args[0].output_stream, args[1], kwargs) == (
+        "decode", "r-0", gen.decode.stream_id, HANDLE, {})
+    assert outputs == "outputs"
     assert gen.queue.num_waiting == 0
 
 
@@ -134,7 +153,8 @@ def test_the_wait_queue_is_bounded_with_429_and_cancel_releases() -> None:
         await asyncio.sleep(0)
         assert gen.queue.num_waiting == 0
         assert [c[0] for c in prefill.calls] == ["prefill", "release_kv"]
-        assert all(r.cancelled for r in first._calls)
+        # Both calls cancelled: the prefill's, and the decode half's own call.
+        assert all(getattr(r, "_call", r).cancelled for r in first._calls)
         await it.aclose()
 
     asyncio.run(main())
@@ -146,7 +166,7 @@ def test_a_migrated_request_goes_to_the_decode_pool_as_a_plain_generate() -> Non
     migrated = GenerateRequest("r-0", [5, 6, 7, 11], SamplingParams(max_tokens=2), num_resumed_tokens=1)
     outs = asyncio.run(_collect(gen, migrated))
     assert [o.new_token_ids for o in outs] == [[14]] and not prefill.calls
-    assert [c[0] for c in decode.calls] == ["generate"]
+    assert [c[0] for c in decode.calls] == ["generate", "outputs"]  # batched, as a mixed pool's
 
 
 # -- the application ---------------------------------------------------------------------------
