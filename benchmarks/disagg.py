@@ -57,6 +57,7 @@ from cluster.bench.probe import calibrate_prompt_tokens, fetch_models
 from cluster.bench.run import make_client
 from cluster.bench.stream import RequestResult, completions_url, request_body, send_request
 from cluster.bench.workload import BenchRequest, PromptCalibration
+from cluster.serve_env import controller_options, job_runtime_env
 
 DISAGG = "disagg"
 CAVEAT = (
@@ -311,10 +312,10 @@ def run_on_local_cluster(spec: DisaggSpec, log: Callable[[str], None]) -> dict[s
     from cluster.local_ray import start_local_ray  # a new cluster, on loopback
 
     start_local_ray(num_cpus=math.ceil(2.5 * len(sides(spec))) + 2, include_dashboard=False, log_to_driver=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}})
+                    runtime_env=job_runtime_env({"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}))
     port = _free_port()
     try:
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), controller_options=controller_options())
         configs = {side: KVServeConfig.from_dict(data) for side, data in side_configs(spec).items()}
         log(f"deploying {', '.join(configs)} ...")
         # Both apps at once: their replicas start side by side (start-up dominates a quick run).

@@ -266,11 +266,16 @@ def measure_engine_batch(num_requests: int, max_tokens: int, repeats: int, promp
     return EngineSummary(num_requests, runs)
 
 
-def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int, direct_ingress: bool = False) -> list[Any]:
+def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int, direct_ingress: bool = False,
+                  serve_defaults: bool = False) -> list[Any]:
     """Each batch streamed and not, `repeats` times, the order alternating per repeat, on one
-    Serve app (benchmarks/hostpath_serve.py)."""
+    Serve app (benchmarks/hostpath_serve.py). `serve_defaults`: Serve's own default settings
+    instead of the throughput-optimized mode kvserve runs it in (cluster/serve_env.py)."""
     from benchmarks import hostpath_serve as hs
+    from cluster.serve_env import THROUGHPUT_OPTIMIZED_ENV
 
+    if serve_defaults:
+        os.environ[THROUGHPUT_OPTIMIZED_ENV] = "0"  # the new cluster's processes inherit it
     url = hs.start(hs.free_port(), direct_ingress)
     runs = []
     try:
@@ -283,6 +288,7 @@ def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int, direct_ing
                     print(f"  repeat {repeat + 1}/{repeats} {run.line()}", flush=True)
     finally:
         hs.stop()
+        os.environ.pop(THROUGHPUT_OPTIMIZED_ENV, None)
     return runs
 
 
@@ -298,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--direct-ingress", action="store_true",
                    help="the Serve part through Serve's direct ingress (HAProxy, no Serve proxy; needs haproxy)")
+    p.add_argument("--serve-defaults", action="store_true",
+                   help="also run the Serve part with Serve's default settings (RAY_SERVE_THROUGHPUT_OPTIMIZED=0), "
+                        "first, and print kvserve's figures against them")
     p.add_argument("--write-serving-cost", metavar="PATH", nargs="?", const="cluster/sim/serving_cost.json",
                    help="write the Serve runs' CPU per token, per kind of process, for kvserve simulate's "
                         "serving-layer plan (default path: cluster/sim/serving_cost.json)")
@@ -320,13 +329,27 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("the whole Serve path (HTTP proxy -> ingress -> worker), load client in its own process at a lower priority:",
           flush=True)
+    baseline = None
+    if args.serve_defaults:
+        print("  with Serve's default settings (RAY_SERVE_THROUGHPUT_OPTIMIZED=0):", flush=True)
+        baseline = measure_serve(batches, repeats, args.direct_ingress, serve_defaults=True)
+        print("  as kvserve runs Serve (throughput-optimized, cluster/serve_env.py):", flush=True)
     serve_runs = measure_serve(batches, repeats, args.direct_ingress)
     print(f"load average after {os.getloadavg()}")
     plain = [r for r in serve_runs if not r.stream]
     streamed = [r for r in serve_runs if r.stream]
 
-    def ratio(b: int) -> float:
-        return statistics.median(r.delivered_ratio for r in plain if r.num_requests == b)
+    def ratio(b: int, runs: list[Any] = plain) -> float:
+        return statistics.median(r.delivered_ratio for r in runs if r.num_requests == b)
+
+    if baseline is not None:
+        base_plain = [r for r in baseline if not r.stream]
+        base_streamed = [r for r in baseline if r.stream]
+        print(f"against Serve's defaults: {per_token_us(plain):.0f} / {per_token_us(base_plain):.0f} us/token "
+              f"not streamed ({per_token_us(plain) / per_token_us(base_plain):.2f}x), "
+              f"{per_token_us(streamed):.0f} / {per_token_us(base_streamed):.0f} streamed "
+              f"({per_token_us(streamed) / per_token_us(base_streamed):.2f}x); delivered ratio b64 "
+              f"{ratio(64):.3f} / {ratio(64, base_plain):.3f}, b256 {ratio(256):.3f} / {ratio(256, base_plain):.3f}")
 
     if args.write_serving_cost:
         from cluster.sim.serving_cost import from_runs

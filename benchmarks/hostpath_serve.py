@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cluster.serve_env import controller_options, job_runtime_env
+
 APP_NAME = "hostpath"
 MODEL = "hostpath-sim"
 PROMPT_LEN = 128
@@ -114,8 +116,8 @@ def start(port: int, direct_ingress: bool = False) -> str:
     from cluster.local_ray import start_local_ray
 
     start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled"}})
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+                    runtime_env=job_runtime_env({"PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled"}))
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), controller_options=controller_options())
     serve.run(build_app(app_config()), name=APP_NAME, route_prefix=f"/{APP_NAME}")
     return f"http://127.0.0.1:{port}/{APP_NAME}/v1/completions"
 

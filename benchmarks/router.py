@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from benchmarks.open_loop import replay
+from cluster.serve_env import controller_options, job_runtime_env
 
 ROUTERS = ("headroom", "pow2")
 SIM_POLICY = {"headroom": "headroom", "pow2": "pow2"}  # the same code in the simulator
@@ -307,8 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     port = _free_port()
     start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}})
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+                    runtime_env=job_runtime_env({"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}))
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), controller_options=controller_options())
     runs: list[dict[str, RunResult]] = []
     try:
         t = time.perf_counter()

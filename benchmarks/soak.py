@@ -34,6 +34,8 @@ from typing import Any
 
 import httpx
 
+from cluster.serve_env import controller_options, job_runtime_env
+
 RSS_BOUND_MB = 64.0
 
 
@@ -282,10 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.local_ray import start_local_ray  # a new cluster, on loopback
 
     start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": root_dir, "RAY_AUTH_MODE": "disabled"}})
+                    runtime_env=job_runtime_env({"PYTHONPATH": root_dir, "RAY_AUTH_MODE": "disabled"}))
     port = _free_port()
     try:
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), controller_options=controller_options())
         model: dict[str, Any] = {"path": args.model} if args.model else {}
         config = KVServeConfig.from_dict({
             "app_name": app_name,

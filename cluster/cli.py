@@ -265,6 +265,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from cluster.app import build_app, grpc_servicer
+    from cluster.serve_env import controller_options, job_runtime_env
     from router.frontend.grpc_health import APP_NAME_ENV
 
     # Serve's gRPC proxy reads its TLS settings from the node's environment
@@ -283,11 +284,11 @@ def run_serve(args: argparse.Namespace) -> int:
             log_to_driver=False,
             include_dashboard=args.dashboard,
             num_cpus=args.num_cpus or local_num_cpus(config),
-            runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+            runtime_env=job_runtime_env({"PYTHONPATH": pythonpath}),
         )
         record = remember_local_cluster(address_info, config.app_name)
     else:
-        ray.init(address=args.address, log_to_driver=False)
+        ray.init(address=args.address, log_to_driver=False, runtime_env=job_runtime_env())
     stop = threading.Event()
 
     def request_stop(signum: int, frame: Any) -> None:
@@ -303,6 +304,7 @@ def run_serve(args: argparse.Namespace) -> int:
         serve.start(
             http_options=HTTPOptions(host=config.http.host, port=config.http.port),
             grpc_options=gRPCOptions(port=config.grpc.port, grpc_servicer_functions=[servicer] if servicer else []),
+            controller_options=controller_options(),
         )
         print(f"kvserve: loading {engine_config.model.model} on {config.workers.num_replicas} worker(s) ...", flush=True)
         serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False)

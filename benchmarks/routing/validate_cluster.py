@@ -22,6 +22,7 @@ import numpy as np
 
 from benchmarks.open_loop import replay
 from benchmarks.routing.validate import Figures, Log, compare
+from cluster.serve_env import controller_options, job_runtime_env
 from cluster.sim.run import SimConfig, simulate
 from cluster.sim.workloads import SimRequest, make_workload
 
@@ -151,9 +152,9 @@ def validate_cluster(quick: bool, log: Log) -> dict[str, float]:
     port = 18000 + os.getpid() % 1000
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}})
+             runtime_env=job_runtime_env({"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}))
     try:
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), controller_options=controller_options())
         config = KVServeConfig.from_dict({
             "app_name": "routing-validation", "route_prefix": "/v",
             "model": {"served_model_name": "sim"},

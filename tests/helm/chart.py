@@ -159,6 +159,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "ingressGroup": {"enabled": False},
         "head": {"numCpus": 4},
         "kvserve": {"ingress": {"autoscaling": None, "num_replicas": 1}},
+        "serve": {"throughputOptimized": False},
     },
     # Every secure default explicitly switched off (each opt-out renders and lints clean).
     "insecure_opt_outs": {

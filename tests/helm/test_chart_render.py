@@ -250,6 +250,16 @@ def test_state_store_redis_url_in_the_config_password_from_a_secret(rendered: di
     assert "state" not in rendered["default"].serve_config["applications"][0]["args"]
 
 
+def test_serve_runs_throughput_optimized_in_every_pod_unless_turned_off(rendered: dict[str, Rendered]) -> None:
+    # Every Serve process (controller, proxies, replicas) reads the mode from its pod's
+    # environment when it starts (cluster/serve_env.py).
+    for scenario, expected in (("default", "1"), ("ingress_group_off", "0")):
+        for name, template in rendered[scenario].pod_templates():
+            env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+            assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == expected, (scenario, name)
+            assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0", (scenario, name)
+
+
 def test_autoscaling_off(rendered: dict[str, Rendered]) -> None:
     r = rendered["autoscaling_off"]
     cluster = r.rayservice["spec"]["rayClusterConfig"]

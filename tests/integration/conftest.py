@@ -45,6 +45,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
     http_port, grpc_port = free_port(), free_port()
     repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from cluster.local_ray import start_local_ray
+    from cluster.serve_env import controller_options, job_runtime_env
 
     # A new cluster of its own (never one that ray_current_cluster names), on loopback only.
     start_local_ray(
@@ -54,7 +55,8 @@ def serve_cluster() -> Iterator[ServeCluster]:
         # tests/integration/test_helm_serveconfig.py deploys the chart's rendered config as it is.
         resources={"kvserve_pool_mixed": 4, "kvserve_ingress": 4},
         include_dashboard=False,
-        runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}},
+        # Serve's processes run as `kvserve serve` runs them (cluster/serve_env.py).
+        runtime_env=job_runtime_env({"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}),
         log_to_driver=False,
     )
     # The gRPC servicer function `kvserve serve` registers.
@@ -63,6 +65,7 @@ def serve_cluster() -> Iterator[ServeCluster]:
     serve.start(
         http_options=HTTPOptions(host="127.0.0.1", port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[grpc_servicer()]),
+        controller_options=controller_options(),
     )
     try:
         yield ServeCluster(http_port, grpc_port)

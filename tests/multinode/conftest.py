@@ -34,6 +34,7 @@ from typing import Any
 import psutil
 import pytest
 
+from cluster.serve_env import controller_options, job_runtime_env
 from tests.support.redis_server import REDIS_SERVER, RedisServer
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # tests only
@@ -208,9 +209,9 @@ def multinode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClu
             # group is never split over a and b.
             mn.add_host(name, num_cpus=2, num_gpus=2, resources={MIXED_POOL: 1, "kvserve_pool_tp": 1})
         ray.init(address=cluster.address, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled"}})
+                 runtime_env=job_runtime_env({"PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled"}))
         cleanup.callback(ray.shutdown)
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=mn.http_port))
+        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=mn.http_port), controller_options=controller_options())
         cleanup.callback(serve.shutdown)
         yield mn
 

@@ -302,6 +302,10 @@ root filesystem can stay read-only. */}}
   value: /tmp/cache/triton
 - name: PYTHONDONTWRITEBYTECODE
   value: "1"
+- name: RAY_SERVE_THROUGHPUT_OPTIMIZED
+  value: {{ ternary "1" "0" .Values.serve.throughputOptimized | quote }}
+- name: RAY_SERVE_ENABLE_DIRECT_INGRESS
+  value: "0"
 {{- if eq .Values.rayAuth.mode "secret" }}
 - name: RAY_AUTH_MODE
   value: token

@@ -1,0 +1,63 @@
+"""How Ray Serve's own processes run under kvserve: the environment of the Serve controller,
+the proxies it starts and every replica.
+
+kvserve turns on Serve's throughput-optimized mode (`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`,
+Ray Serve 2.60): each replica runs its handlers and its handles' routers on the actor's
+own event loop instead of a separate thread and loop per concern, deployment handles
+talk gRPC instead of Ray actor calls, replica access logs are buffered and Serve's logs
+stay out of stderr. Every request crosses the proxy, the ingress replica and a worker
+replica; without the mode each of those hops pays a cross-thread hand-off and an actor
+call, which at device speed costs more CPU than the engine's own step
+(docs/architecture.md, "Rules that keep it fast"; `python -m benchmarks.hostpath
+--serve-defaults` measures both).
+
+The mode's variables are read when each Serve process imports Serve, so they have to be
+in that process's environment from the start: the job's runtime env carries them to the
+replicas, `controller_options` to the controller and, through it, to the proxies. The
+driver process (`kvserve serve`, a test session, a benchmark) keeps Serve's defaults:
+its handles are used from synchronous code, which the mode's single-loop routers refuse.
+
+An operator who wants Serve's defaults sets RAY_SERVE_THROUGHPUT_OPTIMIZED=0 where
+kvserve starts; each variable the mode sets can also be overridden on its own (for
+example RAY_SERVE_LOG_TO_STDERR=1), since Serve reads an explicit value first.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+THROUGHPUT_OPTIMIZED_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
+# The mode also turns on direct ingress, where every ingress replica opens HTTP and gRPC
+# ports of its own for an HAProxy in front; kvserve serves through Serve's proxies (its
+# gRPC TLS listener lives there), so it keeps direct ingress off unless asked.
+DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+# The variables of the mode an operator may set explicitly; passed on when set.
+_MODE_OVERRIDES = (
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT",
+    "RAY_SERVE_LOG_TO_STDERR",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE",
+)
+
+
+def serve_process_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment every Serve process (controller, proxies, replicas) starts with."""
+    env = {THROUGHPUT_OPTIMIZED_ENV: environ.get(THROUGHPUT_OPTIMIZED_ENV, "1"),
+           DIRECT_INGRESS_ENV: environ.get(DIRECT_INGRESS_ENV, "0")}
+    env.update({name: environ[name] for name in _MODE_OVERRIDES if name in environ})
+    return env
+
+
+def job_runtime_env(env_vars: Mapping[str, str] | None = None,
+                    environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """`ray.init(runtime_env=...)` for a driver that starts Serve: the replicas' environment
+    (Serve's mode plus `env_vars`, which win)."""
+    return {"env_vars": {**serve_process_env(environ), **(env_vars or {})}}
+
+
+def controller_options(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """`serve.start(controller_options=...)`: the controller's environment, which the proxies
+    it starts inherit."""
+    return {"runtime_env": {"env_vars": serve_process_env(environ)}}
