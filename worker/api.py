@@ -181,6 +181,8 @@ class GenerateRequest:
     # output stream the worker then sends the first output and the finished one, the
     # outputs between folded into the last (worker/output_streams.py).
     stream: bool = True
+    # The LoRA adapter that serves it (a name the worker knows: worker/lora/), None: the base model.
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,20 @@ class RequestError(ValueError):
 
 class KVImportError(RequestError):
     """A KV export that this engine cannot import (layout mismatch, tokens that differ)."""
+
+
+class LoRANotFoundError(RequestError):
+    """The request names an adapter the worker does not know (HTTP 404 / gRPC NOT_FOUND)."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        listed = ", ".join(sorted(known)) or "none"
+        super().__init__(f"the LoRA adapter {name!r} does not exist; known adapters: {listed}")
+        self.name, self.known = name, sorted(known)
+
+
+class LoRAAdapterError(RequestError):
+    """An adapter that cannot be loaded (missing or malformed files, wrong shapes, rank
+    above max_lora_rank): HTTP 400 at load."""
 
 
 class MissingDependencyError(ImportError):
