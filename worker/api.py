@@ -181,8 +181,10 @@ class GenerateRequest:
     # output stream the worker then sends the first output and the finished one, the
     # outputs between folded into the last (worker/output_streams.py).
     stream: bool = True
-    # The LoRA adapter that serves it (a name the worker knows: worker/lora/), None: the base model.
+    # The LoRA adapter that serves it (None: the base model) and its PEFT directory: a worker
+    # replica that does not know the adapter yet (one started after it was loaded) learns it.
     lora_name: str | None = None
+    lora_path: str | None = None
 
 
 @dataclass(frozen=True)

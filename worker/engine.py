@@ -23,7 +23,7 @@ from typing import TypeVar
 from kv.cache_manager import KVCacheManager, cdiv
 from kv.stats import KVStats
 from kv.transfer import KVExport, KVTransferError
-from worker.api import KVImportError, LoRANotFoundError, RequestError
+from worker.api import KVImportError, LoRAAdapterError, LoRANotFoundError, RequestError
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from worker.kv_connector import KVConnector, SavedKV, make_connector
 from worker.lora.engine_lora import EngineLoRA
@@ -198,6 +198,7 @@ class Engine:
         kv_import: KVExport | None = None,
         prompt_block_hashes: list[int] | None = None,
         lora_name: str | None = None,
+        lora_path: str | None = None,
     ) -> None:
         """`export_kv`: when the first token is sampled, attach a KVExport of the prompt to
         that output (`extra["kv_export"]`) and pin its blocks until `release_kv`.
@@ -205,13 +206,16 @@ class Engine:
         export's first token (prompt + that token, the prompt already computed).
         `prompt_block_hashes`: the prompt's full-block hashes (kv.block_hash at this engine's
         block size) when the caller in this process has them already (the simulator).
-        `lora_name`: the adapter that serves it (LoRANotFoundError if unknown)."""
+        `lora_name`: the adapter that serves it (LoRANotFoundError if unknown); with
+        `lora_path`, an adapter this engine learns if it does not know it yet."""
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         if lora_name is not None:
             if self.lora is None:
                 raise LoRANotFoundError(lora_name, [])
+            if lora_path is not None:
+                self.lora.ensure(lora_name, lora_path)
             self.lora.registry.check(lora_name)
         try:
             self.connector.check_request(prompt_token_ids, params, export_kv, kv_import)
@@ -232,6 +236,14 @@ class Engine:
             self.awaiting_grammar.append(seq)
         else:
             self.scheduler.add(seq)
+
+    def check_lora(self, name: str, path: str) -> None:
+        """Read an adapter as a request would (any thread: nothing shared is touched);
+        raises LoRAAdapterError with what is wrong with it."""
+        if self.lora is None:
+            raise LoRAAdapterError("this server does not serve LoRA adapters (start it with engine.lora.enable "
+                                   "or --lora-modules)")
+        self.lora.registry.load(name, path)
 
     # -- disaggregation: the connector's pins, as the async engine and replica see them -----
     def release_kv(self, request_id: str) -> bool:

@@ -28,6 +28,7 @@ import asyncio
 from collections.abc import Callable
 
 from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket
+from router.frontend.lora_modules import LoRAModules
 from router.frontend.auth import ANONYMOUS, ApiKeys, Principal
 from router.frontend.generation import GenerationStream, InFlightLimiter, StreamPermit
 from router.frontend.key_limits import JointPermit, KeyLimits, worst_case_tokens
@@ -60,6 +61,8 @@ class RequestPipeline:
         routing_source: SnapshotSource | None = None,
     ) -> None:
         self.settings = settings
+        # The adapters requests may name as `model` (router/frontend/lora_modules.py).
+        self.lora = LoRAModules(settings.served_model_name, settings.lora_modules, settings.lora_enabled)
         self.workers = workers
         self.tokenizer = tokenizer
         self.texts = TokenTexts(tokenizer)
@@ -100,6 +103,7 @@ class RequestPipeline:
         arrival: float,  # time.monotonic() when the request came in
         session_id: str | None = None,  # the client's session (router/routing/sessions.py)
         stream: bool = True,  # False: the client reads only the final text
+        lora: tuple[str, str] | None = None,  # the LoRA adapter (name, path) that serves it
     ) -> GenerationStream:
         permit = await self.admit(principal, weight)
         try:
@@ -115,7 +119,7 @@ class RequestPipeline:
         stream = GenerationStream(
             self.workers.generate, inputs, request_id, AdmittedPermit(permit, ticket), self.settings.request_timeout_s,
             self.metrics, arrival,
-            max_migrations=self.settings.max_migrations, session_id=session_id, stream=stream,
+            max_migrations=self.settings.max_migrations, session_id=session_id, stream=stream, lora=lora,
         )
         await stream.start()  # on failure the stream has closed: refunded, released
         return stream

@@ -75,15 +75,24 @@ class EngineLoRA:
     def unload(self, name: str) -> None:
         """Forget an adapter: new requests naming it fail; running ones finish with it."""
         self.registry.unregister(name)
-        self.slots.evict(name)
+        self.slots.evict(name)  # held: it stays until its requests end (register checks)
+
+    def ensure(self, name: str, path: str) -> None:
+        """A request names the adapter with its path: learn it, or its new path."""
+        if self.registry.paths.get(name) != path:
+            self.register(name, path)
 
     def register(self, name: str, path: str, loaded: Any = None) -> None:
         """Make an adapter known (`loaded`: its host copy, read by the caller already). A
         name reused for another path must not find the old weights in a slot."""
         from worker.api import LoRAAdapterError
 
-        if not self.slots.evict(name):
-            raise LoRAAdapterError(f"the LoRA adapter {name!r} still serves running requests; retry when they end")
+        if self.registry.paths.get(name) != path:
+            if self.registry.in_use(name) or not self.slots.evict(name):
+                raise LoRAAdapterError(f"the LoRA adapter {name!r} still serves requests under its former path; "
+                                       f"retry when they end")
+            if name in self.registry.paths:
+                self.registry.unregister(name)
         self.registry.register(name, path)
         if loaded is not None:
             self.registry.put(name, loaded)

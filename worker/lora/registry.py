@@ -77,6 +77,9 @@ class LoRARegistry:
         self._shrink()
         return future
 
+    def in_use(self, name: str) -> bool:
+        return bool(self._pins.get(name))
+
     def unpin(self, name: str) -> None:
         self._pins[name] -= 1
         if not self._pins[name]:

@@ -141,3 +141,23 @@ def test_unknown_and_broken_adapters(tiny_model: TinyModels, adapters: Callable,
     assert finals["base"].error is None and finals["base"].num_output_tokens == 3
     stats = engine.stats()
     assert stats.kv.free_blocks == stats.kv.total_blocks
+
+
+def test_engine_learns_an_adapter_from_its_request(tiny_model: TinyModels, adapters: Callable) -> None:
+    """A worker replica started after an adapter was loaded knows nothing of it: the
+    request's path teaches it (the ingress sends every request's adapter with its path)."""
+    from tests.support.tiny_lora import peft_greedy
+
+    base, paths = tiny_model("llama"), adapters("llama")
+    engine = Engine.from_config(EngineConfig(
+        ModelConfig(str(base), dtype="float32", device="cpu"), CacheConfig(block_size=16, num_blocks_override=64),
+        lora=LoRAConfig(enable=True)))
+    prompt = _prompts(1, seed=3)[0]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=5, temperature=0.0), lora_name="r8-all",
+                       lora_path=str(paths["r8-all"]))
+    got: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            got += out.new_token_ids
+    assert got == peft_greedy(base, paths["r8-all"], [prompt], [5])[0]
+    assert engine.lora.registry.names == ["r8-all"]
