@@ -324,6 +324,10 @@ class RoutingStats:
     # Sequences the engine runs at once (0: not said): a request sent while fewer run
     # starts at once instead of waiting.
     max_num_seqs: int = 0
+    # LoRA residency, not requests in flight: the adapters in device slots (a request
+    # needs no load) and those read into host memory (a device copy only), worker/lora/.
+    lora_resident: tuple[str, ...] = ()
+    lora_loaded: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

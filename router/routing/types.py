@@ -134,6 +134,9 @@ class ReplicaReport:
     decode_growth_blocks: int = 0
     mean_output_tokens: float = 0.0
     max_num_seqs: int = 0  # sequences it runs at once (0: not reported)
+    # LoRA adapters in its device slots and in its host memory (worker.api.RoutingStats).
+    lora_resident: frozenset[str] = frozenset()
+    lora_loaded: frozenset[str] = frozenset()
 
     @property
     def free_seqs(self) -> int:
@@ -163,6 +166,8 @@ class ReplicaReport:
                 decode_growth_blocks=int(stats.get("decode_growth_blocks") or 0),  # type: ignore[arg-type]
                 mean_output_tokens=float(stats.get("mean_output_tokens") or 0.0),  # type: ignore[arg-type]
                 max_num_seqs=int(stats.get("max_num_seqs") or 0),  # type: ignore[arg-type]
+                lora_resident=frozenset(map(str, stats.get("lora_resident") or ())),  # type: ignore[call-overload]
+                lora_loaded=frozenset(map(str, stats.get("lora_loaded") or ())),  # type: ignore[call-overload]
             )
         except (KeyError, TypeError, ValueError):
             return None

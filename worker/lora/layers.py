@@ -1,17 +1,17 @@
 """LoRA applied per row of the flat token batch, every resident adapter in one matmul pair.
 
-Each wrapped projection keeps its adapters in preallocated slot stacks (S = max_loras
-slots, R = max_lora_rank, P = parts of a fused projection: 3 for qkv, 2 for gate_up):
+Each wrapped projection keeps its adapters in preallocated slot stacks, one pair per
+part of a fused projection (S = max_loras slots, R = max_lora_rank; parts: q, k, v or
+gate, up, or the one part of o and down):
 
-    lora_a: (S*P*R, in)    rows [s*P*R + p*R, +r)  = A of part p of the adapter in slot s
-    lora_b: (S*P*R, out)   the same rows hold B^T * scaling, placed in part p's output
-                           columns only (zero elsewhere): one expand covers every part
+    lora_a[p]: (S*R, in)      rows [s*R, s*R + r) = A of part p of the adapter in slot s
+    lora_b[p]: (S*R, out_p)   the same rows hold B^T * scaling (out_p: the part's width)
 
-A step whose rows use slots < k (slots are handed out lowest first) computes
+A step whose rows use slots < k (slots are handed out lowest first) computes, per part,
 
-    xa    = x @ lora_a[:k*P*R]^T                  (T, k*P*R)   one shrink for all adapters
-    xa   *= mask   mask[t, c] = 1 iff slot(t) == c // (P*R)  (rows without adapter: all 0)
-    out  += xa @ lora_b[:k*P*R]                   (T, out)     one expand
+    xa    = x @ lora_a[p][:k*R]^T                 (T, k*R)   one shrink for all adapters
+    xa   *= mask   mask[t, c] = 1 iff slot(t) == c // R      (rows without adapter: all 0)
+    out_p += xa @ lora_b[p][:k*R]                 (T, out_p) one expand, into the part's columns
 
 Zero padding (a rank below R, a part an adapter does not target, an empty slot) adds
 exact zeros, so a row without adapter gets exactly the base result and a row with one
@@ -60,76 +60,89 @@ class LoRAStepState:
 
 
 class _LoRALinear(nn.Module):
-    def __init__(self, base: nn.Module, state: LoRAStepState, num_parts: int, in_local: int, out_local: int) -> None:
+    def __init__(self, base: nn.Module, state: LoRAStepState, in_local: int, part_cols: list[tuple[int, int]]) -> None:
+        """`part_cols`: each part's [lo, hi) columns of the local output."""
         super().__init__()
-        self.base, self.state, self.num_parts = base, state, num_parts
-        rows = state.max_loras * num_parts * state.max_rank
+        self.base, self.state, self.part_cols = base, state, part_cols
+        rows = state.max_loras * state.max_rank
         w = base.weight
-        self.register_buffer("lora_a", torch.zeros(rows, in_local, dtype=w.dtype, device=w.device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(rows, out_local, dtype=w.dtype, device=w.device), persistent=False)
+        for p, (lo, hi) in enumerate(part_cols):  # buffers: they follow the module's device and dtype
+            self.register_buffer(f"lora_a_{p}", torch.zeros(rows, in_local, dtype=w.dtype, device=w.device),
+                                 persistent=False)
+            self.register_buffer(f"lora_b_{p}", torch.zeros(rows, hi - lo, dtype=w.dtype, device=w.device),
+                                 persistent=False)
+
+    @property
+    def lora_a(self) -> list[torch.Tensor]:
+        return [self._buffers[f"lora_a_{p}"] for p in range(len(self.part_cols))]  # type: ignore[misc]
+
+    @property
+    def lora_b(self) -> list[torch.Tensor]:
+        return [self._buffers[f"lora_b_{p}"] for p in range(len(self.part_cols))]  # type: ignore[misc]
 
     @property
     def weight(self) -> torch.Tensor:
         return self.base.weight
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` (T, out_local) plus every row's adapter delta, in place."""
         k = self.state.num_active
         if k == 0:
-            return None
-        width = self.num_parts * self.state.max_rank
-        xa = F.linear(x, self.lora_a[: k * width]) * self.state.mask(width)
-        return xa @ self.lora_b[: k * width]
+            return out
+        width = k * self.state.max_rank
+        mask = self.state.mask(self.state.max_rank)
+        for (lo, hi), a, b in zip(self.part_cols, self.lora_a, self.lora_b):
+            xa = F.linear(x, a[:width]).mul_(mask)
+            out[:, lo:hi].addmm_(xa, b[:width])
+        return out
 
-    def _rows(self, slot: int, part: int, rank: int) -> slice:
-        lo = (slot * self.num_parts + part) * self.state.max_rank
+    def _rows(self, slot: int, rank: int) -> slice:
+        lo = slot * self.state.max_rank
         return slice(lo, lo + rank)
 
     def clear_slot(self, slot: int) -> None:
-        width = self.num_parts * self.state.max_rank
-        self.lora_a[slot * width : (slot + 1) * width].zero_()
-        self.lora_b[slot * width : (slot + 1) * width].zero_()
+        rows = self._rows(slot, self.state.max_rank)
+        for a, b in zip(self.lora_a, self.lora_b):
+            a[rows].zero_()
+            b[rows].zero_()
 
 
 class LoRAColumnLinear(_LoRALinear):
     """A column-parallel projection (qkv, gate_up) with per-row adapters."""
 
     def __init__(self, base: ColumnParallelLinear, state: LoRAStepState) -> None:
-        super().__init__(base, state, len(base.part_ranges), base.weight.shape[1], base.weight.shape[0])
+        cols = [(off, off + hi - lo) for off, (lo, hi) in zip(base.part_offsets, base.part_ranges)]
+        super().__init__(base, state, base.weight.shape[1], cols)
         self.part_size = getattr(base, "part_size", None)  # MLP splits gate_up by it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
-        d = self.delta(x)
-        return out if d is None else out + d
+        return self.add_delta(x, self.base(x))
 
     def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """A (r, in) and scaled B (out_full, r) of one part; this rank keeps its B rows."""
-        rows = self._rows(slot, part, a.shape[0])
+        rows = self._rows(slot, a.shape[0])
         lo, hi = self.base.part_ranges[part]
-        offset = self.base.part_offsets[part]
-        self.lora_a[rows].copy_(a)
-        self.lora_b[rows, offset : offset + hi - lo].copy_(b[lo:hi].T)
+        self.lora_a[part][rows].copy_(a)
+        self.lora_b[part][rows].copy_(b[lo:hi].T)
 
 
 class LoRARowLinear(_LoRALinear):
     """A row-parallel projection (o, down) with per-row adapters."""
 
     def __init__(self, base: RowParallelLinear, state: LoRAStepState) -> None:
-        super().__init__(base, state, 1, base.weight.shape[1], base.weight.shape[0])
+        super().__init__(base, state, base.weight.shape[1], [(0, base.weight.shape[0])])
         self.tp = base.tp
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output, before the all_reduce."""
-        out = F.linear(x, self.base.weight)
-        d = self.delta(x)
-        return out if d is None else out + d
+        return self.add_delta(x, F.linear(x, self.base.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.partial(x), self.tp)
 
     def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """A (r, in_full) and scaled B (out, r); this rank keeps its A columns."""
-        rows = self._rows(slot, part, a.shape[0])
+        rows = self._rows(slot, a.shape[0])
         lo, hi = self.base.col_range
-        self.lora_a[rows].copy_(a[:, lo:hi])
-        self.lora_b[rows].copy_(b.T)
+        self.lora_a[part][rows].copy_(a[:, lo:hi])
+        self.lora_b[part][rows].copy_(b.T)

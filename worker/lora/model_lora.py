@@ -58,7 +58,7 @@ class ModelLoRA:
                 pair = adapter.weights.get((i, target))
                 if pair is not None:
                     a, b = pair
-                    dtype = wrapped[proj].lora_a.dtype
+                    dtype = wrapped[proj].weight.dtype
                     wrapped[proj].write(slot, part, a.to(dtype), b.to(dtype))
 
     def prepare(self, slots_per_row: list[int], lens: list[int], device: torch.device, dtype: torch.dtype) -> bool:

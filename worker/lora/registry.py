@@ -94,7 +94,8 @@ class LoRARegistry:
 
     @property
     def host_resident(self) -> list[str]:
-        return [n for n, f in self._loaded.items() if f.done() and f.exception() is None]
+        loaded = list(self._loaded.items())  # one C-level copy: the engine thread edits the LRU
+        return [n for n, f in loaded if f.done() and f.exception() is None]
 
     def _shrink(self) -> None:
         over = len(self._loaded) - self.host_capacity

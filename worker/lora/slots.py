@@ -29,7 +29,7 @@ class LoRASlots:
     @property
     def resident(self) -> list[str]:
         """The adapters in slots, by slot id."""
-        return [n for n in self._name_of if n is not None]
+        return [n for n in list(self._name_of) if n is not None]
 
     def can_acquire(self, name: str) -> bool:
         return name in self._slot_of or bool(self._free) or bool(self._idle)

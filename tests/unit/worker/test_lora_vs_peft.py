@@ -114,6 +114,17 @@ def test_one_slot_for_three_adapters(tiny_model: TinyModels, adapters: Callable)
     for name in [*paths, None]:
         assert [got[f"{name}/{i}"] for i in range(2)] == expected[name], name
     assert engine.lora.slots.num_loads == 3  # one load per adapter: same-adapter requests share a turn
+    # The routing report carries residency (not requests in flight), and the router reads it.
+    import time
+
+    from router.routing.types import ReplicaReport
+    from worker.routing_report import build_routing_stats
+
+    last = list(paths)[-1]
+    stats = build_routing_stats(engine, engine.stats(), [], time.time()).to_dict()
+    assert stats["lora_resident"] == (last,) and stats["lora_loaded"] == (last,)  # max_cpu_loras = max_loras = 1
+    report = ReplicaReport.from_stats(stats)
+    assert report.lora_resident == frozenset({last}) and report.lora_loaded == frozenset({last})
 
 
 def test_unknown_and_broken_adapters(tiny_model: TinyModels, adapters: Callable, tmp_path: Path) -> None:
