@@ -230,8 +230,8 @@ class Engine:
         elif prompt_block_hashes is not None:  # the manager copies them (it extends its list in place)
             self.kv.adopt_block_hashes(request_id, prompt_block_hashes)
         if lora_name is not None and not self.lora.add(seq):
-            pass  # waits for its adapter's host load (_admit_lora_loaded)
-        elif params.structured is not None and self.grammar is not None:
+            return  # waits for its adapter's host load (_admit_lora_loaded)
+        if params.structured is not None and self.grammar is not None:
             seq.grammar = GrammarState(self.grammar.submit(params.structured))
             self.awaiting_grammar.append(seq)
         else:

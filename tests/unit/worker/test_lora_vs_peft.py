@@ -172,3 +172,15 @@ def test_engine_learns_an_adapter_from_its_request(tiny_model: TinyModels, adapt
             got += out.new_token_ids
     assert got == peft_greedy(base, paths["r8-all"], [prompt], [5])[0]
     assert engine.lora.registry.names == ["r8-all"]
+
+
+def test_abort_while_the_adapter_loads(tiny_model: TinyModels, adapters: Callable) -> None:
+    """A request waiting for its adapter's host load (outside the scheduler) aborts cleanly:
+    its adapter is unpinned and nothing stays unfinished."""
+    engine = _engine(tiny_model("llama"), adapters("llama"))
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2), lora_name="r16-mlp")
+    assert engine.lora.is_loading(engine.seqs["a"])  # no step has taken it in yet
+    out = engine.abort_request("a")
+    assert out.finished and out.finish_reason == "abort"
+    assert not engine.lora.registry.in_use("r16-mlp") and not engine.has_unfinished()
+    assert engine.step() == []
