@@ -269,6 +269,12 @@ class KVImportError(RequestError):
     """A KV export that this engine cannot import (layout mismatch, tokens that differ)."""
 
 
+def lora_cache_key(name: str, path: str) -> str:
+    """A LoRA adapter's prefix-cache identity (kv.block_hash.chain_root's extra key): the
+    engine and the router hash an adapter request's blocks from the same root."""
+    return f"lora:{name}:{path}"
+
+
 class LoRANotFoundError(RequestError):
     """The request names an adapter the worker does not know (HTTP 404 / gRPC NOT_FOUND)."""
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket
+from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket, lora_hash_root
 from router.frontend.lora_modules import LoRAModules
 from router.frontend.auth import ANONYMOUS, ApiKeys, Principal
 from router.frontend.generation import GenerationStream, InFlightLimiter, StreamPermit
@@ -111,7 +111,8 @@ class RequestPipeline:
             inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]))
             if permit.lease is not None:
                 await permit.lease.charge(worst_case_tokens(inputs))
-            profiles = [RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens)) for inp in inputs]
+            root = lora_hash_root(*lora) if lora is not None else lora_hash_root(None, None)
+            profiles = [RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens), root) for inp in inputs]
             ticket = await self.admission.admit(principal.key_id, profiles)
         except BaseException:
             permit.release()

@@ -10,7 +10,8 @@ import random
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
-from kv.block_hash import hash_full_blocks
+from kv.block_hash import ROOT_HASH, chain_root, hash_full_blocks
+from worker.api import lora_cache_key
 
 ReplicaKey = Hashable
 
@@ -184,12 +185,21 @@ class ReplicaReport:
         return params.expected_output_tokens
 
 
+def lora_hash_root(lora_name: str | None, lora_path: str | None) -> int:
+    """The block-hash root of a request served by this LoRA adapter (None: the base model)."""
+    if lora_name is None or lora_path is None:
+        return ROOT_HASH
+    return chain_root((lora_cache_key(lora_name, lora_path),))
+
+
 @dataclass
 class RequestProfile:
-    """What the policy needs of a request: its token ids and max_tokens."""
+    """What the policy needs of a request: its token ids, max_tokens and the root of its
+    block-hash chain (kv.block_hash.chain_root: a LoRA adapter's, else the plain chain)."""
 
     prompt_token_ids: Sequence[int]
     max_tokens: int
+    hash_root: int = ROOT_HASH
     _hashes_by_block_size: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -200,7 +210,7 @@ class RequestProfile:
         """Chained hashes of the prompt's full blocks (kv.block_hash), memoised per block size."""
         hashes = self._hashes_by_block_size.get(block_size)
         if hashes is None:
-            hashes = hash_full_blocks(self.prompt_token_ids, block_size)
+            hashes = hash_full_blocks(self.prompt_token_ids, block_size, root=self.hash_root)
             self._hashes_by_block_size[block_size] = hashes
         return hashes
 

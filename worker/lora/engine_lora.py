@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from kv.block_hash import chain_root
+from worker.api import lora_cache_key
 from worker.config import LoRAConfig
 from worker.lora.registry import Loader, LoRARegistry
 from worker.lora.slots import LoRASlots
@@ -30,7 +31,7 @@ class EngineLoRA:
         self._loading: list[tuple[Sequence, Future[Any]]] = []
 
     def hash_root(self, name: str) -> int:
-        return chain_root((f"lora:{name}:{self.registry.paths[name]}",))
+        return chain_root((lora_cache_key(name, self.registry.paths[name]),))
 
     def add(self, seq: Sequence) -> bool:
         """Pin the request's adapter; True when it is loaded in host memory already (the
