@@ -177,10 +177,17 @@ def test_engine_learns_an_adapter_from_its_request(tiny_model: TinyModels, adapt
 def test_abort_while_the_adapter_loads(tiny_model: TinyModels, adapters: Callable) -> None:
     """A request waiting for its adapter's host load (outside the scheduler) aborts cleanly:
     its adapter is unpinned and nothing stays unfinished."""
+    import threading
+
     engine = _engine(tiny_model("llama"), adapters("llama"))
+    # The real loader, held until the abort: a tiny adapter could otherwise be read before
+    # add_request looks, and the request would go straight to the scheduler.
+    gate, read = threading.Event(), engine.lora.registry._loader
+    engine.lora.registry._loader = lambda name, path: gate.wait(30) and read(name, path)
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2), lora_name="r16-mlp")
-    assert engine.lora.is_loading(engine.seqs["a"])  # no step has taken it in yet
+    assert engine.lora.is_loading(engine.seqs["a"])
     out = engine.abort_request("a")
+    gate.set()
     assert out.finished and out.finish_reason == "abort"
     assert not engine.lora.registry.in_use("r16-mlp") and not engine.has_unfinished()
     assert engine.step() == []
