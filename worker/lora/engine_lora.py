@@ -73,19 +73,14 @@ class EngineLoRA:
         self.registry.unpin(seq.lora_name)
         seq.lora_name = None  # unpinned once, however many end paths it takes
 
-    def unload(self, name: str) -> None:
-        """Forget an adapter: new requests naming it fail; running ones finish with it."""
-        self.registry.unregister(name)
-        self.slots.evict(name)  # held: it stays until its requests end (register checks)
-
     def ensure(self, name: str, path: str) -> None:
         """A request names the adapter with its path: learn it, or its new path."""
         if self.registry.paths.get(name) != path:
             self.register(name, path)
 
-    def register(self, name: str, path: str, loaded: Any = None) -> None:
-        """Make an adapter known (`loaded`: its host copy, read by the caller already). A
-        name reused for another path must not find the old weights in a slot."""
+    def register(self, name: str, path: str) -> None:
+        """Make an adapter known. A name reused for another path must not find the old
+        weights in a slot or in host memory."""
         from worker.api import LoRAAdapterError
 
         if self.registry.paths.get(name) != path:
@@ -95,5 +90,3 @@ class EngineLoRA:
             if name in self.registry.paths:
                 self.registry.unregister(name)
         self.registry.register(name, path)
-        if loaded is not None:
-            self.registry.put(name, loaded)

@@ -54,15 +54,6 @@ class LoRARegistry:
         call itself), without registering it."""
         return self._loader(name, path)
 
-    def put(self, name: str, adapter: Any) -> None:
-        """A registered adapter's host copy, read already: it enters the host LRU."""
-        future: Future[Any] = Future()
-        future.set_result(adapter)
-        self._loaded[name] = future
-        self._loaded.move_to_end(name)
-        self.num_host_loads += 1
-        self._shrink()
-
     def pin(self, name: str) -> Future[Any]:
         """A request uses `name`: start its host load if needed; the future resolves to the
         adapter (or its LoRAAdapterError). Unpin when the request ends."""
