@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ConfigError, GRPCSection, HTTPSection, KVServeConfig
+from cluster.lora_config import parse_lora_modules
 from cluster.deps import MissingDependencyError, missing
 from worker.model_config import UnsupportedModelError, check_local_model
 
@@ -108,6 +109,11 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-dilation", type=float, metavar="X", help="sim device: wall seconds per modelled second")
     parser.add_argument("--prefill-workers", type=int, metavar="N", help="prefill pool replicas (implies --disaggregate)")
     parser.add_argument("--decode-workers", type=int, metavar="N", help="decode pool replicas (implies --disaggregate)")
+    parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) served under NAME (vLLM's flag)")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (loaded at run time too)")
+    parser.add_argument("--max-loras", type=int, metavar="N", help="adapters a step can mix per worker replica")
+    parser.add_argument("--max-lora-rank", type=int, metavar="R", help="the largest adapter rank served")
 
 
 def config_from_args(args: argparse.Namespace) -> KVServeConfig:
@@ -123,12 +129,25 @@ def config_from_args(args: argparse.Namespace) -> KVServeConfig:
         "engine.device": args.device,
         "engine.model_shape": args.model_shape,
         "engine.time_dilation": args.time_dilation,
+        "lora.modules": _lora_modules(args),
+        "lora.enable": True if args.enable_lora else None,
+        "lora.max_loras": args.max_loras,
+        "lora.max_lora_rank": args.max_lora_rank,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         config = config.with_overrides(overrides)
     disaggregate = args.disaggregate or args.prefill_workers is not None or args.decode_workers is not None
     return with_disaggregation(config, args) if disaggregate else config
+
+
+def _lora_modules(args: argparse.Namespace) -> dict[str, str] | None:
+    if not args.lora_modules:
+        return None
+    try:
+        return parse_lora_modules(args.lora_modules)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def with_disaggregation(config: KVServeConfig, args: argparse.Namespace) -> KVServeConfig:

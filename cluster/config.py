@@ -28,6 +28,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from cluster.config_errors import ConfigError, format_validation_error
 from cluster.config_fields import ByteSize, OrString, Section, build, default_of, parse_bytes
 from cluster.ingress_config import IngressSection, StateSection
+from cluster.lora_config import LoRASection
 from cluster.pool_config import (  # noqa: F401 -- re-exported: part of the one schema
     KVSERVE_POLICIES,
     KVSERVE_POLICY,
@@ -246,12 +247,24 @@ class KVServeConfig(Section):
     state: StateSection = StateSection()
     disaggregation: DisaggregationSection | None = None
     observability: ObservabilitySection = ObservabilitySection()  # tracing: cluster/tracing.py
+    lora: LoRASection = LoRASection()  # multi-LoRA serving: cluster/lora_config.py
 
     @field_validator("model", mode="before")
     @classmethod
     def _model_shorthand(cls, v: Any) -> Any:
         # `model: /path/or/hub-id` is short for `model: {path: ...}`.
         return {"path": v} if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _lora_where_served(self) -> KVServeConfig:
+        # The multi-rank runner, simulated devices and the KV export of disaggregation do
+        # not carry adapters yet (docs/lora.md): refuse rather than serve the base model.
+        if self.lora.enable or self.lora.modules:
+            if self.disaggregation is not None:
+                raise ValueError("lora: adapters are not served with disaggregation yet")
+            if self.workers.tensor_parallel_size > 1 or self.engine.device.startswith("sim:"):
+                raise ValueError("lora: adapters need workers.tensor_parallel_size 1 and a real device")
+        return self
 
     @field_validator("route_prefix")
     @classmethod
@@ -304,14 +317,15 @@ class KVServeConfig(Section):
             model=self.model.resolved_path(), tensor_parallel_size=self.workers.tensor_parallel_size,
         )
         cache = build(CacheConfig, self.engine, renames=_CACHE_RENAMES)
-        return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig, self.engine))
+        return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig, self.engine),
+                            lora=self.lora.lora_config())
 
     def ingress_settings(self, state_store: Any = None) -> IngressSettings:
         """router.frontend.settings' IngressSettings from the ingress and model sections."""
         return build(
             IngressSettings, self.ingress, self.model,
             served_model_name=self.model.resolved_name(), tokenizer_path=self.model.resolved_path(),
-            state_store=state_store,
+            state_store=state_store, lora_modules=self.lora.module_items, lora_enabled=self.lora.lora_config().enabled,
         )
 
     def shared_view_spec(self) -> SharedViewSpec | None:

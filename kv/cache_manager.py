@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kv.block_hash import hash_full_blocks
+from kv.block_hash import ROOT_HASH, hash_full_blocks
 from kv.block_pool import Block, BlockPool
 from kv.stats import KVStats
 
@@ -30,6 +30,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block]] = {}
         self._block_ids: dict[str, list[int]] = {}  # same blocks, as ids for the runner
         self._hashes: dict[str, list[int]] = {}  # kept across preemption: tokens do not change
+        self._roots: dict[str, int] = {}  # chain roots other than ROOT_HASH (kv.block_hash.chain_root)
         self._num_registered: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -51,7 +52,8 @@ class KVCacheManager:
         token is always left to compute: its logits are needed to sample."""
         if not self.pool.enable_prefix_caching:
             return []
-        hashes = hash_full_blocks(token_ids, self.block_size, self._hashes.setdefault(request_id, []))
+        hashes = hash_full_blocks(token_ids, self.block_size, self._hashes.setdefault(request_id, []),
+                                  self._roots.get(request_id, ROOT_HASH))
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[Block] = []
         lookup = self.pool.cached.get  # pool.lookup without a call per block (prompts of 1k+ blocks)
@@ -61,6 +63,13 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def set_hash_root(self, request_id: str, root: int) -> None:
+        """Chain the request's block hashes from `root` (kv.block_hash.chain_root of what
+        besides its tokens decides its KV), before any of its blocks is hashed."""
+        assert not self._hashes.get(request_id), "the root must be set before hashing"
+        if root != ROOT_HASH:
+            self._roots[request_id] = root
 
     def adopt_block_hashes(self, request_id: str, block_hashes: Sequence[int]) -> None:
         """Take the hashes of the request's leading full blocks from a caller that computed
@@ -125,7 +134,8 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = hash_full_blocks(
-            token_ids[: num_full * self.block_size], self.block_size, self._hashes.setdefault(request_id, [])
+            token_ids[: num_full * self.block_size], self.block_size, self._hashes.setdefault(request_id, []),
+            self._roots.get(request_id, ROOT_HASH),
         )
         blocks = self._blocks[request_id]
         for i in range(done, num_full):
@@ -143,6 +153,7 @@ class KVCacheManager:
         self._num_registered.pop(request_id, None)
         if not keep_hashes:
             self._hashes.pop(request_id, None)
+            self._roots.pop(request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))
 

@@ -181,6 +181,10 @@ class GenerateRequest:
     # output stream the worker then sends the first output and the finished one, the
     # outputs between folded into the last (worker/output_streams.py).
     stream: bool = True
+    # The LoRA adapter that serves it (None: the base model) and its PEFT directory: a worker
+    # replica that does not know the adapter yet (one started after it was loaded) learns it.
+    lora_name: str | None = None
+    lora_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -265,6 +269,26 @@ class KVImportError(RequestError):
     """A KV export that this engine cannot import (layout mismatch, tokens that differ)."""
 
 
+def lora_cache_key(name: str, path: str) -> str:
+    """A LoRA adapter's prefix-cache identity (kv.block_hash.chain_root's extra key): the
+    engine and the router hash an adapter request's blocks from the same root."""
+    return f"lora:{name}:{path}"
+
+
+class LoRANotFoundError(RequestError):
+    """The request names an adapter the worker does not know (HTTP 404 / gRPC NOT_FOUND)."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        listed = ", ".join(sorted(known)) or "none"
+        super().__init__(f"the LoRA adapter {name!r} does not exist; known adapters: {listed}")
+        self.name, self.known = name, sorted(known)
+
+
+class LoRAAdapterError(RequestError):
+    """An adapter that cannot be loaded (missing or malformed files, wrong shapes, rank
+    above max_lora_rank): HTTP 400 at load."""
+
+
 class MissingDependencyError(ImportError):
     """A feature (or a checkpoint format) needs a package that does not import; the message
     says what to install. One class for every layer: cluster/deps.py builds its messages."""
@@ -306,6 +330,10 @@ class RoutingStats:
     # Sequences the engine runs at once (0: not said): a request sent while fewer run
     # starts at once instead of waiting.
     max_num_seqs: int = 0
+    # LoRA residency, not requests in flight: the adapters in device slots (a request
+    # needs no load) and those read into host memory (a device copy only), worker/lora/.
+    lora_resident: tuple[str, ...] = ()
+    lora_loaded: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

@@ -41,6 +41,7 @@ class _Add:
     params: SamplingParams
     export_kv: bool = False  # disaggregation, prefill side (Engine.add_request)
     kv_import: Any = None  # disaggregation, decode side: a kv.transfer.KVExport
+    lora: tuple[str, str | None] | None = None  # (adapter name, its PEFT directory)
 
 
 @dataclass
@@ -131,6 +132,7 @@ class AsyncEngine:
         num_resumed_tokens: int = 0,
         export_kv: bool = False,
         kv_import: Any = None,
+        lora: tuple[str, str | None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs. Leaving the iteration early (the caller went away,
         the task was cancelled) aborts the request; its blocks are freed within one step.
@@ -151,7 +153,7 @@ class AsyncEngine:
             processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, num_resumed_tokens)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, export_kv, kv_import))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, export_kv, kv_import, lora))
         finished = False
         try:
             while True:
@@ -190,6 +192,7 @@ class AsyncEngine:
         request_id: str,
         on_output: Callable[[RequestOutput], None],
         num_resumed_tokens: int = 0,
+        lora: tuple[str, str | None] | None = None,
     ) -> None:
         """Run a request whose outputs are handed to `on_output` in the event-loop turn that
         delivers their step: no task wakes per output, unlike iterating `generate` (the
@@ -203,7 +206,7 @@ class AsyncEngine:
         assert self._loop is not None
         sink = _Sink(processor, on_output, self._loop.create_future(), lambda: self._inbox.put(_Abort(request_id, notify=False)))
         self._streams[request_id] = sink
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, False, None))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, False, None, lora))
         try:
             await sink.done
         finally:
@@ -312,6 +315,7 @@ class AsyncEngine:
                     self.engine.add_request(
                         item.request_id, item.prompt_token_ids, item.params,
                         export_kv=item.export_kv, kv_import=item.kv_import,
+                        **({"lora_name": item.lora[0], "lora_path": item.lora[1]} if item.lora else {}),
                     )
                 except RequestError as e:
                     self._publish([e], request_ids=[item.request_id])

@@ -63,8 +63,45 @@ class ModelConfig:
     step_time_profile: str | None = None
 
 
+# PEFT adapters above this rank are refused: the batched LoRA matmuls pad every resident
+# adapter to max_lora_rank, so a larger bound would cost every step.
+MAX_SUPPORTED_LORA_RANK = 64
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (worker/lora/). Off unless `enable` (or adapters are given)."""
+
+    enable: bool = False
+    # Adapters resident for steps (device slots); a step mixes at most this many.
+    max_loras: int = 4
+    # Every resident adapter is padded to this rank; larger adapters are refused at load.
+    max_lora_rank: int = 16
+    # Adapters kept loaded in host memory (LRU); None: max_loras.
+    max_cpu_loras: int | None = None
+    # Adapters known at start-up: (name, PEFT directory).
+    modules: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_SUPPORTED_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be in [1, {MAX_SUPPORTED_LORA_RANK}], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable or bool(self.modules)
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    lora: LoRAConfig = LoRAConfig()

@@ -23,9 +23,10 @@ from typing import TypeVar
 from kv.cache_manager import KVCacheManager, cdiv
 from kv.stats import KVStats
 from kv.transfer import KVExport, KVTransferError
-from worker.api import KVImportError, RequestError
+from worker.api import KVImportError, LoRAAdapterError, LoRANotFoundError, RequestError
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from worker.kv_connector import KVConnector, SavedKV, make_connector
+from worker.lora.engine_lora import EngineLoRA
 from worker.api import RequestOutput, RunnerOutput
 from worker.runner_protocols import Runner
 from worker.api import SamplingParams
@@ -92,6 +93,8 @@ class Engine:
         # whose grammar is still compiling wait here, outside the scheduler.
         self.grammar: GrammarCompiler | None = None
         self.awaiting_grammar: list[Sequence] = []
+        # Multi-LoRA (worker/lora/): set by from_config when the engine config enables it.
+        self.lora: EngineLoRA | None = None
         self.model_path: Path | None = None  # set when built from a model directory
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -117,6 +120,8 @@ class Engine:
         )
         from worker.sim.device import is_sim_device
 
+        if config.lora.enabled and (is_sim_device(config.model.device) or config.model.tensor_parallel_size > 1):
+            raise ValueError("LoRA adapters need a single-rank real device (not a simulated one, no tensor parallelism)")
         if is_sim_device(config.model.device):  # a simulated device: no weights, no torch (worker/sim/)
             from worker.sim.runner import sim_engine_from_config
 
@@ -144,7 +149,14 @@ class Engine:
                      step_time_predictor=predictor)
         engine.model_path = path
         engine.grammar = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
+        if getattr(runner, "lora", None) is not None:
+            engine.enable_lora(EngineLoRA(config.lora, runner.lora_loader))
         return engine
+
+    def enable_lora(self, lora: EngineLoRA) -> None:
+        self.lora = lora
+        self.scheduler.lora_slots = lora.slots
+        self.runner.lora_adapters = lora.registry.get
 
     @property
     def max_model_len(self) -> int:
@@ -185,16 +197,26 @@ class Engine:
         export_kv: bool = False,
         kv_import: KVExport | None = None,
         prompt_block_hashes: list[int] | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
     ) -> None:
         """`export_kv`: when the first token is sampled, attach a KVExport of the prompt to
         that output (`extra["kv_export"]`) and pin its blocks until `release_kv`.
         `kv_import`: the prompt's KV computed elsewhere; the request continues after the
         export's first token (prompt + that token, the prompt already computed).
         `prompt_block_hashes`: the prompt's full-block hashes (kv.block_hash at this engine's
-        block size) when the caller in this process has them already (the simulator)."""
+        block size) when the caller in this process has them already (the simulator).
+        `lora_name`: the adapter that serves it (LoRANotFoundError if unknown); with
+        `lora_path`, an adapter this engine learns if it does not know it yet."""
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        if lora_name is not None:
+            if self.lora is None:
+                raise LoRANotFoundError(lora_name, [])
+            if lora_path is not None:
+                self.lora.ensure(lora_name, lora_path)
+            self.lora.registry.check(lora_name)
         try:
             self.connector.check_request(prompt_token_ids, params, export_kv, kv_import)
         except KVTransferError as e:
@@ -202,13 +224,26 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         self.connector.add_request(seq, export_kv, kv_import)
         self.seqs[request_id] = seq
-        if prompt_block_hashes is not None:  # the manager copies them (it extends its list in place)
+        if lora_name is not None:
+            seq.lora_name = lora_name
+            self.kv.set_hash_root(request_id, self.lora.hash_root(lora_name))
+        elif prompt_block_hashes is not None:  # the manager copies them (it extends its list in place)
             self.kv.adopt_block_hashes(request_id, prompt_block_hashes)
+        if lora_name is not None and not self.lora.add(seq):
+            return  # waits for its adapter's host load (_admit_lora_loaded)
         if params.structured is not None and self.grammar is not None:
             seq.grammar = GrammarState(self.grammar.submit(params.structured))
             self.awaiting_grammar.append(seq)
         else:
             self.scheduler.add(seq)
+
+    def check_lora(self, name: str, path: str) -> None:
+        """Read an adapter as a request would (any thread: nothing shared is touched);
+        raises LoRAAdapterError with what is wrong with it."""
+        if self.lora is None:
+            raise LoRAAdapterError("this server does not serve LoRA adapters (start it with engine.lora.enable "
+                                   "or --lora-modules)")
+        self.lora.registry.load(name, path)
 
     # -- disaggregation: the connector's pins, as the async engine and replica see them -----
     def release_kv(self, request_id: str) -> bool:
@@ -231,11 +266,16 @@ class Engine:
         if seq in self.awaiting_grammar:  # not in the scheduler yet
             self.awaiting_grammar.remove(seq)
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        if self.lora is not None and seq.lora_name is not None:
+            if self.lora.is_loading(seq):  # not in the scheduler yet
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            self.lora.done(seq)
         self.scheduler.finish(seq, "abort")
         return self._output(seq, [], None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.awaiting_grammar)
+        return (self.scheduler.has_unfinished() or bool(self.awaiting_grammar)
+                or (self.lora is not None and self.lora.num_loading > 0))
 
     # -- the iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -294,14 +334,19 @@ class Engine:
         return self._postprocess(applied.plan, applied.logprobs, applied.changed, applied.saved)
 
     def wait_for_compiles(self) -> None:
-        """Nothing to run but grammar compiles: wait for one, briefly."""
-        if self.awaiting_grammar:
-            wait([s.grammar.future for s in self.awaiting_grammar], GRAMMAR_POLL_S, FIRST_COMPLETED)
+        """Nothing to run but grammar compiles or adapter loads: wait for one, briefly."""
+        futures = [s.grammar.future for s in self.awaiting_grammar]
+        if self.lora is not None:
+            futures += self.lora.futures()
+        if futures:
+            wait(futures, GRAMMAR_POLL_S, FIRST_COMPLETED)
 
     def _plan_step(self) -> LaunchedStep:
         start = time.perf_counter()
         self.connector.expire_pins()
         outputs = self._admit_compiled() if self.awaiting_grammar else []
+        if self.lora is not None and self.lora.num_loading:
+            outputs += self._admit_lora_loaded()
         plan = self._timed(self.scheduler.schedule)
         outputs += self._load_kv(plan)  # imports admitted this step: their KV into their blocks
         return LaunchedStep(plan, outputs, start_s=start)
@@ -337,6 +382,23 @@ class Engine:
         self.awaiting_grammar = still
         return outputs
 
+    def _admit_lora_loaded(self) -> list[RequestOutput]:
+        """Requests whose adapter reached host memory go on (to the grammar compile or the
+        scheduler); a failed adapter load fails its requests."""
+        assert self.lora is not None
+        ready, failed = self.lora.take_loaded()
+        outputs = []
+        for seq in ready:
+            if seq.params.structured is not None and self.grammar is not None:
+                seq.grammar = GrammarState(self.grammar.submit(seq.params.structured))
+                self.awaiting_grammar.append(seq)
+            else:
+                self.scheduler.add(seq)
+        for seq, message in failed:
+            seq.status = SequenceStatus.FINISHED
+            outputs.append(self._fail_one(seq, f"LoRA adapter {seq.lora_name!r}: {message}"))
+        return outputs
+
     def _timed(self, fn: Callable[..., T], *args: object) -> T:
         """Scheduler work, counted in scheduler_share."""
         t = time.perf_counter()
@@ -370,6 +432,8 @@ class Engine:
                 seq.first_token_time = now
             if seq.status is finished:
                 del self.seqs[seq.request_id]
+                if seq.lora_name is not None:
+                    self.lora.done(seq)
             lp = logprobs_of.get(seq.request_id) if logprobs_of is not None else None
             out = self._output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None)
             # On the first output, when complete (a decode-side import computed no prompt:
@@ -400,6 +464,8 @@ class Engine:
         # max_tokens=1 prefill): the error must win, or the caller sees a clean "length".
         seq.finish_reason = "error"
         self.seqs.pop(seq.request_id, None)
+        if seq.lora_name is not None and self.lora is not None:
+            self.lora.done(seq)
         out = self._output(seq, [], None)
         out.error = message
         return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from worker.decode_groups import decode_group_bounds
 from worker.config import EngineConfig
 from worker.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.forward_timer import ForwardTimer
+from worker.lora.model_lora import ModelLoRA, adapter_loader
 from worker.memory_profile import activation_peak_bytes
 from worker.model.llama import LlamaArch
 from worker.model.loader import load_model
@@ -104,6 +106,12 @@ class ModelRunner:
         self.backend = select_backend(config.model.attention_backend, self.device)
         path = resolve_model_path(config.model.model)
         self.model = load_model(path, hf_config, self.backend, max_model_len, self.dtype, self.device, tp)
+        # Multi-LoRA (worker/lora/): wrapped projections with device slots (allocated before the KV budget is taken); the engine sets
+        # lora_adapters (name -> host copy) to fill the slots a plan lists.
+        lora = config.lora
+        self.lora = ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank) if lora.enabled else None
+        self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank)
+        self.lora_adapters: Callable[[str], Any] | None = None
         kv_lo, kv_hi = kv_head_range(self.arch.num_heads, self.arch.num_kv_heads, tp)
         self.spec = KVCacheSpec(
             num_layers=self.arch.num_layers,
@@ -201,6 +209,8 @@ class ModelRunner:
             key=lambda i: (num_new[i] != 1, seqs[i].num_computed_tokens if num_new[i] == 1 else 0),
         )
         batch = self._host_batch(plan, order)
+        if self.lora is not None:
+            self._prepare_lora(plan, order, batch)
         dev = self.device
         last_token_idx = torch.tensor(batch.last_token_idx, dtype=torch.long).to(dev, non_blocking=True)
         # Structured outputs: on an accelerator the grammar masks are computed while the
@@ -219,6 +229,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last_token_idx])
         self.timer.stop()
         return LaunchedBatch(plan, sample_rows, logits, masks)
+
+    def _prepare_lora(self, plan: SchedulerOutput, order: list[int], batch: HostBatch) -> None:
+        """Write the adapters newly given slots, then map this step's rows to slots. On the
+        device's stream, a write follows the steps queued before it (none of which uses a
+        slot being rewritten: the scheduler rewrites only slots no running sequence holds)."""
+        assert self.lora is not None and self.lora_adapters is not None
+        for slot, name in plan.lora_loads:
+            self.lora.write_slot(slot, self.lora_adapters(name))
+        self.lora.prepare([plan.seqs[i].lora_slot for i in order], batch.lens, self.device, self.dtype)
 
     @torch.inference_mode()
     def wait(self, launched: LaunchedBatch) -> RunnerOutput:
@@ -255,7 +274,9 @@ class ModelRunner:
         fits a captured bucket, the eager model otherwise. Starts the forward timer (the
         metadata built before it is host work, not forward time)."""
         num_seqs = len(batch.lens)
-        if self.graphs is not None and batch.num_decodes == num_seqs and self.graphs.fits(num_seqs, batch.block_table.shape[1]):
+        # Graphs hold the base model only (captured with no adapter rows).
+        no_lora = self.lora is None or self.lora.state.num_active == 0
+        if self.graphs is not None and no_lora and batch.num_decodes == num_seqs and self.graphs.fits(num_seqs, batch.block_table.shape[1]):
             self.timer.start()
             return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
                                    batch.block_table, batch.context_lens)

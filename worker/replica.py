@@ -115,7 +115,7 @@ class WorkerReplica:
                 self._outboxes.put(stream_id, self._output(out))
 
             await self.engine.run_into(request.prompt_token_ids, request.params, request.request_id, on_output,
-                                       request.num_resumed_tokens)
+                                       request.num_resumed_tokens, lora=_lora_of(request))
             if cut_short:
                 raise ReplicaDrainingError("this worker replica was removed before the request "
                                            "finished; resume it on another replica")
@@ -145,6 +145,8 @@ class WorkerReplica:
             resumed = {"num_resumed_tokens": request.num_resumed_tokens} if request.num_resumed_tokens else {}
             if kv_handle is not None:  # disaggregation: decode after a prefill replica's export
                 resumed["kv_import"] = await self._kv_transport().receive(kv_handle)
+            if request.lora_name is not None:
+                resumed["lora"] = _lora_of(request)
             outputs = self.engine.generate(request.prompt_token_ids, request.params, request.request_id, **resumed)
             if tracing.is_traced(request):  # worker/tracing.py: spans at the end, from recorded times
                 outputs = tracing.traced(outputs, request, self.replica_id, "decode" if kv_handle is not None else "generate")
@@ -224,6 +226,11 @@ class WorkerReplica:
             stats["modelled_device_s"] = float(modelled)
         return stats
 
+    async def check_lora(self, name: str, path: str) -> None:
+        """Read a PEFT adapter as a request would, off the event loop: raises
+        LoRAAdapterError saying what is wrong (the load API's 400)."""
+        await asyncio.to_thread(self.engine.engine.check_lora, name, path)
+
     async def model_info(self) -> dict:
         eng = self.engine.engine
         return {"max_model_len": eng.max_model_len, "vocab_size": eng.vocab_size, "block_size": self.block_size}
@@ -288,6 +295,10 @@ def _default_kv_transport() -> str:
     import ray  # a required dependency (not optional: no fallback)
 
     return "ray_object_store" if ray.is_initialized() else "local"
+
+
+def _lora_of(request: GenerateRequest) -> tuple[str, str | None] | None:
+    return (request.lora_name, request.lora_path) if request.lora_name is not None else None
 
 
 def _replica_id() -> str:

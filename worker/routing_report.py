@@ -90,4 +90,12 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
         decode_growth_blocks=growth,
         mean_output_tokens=mean,
         max_num_seqs=scheduler.config.max_num_seqs,
+        **_lora_residency(engine),
     )
+
+
+def _lora_residency(engine: Engine) -> dict[str, tuple[str, ...]]:
+    """The adapters in device slots and in host memory (copies: the engine thread moves them)."""
+    if engine.lora is None:
+        return {}
+    return {"lora_resident": tuple(engine.lora.slots.resident), "lora_loaded": tuple(engine.lora.registry.host_resident)}

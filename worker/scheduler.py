@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from kv.cache_manager import KVCacheManager
 from worker.config import SchedulerConfig
+from worker.lora.slots import LoRASlots
 from worker.sequence import Sequence, SequenceStatus
 from worker.step_budget import MIN_PREFILL_TOKENS, StepTimeBudget
 
@@ -42,6 +43,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Admitted this step with imported KV: the connector loads it before execute.
     kv_imports: list[Sequence] = field(default_factory=list)
+    # (slot, adapter name): adapters to write into device slots before the step runs.
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -72,6 +75,7 @@ class Scheduler:
         self.step_budget: StepTimeBudget | None = None  # the engine's, when max_step_time_s is set
         self._timed_rows: list[tuple[int, int, bool]] | None = None  # this step's, under step_budget
         self._prefill_planned = False
+        self.lora_slots: LoRASlots | None = None  # the engine's, when LoRA is enabled
 
     @property
     def num_waiting(self) -> int:
@@ -171,9 +175,15 @@ class Scheduler:
                 num_new = self._time_capped(num_new, num_computed)
                 if num_new == 0:
                     break
+            if seq.lora_name is not None and not self.lora_slots.can_acquire(seq.lora_name):
+                break  # every slot serves a running sequence's adapter
             if not self.kv.can_allocate(seq.request_id, num_computed + num_new, hits):
                 break
             block_ids = self.kv.allocate(seq.request_id, num_computed + num_new, hits)
+            if seq.lora_name is not None:
+                seq.lora_slot, load = self.lora_slots.acquire(seq.lora_name)
+                if load:
+                    out.lora_loads.append((seq.lora_slot, seq.lora_name))
             if seq.kv_import is not None:
                 out.kv_imports.append(seq)
             elif seq.num_preemptions == 0:
@@ -197,6 +207,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         # Recompute, not swap: the KV is rebuilt from token_ids (prefix cache permitting).
         self.kv.free(seq.request_id, keep_hashes=True)
+        self._release_lora(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -227,6 +238,8 @@ class Scheduler:
             if self._check_stop(seq, token_id):
                 any_finished = True
                 kv.free(seq.request_id)
+                if seq.lora_slot >= 0:
+                    self._release_lora(seq)
         if any_finished:
             self.running = [s for s in self.running if s.status is running]
         return changed
@@ -284,3 +297,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq.request_id)
+        self._release_lora(seq)
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora_slots.release(seq.lora_slot)
+            seq.lora_slot = -1

@@ -50,6 +50,8 @@ class Sequence:
         "grammar",
         "prompt_logprobs",
         "waiting_uncached_tokens",
+        "lora_name",
+        "lora_slot",
     )
 
     def __init__(
@@ -90,6 +92,10 @@ class Sequence:
         # While waiting: the tokens admission would compute, as the prefix cache stood when
         # it joined the queue (Scheduler.waiting_uncached_tokens, the router's backlog).
         self.waiting_uncached_tokens = 0
+        # The LoRA adapter serving it (None: the base model) and, while it is running, the
+        # device slot holding that adapter (worker/lora/slots.py; -1 otherwise).
+        self.lora_name: str | None = None
+        self.lora_slot = -1
 
     @property
     def num_tokens(self) -> int:

@@ -29,7 +29,7 @@ from router.frontend.migration import Migration, is_replica_failure
 from router.frontend.openai_convert import EngineInput
 from router.serve_internals import use_child_request_id
 from router.tracing import RequestTrace
-from worker.api import GenerateRequest, RequestError, RequestOutput, SamplingParamsError
+from worker.api import GenerateRequest, LoRANotFoundError, RequestError, RequestOutput, SamplingParamsError
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -101,6 +101,8 @@ def api_error_of(error: BaseException) -> errors.APIError:
     cause = getattr(error, "cause", None) or error  # RayTaskError carries the original
     if isinstance(cause, errors.APIError):
         return cause
+    if isinstance(cause, LoRANotFoundError):
+        return errors.APIError(404, str(cause), "invalid_request_error", "model", "model_not_found")
     if isinstance(cause, (RequestError, SamplingParamsError)):
         return errors.bad_request(str(cause.args[0]) if cause.args else str(cause))
     name = type(cause).__name__
@@ -146,8 +148,10 @@ class GenerationStream:
         max_migrations: int = 2,  # resumes per engine request after a replica dies (router/frontend/migration.py)
         session_id: str | None = None,  # the client's session (router/routing/sessions.py), for the request router
         stream: bool = True,  # False: the client reads only the final text (workers may fold outputs)
+        lora: tuple[str, str] | None = None,  # the LoRA adapter (name, path) that serves it
     ) -> None:
         self._stream = stream
+        self._lora = lora
         self._handle = generate_handle
         self._session_id = session_id
         self._max_migrations = max_migrations
@@ -182,7 +186,9 @@ class GenerationStream:
     async def start(self) -> None:
         for inp in self.inputs:
             request = GenerateRequest(f"{self.request_id}-{inp.index}", inp.prompt_token_ids, inp.params,
-                                      session_id=self._session_id, stream=self._stream)
+                                      session_id=self._session_id, stream=self._stream,
+                                      lora_name=self._lora[0] if self._lora else None,
+                                      lora_path=self._lora[1] if self._lora else None)
             self._tasks.append(asyncio.create_task(self._feed(inp.index, request)))
         try:
             self._first = await self._next()

@@ -128,7 +128,7 @@ class GrpcServicer:
     async def _generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext | None) -> pb.GenerateResponse:
         clock = Clock()
         stream = await self._start(request, clock, self._authenticate(grpc_context), grpc_context, stream=False)
-        response = pb.GenerateResponse(request_id=stream.request_id, model=self.pipeline.settings.served_model_name)
+        response = pb.GenerateResponse(request_id=stream.request_id, model=self._model(request.model))
         tokenizer, prompts = self.pipeline.tokenizer, {inp.index: inp.prompt_token_ids for inp in stream.inputs}
         choices = {i: pb.Choice(index=i, text=echo_text(request, ids, tokenizer)) for i, ids in prompts.items()}
         usage = pb.Usage()
@@ -230,7 +230,12 @@ class GrpcServicer:
             vocab_size=info.get("vocab_size", 0),
             block_size=info.get("block_size", 0),
         )
-        return pb.ListModelsResponse(models=[model])
+        models = [model] + [
+            pb.ModelInfo(id=name, root=path, parent=settings.served_model_name, max_model_len=info["max_model_len"],
+                         vocab_size=info.get("vocab_size", 0), block_size=info.get("block_size", 0))
+            for name, path in sorted(self.pipeline.lora.paths.items())
+        ]
+        return pb.ListModelsResponse(models=models)
 
     async def Health(
         self, request: pb.HealthRequest, grpc_context: RayServegRPCContext | None = None
@@ -276,11 +281,10 @@ class GrpcServicer:
         return self.pipeline.authenticate(grpc_authorization(metadata))
 
     def _model(self, model: str) -> str:
-        """The served model's name; empty means it. Another name: NOT_FOUND."""
-        served = self.pipeline.settings.served_model_name
-        if model and model != served:
-            raise errors.model_not_found(model)
-        return served
+        """The served model's name (empty means it) or a LoRA adapter's. Another name:
+        NOT_FOUND, listing the known ones."""
+        lora = self.pipeline.lora.resolve(model)
+        return lora[0] if lora is not None else self.pipeline.settings.served_model_name
 
     async def _start(self, request: pb.GenerateRequest, clock: Clock, principal: Principal,
                      grpc_context: RayServegRPCContext | None, stream: bool = True) -> GenerationStream:
@@ -305,7 +309,7 @@ class GrpcServicer:
             request.request_id or f"grpc-{uuid.uuid4().hex}",
             clock.arrival,
             client_session_id(grpc_metadata_value(metadata, SESSION_HEADER), None),
-            stream=stream,
+            stream=stream, lora=self.pipeline.lora.resolve(request.model),
         )
 
 

@@ -36,7 +36,7 @@ from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -51,6 +51,7 @@ from router.frontend.disagg import DisaggregatedGenerate
 from router.frontend.generation import GenerationStream
 from router.frontend.grpc_servicer import GrpcMethods, GrpcServicer
 from router.frontend.key_limits import KeyLimits
+from router.frontend.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.frontend.metrics import CONTENT_TYPE, IngressMetrics
 from router.frontend.output_hub import OutputHub
 from router.frontend.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
@@ -205,6 +206,11 @@ def echo_texts(prompt: Any, inputs: list[convert.EngineInput], tokenizer: Any) -
     }
 
 
+def _model_name(lora: tuple[str, str] | None, settings: IngressSettings) -> str:
+    """The `model` a response names: the adapter's, or the served model's."""
+    return lora[0] if lora is not None else settings.served_model_name
+
+
 # Serve snapshots what the class refers to when `serve.ingress` runs: everything the
 # class uses must be defined above this line.
 @serve.ingress(app)
@@ -256,13 +262,14 @@ class Ingress(GrpcMethods):
                 "invalid_value",
             )
         tokenizer, max_n = self.pipeline.tokenizer, self.settings.max_n
+        lora = self.pipeline.lora.resolve(req.model)
         stream = await self.pipeline.start(
             principal, req.n * num_prompts, num_bytes,
             lambda max_model_len: convert.completion_inputs(req, tokenizer, max_model_len, max_n),
             f"cmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
-            stream=req.stream,
+            stream=req.stream, lora=lora,
         )
-        formatter = convert.CompletionFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs is not None, req.prompt_logprobs)
+        formatter = convert.CompletionFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs is not None, req.prompt_logprobs)
         if req.echo:
             ids = {inp.index: inp.prompt_token_ids for inp in stream.inputs}
             formatter.set_echo(echo_texts(req.prompt, stream.inputs, tokenizer), ids, req.logprobs)
@@ -274,22 +281,37 @@ class Ingress(GrpcMethods):
         principal, req, num_bytes = await self._read(request, p.ChatCompletionRequest)
         convert.check_n(req.n, self.settings.max_n)
         tokenizer, max_n, parser = self.pipeline.tokenizer, self.settings.max_n, self.settings.tool_call_parser
+        lora = self.pipeline.lora.resolve(req.model)
         stream = await self.pipeline.start(
             principal, req.n, num_bytes,
             lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
             f"chatcmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
-            stream=req.stream,
+            stream=req.stream, lora=lora,
         )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
-        formatter = convert.ChatFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)
+        formatter = convert.ChatFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)
         return await _respond(stream, formatter, req)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._authenticate(request)
         info = await self.pipeline.workers.model_info()
-        card = p.ModelCard(id=self.settings.served_model_name, root=self.settings.tokenizer_path, max_model_len=info["max_model_len"])
-        return JSONResponse(p.ModelList(data=[card]).model_dump())
+        base = self.settings.served_model_name
+        cards = [p.ModelCard(id=base, root=self.settings.tokenizer_path, max_model_len=info["max_model_len"])]
+        cards += [p.ModelCard(id=name, root=path, parent=base, max_model_len=info["max_model_len"])
+                  for name, path in sorted(self.pipeline.lora.paths.items())]
+        return JSONResponse(p.ModelList(data=cards).model_dump())
+
+    # -- vLLM's LoRA adapter endpoints (router/frontend/lora_modules.py) ---------------------------
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        _, req, _ = await self._read(request, LoadLoRAAdapterRequest)
+        return PlainTextResponse(await self.pipeline.lora.load(req, self.pipeline.workers.check_lora))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        _, req, _ = await self._read(request, UnloadLoRAAdapterRequest)
+        return PlainTextResponse(self.pipeline.lora.unload(req))
 
     # -- vLLM's utility endpoints -------------------------------------------------------------
     @app.post("/tokenize")
@@ -366,5 +388,4 @@ class Ingress(GrpcMethods):
         return principal, req, num_bytes
 
     def _check_model(self, model: str) -> None:
-        if model != self.settings.served_model_name:
-            raise errors.model_not_found(model)
+        self.pipeline.lora.resolve(model)  # the base model or a known adapter; else 404

@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket
+from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket, lora_hash_root
+from router.frontend.lora_modules import LoRAModules
 from router.frontend.auth import ANONYMOUS, ApiKeys, Principal
 from router.frontend.generation import GenerationStream, InFlightLimiter, StreamPermit
 from router.frontend.key_limits import JointPermit, KeyLimits, worst_case_tokens
@@ -60,6 +61,8 @@ class RequestPipeline:
         routing_source: SnapshotSource | None = None,
     ) -> None:
         self.settings = settings
+        # The adapters requests may name as `model` (router/frontend/lora_modules.py).
+        self.lora = LoRAModules(settings.served_model_name, settings.lora_modules, settings.lora_enabled)
         self.workers = workers
         self.tokenizer = tokenizer
         self.texts = TokenTexts(tokenizer)
@@ -100,6 +103,7 @@ class RequestPipeline:
         arrival: float,  # time.monotonic() when the request came in
         session_id: str | None = None,  # the client's session (router/routing/sessions.py)
         stream: bool = True,  # False: the client reads only the final text
+        lora: tuple[str, str] | None = None,  # the LoRA adapter (name, path) that serves it
     ) -> GenerationStream:
         permit = await self.admit(principal, weight)
         try:
@@ -107,7 +111,8 @@ class RequestPipeline:
             inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]))
             if permit.lease is not None:
                 await permit.lease.charge(worst_case_tokens(inputs))
-            profiles = [RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens)) for inp in inputs]
+            root = lora_hash_root(*lora) if lora is not None else lora_hash_root(None, None)
+            profiles = [RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens), root) for inp in inputs]
             ticket = await self.admission.admit(principal.key_id, profiles)
         except BaseException:
             permit.release()
@@ -115,7 +120,7 @@ class RequestPipeline:
         stream = GenerationStream(
             self.workers.generate, inputs, request_id, AdmittedPermit(permit, ticket), self.settings.request_timeout_s,
             self.metrics, arrival,
-            max_migrations=self.settings.max_migrations, session_id=session_id, stream=stream,
+            max_migrations=self.settings.max_migrations, session_id=session_id, stream=stream, lora=lora,
         )
         await stream.start()  # on failure the stream has closed: refunded, released
         return stream

@@ -57,3 +57,7 @@ class IngressSettings:
     # Set-up of the replica's own process, called first thing by the ingress (cluster/
     # injects it: tracing, cluster/tracing.py). None: nothing to set up.
     setup: Callable[[], object] | None = None
+    # LoRA adapters served under their own names, (name, PEFT directory), and whether more
+    # can be loaded at run time (/v1/load_lora_adapter: router/frontend/lora_modules.py).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_enabled: bool = False

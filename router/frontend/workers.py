@@ -51,6 +51,16 @@ class Workers:
             self._model_info = info
         return self._model_info
 
+    async def check_lora(self, name: str, path: str) -> None:
+        """One worker replica reads the adapter as a request would (against the model):
+        what is wrong with it is the caller's 400 (LoRAAdapterError through api_error_of)."""
+        try:
+            await self.handle.check_lora.remote(name, path)
+        except errors.APIError:
+            raise
+        except Exception as e:
+            raise api_error_of(e) from None
+
     def pools(self) -> dict[str, Any]:
         """Pool name -> handle: {"decode", "prefill"} when disaggregated; otherwise the one
         pool, unnamed ("" : its stats carry no `pool` key)."""

@@ -72,7 +72,9 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from router import tracing
-from router.routing.types import RoutingParams, ReplicaKey, ReplicaReport, ReplicaView, RequestProfile, power_of_two
+from router.routing.types import (
+    RoutingParams, ReplicaKey, ReplicaReport, ReplicaView, RequestProfile, lora_hash_root, power_of_two,
+)
 from router.routing.policies import RoutingPolicy, RoutingRequest, make_policy, split_policy_kwargs
 from router.routing.policies.base import healthy
 from router.routing.redis_view import RedisRoutingView, SharedViewSpec
@@ -114,7 +116,8 @@ def request_profile(pending_request: PendingRequest | None) -> RequestProfile | 
     max_tokens = getattr(getattr(request, "params", None), "max_tokens", 0)
     if not isinstance(max_tokens, int):
         max_tokens = 0
-    return RequestProfile(prompt_token_ids=token_ids, max_tokens=max_tokens)
+    root = lora_hash_root(getattr(request, "lora_name", None), getattr(request, "lora_path", None))
+    return RequestProfile(prompt_token_ids=token_ids, max_tokens=max_tokens, hash_root=root)
 
 
 def request_session_id(pending_request: PendingRequest | None) -> str | None:
@@ -211,7 +214,7 @@ class PolicyRouter(RequestRouter):
         if profile is None:
             return None
         request = RoutingRequest(request_id, profile.prompt_token_ids, profile.max_tokens,
-                                 request_session_id(pending_request))
+                                 request_session_id(pending_request), profile.hash_root)
         if len(self._pending) >= _MAX_PENDING:
             self._pending.clear()
         self._pending[request_id] = request

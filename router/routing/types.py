@@ -10,7 +10,8 @@ import random
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
-from kv.block_hash import hash_full_blocks
+from kv.block_hash import ROOT_HASH, chain_root, hash_full_blocks
+from worker.api import lora_cache_key
 
 ReplicaKey = Hashable
 
@@ -134,6 +135,9 @@ class ReplicaReport:
     decode_growth_blocks: int = 0
     mean_output_tokens: float = 0.0
     max_num_seqs: int = 0  # sequences it runs at once (0: not reported)
+    # LoRA adapters in its device slots and in its host memory (worker.api.RoutingStats).
+    lora_resident: frozenset[str] = frozenset()
+    lora_loaded: frozenset[str] = frozenset()
 
     @property
     def free_seqs(self) -> int:
@@ -163,6 +167,8 @@ class ReplicaReport:
                 decode_growth_blocks=int(stats.get("decode_growth_blocks") or 0),  # type: ignore[arg-type]
                 mean_output_tokens=float(stats.get("mean_output_tokens") or 0.0),  # type: ignore[arg-type]
                 max_num_seqs=int(stats.get("max_num_seqs") or 0),  # type: ignore[arg-type]
+                lora_resident=frozenset(map(str, stats.get("lora_resident") or ())),  # type: ignore[call-overload]
+                lora_loaded=frozenset(map(str, stats.get("lora_loaded") or ())),  # type: ignore[call-overload]
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -179,12 +185,21 @@ class ReplicaReport:
         return params.expected_output_tokens
 
 
+def lora_hash_root(lora_name: str | None, lora_path: str | None) -> int:
+    """The block-hash root of a request served by this LoRA adapter (None: the base model)."""
+    if lora_name is None or lora_path is None:
+        return ROOT_HASH
+    return chain_root((lora_cache_key(lora_name, lora_path),))
+
+
 @dataclass
 class RequestProfile:
-    """What the policy needs of a request: its token ids and max_tokens."""
+    """What the policy needs of a request: its token ids, max_tokens and the root of its
+    block-hash chain (kv.block_hash.chain_root: a LoRA adapter's, else the plain chain)."""
 
     prompt_token_ids: Sequence[int]
     max_tokens: int
+    hash_root: int = ROOT_HASH
     _hashes_by_block_size: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -195,7 +210,7 @@ class RequestProfile:
         """Chained hashes of the prompt's full blocks (kv.block_hash), memoised per block size."""
         hashes = self._hashes_by_block_size.get(block_size)
         if hashes is None:
-            hashes = hash_full_blocks(self.prompt_token_ids, block_size)
+            hashes = hash_full_blocks(self.prompt_token_ids, block_size, root=self.hash_root)
             self._hashes_by_block_size[block_size] = hashes
         return hashes
 

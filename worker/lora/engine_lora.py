@@ -1,0 +1,92 @@
+"""The engine's side of multi-LoRA: which adapter a request uses, its host load, and its
+device slot (torch-free: the runner writes the weights).
+
+A request's life with an adapter:
+    add_request  -> pin (host load starts off the step thread)  -> waits here until loaded
+    loaded       -> the scheduler's waiting queue; admitted when its adapter has a slot
+    finished / aborted / failed -> unpin (the host LRU may drop the adapter again)
+Its prefix-cache chain starts from a root keyed by the adapter (name and path): KV
+computed under one adapter is never served to another, nor to the base model.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from kv.block_hash import chain_root
+from worker.api import lora_cache_key
+from worker.config import LoRAConfig
+from worker.lora.registry import Loader, LoRARegistry
+from worker.lora.slots import LoRASlots
+from worker.sequence import Sequence
+
+
+class EngineLoRA:
+    def __init__(self, config: LoRAConfig, loader: Loader) -> None:
+        self.config = config
+        self.registry = LoRARegistry(loader, config.host_capacity)
+        self.slots = LoRASlots(config.max_loras)
+        for name, path in config.modules:
+            self.registry.register(name, path)
+        self._loading: list[tuple[Sequence, Future[Any]]] = []
+
+    def hash_root(self, name: str) -> int:
+        return chain_root((lora_cache_key(name, self.registry.paths[name]),))
+
+    def add(self, seq: Sequence) -> bool:
+        """Pin the request's adapter; True when it is loaded in host memory already (the
+        request may enter the scheduler now), else it waits here."""
+        future = self.registry.pin(seq.lora_name)  # type: ignore[arg-type]
+        if future.done() and future.exception() is None:
+            return True
+        self._loading.append((seq, future))
+        return False
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
+
+    def take_loaded(self) -> tuple[list[Sequence], list[tuple[Sequence, str]]]:
+        """The waiting requests whose adapter load finished: (ready, failed with message)."""
+        ready, failed, still = [], [], []
+        for seq, future in self._loading:
+            if not future.done():
+                still.append((seq, future))
+            elif future.exception() is not None:
+                failed.append((seq, str(future.exception())))
+            else:
+                ready.append(seq)
+        self._loading = still
+        return ready, failed
+
+    def is_loading(self, seq: Sequence) -> bool:
+        return any(s is seq for s, _ in self._loading)
+
+    def futures(self) -> list[Future[Any]]:
+        return [f for _, f in self._loading]
+
+    def done(self, seq: Sequence) -> None:
+        """The request ended (any way): unpin its adapter."""
+        if seq.lora_name is None:
+            return
+        self._loading = [(s, f) for s, f in self._loading if s is not seq]
+        self.registry.unpin(seq.lora_name)
+        seq.lora_name = None  # unpinned once, however many end paths it takes
+
+    def ensure(self, name: str, path: str) -> None:
+        """A request names the adapter with its path: learn it, or its new path."""
+        if self.registry.paths.get(name) != path:
+            self.register(name, path)
+
+    def register(self, name: str, path: str) -> None:
+        """Make an adapter known. A name reused for another path must not find the old
+        weights in a slot or in host memory."""
+        from worker.api import LoRAAdapterError
+
+        if self.registry.paths.get(name) != path:
+            if self.registry.in_use(name) or not self.slots.evict(name):
+                raise LoRAAdapterError(f"the LoRA adapter {name!r} still serves requests under its former path; "
+                                       f"retry when they end")
+            if name in self.registry.paths:
+                self.registry.unregister(name)
+        self.registry.register(name, path)

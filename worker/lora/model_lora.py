@@ -1,0 +1,74 @@
+"""LoRA on a loaded model: wrap its projections (worker/lora/layers.py), write adapters
+into device slots, and say the full shapes an adapter must have (worker/lora/adapter.py)."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from worker.lora.adapter import TARGETS, LoRAAdapter, load_adapter
+from worker.lora.layers import LoRAColumnLinear, LoRARowLinear, LoRAStepState
+from worker.model.llama import LlamaArch
+
+# Where each fused projection lives in a decoder layer.
+_OWNER = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+
+
+def target_shapes(arch: LlamaArch) -> dict[str, tuple[int, int]]:
+    """(in, out) of each PEFT target in the full (unsharded) model."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def adapter_loader(arch: LlamaArch, max_rank: int) -> partial[LoRAAdapter]:
+    """(name, path) -> LoRAAdapter for this model (the registry's loader)."""
+    return partial(_load, shapes=target_shapes(arch), num_layers=arch.num_layers, max_rank=max_rank)
+
+
+def _load(name: str, path: str, shapes: dict[str, tuple[int, int]], num_layers: int, max_rank: int) -> LoRAAdapter:
+    return load_adapter(name, path, shapes, num_layers, max_rank)
+
+
+class ModelLoRA:
+    """The model's wrapped projections and their shared step state."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+        self.state = LoRAStepState(max_loras, max_rank)
+        self.layers: list[dict[str, LoRAColumnLinear | LoRARowLinear]] = []
+        for layer in model.layers:
+            wrapped = {}
+            for proj, owner in _OWNER.items():
+                parent = getattr(layer, owner)
+                base = getattr(parent, proj)
+                cls = LoRAColumnLinear if proj in ("qkv_proj", "gate_up_proj") else LoRARowLinear
+                wrapped[proj] = cls(base, self.state)
+                setattr(parent, proj, wrapped[proj])
+            self.layers.append(wrapped)
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Put `adapter` into `slot` of every projection (targets it lacks become zeros)."""
+        for i, wrapped in enumerate(self.layers):
+            for module in wrapped.values():
+                module.clear_slot(slot)
+            for target, (proj, part) in TARGETS.items():
+                pair = adapter.weights.get((i, target))
+                if pair is not None:
+                    a, b = pair
+                    dtype = wrapped[proj].weight.dtype
+                    wrapped[proj].write(slot, part, a.to(dtype), b.to(dtype))
+
+    def prepare(self, slots_per_row: list[int], lens: list[int], device: torch.device, dtype: torch.dtype) -> bool:
+        """Set the step's row -> slot map from each sequence's slot (-1: base) and token
+        count, in flat-batch order; returns whether any row uses an adapter."""
+        top = max(slots_per_row, default=-1)
+        if top < 0:
+            self.state.prepare(None, 0, dtype)
+            return False
+        token_slots = torch.repeat_interleave(torch.tensor(slots_per_row, dtype=torch.long),
+                                              torch.tensor(lens, dtype=torch.long))
+        self.state.prepare(token_slots.to(device, non_blocking=True), top + 1, dtype)
+        return True
