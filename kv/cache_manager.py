@@ -62,6 +62,10 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def block_hashes(self, request_id: str) -> list[int]:
+        """The request's full-block hashes computed so far (by get_computed_blocks)."""
+        return self._hashes.get(request_id, [])
+
     def adopt_block_hashes(self, request_id: str, block_hashes: Sequence[int]) -> None:
         """Take the hashes of the request's leading full blocks from a caller that computed
         them already with kv.block_hash at this block size (the simulator's router hashed
