@@ -107,6 +107,9 @@ class BlockPool:
         # KV can be copied down before the step that overwrites it runs. The owner drains
         # it after each schedule; None records nothing.
         self.evicted: list[tuple[int, int]] | None = None
+        # With a store shared by replicas: every block newly registered in the cache, as
+        # (block hash, block id), for the owner to publish once its KV is computed.
+        self.stored: list[tuple[int, int]] | None = None
 
     def _make_block(self, block_id: int) -> Block:
         if block_id < len(self._blocks):  # made already by `blocks`
@@ -176,6 +179,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.stored is not None:
+            self.stored.append((block_hash, block.block_id))
         return True
 
     def _evict(self, block: Block, record: bool = True) -> None:

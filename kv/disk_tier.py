@@ -58,6 +58,12 @@ def layout_fingerprint(spec: KVCacheSpec, model_id: str) -> dict[str, object]:
     }
 
 
+def fingerprint_key(fingerprint: dict[str, object]) -> str:
+    """A directory name per model and layout: replicas of other models sharing one volume
+    keep to their own subdirectory (the same tokens give the same chain hash everywhere)."""
+    return hashlib.blake2b(json.dumps(fingerprint, sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
 def entry_name(block_hash: int) -> str:
     return f"{block_hash:016x}{SUFFIX}"
 
@@ -127,6 +133,11 @@ class DiskTier:
                 return True
         # Another replica may have stored it (a stat: only on a miss of this process's view).
         return self.shared and (self.directory / entry_name(block_hash)).is_file()
+
+    def knows(self, block_hash: int) -> bool:
+        """In this process's view (no file-system call)."""
+        with self._lock:
+            return block_hash in self._entries
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -161,6 +161,8 @@ class Engine:
         (worker/kv_tiers.py draws the path)."""
         self.tiers = tiers
         self.kv.pool.evicted = []
+        if tiers.shared is not None:
+            self.kv.pool.stored = []
         self.scheduler.tiers = tiers
 
     @property
@@ -344,6 +346,8 @@ class Engine:
             budget.observe_plan(plan, result.token_ids, result.forward_s)
         saved = self.connector.save_kv(plan, result.token_ids)  # before update frees blocks
         changed = self._timed(self.scheduler.update, plan, result.token_ids)
+        if self.tiers is not None:  # blocks computed this step, out to the shared store
+            self.tiers.publish(self.kv.pool.stored)
         self.prefill_meter.record(plan.num_new_tokens, result.forward_s)
         return AppliedStep(plan, result.logprobs, changed, saved)
 

@@ -1,8 +1,9 @@
 """KV tiers below the device: where evicted prefix blocks go, and how they come back.
 
     device pool ──evicted (offload)──> host tier ──pushed out──> disk tier (optional)
-         ^                                 │                        │
-         └──────── load (TierLoad) ────────┴──── background read ───┘
+         │   ^                             │                        │
+         │   └──── load (TierLoad) ────────┴──── background read ───┤
+         └──computed (publish)──> shared store (optional, a directory all replicas mount)
 
 The engine calls the manager at fixed points of every step:
   offload     after scheduling, before the step executes: the cached blocks that this
@@ -15,6 +16,10 @@ The engine calls the manager at fixed points of every step:
   poll        at the start of a step: finished disk reads are copied into their device
               blocks; returns each finished load with the count of blocks it filled,
               for Scheduler.finish_load
+  publish     after a step's update, with a shared store: the blocks it newly cached
+              (their KV computed now) are copied out and written to the store in the
+              background, so that other replicas can load them
+A block is read back from the host tier first, then the local disk, then the shared store.
 A load stops at the first block that no tier can serve (evicted meanwhile, or a disk
 entry that failed its checks): the sequence computes the rest. Copies go through the
 runner's export_kv / import_kv (the same calls disaggregation uses).
@@ -29,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from kv.disk_tier import DiskTier
+from kv.disk_tier import DiskTier, fingerprint_key, layout_fingerprint
 from kv.host_tier import HostTier
 from kv.kv_cache import KVCacheSpec
 from worker.config import CacheConfig
@@ -65,16 +70,19 @@ class _PendingLoad:
 
 class TierManager:
     def __init__(self, runner: KVTransferRunner, spec: KVCacheSpec, host: HostTier,
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, shared: DiskTier | None = None) -> None:
         self.runner = runner
         self.spec = spec
         self.host = host
         self.disk = disk
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-io") if disk is not None else None
+        self.shared = shared
+        below = disk is not None or shared is not None
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-io") if below else None
         self._pending: list[_PendingLoad] = []
         self.num_offloaded_blocks = 0
         self.num_loaded_blocks = 0  # from the host tier and disk together
-        self.num_disk_loaded_blocks = 0
+        self.num_disk_loaded_blocks = 0  # from the local disk or the shared store
+        self.num_published_blocks = 0
 
     @classmethod
     def from_config(cls, cache: CacheConfig, runner: KVTransferRunner, model_path: str | Path | None,
@@ -84,19 +92,26 @@ class TierManager:
                              f"{type(runner).__name__} does not (set host_kv_cache_bytes: 0)")
         spec = runner.kv_spec
         host = HostTier.for_budget(spec, cache.host_kv_cache_bytes, pin_memory)
-        disk = None
+        model_id = model_id_of(model_path)
+        # One subdirectory per model and layout: a volume can hold several models' stores.
+        key = fingerprint_key(layout_fingerprint(spec, model_id))
+        disk = shared = None
         if cache.disk_kv_cache_dir is not None:
-            disk = DiskTier(cache.disk_kv_cache_dir, cache.disk_kv_cache_bytes, spec, model_id_of(model_path))
-        logger.info("KV tiers: host %d blocks%s", host.num_slots,
-                    f", disk {cache.disk_kv_cache_dir} ({cache.disk_kv_cache_bytes} bytes)" if disk else "")
-        return cls(runner, spec, host, disk)
+            disk = DiskTier(Path(cache.disk_kv_cache_dir) / key, cache.disk_kv_cache_bytes, spec, model_id)
+        if cache.shared_kv_store_dir is not None:
+            shared = DiskTier(Path(cache.shared_kv_store_dir) / key, cache.shared_kv_store_bytes, spec, model_id,
+                              shared=True)
+        logger.info("KV tiers: host %d blocks, disk %s, shared store %s", host.num_slots,
+                    disk.directory if disk else None, shared.directory if shared else None)
+        return cls(runner, spec, host, disk, shared)
 
     # -- the scheduler's view (torch-free in what it touches) ----------------------------------
     def num_available(self, block_hashes: list[int]) -> int:
-        host, disk = self.host, self.disk
+        host, disk, shared = self.host, self.disk, self.shared
         n = 0
         for block_hash in block_hashes:
-            if block_hash not in host and (disk is None or block_hash not in disk):
+            if (block_hash not in host and (disk is None or block_hash not in disk)
+                    and (shared is None or block_hash not in shared)):
                 break
             n += 1
         return n
@@ -117,6 +132,22 @@ class TierManager:
         if self.disk is not None and self._io is not None:
             for block_hash, block_kv in pushed:
                 self._io.submit(self.disk.put, block_hash, block_kv)
+
+    def publish(self, stored: list[tuple[int, int]] | None) -> None:
+        """Write blocks newly cached on the device (their KV computed) to the shared
+        store in the background; clears `stored`."""
+        if not stored:
+            return
+        shared = self.shared
+        fresh = [(h, b) for h, b in stored if shared is not None and not shared.knows(h)]
+        stored.clear()
+        if not fresh or not shared.writable or self._io is None:
+            return
+        kv = self.runner.export_kv([b for _, b in fresh])
+        blocks = kv.split(self.spec.block_size, dim=2)  # views of one copy, (layers, 2, bs, H, D) each
+        for (block_hash, _), block_kv in zip(fresh, blocks):
+            self._io.submit(shared.put, block_hash, block_kv)
+        self.num_published_blocks += len(fresh)
 
     def start_loads(self, loads: list[TierLoad]) -> list[tuple[Sequence, int]]:
         """Begin the plan's loads; returns those already complete (host-held throughout),
@@ -174,11 +205,15 @@ class TierManager:
 
     # -- internals ---------------------------------------------------------------------------------
     def _read_disk(self, block_hashes: list[int]) -> list[torch.Tensor]:
-        """Background thread: the disk blocks, from the first, up to the first miss."""
-        assert self.disk is not None
+        """Background thread: the blocks from the local disk or else the shared store,
+        from the first, up to the first that neither serves."""
         blocks = []
         for block_hash in block_hashes:
-            kv = self.disk.get(block_hash)
+            kv = None
+            if self.disk is not None and self.disk.knows(block_hash):
+                kv = self.disk.get(block_hash)
+            if kv is None and self.shared is not None:
+                kv = self.shared.get(block_hash)
             if kv is None:
                 break
             blocks.append(kv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,11 +39,13 @@ LATER = [PREFIX + _tokens(_rng, 9), PREFIX + _tokens(_rng, 21), _tokens(_rng, 40
 LATER_MAX_TOKENS = [60, 60, 100, 100]  # together they outgrow the pool: preemption
 
 
-def _engine(model_dir: Path, num_blocks: int, host_bytes: int = 0, disk_dir: Path | None = None) -> Engine:
+def _engine(model_dir: Path, num_blocks: int, host_bytes: int = 0, disk_dir: Path | None = None,
+            shared_dir: Path | None = None) -> Engine:
     return Engine.from_config(EngineConfig(
         ModelConfig(str(model_dir), dtype="float32", device="cpu"),
         CacheConfig(block_size=BLOCK, num_blocks_override=num_blocks, host_kv_cache_bytes=host_bytes,
-                    disk_kv_cache_dir=None if disk_dir is None else str(disk_dir)),
+                    disk_kv_cache_dir=None if disk_dir is None else str(disk_dir),
+                    shared_kv_store_dir=None if shared_dir is None else str(shared_dir)),
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
     ))
 
@@ -114,7 +117,7 @@ def test_corrupt_disk_entries_are_recomputed(tiny_llama: Path, expected: dict[st
 def test_disk_gone_degrades_to_host_tier(tiny_llama: Path, expected: dict[str, list[int]], run_engine,
                                          tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     engine = _engine(tiny_llama, 16, host_bytes=8 * 8192, disk_dir=tmp_path / "kv")
-    (tmp_path / "kv").rmdir()  # the volume went away after start
+    shutil.rmtree(tmp_path / "kv")  # the volume went away after start
     with caplog.at_level(logging.WARNING, logger="kv.disk_tier"):
         assert _turns(engine, run_engine) == expected
         engine.tiers.flush()
@@ -122,3 +125,23 @@ def test_disk_gone_degrades_to_host_tier(tiny_llama: Path, expected: dict[str, l
     assert len([r for r in caplog.records if "not writable" in r.message]) == 1
     assert engine.tiers.num_loaded_blocks >= 1
     engine.tiers.close()
+
+
+def test_a_replica_loads_what_another_computed_from_the_shared_store(
+        tiny_llama: Path, expected: dict[str, list[int]], run_engine, tmp_path: Path) -> None:
+    store = tmp_path / "shared"
+    first = _engine(tiny_llama, 16, host_bytes=8 * 8192, shared_dir=store)
+    run_engine(first, [FIRST], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), ["first"])
+    first.tiers.flush()
+    assert first.tiers.num_published_blocks >= 5
+    (subdir,) = store.iterdir()  # one directory per model and KV layout
+    assert len(list(subdir.glob("*.kv"))) >= 5
+    second = _engine(tiny_llama, 16, host_bytes=8 * 8192, shared_dir=store)  # a peer, cold
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in LATER_MAX_TOKENS]
+    finals: dict = {}
+    got = run_engine(second, LATER, params, [f"later{i}" for i in range(len(LATER))], finals)
+    assert got == expected
+    assert finals["later0"].num_cached_tokens == len(PREFIX)
+    assert second.tiers.num_disk_loaded_blocks >= 5 and second.tiers.shared.num_dropped == 0
+    first.tiers.close()
+    second.tiers.close()
