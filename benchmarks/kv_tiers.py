@@ -14,9 +14,9 @@ Each figure is the request's wall time to its first token (add to first output, 
 synchronous engine stepped on this thread), greedy, one output token; suffixes are 16
 tokens. The reload's first token is checked against a recompute of the same prompt on a
 second engine without tiers in the first round (a mismatch fails the run). Figures are
-medians over the rounds (2 with --quick, else 4). The default model is SmolLM2-135M (a real 30-layer checkpoint, the GGUF the
-tests use) when installed, else the benchmark model (benchmarks/bench_model.py, whose
-2,048-token context caps the prefix).
+medians over the rounds (2 with --quick, else 4). The default model is SmolLM2-135M (a
+real 30-layer checkpoint, the GGUF the tests use) when installed, else the benchmark
+model (benchmarks/bench_model.py, whose 2,048-token context caps the prefix).
 
 RESULT reload_vs_recompute=<median reload TTFT / median recompute TTFT>
 The simulated parts of issue 29's RESULT line (later-turn TTFT, goodput at 4x the device

@@ -145,3 +145,13 @@ def test_a_replica_loads_what_another_computed_from_the_shared_store(
     assert second.tiers.num_disk_loaded_blocks >= 5 and second.tiers.shared.num_dropped == 0
     first.tiers.close()
     second.tiers.close()
+
+
+def test_tier_settings_are_checked_and_never_silently_ignored(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="under the host tier"):
+        CacheConfig(disk_kv_cache_dir="/tmp/x")
+    with pytest.raises(ValueError, match="under the host tier"):
+        CacheConfig(shared_kv_store_dir="/tmp/x")
+    with pytest.raises(ValueError, match="not modelled by the simulated device"):
+        Engine.from_config(EngineConfig(ModelConfig(str(tiny_llama), device="sim:h200"),
+                                        CacheConfig(host_kv_cache_bytes=1 << 20)))
