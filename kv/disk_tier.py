@@ -142,6 +142,16 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def recent_hashes(self, limit: int) -> list[int]:
+        """Up to `limit` entries of this process's view, most recently used first."""
+        with self._lock:
+            out = []
+            for block_hash in reversed(self._entries):
+                out.append(block_hash)
+                if len(out) >= limit:
+                    break
+            return out
+
     @property
     def num_bytes(self) -> int:
         return self._num_bytes

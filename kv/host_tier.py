@@ -46,6 +46,15 @@ class HostTier:
         """Held block hashes, least recently used first."""
         return list(self._slots)
 
+    def recent_hashes(self, limit: int) -> list[int]:
+        """Up to `limit` held hashes, most recently used first."""
+        out = []
+        for block_hash in reversed(self._slots):
+            out.append(block_hash)
+            if len(out) >= limit:
+                break
+        return out
+
     def put(self, block_hashes: Sequence[int], kv: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         """Store blocks given as (layers, 2, n * block_size, Hkv, D), block i's hash at
         block_hashes[i]. A hash held already only has its recency refreshed. Returns the

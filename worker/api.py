@@ -306,6 +306,10 @@ class RoutingStats:
     # Sequences the engine runs at once (0: not said): a request sent while fewer run
     # starts at once instead of waiting.
     max_num_seqs: int = 0
+    # Prefix block hashes held below the device (KV tiers, docs/kv-tiers.md), most recent
+    # first: the router credits them as loads, not recomputation.
+    host_prefix_hashes: list[int] = field(default_factory=list)
+    disk_prefix_hashes: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

@@ -116,6 +116,13 @@ class TierManager:
             n += 1
         return n
 
+    def routing_hashes(self, limit: int) -> tuple[list[int], list[int]]:
+        """What the router credits (worker/api.py's RoutingStats): up to `limit` hashes
+        of the host tier and of the local disk, most recent first. The shared store is
+        left out: every replica reads it alike, so it tells replicas apart by nothing."""
+        disk = self.disk.recent_hashes(limit) if self.disk is not None else []
+        return self.host.recent_hashes(limit), disk
+
     # -- the step --------------------------------------------------------------------------------
     def offload(self, evicted: list[tuple[int, int]]) -> None:
         """Copy blocks the pool just handed out again into the host tier (before the step

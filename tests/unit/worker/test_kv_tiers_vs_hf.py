@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from kv.block_hash import hash_full_blocks
 from worker.api import SamplingParams
+from worker.routing_report import build_routing_stats
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine import Engine
 
@@ -97,6 +99,9 @@ def test_later_turns_match_hf_from_every_tier(path: str, tiny_llama: Path, expec
     assert engine.scheduler.num_preemptions > 0 or path == "device"
     if path == "host":
         assert tiers.num_loaded_blocks >= 5 and tiers.num_disk_loaded_blocks == 0
+        # What the replica reports for the router to credit (worker/routing_report.py).
+        stats = build_routing_stats(engine, engine.stats(), [], 0.0, tier_hashes=tiers.routing_hashes(1000))
+        assert set(hash_full_blocks(PREFIX, BLOCK)) <= set(stats.host_prefix_hashes)
     elif path == "disk":
         assert tiers.num_disk_loaded_blocks >= 5
     else:
