@@ -160,3 +160,23 @@ def test_tier_settings_are_checked_and_never_silently_ignored(tiny_llama: Path) 
     with pytest.raises(ValueError, match="not modelled by the simulated device"):
         Engine.from_config(EngineConfig(ModelConfig(str(tiny_llama), device="sim:h200"),
                                         CacheConfig(host_kv_cache_bytes=1 << 20)))
+
+
+def test_abort_while_loading_from_disk_frees_blocks_and_keeps_serving(
+        tiny_llama: Path, expected: dict[str, list[int]], run_engine, tmp_path: Path) -> None:
+    engine = _engine(tiny_llama, 16, host_bytes=2 * 8192, disk_dir=tmp_path / "kv")
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    run_engine(engine, [FIRST], greedy, ["first"])
+    run_engine(engine, FILLERS, greedy, [f"filler{i}" for i in range(len(FILLERS))])
+    engine.tiers.flush()
+    engine.add_request("gone", LATER[0], greedy)
+    assert engine.step() == []
+    assert engine.scheduler.loading and engine.tiers.has_pending  # its disk blocks are being read
+    engine.abort_request("gone")
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    engine.tiers.poll(wait=True)  # the read lands after the abort: nothing is copied, nothing resumes
+    assert not engine.scheduler.has_unfinished()
+    params = SamplingParams(max_tokens=LATER_MAX_TOKENS[1], temperature=0.0)
+    assert run_engine(engine, [LATER[1]], params, ["later1"]) == {"later1": expected["later1"]}
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    engine.tiers.close()
