@@ -59,19 +59,30 @@ class HostTier:
         """Store blocks given as (layers, 2, n * block_size, Hkv, D), block i's hash at
         block_hashes[i]. A hash held already only has its recency refreshed. Returns the
         blocks pushed out to make room: (hash, (layers, 2, block_size, Hkv, D) copy)."""
-        blocks = self._split(kv, len(block_hashes))
         pushed: list[tuple[int, torch.Tensor]] = []
+        blocks = self._split(kv, len(block_hashes))
+        rows: list[int] = []  # which of the given blocks are new here
+        slots: list[int] = []  # and the slot each goes to
         for i, block_hash in enumerate(block_hashes):
             if block_hash in self._slots:
                 self._slots.move_to_end(block_hash)
                 continue
+            if len(rows) == self.num_slots:  # more new blocks than slots: the earliest pass through
+                j = rows.pop(0)
+                self._slots.pop(block_hashes[j])
+                self._free_slots.append(slots.pop(0))
+                pushed.append((block_hashes[j], blocks[j].to(self.buffer.device, copy=True)))
             if not self._free_slots:
                 old_hash, slot = self._slots.popitem(last=False)
                 pushed.append((old_hash, self.buffer[slot].clone()))
                 self._free_slots.append(slot)
             slot = self._free_slots.pop()
-            self.buffer[slot].copy_(blocks[i])
             self._slots[block_hash] = slot
+            rows.append(i)
+            slots.append(slot)
+        if rows:  # one copy for all of them (from the device too), not one per block
+            picked = blocks if len(rows) == len(block_hashes) else blocks[torch.tensor(rows)]
+            self.buffer.index_copy_(0, torch.tensor(slots), picked.to(self.buffer.device))
         return pushed
 
     def get(self, block_hashes: Sequence[int]) -> torch.Tensor:

@@ -7,6 +7,7 @@ import torch
 from kv.host_tier import HostTier
 from kv.kv_cache import KVCacheSpec
 
+SHAPE_ONE = (2, 2, 4, 1, 2)  # one block: (layers, 2, block_size, H, D)
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=2, block_size=4, dtype=torch.float32)
 
 
@@ -53,3 +54,13 @@ def test_discard_clear_and_budget() -> None:
     assert len(tier) == 0 and len(tier._free_slots) == 5
     with pytest.raises(ValueError, match="at least one block"):
         HostTier(SPEC, 0)
+
+
+def test_more_new_blocks_than_slots_keeps_the_latest() -> None:
+    tier = HostTier(SPEC, num_slots=2)
+    tier.put([1], blocks(1.0))
+    pushed = tier.put([2, 3, 4], blocks(2.0, 3.0, 4.0))
+    assert [h for h, _ in pushed] == [1, 2]  # 1 held before, 2 passes straight through
+    assert torch.equal(pushed[1][1], blocks(2.0).reshape(SHAPE_ONE))
+    assert tier.hashes() == [3, 4]
+    assert torch.equal(tier.get([3, 4]), blocks(3.0, 4.0))
