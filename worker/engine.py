@@ -477,8 +477,11 @@ class Engine:
         recent = self._recent
         span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
         tokens_per_s = sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0
+        kv = self.kv.stats()
+        if self.tiers is not None:
+            kv = replace(kv, **self.tiers.stats())
         return EngineStats(
-            kv=self.kv.stats(),
+            kv=kv,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             # Uncached only (Scheduler.waiting_uncached_tokens): the router's prefill backlog.

@@ -116,6 +116,14 @@ class TierManager:
             n += 1
         return n
 
+    def stats(self) -> dict[str, int]:
+        """KVStats' tier fields."""
+        return {
+            "num_host_blocks": len(self.host),
+            "num_disk_blocks": len(self.disk) if self.disk is not None else 0,
+            "num_tier_loaded_blocks": self.num_loaded_blocks,
+        }
+
     def routing_hashes(self, limit: int) -> tuple[list[int], list[int]]:
         """What the router credits (worker/api.py's RoutingStats): up to `limit` hashes
         of the host tier and of the local disk, most recent first. The shared store is

@@ -102,6 +102,9 @@ def test_later_turns_match_hf_from_every_tier(path: str, tiny_llama: Path, expec
         # What the replica reports for the router to credit (worker/routing_report.py).
         stats = build_routing_stats(engine, engine.stats(), [], 0.0, tier_hashes=tiers.routing_hashes(1000))
         assert set(hash_full_blocks(PREFIX, BLOCK)) <= set(stats.host_prefix_hashes)
+        kv_stats = engine.stats().kv
+        assert kv_stats.num_host_blocks == len(tiers.host) > 0 and kv_stats.num_disk_blocks == 0
+        assert kv_stats.to_dict()["num_tier_loaded_blocks"] == tiers.num_loaded_blocks
     elif path == "disk":
         assert tiers.num_disk_loaded_blocks >= 5
     else:
