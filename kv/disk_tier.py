@@ -20,7 +20,8 @@ writing off with one log line; the tiers above keep working and reads go on.
 Bounded: `capacity_bytes` over this process's view of the entries, least recently used
 first out. In a shared directory other replicas add entries this process does not know:
 when its own count passes the bound it rescans the directory and deletes the oldest by
-modification time (a read refreshes it) until the whole directory fits.
+modification time (a read refreshes it) until the whole directory is below a low-water
+mark under the bound.
 Thread-safe: the engine thread looks up, a background thread reads and writes.
 """
 from __future__ import annotations
@@ -43,6 +44,9 @@ from kv.transfer import dtype_name
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVTIER01"
+# A shared directory, once over its bound, is cut to this share of it: each cut rescans
+# the directory, so it must make room for many writes, not one.
+SHARED_LOW_WATER = 0.9
 SUFFIX = ".kv"
 
 
@@ -232,11 +236,13 @@ class DiskTier:
 
     def _shrink(self) -> None:
         """Delete least recently used entries until the directory fits its bound."""
+        target = self.capacity_bytes
         if self.shared:
             self._scan()  # others' entries count too; oldest first by mtime
+            target = int(self.capacity_bytes * SHARED_LOW_WATER)
         while True:
             with self._lock:
-                if self._num_bytes <= self.capacity_bytes or not self._entries:
+                if self._num_bytes <= target or not self._entries:
                     return
                 block_hash, nbytes = self._entries.popitem(last=False)
                 self._num_bytes -= nbytes

@@ -80,7 +80,7 @@ class TierManager:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-io") if below else None
         self._pending: list[_PendingLoad] = []
         self.num_offloaded_blocks = 0
-        self.num_loaded_blocks = 0  # from the host tier and disk together
+        self.num_loaded_blocks = 0  # from every tier
         self.num_disk_loaded_blocks = 0  # from the local disk or the shared store
         self.num_published_blocks = 0
 

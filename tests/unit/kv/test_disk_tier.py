@@ -123,6 +123,6 @@ def test_shared_store_sees_peers_and_bounds_the_whole_directory(tmp_path: Path) 
     b = tier(tmp_path, capacity=2 * entry_bytes, shared=True)
     a.put(2, block(2.0))  # written after b started: b finds it on a miss of its own view
     assert 2 in b and torch.equal(b.get(2), block(2.0))
-    b.put(3, block(3.0))  # three entries in a two-entry store: b rescans and drops the oldest
-    assert sorted(p.name for p in tmp_path.glob("*.kv")) == [entry_name(2), entry_name(3)]
+    b.put(3, block(3.0))  # three entries in a two-entry store: b rescans, cuts below the bound
+    assert sorted(p.name for p in tmp_path.glob("*.kv")) == [entry_name(3)]  # oldest first: 1, 2
     assert 1 not in b and a.get(1) is None  # a's view heals on the miss
