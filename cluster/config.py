@@ -105,6 +105,15 @@ class EngineSection(Section):
     # None: the model's context length, capped by what the KV cache holds.
     max_model_len: int | None = Field(default_of(SchedulerConfig, "max_model_len"), ge=2)
     enable_prefix_caching: bool = default_of(CacheConfig, "enable_prefix_caching")
+    # KV tiers below the device (docs/kv-tiers.md): host memory for evicted prefix blocks
+    # (0: none), and an optional local directory under it with its byte bound.
+    host_kv_cache_bytes: ByteSize = Field(default_of(CacheConfig, "host_kv_cache_bytes"), ge=0)
+    disk_kv_cache_dir: str | None = default_of(CacheConfig, "disk_kv_cache_dir")
+    disk_kv_cache_bytes: ByteSize = Field(default_of(CacheConfig, "disk_kv_cache_bytes"), gt=0)
+    # A directory every replica mounts (a shared volume): a replica loads prefix blocks
+    # another one computed.
+    shared_kv_store_dir: str | None = default_of(CacheConfig, "shared_kv_store_dir")
+    shared_kv_store_bytes: ByteSize = Field(default_of(CacheConfig, "shared_kv_store_bytes"), gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = default_of(ModelConfig, "dtype")
     # auto | cpu | cuda | sim:<profile> (a simulated device, worker/sim/: h200, h100,
     # a100-80gb, l4, a fitted profile's name or a JSON path; no weights are loaded, the

@@ -102,6 +102,14 @@ class BlockPool:
         self.free_queue = FreeBlockQueue((), num_untouched=num_blocks, make_block=self._make_block)
         self.cached: dict[int, Block] = {}  # block hash -> block holding that KV
         self.num_evictions = 0
+        # With KV tiers below the device (kv/host_tier.py): every cached block handed out
+        # again is recorded here as (block hash, block id), in eviction order, so that its
+        # KV can be copied down before the step that overwrites it runs. The owner drains
+        # it after each schedule; None records nothing.
+        self.evicted: list[tuple[int, int]] | None = None
+        # With a store shared by replicas: every block newly registered in the cache, as
+        # (block hash, block id), for the owner to publish once its KV is computed.
+        self.stored: list[tuple[int, int]] | None = None
 
     def _make_block(self, block_id: int) -> Block:
         if block_id < len(self._blocks):  # made already by `blocks`
@@ -171,14 +179,19 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.stored is not None:
+            self.stored.append((block_hash, block.block_id))
         return True
 
-    def _evict(self, block: Block) -> None:
+    def _evict(self, block: Block, record: bool = True) -> None:
         if block.block_hash is not None:
+            if record and self.evicted is not None:
+                self.evicted.append((block.block_hash, block.block_id))
             del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1
 
     def reset_prefix_cache(self) -> None:
+        """Forget every cached block (a clear, not an eviction: nothing moves down)."""
         for block in list(self.cached.values()):
-            self._evict(block)
+            self._evict(block, record=False)

@@ -70,6 +70,9 @@ class KVCacheManager:
         assert not self._hashes.get(request_id), "the root must be set before hashing"
         if root != ROOT_HASH:
             self._roots[request_id] = root
+    def block_hashes(self, request_id: str) -> list[int]:
+        """The request's full-block hashes computed so far (by get_computed_blocks)."""
+        return self._hashes.get(request_id, [])
 
     def adopt_block_hashes(self, request_id: str, block_hashes: Sequence[int]) -> None:
         """Take the hashes of the request's leading full blocks from a caller that computed

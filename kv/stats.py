@@ -12,6 +12,11 @@ class KVStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of those, tokens found cached
     num_cached_blocks: int = 0
+    # KV tiers below the device (docs/kv-tiers.md): blocks held in the host tier and on the
+    # local disk now, and blocks loaded back from any tier so far (0 without tiers).
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+    num_tier_loaded_blocks: int = 0
 
     @property
     def usage(self) -> float:
@@ -30,4 +35,7 @@ class KVStats:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "num_cached_blocks": self.num_cached_blocks,
+            "num_host_blocks": self.num_host_blocks,
+            "num_disk_blocks": self.num_disk_blocks,
+            "num_tier_loaded_blocks": self.num_tier_loaded_blocks,
         }

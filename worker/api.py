@@ -334,6 +334,10 @@ class RoutingStats:
     # needs no load) and those read into host memory (a device copy only), worker/lora/.
     lora_resident: tuple[str, ...] = ()
     lora_loaded: tuple[str, ...] = ()
+    # Prefix block hashes held below the device (KV tiers, docs/kv-tiers.md), most recent
+    # first: the router credits them as loads, not recomputation.
+    host_prefix_hashes: list[int] = field(default_factory=list)
+    disk_prefix_hashes: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

@@ -104,6 +104,7 @@ class AsyncEngine:
         self._stats: EngineStats = engine.stats()
         # Taken on the step thread (the pool is not thread-safe), at most every period.
         self._prefix_hashes: list[int] = []
+        self._tier_hashes: tuple[list[int], list[int]] = ([], [])  # host, disk (KV tiers)
         self._prefix_hashes_time = 0.0
         self._dead: BaseException | None = None
 
@@ -230,10 +231,16 @@ class AsyncEngine:
         """Cached block hashes, most recent first, as of the latest snapshot."""
         return self._prefix_hashes
 
+    def tier_prefix_hashes(self) -> tuple[list[int], list[int]]:
+        """Block hashes in the host tier and on disk, most recent first (same snapshot)."""
+        return self._tier_hashes
+
     def _snapshot_prefix_hashes(self, period_s: float = 0.5) -> None:
         now = time.monotonic()
         if now - self._prefix_hashes_time >= period_s:
             self._prefix_hashes = self.engine.kv.cached_block_hashes(MAX_PREFIX_HASHES)
+            if self.engine.tiers is not None:
+                self._tier_hashes = self.engine.tiers.routing_hashes(MAX_PREFIX_HASHES)
             self._prefix_hashes_time = now
 
     @property

@@ -14,12 +14,28 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Tests force tiny pools (to provoke preemption) with an exact block count.
     num_blocks_override: int | None = None
+    # KV tiers below the device (worker/kv_tiers.py): evicted prefix blocks move down
+    # instead of vanishing. Host memory (pinned on a GPU), 0: no tiers.
+    host_kv_cache_bytes: int = 0
+    # A local directory under the host tier (None: none), bounded to this many bytes.
+    disk_kv_cache_dir: str | None = None
+    disk_kv_cache_bytes: int = 16 * 1024**3
+    # A directory shared by replicas (a shared volume): computed prefix blocks are written
+    # there, and a replica loads what another one computed (None: none).
+    shared_kv_store_dir: str | None = None
+    shared_kv_store_bytes: int = 64 * 1024**3
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.host_kv_cache_bytes < 0 or self.disk_kv_cache_bytes <= 0 or self.shared_kv_store_bytes <= 0:
+            raise ValueError("host_kv_cache_bytes must be >= 0, disk_kv_cache_bytes and shared_kv_store_bytes > 0")
+        below_host = self.disk_kv_cache_dir is not None or self.shared_kv_store_dir is not None
+        if below_host and not self.host_kv_cache_bytes:
+            raise ValueError("disk_kv_cache_dir and shared_kv_store_dir are tiers under the host tier: "
+                             "set host_kv_cache_bytes too")
 
 
 @dataclass(frozen=True)

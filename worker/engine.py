@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kv.cache_manager import KVCacheManager, cdiv
 from kv.stats import KVStats
@@ -37,6 +37,9 @@ from worker.step_meters import OutputLengthTracker, PrefillRateMeter
 from worker.step_overlap import AppliedStep, LaunchedStep, overlaps
 from worker.structured.compiler import GrammarCompiler
 from worker.structured.state import GrammarState
+
+if TYPE_CHECKING:  # torch: a simulated-device engine never imports it
+    from worker.kv_tiers import TierManager
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +91,7 @@ class Engine:
         self.scheduler.step_budget = engine_step_budget(scheduler_config.max_step_time_s, runner,
                                                            step_time_predictor)
         self.connector: KVConnector = make_connector(runner, self.kv, vocab_size)
+        self.tiers: TierManager | None = None  # KV tiers below the device (use_tiers)
         self.seqs: dict[str, Sequence] = {}
         # Structured outputs: set when the engine has a tokenizer (from_config). Requests
         # whose grammar is still compiling wait here, outside the scheduler.
@@ -148,6 +152,12 @@ class Engine:
         engine = cls(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config),
                      step_time_predictor=predictor)
         engine.model_path = path
+        if config.cache.host_kv_cache_bytes:
+            from worker.kv_tiers import TierManager
+
+            device = getattr(runner, "device", None)
+            pin = device is not None and device.type == "cuda"
+            engine.use_tiers(TierManager.from_config(config.cache, runner, path, pin_memory=pin))
         engine.grammar = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
         if getattr(runner, "lora", None) is not None:
             engine.enable_lora(EngineLoRA(config.lora, runner.lora_loader))
@@ -157,6 +167,15 @@ class Engine:
         self.lora = lora
         self.scheduler.lora_slots = lora.slots
         self.runner.lora_adapters = lora.registry.get
+
+    def use_tiers(self, tiers: TierManager) -> None:
+        """Evicted prefix blocks move down into `tiers`, and come back from there
+        (worker/kv_tiers.py draws the path)."""
+        self.tiers = tiers
+        self.kv.pool.evicted = []
+        if tiers.shared is not None:
+            self.kv.pool.stored = []
+        self.scheduler.tiers = tiers
 
     @property
     def max_model_len(self) -> int:
@@ -334,10 +353,12 @@ class Engine:
         return self._postprocess(applied.plan, applied.logprobs, applied.changed, applied.saved)
 
     def wait_for_compiles(self) -> None:
-        """Nothing to run but grammar compiles or adapter loads: wait for one, briefly."""
+        """Nothing to run but grammar compiles, adapter loads or tier reads: wait for one, briefly."""
         futures = [s.grammar.future for s in self.awaiting_grammar]
         if self.lora is not None:
             futures += self.lora.futures()
+        if self.tiers is not None:
+            futures += self.tiers.pending_futures()
         if futures:
             wait(futures, GRAMMAR_POLL_S, FIRST_COMPLETED)
 
@@ -347,9 +368,20 @@ class Engine:
         outputs = self._admit_compiled() if self.awaiting_grammar else []
         if self.lora is not None and self.lora.num_loading:
             outputs += self._admit_lora_loaded()
+        tiers = self.tiers
+        if tiers is not None and tiers.has_pending:  # disk reads done: those sequences run now
+            self._finish_loads(tiers.poll())
         plan = self._timed(self.scheduler.schedule)
+        if tiers is not None:  # evicted blocks down before this step overwrites them, then loads
+            tiers.offload(self.kv.pool.evicted)
+            if plan.kv_loads:
+                self._finish_loads(tiers.start_loads(plan.kv_loads))
         outputs += self._load_kv(plan)  # imports admitted this step: their KV into their blocks
         return LaunchedStep(plan, outputs, start_s=start)
+
+    def _finish_loads(self, done: list[tuple[Sequence, int]]) -> None:
+        for seq, num_blocks in done:
+            self.scheduler.finish_load(seq, num_blocks)
 
     def _apply(self, step: LaunchedStep, result: RunnerOutput) -> AppliedStep:
         plan = step.plan
@@ -358,6 +390,8 @@ class Engine:
             budget.observe_plan(plan, result.token_ids, result.forward_s)
         saved = self.connector.save_kv(plan, result.token_ids)  # before update frees blocks
         changed = self._timed(self.scheduler.update, plan, result.token_ids)
+        if self.tiers is not None:  # blocks computed this step, out to the shared store
+            self.tiers.publish(self.kv.pool.stored)
         self.prefill_meter.record(plan.num_new_tokens, result.forward_s)
         return AppliedStep(plan, result.logprobs, changed, saved)
 
@@ -508,8 +542,11 @@ class Engine:
         recent = self._recent
         span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
         tokens_per_s = sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0
+        kv = self.kv.stats()
+        if self.tiers is not None:
+            kv = replace(kv, **self.tiers.stats())
         return EngineStats(
-            kv=self.kv.stats(),
+            kv=kv,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             # Uncached only (Scheduler.waiting_uncached_tokens): the router's prefill backlog.

@@ -206,7 +206,8 @@ class WorkerReplica:
 
     def record_routing_stats(self) -> dict:
         return build_routing_stats(self.engine.engine, self.engine.stats(), self.engine.prefix_hashes(),
-                                   time.time(), self._is_healthy()).to_dict()
+                                   time.time(), self._is_healthy(),
+                                   tier_hashes=self.engine.tier_prefix_hashes()).to_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self.engine.stats()

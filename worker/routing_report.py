@@ -66,7 +66,8 @@ def decode_growth_blocks(running: Iterable[Sequence], waiting: Iterable[Sequence
 
 
 def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[int], timestamp: float,
-                        healthy: bool = True, capacity_weight: float = 1.0) -> RoutingStats:
+                        healthy: bool = True, capacity_weight: float = 1.0,
+                        tier_hashes: tuple[list[int], list[int]] = ([], [])) -> RoutingStats:
     """The report of a replica running `engine`. `stats`: its latest EngineStats (the async
     engine's snapshot under Serve); `timestamp`: time.time(), or the simulator's clock."""
     block_size = stats.kv.block_size
@@ -91,6 +92,8 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
         mean_output_tokens=mean,
         max_num_seqs=scheduler.config.max_num_seqs,
         **_lora_residency(engine),
+        host_prefix_hashes=tier_hashes[0],
+        disk_prefix_hashes=tier_hashes[1],
     )
 
 

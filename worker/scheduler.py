@@ -13,6 +13,13 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
    A sequence carrying imported KV (`seq.kv_import`, disaggregation) is admitted by the
    same rule; its prompt counts as computed (the KV connector writes the payload into
    its blocks before the step executes), so it only schedules its first decode token.
+3. with KV tiers below the device (`tiers`, worker/kv_tiers.py), a waiting sequence whose
+   prefix continues past the device's cache in a lower tier is admitted into `loading`
+   instead: blocks for the whole found prefix are allocated, the plan's `kv_loads` says
+   which tier blocks go into which device blocks, the engine copies them (a disk read
+   runs in the background), and `finish_load` moves the sequence to `running` with the
+   loaded blocks computed and cached. It takes no token budget while it loads, so the
+   step runs without it; a load that comes up short leaves the rest to compute.
 The token budget is max_num_batched_tokens; with a step-time budget (`step_budget`, set by
 the engine when SchedulerConfig.max_step_time_s is) each prompt chunk of a step that
 carries decodes gets only the tokens that keep the step's predicted time within it, priced
@@ -24,12 +31,30 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kv.cache_manager import KVCacheManager
 from worker.config import SchedulerConfig
 from worker.lora.slots import LoRASlots
 from worker.sequence import Sequence, SequenceStatus
 from worker.step_budget import MIN_PREFILL_TOKENS, StepTimeBudget
+
+
+class TierIndex(Protocol):
+    def num_available(self, block_hashes: list[int]) -> int:
+        """How many of these chained blocks, from the first, a lower tier holds."""
+        ...
+
+
+@dataclass
+class TierLoad:
+    """Blocks of `seq`'s prefix to copy from a lower tier: block_hashes[i] into device
+    block block_ids[i]. They follow `seq`'s device cache hits, which end at token
+    `num_computed_tokens`."""
+
+    seq: Sequence
+    block_hashes: list[int]
+    block_ids: list[int]
 
 
 @dataclass
@@ -45,6 +70,8 @@ class SchedulerOutput:
     kv_imports: list[Sequence] = field(default_factory=list)
     # (slot, adapter name): adapters to write into device slots before the step runs.
     lora_loads: list[tuple[int, str]] = field(default_factory=list)
+    # Admitted this step into `loading`: the engine starts their tier copies.
+    kv_loads: list[TierLoad] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -71,6 +98,8 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []  # waiting on tier copies (TierLoad), admission order
+        self.tiers: TierIndex | None = None  # the engine's, when it has KV tiers
         self.num_preemptions = 0
         self.step_budget: StepTimeBudget | None = None  # the engine's, when max_step_time_s is set
         self._timed_rows: list[tuple[int, int, bool]] | None = None  # this step's, under step_budget
@@ -86,7 +115,7 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def add(self, seq: Sequence) -> None:
         seq.waiting_uncached_tokens = self._uncached_tokens(seq)
@@ -159,7 +188,8 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.loading) < self.config.max_num_seqs):
             seq = self.waiting[0]
             if seq.kv_import is not None:  # its prompt's KV arrives with it
                 hits, num_computed = [], seq.kv_import.num_tokens
@@ -170,6 +200,11 @@ class Scheduler:
             else:
                 hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids)
                 num_computed = len(hits) * self.kv.block_size
+                num_tier = self._num_tier_blocks(seq, len(hits))
+                if num_tier:
+                    if not self._admit_loading(out, seq, hits, num_tier):
+                        break
+                    continue
             num_new = min(seq.num_tokens - num_computed, budget)
             if num_new > 1 and self._timed_rows is not None:  # a prompt beside decodes
                 num_new = self._time_capped(num_new, num_computed)
@@ -197,6 +232,49 @@ class Scheduler:
             self.running.append(seq)
             self._add_to_plan(out, seq, num_new, block_ids)
             budget -= num_new
+
+    def _num_tier_blocks(self, seq: Sequence, num_hits: int) -> int:
+        """Blocks right after the device hits that a lower tier holds (one token is always
+        left to compute)."""
+        if self.tiers is None:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.kv.block_size
+        hashes = self.kv.block_hashes(seq.request_id)[num_hits:max_blocks]
+        return self.tiers.num_available(hashes) if hashes else 0
+
+    def _admit_loading(self, out: SchedulerOutput, seq: Sequence, hits: list, num_tier: int) -> bool:
+        """Admit `seq` into `loading` with blocks for its device hits and `num_tier` tier
+        blocks after them; False when they do not fit (it stays at the queue's head)."""
+        num_hits, block_size = len(hits), self.kv.block_size
+        num_tokens = (num_hits + num_tier) * block_size
+        if not self.kv.can_allocate(seq.request_id, num_tokens, hits):
+            return False
+        block_ids = self.kv.allocate(seq.request_id, num_tokens, hits)
+        hashes = self.kv.block_hashes(seq.request_id)
+        out.kv_loads.append(TierLoad(seq, hashes[num_hits : num_hits + num_tier],
+                                     block_ids[num_hits : num_hits + num_tier]))
+        seq.num_computed_tokens = num_hits * block_size
+        seq.status = SequenceStatus.LOADING
+        if seq.scheduled_time is None:
+            seq.scheduled_time = time.monotonic()
+        self.waiting.popleft()
+        self.loading.append(seq)
+        return True
+
+    def finish_load(self, seq: Sequence, num_loaded_blocks: int) -> None:
+        """Apply a tier load: its first `num_loaded_blocks` blocks hold their KV now (a short
+        count: the rest failed a check or vanished, and is computed instead)."""
+        if seq.status is not SequenceStatus.LOADING:
+            return  # aborted while it loaded
+        self.loading.remove(seq)
+        num_computed = seq.num_computed_tokens + num_loaded_blocks * self.kv.block_size
+        self.kv.cache_computed(seq.request_id, seq.token_ids, num_computed)
+        if seq.num_preemptions == 0:
+            self.kv.record_admission(seq.num_prompt_tokens, num_computed)
+            seq.num_cached_tokens = num_computed
+        seq.num_computed_tokens = num_computed
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     @staticmethod
     def _add_to_plan(out: SchedulerOutput, seq: Sequence, num_new: int, block_ids: list[int]) -> None:
@@ -282,7 +360,8 @@ class Scheduler:
         the blocks they wait for), as do prompt_logprobs requests (they skip the cache)."""
         if seq.kv_import is not None or seq.params.prompt_logprobs is not None:
             return seq.num_uncomputed_tokens
-        cached = len(self.kv.get_computed_blocks(seq.request_id, seq.token_ids)) * self.kv.block_size
+        num_hits = len(self.kv.get_computed_blocks(seq.request_id, seq.token_ids))
+        cached = (num_hits + self._num_tier_blocks(seq, num_hits)) * self.kv.block_size
         return max(seq.num_tokens - cached, 0)
 
     # -- removal from outside the step (abort, failed step) ---------------------------------
@@ -292,6 +371,8 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.LOADING:
+            self.loading.remove(seq)
         else:
             self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    # Admitted with a prefix held in a tier below the device (worker/kv_tiers.py): its
+    # blocks are allocated and being filled; it joins `running` once they are.
+    LOADING = "loading"
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -7,6 +7,9 @@ Per fresh replica r and request q (KV in r's blocks, work in r's prompt tokens):
     cached(q, r)   = max(leading prompt blocks in r's reported prefix_hashes,
                          leading prompt blocks routers sent to r (hints)),
                      at most cacheable(q) = (prompt_len - 1) // block_size
+    host, disk     = blocks after those that r's KV tiers hold (its host_prefix_hashes,
+                     disk_prefix_hashes): loaded, not recomputed, but they need device
+                     blocks as much as computed ones
     expected(q, r) = min(max_tokens, r's reported mean_output_tokens, or
                          params.expected_output_tokens while r has observed none)
     need(q, r)     = blocks(prompt_len + expected(q, r)) - cached
@@ -15,7 +18,8 @@ Per fresh replica r and request q (KV in r's blocks, work in r's prompt tokens):
                      (reserved: the waiting prompts' blocks; growth: what the requests
                      already there will still grow into, worker/routing_report.py)
     score(q, r)    = capacity - unreflected_blocks - need          # >= 0: the request fits
-    credit(q, r)   = prefix_weight * cached / cacheable             # partial match, partial credit
+    credit(q, r)   = prefix_weight * (cached + host_hit_weight * host
+                     + disk_hit_weight * disk) / cacheable        # partial match, partial credit
                      + session_weight if r served q's session last  # a soft preference
     rank_key(q, r) = score / capacity + credit - ttft / target_ttft_s
 
@@ -26,8 +30,9 @@ Work, because KV usage hides queued work and request counts hide request sizes (
                     device second over its recent budget-full steps: worker/step_meters.py),
                     else params.prefill_tokens_per_s * capacity_weight(r)
     backlog(r)    = num_waiting_prompt_tokens(r) + unreflected_prefill_tokens(r)
-    uncached(q,r) = prompt_len(q) - cached_tokens(q, r)
-    ttft(q, r)    = (backlog(r) + uncached(q, r)) / rate(r)   # predicted prefill wait
+    uncached(q,r) = prompt_len(q) - (cached + host + disk) * block_size
+    load(q, r)    = block_size * (host / host_load_tokens_per_s + disk / disk_load_tokens_per_s)
+    ttft(q, r)    = (backlog(r) + uncached(q, r)) / rate(r) + load(q, r)  # predicted prefill wait
     within_target(q, r) = backlog(r) + uncached(q, r) <= rate(r) * target_ttft_s
 
 Load: each replica's share of all ongoing requests is in proportion to headroom times
@@ -122,12 +127,14 @@ def score_replica(
     need = max(request.total_blocks(bs, report.expected_output_tokens(params)) - cached, 0)
     capacity = max(report_headroom(report, params.headroom_share), 0)
     score = capacity - view.unreflected_blocks - need
-    credit = (params.prefix_weight * cached / cacheable if cacheable else 0.0) + (params.session_weight if session else 0.0)
+    host, disk = request.tier_blocks(bs, cached, report.host_prefix_hashes, report.disk_prefix_hashes)
+    hits = cached + params.host_hit_weight * host + params.disk_hit_weight * disk
+    credit = (params.prefix_weight * hits / cacheable if cacheable else 0.0) + (params.session_weight if session else 0.0)
     fill = score / capacity if capacity > 0 else -math.inf
     rate = prefill_rate(report, params)
     backlog = prefill_backlog(view)
-    uncached = uncached_tokens(request, cached, bs)
-    ttft = predicted_ttft_s(backlog, uncached, rate)
+    uncached = uncached_tokens(request, cached + host + disk, bs)
+    ttft = predicted_ttft_s(backlog, uncached, rate) + tier_load_s(host, disk, bs, params)
     within = within_target(backlog, uncached, rate, params)
     return ReplicaScore(
         key=view.key,
@@ -224,6 +231,11 @@ def prefill_backlog(view: ReplicaView) -> int:
 
 def uncached_tokens(request: RequestProfile, cached_blocks: int, block_size: int) -> int:
     return max(request.prompt_len - cached_blocks * block_size, 0)
+
+
+def tier_load_s(num_host: int, num_disk: int, block_size: int, params: RoutingParams) -> float:
+    """Seconds to load prefix blocks from a replica's host tier and disk."""
+    return block_size * (num_host / params.host_load_tokens_per_s + num_disk / params.disk_load_tokens_per_s)
 
 
 def predicted_ttft_s(backlog: int, uncached: int, rate: float) -> float:

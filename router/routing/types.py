@@ -67,6 +67,15 @@ class RoutingParams:
     # The prefix hints' lifetime (router/routing/routing_view.py), so a session is not forgotten
     # while its history is still believed cached.
     session_idle_s: float = 300.0
+    # KV tiers below a replica's device (docs/kv-tiers.md): a prefix block a replica holds in
+    # its host tier or on its disk is loaded, not recomputed, so it earns credit at these
+    # fractions of a device hit (Dynamo's selector's weights), and its load time counts in
+    # the predicted TTFT at these rates, in prompt tokens per second (for the reference
+    # replica: llama-3-8b's KV over an H200's host link and over a local NVMe disk).
+    host_hit_weight: float = 0.75
+    disk_hit_weight: float = 0.25
+    host_load_tokens_per_s: float = 300_000.0
+    disk_load_tokens_per_s: float = 40_000.0
 
     def __post_init__(self) -> None:
         if self.expected_output_tokens < 0:
@@ -77,6 +86,10 @@ class RoutingParams:
             raise ValueError("load_gate_threshold and load_gate_fraction must be >= 0")
         if self.stats_period_s <= 0 or self.stale_after_periods <= 0:
             raise ValueError("stats_period_s and stale_after_periods must be > 0")
+        if min(self.host_hit_weight, self.disk_hit_weight) < 0:
+            raise ValueError("host_hit_weight and disk_hit_weight must be >= 0")
+        if min(self.host_load_tokens_per_s, self.disk_load_tokens_per_s) <= 0:
+            raise ValueError("host_load_tokens_per_s and disk_load_tokens_per_s must be > 0")
         if self.report_lag_s < 0:
             raise ValueError(f"report_lag_s must be >= 0, got {self.report_lag_s}")
         if not 0.0 < self.headroom_share <= 1.0:
@@ -138,6 +151,9 @@ class ReplicaReport:
     # LoRA adapters in its device slots and in its host memory (worker.api.RoutingStats).
     lora_resident: frozenset[str] = frozenset()
     lora_loaded: frozenset[str] = frozenset()
+    # Prefix blocks held below its device (KV tiers), by tier.
+    host_prefix_hashes: frozenset[int] = frozenset()
+    disk_prefix_hashes: frozenset[int] = frozenset()
 
     @property
     def free_seqs(self) -> int:
@@ -169,6 +185,8 @@ class ReplicaReport:
                 max_num_seqs=int(stats.get("max_num_seqs") or 0),  # type: ignore[arg-type]
                 lora_resident=frozenset(map(str, stats.get("lora_resident") or ())),  # type: ignore[call-overload]
                 lora_loaded=frozenset(map(str, stats.get("lora_loaded") or ())),  # type: ignore[call-overload]
+                host_prefix_hashes=frozenset(stats.get("host_prefix_hashes") or ()),  # type: ignore[arg-type]
+                disk_prefix_hashes=frozenset(stats.get("disk_prefix_hashes") or ()),  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -229,6 +247,22 @@ class RequestProfile:
                 break
             num += 1
         return num
+
+    def tier_blocks(self, block_size: int, num_cached: int, host_hashes: frozenset[int],
+                    disk_hashes: frozenset[int]) -> tuple[int, int]:
+        """Blocks after the `num_cached` device hits that a replica's tiers hold, as (host,
+        disk): the chain continues while each next block is in either."""
+        if not host_hashes and not disk_hashes:
+            return 0, 0
+        num_host = num_disk = 0
+        for h in self.block_hashes(block_size)[num_cached : self.cacheable_blocks(block_size)]:
+            if h in host_hashes:
+                num_host += 1
+            elif h in disk_hashes:
+                num_disk += 1
+            else:
+                break
+        return num_host, num_disk
 
     def total_blocks(self, block_size: int, expected_output_tokens: int) -> int:
         """Blocks the request will hold: prompt plus expected decode tokens (they share the

@@ -303,6 +303,10 @@ def sim_engine_from_config(config: EngineConfig) -> Engine:
 
     profile = parse_sim_device(config.model.device)
     assert profile is not None
+    if config.cache.host_kv_cache_bytes:
+        # Refused, never ignored: the simulated device holds no KV to move (docs/kv-tiers.md).
+        raise ValueError("KV tiers (host_kv_cache_bytes) are not modelled by the simulated device yet; "
+                         "set it to 0 for sim: devices")
     path = resolve_model_path(config.model.model)
     text_config = load_shape(str(path)) if (path / "config.json").is_file() else None
     shape = load_shape(config.model.model_shape) if config.model.model_shape else text_config

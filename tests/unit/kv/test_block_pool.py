@@ -292,3 +292,31 @@ def test_untouched_blocks_are_made_on_first_hand_out() -> None:
     assert ids(b) == [2, 3, 4, 5, 1]
     assert b[0] is every[2]  # the same objects `blocks` made
     assert pool.num_free_blocks == 1 and pool.free_queue.block_ids() == [0]
+
+
+# ---------------------------------------------------------------- evictions recorded for the tiers
+
+
+def test_evicted_blocks_are_recorded_in_eviction_order_and_clear_is_not() -> None:
+    pool = BlockPool(3)
+    pool.evicted = []
+    a, b, c = pool.allocate(3)
+    assert [pool.cache_block(blk, h) for blk, h in ((a, 10), (b, 11), (c, 12))] == [True, True, True]
+    pool.free([c, a, b])  # free queue: 2, 0, 1
+    assert pool.evicted == []
+    got = pool.allocate(2)  # hands out 2 then 0: both cached, both recorded
+    assert ids(got) == [2, 0]
+    assert pool.evicted == [(12, 2), (10, 0)]
+    assert set(pool.cached) == {11}
+    pool.reset_prefix_cache()  # a clear: nothing moves down
+    assert pool.evicted == [(12, 2), (10, 0)]
+    assert pool.cached == {}
+
+
+def test_evictions_not_recorded_without_tiers() -> None:
+    pool = BlockPool(1)
+    (a,) = pool.allocate(1)
+    pool.cache_block(a, 5)
+    pool.free([a])
+    pool.allocate(1)
+    assert pool.evicted is None and pool.num_evictions == 1
