@@ -43,6 +43,8 @@ class IngressSection(Section):
     # waiting for a worker; one more is answered 429 at once instead of piling up.
     max_queued_requests: int = Field(default_of(IngressSettings, "max_queued_requests"), ge=1)
     max_body_bytes: ByteSize = Field(default_of(IngressSettings, "max_body_bytes"), gt=0)  # larger bodies: 413
+    # The whole request body must arrive within this long (408 otherwise: slow clients).
+    body_read_timeout_s: float = Field(default_of(IngressSettings, "body_read_timeout_s"), gt=0)
     max_n: int = Field(default_of(IngressSettings, "max_n"), ge=1)  # bound on `n` (choices per request)
     request_timeout_s: float = Field(default_of(IngressSettings, "request_timeout_s"), gt=0)
     # A stream whose worker replica dies is resumed on another one (prompt + the tokens

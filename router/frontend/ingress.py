@@ -7,6 +7,7 @@ JSON or server-sent events. Limits, checked before any work:
 
 - no or a wrong API key (when keys are configured, router/frontend/auth.py) -> 401
 - body over `max_body_bytes`                    -> 413 (Content-Length, then while reading)
+- body not all there within `body_read_timeout_s` -> 408
 - malformed JSON, unknown field, bad value       -> 400
 - unknown model                                  -> 404
 - prompt + max_tokens over max_model_len, n over max_n -> 400
@@ -17,7 +18,7 @@ JSON or server-sent events. Limits, checked before any work:
 - no result within `request_timeout_s`           -> 504
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize,
-/detokenize and /version, /health, /metrics; all but /health and /version need the API key
+/detokenize and /version, /health, /metrics; all but /health need the API key
 when keys are configured (/metrics too, unless metrics_public). The
 gRPC methods come from router/frontend/grpc_servicer.py (GrpcMethods -> GrpcServicer, the same pipeline).
 
@@ -95,18 +96,28 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(errors.internal(f"Internal error: {type(exc).__name__}.").body(), status_code=500)
 
 
-async def read_json(request: Request, limit: int) -> tuple[dict[str, Any], int]:
-    """The body as a JSON object, and its size in bytes (APIError 400 / 413)."""
+async def read_json(request: Request, limit: int, read_timeout_s: float | None = None) -> tuple[dict[str, Any], int]:
+    """The body as a JSON object, and its size in bytes (APIError 400 / 408 / 413). The
+    whole body must arrive within `read_timeout_s`: a client that trickles bytes would
+    otherwise hold a handler (and its body buffer) for as long as it likes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise errors.body_too_large(limit)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise errors.body_too_large(limit)
+    try:
+        async with asyncio.timeout(read_timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise errors.body_too_large(limit)
+    except TimeoutError:
+        raise errors.APIError(
+            408, f"The request body did not arrive within {read_timeout_s:g} s.", "invalid_request_error", None, "request_timeout"
+        ) from None
     try:
         data = json.loads(body)
+    except RecursionError:  # nesting deeper than the parser's recursion limit
+        raise errors.bad_request("The request body is nested too deeply.", None, "invalid_json") from None
     except ValueError as e:
         raise errors.bad_request(f"The request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(data, dict):
@@ -313,8 +324,10 @@ class Ingress(GrpcMethods):
         return JSONResponse(tk.DetokenizeResponse(prompt=text).model_dump())
 
     @app.get("/version")
-    async def version(self) -> JSONResponse:
-        """kvserve's version; public like /health (it says nothing a client could misuse)."""
+    async def version(self, request: Request) -> JSONResponse:
+        """kvserve's version; behind the API key like every endpoint but /health (a
+        version tells an attacker which known flaws to try)."""
+        self._authenticate(request)
         return JSONResponse(tk.VersionResponse(version=KVSERVE_VERSION).model_dump())
 
     @app.get("/health")
@@ -359,7 +372,7 @@ class Ingress(GrpcMethods):
         """Authenticate, read the JSON body (bounded), validate it and check its `model`
         (optional where the endpoint allows it): every POST endpoint starts so."""
         principal = self._authenticate(request)
-        body, num_bytes = await read_json(request, self.settings.max_body_bytes)
+        body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
         req = parse(model, body)
         name = getattr(req, "model", None)
         if name is not None:

@@ -22,6 +22,9 @@ class IngressSettings:
     tokenizer_path: str  # a local directory or a Hub id (tokenizer files only are read)
     max_queued_requests: int = 1024  # weighted by n; beyond it: 429 at once
     max_body_bytes: int = 4 * 1024**2  # beyond it: 413
+    # The whole body must arrive within this long (408 otherwise): slow clients cannot
+    # hold handlers open.
+    body_read_timeout_s: float = 30.0
     max_n: int = 16
     request_timeout_s: float = 600.0
     # Times one engine request is resumed on another replica after its replica died
