@@ -46,6 +46,8 @@ class IngressSection(Section):
     # The whole request body must arrive within this long (408 otherwise: slow clients).
     body_read_timeout_s: float = Field(default_of(IngressSettings, "body_read_timeout_s"), gt=0)
     max_n: int = Field(default_of(IngressSettings, "max_n"), ge=1)  # bound on `n` (choices per request)
+    # Bound on the prompts of one completions request (a list of prompts); more: 400.
+    max_prompts_per_request: int = Field(default_of(IngressSettings, "max_prompts_per_request"), ge=1)
     request_timeout_s: float = Field(default_of(IngressSettings, "request_timeout_s"), gt=0)
     # A stream whose worker replica dies is resumed on another one (prompt + the tokens
     # already sent; greedy output unchanged) at most this many times; 0: fail it (503).

@@ -257,6 +257,11 @@ class Ingress(GrpcMethods):
         principal, req, num_bytes = await self._read(request, p.CompletionRequest)
         convert.check_n(req.n, self.settings.max_n)
         num_prompts = 1 if isinstance(req.prompt, str) or all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
+        if num_prompts > self.settings.max_prompts_per_request:
+            raise errors.bad_request(
+                f"This request has {num_prompts} prompts; this server allows at most "
+                f"{self.settings.max_prompts_per_request} per request.", "prompt", "invalid_value",
+            )
         # A list of prompts multiplies the engine requests as n does: bounded the same way
         # (by the in-flight bound, or max_n when that is larger), before any tokenizing.
         max_choices = max(self.pipeline.limiter.limit, self.settings.max_n)
@@ -307,9 +312,14 @@ class Ingress(GrpcMethods):
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: the ids generation would see, with the context length."""
-        _, req, num_bytes = await self._read(request, tk.TokenizeRequest)
+        principal, req, num_bytes = await self._read(request, tk.TokenizeRequest)
         tokenizer = self.pipeline.tokenizer
-        ids = await self._off_loop(num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
+        # Inside the limits like a generation: the key's slot and this replica's share.
+        permit = await self.pipeline.admit(principal, 1)
+        try:
+            ids = await self._off_loop(num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
+        finally:
+            permit.release()
         info = await self.pipeline.workers.model_info()
         strs = [self.pipeline.texts(t) for t in ids] if req.return_token_strs else None
         out = tk.TokenizeResponse(count=len(ids), max_model_len=int(info["max_model_len"]), tokens=ids, token_strs=strs)
@@ -318,9 +328,13 @@ class Ingress(GrpcMethods):
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:
         """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM)."""
-        _, req, num_bytes = await self._read(request, tk.DetokenizeRequest)
+        principal, req, num_bytes = await self._read(request, tk.DetokenizeRequest)
         tokenizer = self.pipeline.tokenizer
-        text = await self._off_loop(num_bytes, lambda: tk.detokenize_text(req, tokenizer))
+        permit = await self.pipeline.admit(principal, 1)
+        try:
+            text = await self._off_loop(num_bytes, lambda: tk.detokenize_text(req, tokenizer))
+        finally:
+            permit.release()
         return JSONResponse(tk.DetokenizeResponse(prompt=text).model_dump())
 
     @app.get("/version")

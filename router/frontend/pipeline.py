@@ -78,10 +78,11 @@ class RequestPipeline:
         return self.api_keys.authenticate(authorization)
 
     async def admit(self, principal: Principal, weight: int) -> JointPermit:
-        """The key's concurrency slot, then this replica's in-flight share (429 for either)."""
+        """The key's concurrency slots (one per engine request), then this replica's
+        in-flight share (429 for either)."""
         lease = None
         if principal is not ANONYMOUS and self.key_limits.enabled:
-            lease = await self.key_limits.acquire(principal.key_id)
+            lease = await self.key_limits.acquire(principal.key_id, weight)
         try:
             permit = self.limiter.acquire(weight)
         except BaseException:
@@ -110,6 +111,8 @@ class RequestPipeline:
             profiles = [RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens)) for inp in inputs]
             ticket = await self.admission.admit(principal.key_id, profiles)
         except BaseException:
+            # Ended before the engine ran (refused, shed, cancelled): nothing was used.
+            permit.settle(0)
             permit.release()
             raise
         stream = GenerationStream(

@@ -26,6 +26,8 @@ class IngressSettings:
     # hold handlers open.
     body_read_timeout_s: float = 30.0
     max_n: int = 16
+    # Prompts in one completions request (a list of prompts): each is an engine request.
+    max_prompts_per_request: int = 64
     request_timeout_s: float = 600.0
     # Times one engine request is resumed on another replica after its replica died
     # (router/frontend/migration.py); 0 turns migration off.
