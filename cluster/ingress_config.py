@@ -62,6 +62,10 @@ class IngressSection(Section):
     # replica, or cluster-wide with `state.redis_url`.
     max_concurrent_requests_per_key: int | None = Field(default_of(IngressSettings, "max_concurrent_requests_per_key"), ge=1)
     tokens_per_minute_per_key: int | None = Field(default_of(IngressSettings, "tokens_per_minute_per_key"), ge=1)
+    # Give each API key a prefix-cache partition of its own (its id salts the block hashes,
+    # as vLLM's cache_salt does per request): no key learns from cached_tokens what another
+    # sent, at the cost of no prefix sharing between keys. The Helm chart turns it on.
+    isolate_prefix_cache_per_key: bool = default_of(IngressSettings, "isolate_prefix_cache_per_key")
     # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
     metrics_public: bool = default_of(IngressSettings, "metrics_public")
     # Admission control (router/routing/admission.py): while no worker replica can take a request

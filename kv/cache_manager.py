@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kv.block_hash import hash_full_blocks
+from kv.block_hash import ROOT_HASH, hash_full_blocks
 from kv.block_pool import Block, BlockPool
 from kv.stats import KVStats
 
@@ -46,12 +46,13 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     # -- prefix cache ----------------------------------------------------------------
-    def get_computed_blocks(self, request_id: str, token_ids: list[int]) -> list[Block]:
+    def get_computed_blocks(self, request_id: str, token_ids: list[int], root: int = ROOT_HASH) -> list[Block]:
         """The longest run of cached full blocks that starts the sequence. At least one
-        token is always left to compute: its logits are needed to sample."""
+        token is always left to compute: its logits are needed to sample. `root`: the
+        request's hash-chain root (kv.block_hash.root_hash of its extra keys)."""
         if not self.pool.enable_prefix_caching:
             return []
-        hashes = hash_full_blocks(token_ids, self.block_size, self._hashes.setdefault(request_id, []))
+        hashes = hash_full_blocks(token_ids, self.block_size, self._hashes.setdefault(request_id, []), root)
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[Block] = []
         lookup = self.pool.cached.get  # pool.lookup without a call per block (prompts of 1k+ blocks)
@@ -116,7 +117,7 @@ class KVCacheManager:
         self.prefix_cache_queries += num_prompt_tokens
         self.prefix_cache_hits += num_hit_tokens
 
-    def cache_computed(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+    def cache_computed(self, request_id: str, token_ids: list[int], num_computed_tokens: int, root: int = ROOT_HASH) -> None:
         """Register the request's full blocks whose every token is now in the KV cache."""
         if not self.pool.enable_prefix_caching:
             return
@@ -125,7 +126,7 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = hash_full_blocks(
-            token_ids[: num_full * self.block_size], self.block_size, self._hashes.setdefault(request_id, [])
+            token_ids[: num_full * self.block_size], self.block_size, self._hashes.setdefault(request_id, []), root
         )
         blocks = self._blocks[request_id]
         for i in range(done, num_full):

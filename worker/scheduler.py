@@ -164,7 +164,7 @@ class Scheduler:
                 # whole prompt (its blocks still enter the cache for others).
                 hits, num_computed = [], 0
             else:
-                hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids)
+                hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root)
                 num_computed = len(hits) * self.kv.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             if num_new > 1 and self._timed_rows is not None:  # a prompt beside decodes
@@ -219,7 +219,7 @@ class Scheduler:
             before = seq.num_computed_tokens
             seq.num_computed_tokens = after = before + num_new
             if after // block_size > before // block_size:  # a block filled: register it
-                kv.cache_computed(seq.request_id, seq.token_ids, after)
+                kv.cache_computed(seq.request_id, seq.token_ids, after, seq.hash_root)
             if token_id is None:
                 continue  # a prompt chunk that did not reach the end of the prompt
             seq.token_ids.append(token_id)  # Sequence.append_token, inlined (once per token)
@@ -269,7 +269,7 @@ class Scheduler:
         the blocks they wait for), as do prompt_logprobs requests (they skip the cache)."""
         if seq.kv_import is not None or seq.params.prompt_logprobs is not None:
             return seq.num_uncomputed_tokens
-        cached = len(self.kv.get_computed_blocks(seq.request_id, seq.token_ids)) * self.kv.block_size
+        cached = len(self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root)) * self.kv.block_size
         return max(seq.num_tokens - cached, 0)
 
     # -- removal from outside the step (abort, failed step) ---------------------------------

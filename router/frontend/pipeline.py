@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 
+from kv.block_hash import root_hash
 from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket
 from router.frontend.auth import ANONYMOUS, ApiKeys, Principal
 from router.frontend.generation import GenerationStream, InFlightLimiter, StreamPermit
@@ -106,9 +108,14 @@ class RequestPipeline:
         try:
             info = await self.workers.model_info()
             inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]))
+            if self.settings.isolate_prefix_cache_per_key:
+                inputs = isolated(inputs, principal)
             if permit.lease is not None:
                 await permit.lease.charge(worst_case_tokens(inputs))
-            profiles = [RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens)) for inp in inputs]
+            profiles = [
+                RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens), root_hash(inp.params.cache_keys))
+                for inp in inputs
+            ]
             ticket = await self.admission.admit(principal.key_id, profiles)
         except BaseException:
             # Ended before the engine ran (refused, shed, cancelled): nothing was used.
@@ -128,6 +135,17 @@ class RequestPipeline:
         if request_bytes > LARGE_REQUEST_BYTES:
             return await asyncio.to_thread(to_inputs, max_model_len)
         return to_inputs(max_model_len)
+
+
+def isolated(inputs: list[EngineInput], principal: Principal) -> list[EngineInput]:
+    """The inputs with their cache salt framed by the caller's key: each key's prefix-cache
+    partition is its own, and a client's salt partitions only within its key's. A key id
+    holds no NUL and salts are never empty, so no salt a client sends can make its framed
+    salt equal another key's."""
+    return [
+        replace(inp, params=replace(inp.params, cache_salt=f"{principal.key_id}\x00{inp.params.cache_salt or ''}"))
+        for inp in inputs
+    ]
 
 
 class AdmittedPermit:

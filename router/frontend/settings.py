@@ -45,6 +45,9 @@ class IngressSettings:
     # Where the per-key limits are counted: None, this replica; else a factory built once
     # per replica (cluster/state_store.py: Redis, with this replica as the fallback).
     state_store: StateStoreFactory | None = None
+    # Each API key's prompts get a prefix-cache partition of their own (the key's id salts
+    # the block hashes): no key can learn from `cached_tokens` what another sent.
+    isolate_prefix_cache_per_key: bool = False
     # /metrics without an API key (e.g. for a Prometheus scraper) when keys are on.
     metrics_public: bool = False
     # Admission control (router/routing/admission.py): while no worker replica can take a request

@@ -71,6 +71,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from kv.block_hash import root_hash
 from router import tracing
 from router.routing.types import RoutingParams, ReplicaKey, ReplicaReport, ReplicaView, RequestProfile, power_of_two
 from router.routing.policies import RoutingPolicy, RoutingRequest, make_policy, split_policy_kwargs
@@ -111,10 +112,14 @@ def request_profile(pending_request: PendingRequest | None) -> RequestProfile | 
     token_ids = getattr(request, "prompt_token_ids", None)
     if not isinstance(token_ids, (list, tuple)) or not token_ids:
         return None
-    max_tokens = getattr(getattr(request, "params", None), "max_tokens", 0)
+    params = getattr(request, "params", None)
+    max_tokens = getattr(params, "max_tokens", 0)
     if not isinstance(max_tokens, int):
         max_tokens = 0
-    return RequestProfile(prompt_token_ids=token_ids, max_tokens=max_tokens)
+    # Hashed with the chain root the worker caches it under (its cache salt), so a salted
+    # prefix is found where it lives.
+    cache_keys = getattr(params, "cache_keys", ())
+    return RequestProfile(prompt_token_ids=token_ids, max_tokens=max_tokens, hash_root=root_hash(cache_keys))
 
 
 def request_session_id(pending_request: PendingRequest | None) -> str | None:
@@ -211,7 +216,7 @@ class PolicyRouter(RequestRouter):
         if profile is None:
             return None
         request = RoutingRequest(request_id, profile.prompt_token_ids, profile.max_tokens,
-                                 request_session_id(pending_request))
+                                 request_session_id(pending_request), profile.hash_root)
         if len(self._pending) >= _MAX_PENDING:
             self._pending.clear()
         self._pending[request_id] = request

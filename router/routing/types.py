@@ -10,7 +10,7 @@ import random
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
-from kv.block_hash import hash_full_blocks
+from kv.block_hash import ROOT_HASH, hash_full_blocks
 
 ReplicaKey = Hashable
 
@@ -185,6 +185,9 @@ class RequestProfile:
 
     prompt_token_ids: Sequence[int]
     max_tokens: int
+    # The root of its block-hash chain (kv.block_hash.root_hash of the request's extra keys,
+    # such as its cache salt): a salted prompt matches only blocks cached under that salt.
+    hash_root: int = ROOT_HASH
     _hashes_by_block_size: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -195,7 +198,7 @@ class RequestProfile:
         """Chained hashes of the prompt's full blocks (kv.block_hash), memoised per block size."""
         hashes = self._hashes_by_block_size.get(block_size)
         if hashes is None:
-            hashes = hash_full_blocks(self.prompt_token_ids, block_size)
+            hashes = hash_full_blocks(self.prompt_token_ids, block_size, root=self.hash_root)
             self._hashes_by_block_size[block_size] = hashes
         return hashes
 

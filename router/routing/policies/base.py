@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from kv.block_hash import ROOT_HASH
 from router.routing.types import ReplicaKey, ReplicaReport, ReplicaView, RequestProfile
 
 
@@ -34,12 +35,13 @@ class RoutingRequest:
     prompt_token_ids: Sequence[int]
     max_tokens: int
     session_id: str | None = None
+    hash_root: int = ROOT_HASH  # its block-hash chain's root (the request's cache salt)
     # Block hashes memoised per block size, shared by every rank() of this request (a retry
     # after a rejection ranks again without rehashing).
     profile: RequestProfile = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "profile", RequestProfile(self.prompt_token_ids, self.max_tokens))
+        object.__setattr__(self, "profile", RequestProfile(self.prompt_token_ids, self.max_tokens, self.hash_root))
 
     @property
     def prompt_len(self) -> int:
