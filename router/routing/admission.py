@@ -4,7 +4,8 @@ in a bounded queue that is fair between API keys; shed with 429 at the bound.
     pipeline: admit (key slot, in-flight share) -> convert -> charge -> ADMISSION -> stream
                                                                           │
        no fresh stats / nothing of ours in flight / some replica fits ───>│ go now
-       otherwise: held in FairQueue (round robin between keys) ──────────>│ go when one fits
+       otherwise: held in FairQueue (round robin between keys; a key's head that does
+       not fit lets other keys' heads go; full: the deepest key gives up a place) ─>│ go when one fits
        queue full, or held longer than max_wait_s ─────────> 429 + Retry-After (gRPC RESOURCE_EXHAUSTED)
 
 Why at the ingress: a request pushed into an engine that has no room waits there anyway
@@ -260,6 +261,12 @@ class AdmissionController:
             if verdict.admit:
                 return self._grant(len(profiles), verdict, 0.0)
         held = _Held(key, profiles, time.monotonic(), asyncio.get_running_loop().create_future())
+        evicted: _Held | None = self.queue.evict_for(key)
+        if evicted is not None:  # a key over its share gives its newest place up
+            evicted.future.set_exception(
+                self._shed("queue_full", f"The server's admission queue is full and this API key holds the most "
+                                         f"of its {self.queue.capacity} places")
+            )
         if not self.queue.push(key, held):
             raise self._shed("queue_full", f"The server's admission queue is full ({self.queue.capacity} requests held)")
         self._queue_changed()
@@ -283,14 +290,20 @@ class AdmissionController:
         held.future.cancel()
 
     def pump(self) -> None:
-        """Let held requests go, round robin between keys, while the next one can go."""
-        while len(self.queue):
-            held: _Held = self.queue.peek()
-            verdict = self._judge(held.profiles)
-            if not verdict.admit:
-                break
-            self.queue.pop()
-            held.future.set_result(self._grant(len(held.profiles), verdict, time.monotonic() - held.enqueued_at))
+        """Let held requests go, round robin between keys, while any key's head can go: a
+        head that does not fit waits without holding back other keys' heads that do
+        (within a key, FIFO). A large request passed over keeps its turn and goes once
+        it fits, or is shed at max_wait_s."""
+        granted = True
+        while granted and len(self.queue):
+            granted = False
+            for key, held in self.queue.heads():
+                verdict = self._judge(held.profiles)
+                if verdict.admit:
+                    self.queue.pop_key(key)
+                    held.future.set_result(self._grant(len(held.profiles), verdict, time.monotonic() - held.enqueued_at))
+                    granted = True
+                    break  # the counts changed: judge again from the rotation's front
         self._queue_changed()
 
     def _judge(self, profiles: list[RequestProfile]) -> Verdict:

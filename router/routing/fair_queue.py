@@ -1,6 +1,8 @@
 """A bounded queue that is fair between keys (API keys): one FIFO per key, served round
-robin, so that one client's burst cannot starve another's single request. Used by
-router/routing/admission.py to hold requests at the ingress."""
+robin, so that one client's burst cannot starve another's single request; when it is full,
+a key holding fewer places than the deepest key takes that key's newest place
+(`evict_for`), so no key can fill every place. Used by router/routing/admission.py to hold
+requests at the ingress."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -40,6 +42,34 @@ class FairQueue:
         del self._by_key[key]
         if items:
             self._by_key[key] = items  # re-inserted last: the other keys go first
+        self._len -= 1
+        return item
+
+    def heads(self) -> list[tuple[str, Any]]:
+        """Every key's head, in rotation order (the key whose turn it is first)."""
+        return [(key, items[0]) for key, items in self._by_key.items()]
+
+    def pop_key(self, key: str) -> Any:
+        """Remove `key`'s head; the key goes to the back of the rotation."""
+        items = self._by_key.pop(key)
+        item = items.popleft()
+        if items:
+            self._by_key[key] = items
+        self._len -= 1
+        return item
+
+    def evict_for(self, key: str) -> Any | None:
+        """When full: remove and return the newest item of the deepest key, if that key
+        holds more than one place beyond what `key` would hold with one more; else None
+        (the queue is fair already: `key` is the one to refuse)."""
+        if self._len < self.capacity or not self._by_key:
+            return None
+        deepest, items = max(self._by_key.items(), key=lambda entry: len(entry[1]))
+        if len(items) <= self.depth(key) + 1:
+            return None
+        item = items.pop()
+        if not items:
+            del self._by_key[deepest]
         self._len -= 1
         return item
 
