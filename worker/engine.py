@@ -205,7 +205,8 @@ class Engine:
         if prompt_block_hashes is not None:  # the manager copies them (it extends its list in place)
             self.kv.adopt_block_hashes(request_id, prompt_block_hashes)
         if params.structured is not None and self.grammar is not None:
-            seq.grammar = GrammarState(self.grammar.submit(params.structured))
+            deadline = time.monotonic() + self.grammar.compile_timeout_s
+            seq.grammar = GrammarState(self.grammar.submit(params.structured), deadline)
             self.awaiting_grammar.append(seq)
         else:
             self.scheduler.add(seq)

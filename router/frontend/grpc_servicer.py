@@ -306,6 +306,7 @@ class GrpcServicer:
             clock.arrival,
             client_session_id(grpc_metadata_value(metadata, SESSION_HEADER), None),
             stream=stream,
+            offload=request.WhichOneof("constraint") is not None,  # a grammar to check
         )
 
 

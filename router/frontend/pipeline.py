@@ -7,7 +7,8 @@
                 admit    the key's concurrency slot (router/frontend/key_limits.py), then this
                          replica's in-flight share (InFlightLimiter)        -> 429 / 503
                 convert  tokenize + sampling params, with the workers' max_model_len,
-                         off the event loop when the request is large      -> 400
+                         off the event loop when the request is large or
+                         carries a grammar to check                          -> 400
                 charge   the worst case from the key's tokens-per-minute budget -> 429
                 hold     admission control (router/routing/admission.py): while no worker replica
                          can take it, held in a queue fair between keys -> 429 at its bound
@@ -103,11 +104,12 @@ class RequestPipeline:
         arrival: float,  # time.monotonic() when the request came in
         session_id: str | None = None,  # the client's session (router/routing/sessions.py)
         stream: bool = True,  # False: the client reads only the final text
+        offload: bool = False,  # convert off the event loop whatever the size (a constraint to check)
     ) -> GenerationStream:
         permit = await self.admit(principal, weight)
         try:
             info = await self.workers.model_info()
-            inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]))
+            inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]), offload)
             if self.settings.isolate_prefix_cache_per_key:
                 inputs = isolated(inputs, principal)
             if permit.lease is not None:
@@ -131,8 +133,10 @@ class RequestPipeline:
         return stream
 
     @staticmethod
-    async def _convert(request_bytes: int, to_inputs: ToInputs, max_model_len: int) -> list[EngineInput]:
-        if request_bytes > LARGE_REQUEST_BYTES:
+    async def _convert(request_bytes: int, to_inputs: ToInputs, max_model_len: int, offload: bool = False) -> list[EngineInput]:
+        # Grammar checks (structured outputs, forced tool calls) take milliseconds or more
+        # even for small bodies: never on the event loop.
+        if offload or request_bytes > LARGE_REQUEST_BYTES:
             return await asyncio.to_thread(to_inputs, max_model_len)
         return to_inputs(max_model_len)
 
