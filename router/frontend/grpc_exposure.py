@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from urllib.parse import unquote
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -36,9 +37,10 @@ def loopback_only(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def is_loopback_peer(peer: str) -> bool:
-    """grpc's `context.peer()` (`ipv4:127.0.0.1:5000`, `ipv6:[::1]:5000`, `unix:/path`)
-    names a caller on this machine. Anything unparsable is not."""
-    kind, _, address = peer.partition(":")
+    """grpc's `context.peer()` (`ipv4:127.0.0.1:5000`, `ipv6:[::1]:5000` or its
+    percent-encoded form `ipv6:%5B::1%5D:5000`, `unix:/path`) names a caller on this
+    machine. Anything unparsable is not."""
+    kind, _, address = unquote(peer).partition(":")
     if kind == "unix":
         return True
     if kind == "ipv4":

@@ -43,7 +43,7 @@ def test_local_grpc_is_loopback_only_without_keys() -> None:
 
 @pytest.mark.parametrize(
     ("peer", "loopback"),
-    [("ipv4:127.0.0.1:5000", True), ("ipv6:[::1]:5000", True), ("ipv6:[::ffff:127.0.0.1]:5000", True),
+    [("ipv4:127.0.0.1:5000", True), ("ipv6:[::1]:5000", True), ("ipv6:%5B::1%5D:5000", True), ("ipv6:[::ffff:127.0.0.1]:5000", True),
      ("unix:/tmp/s", True), ("ipv4:10.1.2.3:5000", False), ("ipv6:[2001:db8::1]:5000", False),
      ("ipv6:[::ffff:10.1.2.3]:5000", False), ("", False), ("garbage", False)],
 )
