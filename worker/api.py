@@ -21,6 +21,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_PRIORITY = 1_000_000
 MAX_CACHE_SALT_CHARS = 1024  # a client's; the engine takes room for the ingress's key frame too
 _CACHE_SALT_FRAME_CHARS = 64
 # OpenAI's logit_bias: at most this many entries, each bias in [-100, 100].
@@ -86,6 +87,9 @@ class SamplingParams:
     # vLLM's cache_salt: the request's prefix-cache partition. Blocks are shared only with
     # requests of the same salt (kv/block_hash.py seeds the hash chain's root with it).
     cache_salt: str | None = None
+    # vLLM's priority: lower values are served first; a waiting request of a better band may
+    # preempt a running one of a worse band (worker/scheduler.py). The ingress bounds it per key.
+    priority: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +139,8 @@ class SamplingParams:
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS + _CACHE_SALT_FRAME_CHARS
         ):
             raise bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        if not isinstance(self.priority, int) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise bad(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
