@@ -66,6 +66,11 @@ class IngressSection(Section):
     # as vLLM's cache_salt does per request): no key learns from cached_tokens what another
     # sent, at the cost of no prefix sharing between keys. The Helm chart turns it on.
     isolate_prefix_cache_per_key: bool = default_of(IngressSettings, "isolate_prefix_cache_per_key")
+    # Priority bands (vLLM's request `priority`: lower first): key id (the 12 hex digits
+    # kvserve logs, sha256 of the key) -> its default band, also the best band it may ask for.
+    # Held requests are offered best band first, and a full queue sheds the worst band first;
+    # in the engine a better band may preempt a worse one. Unlisted keys: 0.
+    key_priorities: dict[str, int] = Field(default_of(IngressSettings, "key_priorities"))
     # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
     metrics_public: bool = default_of(IngressSettings, "metrics_public")
     # Admission control (router/routing/admission.py): while no worker replica can take a request

@@ -47,6 +47,7 @@ class SamplingOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float]
     n: int
     cache_salt: str  # vLLM's: the request's prefix-cache partition
+    priority: int  # vLLM's: lower first
 
 
 Message = tuple[str, str] | dict[str, str]  # (role, content) or {"role", "content", "name"?}

@@ -307,6 +307,7 @@ class GrpcServicer:
             client_session_id(grpc_metadata_value(metadata, SESSION_HEADER), None),
             stream=stream,
             offload=request.WhichOneof("constraint") is not None,  # a grammar to check
+            priority=request.priority if request.HasField("priority") else None,
         )
 
 

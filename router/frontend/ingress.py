@@ -278,7 +278,7 @@ class Ingress(GrpcMethods):
             principal, req.n * num_prompts, num_bytes,
             lambda max_model_len: convert.completion_inputs(req, tokenizer, max_model_len, max_n),
             f"cmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
-            stream=req.stream, offload=has_grammar(req),
+            stream=req.stream, offload=has_grammar(req), priority=req.priority,
         )
         formatter = convert.CompletionFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs is not None, req.prompt_logprobs)
         if req.echo:
@@ -296,7 +296,7 @@ class Ingress(GrpcMethods):
             principal, req.n, num_bytes,
             lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
             f"chatcmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
-            stream=req.stream, offload=has_grammar(req),
+            stream=req.stream, offload=has_grammar(req), priority=req.priority,
         )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
         formatter = convert.ChatFormatter(stream.request_id, self.settings.served_model_name, self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)

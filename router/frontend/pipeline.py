@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kv.block_hash import root_hash
+from router import errors
 from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket
 from router.frontend.auth import ANONYMOUS, ApiKeys, Principal
 from router.frontend.generation import GenerationStream, InFlightLimiter, StreamPermit
@@ -105,20 +106,24 @@ class RequestPipeline:
         session_id: str | None = None,  # the client's session (router/routing/sessions.py)
         stream: bool = True,  # False: the client reads only the final text
         offload: bool = False,  # convert off the event loop whatever the size (a constraint to check)
+        priority: int | None = None,  # the client's band; None: its key's default
     ) -> GenerationStream:
+        band = self.band_of(principal, priority)
         permit = await self.admit(principal, weight)
         try:
             info = await self.workers.model_info()
             inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]), offload)
             if self.settings.isolate_prefix_cache_per_key:
                 inputs = isolated(inputs, principal)
+            if band:
+                inputs = [replace(inp, params=replace(inp.params, priority=band)) for inp in inputs]
             if permit.lease is not None:
                 await permit.lease.charge(worst_case_tokens(inputs))
             profiles = [
                 RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens), root_hash(inp.params.cache_keys))
                 for inp in inputs
             ]
-            ticket = await self.admission.admit(principal.key_id, profiles)
+            ticket = await self.admission.admit(principal.key_id, profiles, band)
         except BaseException:
             # Ended before the engine ran (refused, shed, cancelled): nothing was used.
             permit.settle(0)
@@ -131,6 +136,19 @@ class RequestPipeline:
         )
         await stream.start()  # on failure the stream has closed: refunded, released
         return stream
+
+    def band_of(self, principal: Principal, requested: int | None) -> int:
+        """The request's priority band: its key's default when it asks for none; a key may
+        ask for a worse band (a larger value), never a better one (400)."""
+        default = self.settings.key_priorities.get(principal.key_id, 0)
+        if requested is None:
+            return default
+        if principal is not ANONYMOUS and requested < default:
+            raise errors.bad_request(
+                f"priority {requested} is better than this API key's band ({default}); lower values are served first.",
+                "priority", "invalid_value",
+            )
+        return requested
 
     @staticmethod
     async def _convert(request_bytes: int, to_inputs: ToInputs, max_model_len: int, offload: bool = False) -> list[EngineInput]:

@@ -4,8 +4,8 @@ A frozen dataclass (not the pydantic schema) so that router/ does not depend on 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from router.frontend.auth import DEFAULT_API_KEYS_ENV
 from router.frontend.key_limits import StateStoreFactory
@@ -48,6 +48,9 @@ class IngressSettings:
     # Each API key's prompts get a prefix-cache partition of their own (the key's id salts
     # the block hashes): no key can learn from `cached_tokens` what another sent.
     isolate_prefix_cache_per_key: bool = False
+    # Priority bands (lower first; router/routing/admission.py, worker/scheduler.py): each listed
+    # key id's default band, also the best it may ask for; unlisted keys: 0.
+    key_priorities: Mapping[str, int] = field(default_factory=dict, compare=False)  # compare=False: unhashable
     # /metrics without an API key (e.g. for a Prometheus scraper) when keys are on.
     metrics_public: bool = False
     # Admission control (router/routing/admission.py): while no worker replica can take a request
