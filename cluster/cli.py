@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from cluster.config import ConfigError, GRPCSection, HTTPSection, KVServeConfig
@@ -134,6 +135,10 @@ def config_from_args(args: argparse.Namespace) -> KVServeConfig:
         "lora.max_loras": args.max_loras,
         "lora.max_lora_rank": args.max_lora_rank,
     }
+    if getattr(args, "no_grpc", False):
+        overrides["grpc.enabled"] = False
+    if getattr(args, "grpc_public", False):
+        overrides["grpc.public"] = True
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         config = config.with_overrides(overrides)
@@ -194,10 +199,33 @@ def register_serve(subparsers: Any) -> None:
     parser.add_argument("--dashboard", action="store_true", help="start the Ray dashboard (local cluster)")
     parser.add_argument("--no-grpc", action="store_true",
                         help="do not start the gRPC proxy (Serve's listens on every interface)")
+    parser.add_argument("--grpc-public", action="store_true",
+                        help="answer gRPC clients on other machines even without API keys "
+                             "(default: loopback only unless keys are set)")
     parser.set_defaults(func=run_serve)
 
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _auth_on(config: KVServeConfig, env: Mapping[str, str]) -> bool:
+    keys_env = config.ingress.api_keys_env
+    return bool(keys_env and env.get(keys_env, "").strip(" ,"))
+
+
+def grpc_proxy_env(config: KVServeConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment Serve's gRPC proxy of a local cluster starts with: TLS
+    (router/frontend/grpc_tls.py), loopback only without API keys unless grpc.public, and
+    the message-size cap at the HTTP body cap (router/frontend/grpc_exposure.py)."""
+    from router.frontend.grpc_exposure import LOOPBACK_ONLY_ENV, MAX_MESSAGE_ENV
+
+    if not config.grpc.enabled:
+        return {}
+    env = dict(config.grpc.tls_env)
+    env[MAX_MESSAGE_ENV] = str(config.ingress.max_body_bytes)
+    if not config.grpc.public and not _auth_on(config, os.environ if environ is None else environ):
+        env[LOOPBACK_ONLY_ENV] = "1"
+    return env
 
 
 def listen_warnings(config: KVServeConfig, environ: dict[str, str] | None = None) -> list[str]:
@@ -209,12 +237,15 @@ def listen_warnings(config: KVServeConfig, environ: dict[str, str] | None = None
     network whenever it is on."""
     env = os.environ if environ is None else environ
     keys_env = config.ingress.api_keys_env
-    auth_on = bool(keys_env and env.get(keys_env, "").strip(" ,"))
+    auth_on = _auth_on(config, env)
     lines = []
     if config.http.host not in _LOOPBACK_HOSTS:
         lines.append(f"HTTP listens on {config.http.host}:{config.http.port}, beyond this machine"
                      + ("" if auth_on else f"; no API keys are set (${keys_env}): anyone who can reach it may use it"))
-    if config.grpc.enabled:
+    if config.grpc.enabled and not auth_on and not config.grpc.public:
+        lines.append(f"gRPC ([::]:{config.grpc.port}) answers loopback clients only: no API keys are set "
+                     f"(${keys_env}); set keys or use --grpc-public to serve other machines")
+    elif config.grpc.enabled:
         # Serve's own gRPC port is always plaintext (router/frontend/grpc_tls.py); TLS, when
         # configured, is on grpc.tls_port beside it.
         tls = config.grpc.tls_port
@@ -269,8 +300,6 @@ def drain_ingress(app_name: str, timeout_s: float) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    if getattr(args, "no_grpc", False):
-        config = config.with_overrides({"grpc.enabled": False})
     engine_config = config.engine_config()  # fails early (and readably) on a missing model
     # ... and on a checkpoint the workers would refuse (quantized, another architecture).
     check_local_model(engine_config.model.model, engine_config.model.trust_remote_code)
@@ -289,7 +318,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # Serve's gRPC proxy reads its TLS settings from the node's environment
     # (router/frontend/grpc_tls.py): a local cluster inherits this process's.
-    os.environ.update(config.grpc.tls_env if config.grpc.enabled else {})
+    # Likewise its exposure and message-size cap (router/frontend/grpc_exposure.py).
+    os.environ.update(grpc_proxy_env(config))
     os.environ[APP_NAME_ENV] = config.app_name  # the app the proxy's health service probes
     record = None  # the local cluster's record for `kvserve status` (cluster/local_ray.py)
     if args.address is None:

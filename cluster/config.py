@@ -161,6 +161,9 @@ class HTTPSection(Section):
 class GRPCSection(Section):
     port: int = Field(9000, ge=0, le=65535)
     enabled: bool = True
+    # Local `kvserve serve` without API keys answers gRPC on loopback only (Serve's proxy
+    # binds every interface: router/frontend/grpc_exposure.py); true serves other machines too.
+    public: bool = False
     # TLS on a second port of Serve's gRPC proxy (router/frontend/grpc_tls.py: Serve 2.60 itself
     # serves only plaintext, on `port`). All three paths are PEM files on every node;
     # tls_client_ca_file set -> mutual TLS.

@@ -43,7 +43,11 @@ class IngressSection(Section):
     # waiting for a worker; one more is answered 429 at once instead of piling up.
     max_queued_requests: int = Field(default_of(IngressSettings, "max_queued_requests"), ge=1)
     max_body_bytes: ByteSize = Field(default_of(IngressSettings, "max_body_bytes"), gt=0)  # larger bodies: 413
+    # The whole request body must arrive within this long (408 otherwise: slow clients).
+    body_read_timeout_s: float = Field(default_of(IngressSettings, "body_read_timeout_s"), gt=0)
     max_n: int = Field(default_of(IngressSettings, "max_n"), ge=1)  # bound on `n` (choices per request)
+    # Bound on the prompts of one completions request (a list of prompts); more: 400.
+    max_prompts_per_request: int = Field(default_of(IngressSettings, "max_prompts_per_request"), ge=1)
     request_timeout_s: float = Field(default_of(IngressSettings, "request_timeout_s"), gt=0)
     # A stream whose worker replica dies is resumed on another one (prompt + the tokens
     # already sent; greedy output unchanged) at most this many times; 0: fail it (503).
@@ -58,6 +62,15 @@ class IngressSection(Section):
     # replica, or cluster-wide with `state.redis_url`.
     max_concurrent_requests_per_key: int | None = Field(default_of(IngressSettings, "max_concurrent_requests_per_key"), ge=1)
     tokens_per_minute_per_key: int | None = Field(default_of(IngressSettings, "tokens_per_minute_per_key"), ge=1)
+    # Give each API key a prefix-cache partition of its own (its id salts the block hashes,
+    # as vLLM's cache_salt does per request): no key learns from cached_tokens what another
+    # sent, at the cost of no prefix sharing between keys. The Helm chart turns it on.
+    isolate_prefix_cache_per_key: bool = default_of(IngressSettings, "isolate_prefix_cache_per_key")
+    # Priority bands (vLLM's request `priority`: lower first): key id (the 12 hex digits
+    # kvserve logs, sha256 of the key) -> its default band, also the best band it may ask for.
+    # Held requests are offered best band first, and a full queue sheds the worst band first;
+    # in the engine a better band may preempt a worse one. Unlisted keys: 0.
+    key_priorities: dict[str, int] = Field(default_of(IngressSettings, "key_priorities"))
     # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
     metrics_public: bool = default_of(IngressSettings, "metrics_public")
     # Admission control (router/routing/admission.py): while no worker replica can take a request

@@ -30,7 +30,6 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block]] = {}
         self._block_ids: dict[str, list[int]] = {}  # same blocks, as ids for the runner
         self._hashes: dict[str, list[int]] = {}  # kept across preemption: tokens do not change
-        self._roots: dict[str, int] = {}  # chain roots other than ROOT_HASH (kv.block_hash.chain_root)
         self._num_registered: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -47,13 +46,13 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     # -- prefix cache ----------------------------------------------------------------
-    def get_computed_blocks(self, request_id: str, token_ids: list[int]) -> list[Block]:
+    def get_computed_blocks(self, request_id: str, token_ids: list[int], root: int = ROOT_HASH) -> list[Block]:
         """The longest run of cached full blocks that starts the sequence. At least one
-        token is always left to compute: its logits are needed to sample."""
+        token is always left to compute: its logits are needed to sample. `root`: the
+        request's hash-chain root (kv.block_hash.root_hash of its extra keys)."""
         if not self.pool.enable_prefix_caching:
             return []
-        hashes = hash_full_blocks(token_ids, self.block_size, self._hashes.setdefault(request_id, []),
-                                  self._roots.get(request_id, ROOT_HASH))
+        hashes = hash_full_blocks(token_ids, self.block_size, self._hashes.setdefault(request_id, []), root)
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[Block] = []
         lookup = self.pool.cached.get  # pool.lookup without a call per block (prompts of 1k+ blocks)
@@ -64,12 +63,6 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def set_hash_root(self, request_id: str, root: int) -> None:
-        """Chain the request's block hashes from `root` (kv.block_hash.chain_root of what
-        besides its tokens decides its KV), before any of its blocks is hashed."""
-        assert not self._hashes.get(request_id), "the root must be set before hashing"
-        if root != ROOT_HASH:
-            self._roots[request_id] = root
     def block_hashes(self, request_id: str) -> list[int]:
         """The request's full-block hashes computed so far (by get_computed_blocks)."""
         return self._hashes.get(request_id, [])
@@ -128,7 +121,7 @@ class KVCacheManager:
         self.prefix_cache_queries += num_prompt_tokens
         self.prefix_cache_hits += num_hit_tokens
 
-    def cache_computed(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
+    def cache_computed(self, request_id: str, token_ids: list[int], num_computed_tokens: int, root: int = ROOT_HASH) -> None:
         """Register the request's full blocks whose every token is now in the KV cache."""
         if not self.pool.enable_prefix_caching:
             return
@@ -137,8 +130,7 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = hash_full_blocks(
-            token_ids[: num_full * self.block_size], self.block_size, self._hashes.setdefault(request_id, []),
-            self._roots.get(request_id, ROOT_HASH),
+            token_ids[: num_full * self.block_size], self.block_size, self._hashes.setdefault(request_id, []), root
         )
         blocks = self._blocks[request_id]
         for i in range(done, num_full):
@@ -156,7 +148,6 @@ class KVCacheManager:
         self._num_registered.pop(request_id, None)
         if not keep_hashes:
             self._hashes.pop(request_id, None)
-            self._roots.pop(request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))
 

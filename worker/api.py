@@ -21,6 +21,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_PRIORITY = 1_000_000
+MAX_CACHE_SALT_CHARS = 1024  # a client's; the engine takes room for the ingress's key frame too
+_CACHE_SALT_FRAME_CHARS = 64
 # OpenAI's logit_bias: at most this many entries, each bias in [-100, 100].
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
@@ -81,10 +84,22 @@ class SamplingParams:
     structured: StructuredOutput | None = None  # constrain the output (a grammar)
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's cache_salt: the request's prefix-cache partition. Blocks are shared only with
+    # requests of the same salt (kv/block_hash.py seeds the hash chain's root with it).
+    cache_salt: str | None = None
+    # vLLM's priority: lower values are served first; a waiting request of a better band may
+    # preempt a running one of a worse band (worker/scheduler.py). The ingress bounds it per key.
+    priority: int = 0
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def cache_keys(self) -> tuple[str, ...]:
+        """The extra keys of this request's block-hash chain (kv/block_hash.py root_hash):
+        what, besides its tokens, decides whose cached KV it may reuse."""
+        return () if self.cache_salt is None else (self.cache_salt,)
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +135,12 @@ class SamplingParams:
             raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS + _CACHE_SALT_FRAME_CHARS
+        ):
+            raise bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        if not isinstance(self.priority, int) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise bad(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
@@ -270,7 +291,7 @@ class KVImportError(RequestError):
 
 
 def lora_cache_key(name: str, path: str) -> str:
-    """A LoRA adapter's prefix-cache identity (kv.block_hash.chain_root's extra key): the
+    """A LoRA adapter's prefix-cache identity (kv.block_hash.root_hash extra key): the
     engine and the router hash an adapter request's blocks from the same root."""
     return f"lora:{name}:{path}"
 

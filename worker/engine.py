@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from kv.block_hash import root_hash
 from kv.cache_manager import KVCacheManager, cdiv
 from kv.stats import KVStats
 from kv.transfer import KVExport, KVTransferError
@@ -245,13 +246,16 @@ class Engine:
         self.seqs[request_id] = seq
         if lora_name is not None:
             seq.lora_name = lora_name
-            self.kv.set_hash_root(request_id, self.lora.hash_root(lora_name))
+            # An adapter changes every layer's K and V: its blocks chain from a root of their
+            # own (router/routing/types.py request_hash_root hashes the same way).
+            seq.hash_root = root_hash((*params.cache_keys, self.lora.cache_key(lora_name)))
         elif prompt_block_hashes is not None:  # the manager copies them (it extends its list in place)
             self.kv.adopt_block_hashes(request_id, prompt_block_hashes)
         if lora_name is not None and not self.lora.add(seq):
             return  # waits for its adapter's host load (_admit_lora_loaded)
         if params.structured is not None and self.grammar is not None:
-            seq.grammar = GrammarState(self.grammar.submit(params.structured))
+            deadline = time.monotonic() + self.grammar.compile_timeout_s
+            seq.grammar = GrammarState(self.grammar.submit(params.structured), deadline)
             self.awaiting_grammar.append(seq)
         else:
             self.scheduler.add(seq)

@@ -162,7 +162,7 @@ class KVTransferConnector:
                 logger.exception("KV import of %s failed", seq.request_id)
                 failed.append((seq, f"KV import failed: {type(e).__name__}: {e}"))
                 continue
-            self.kv.cache_computed(seq.request_id, seq.token_ids, export.num_tokens)
+            self.kv.cache_computed(seq.request_id, seq.token_ids, export.num_tokens, seq.hash_root)
         return failed
 
     def save_kv(self, plan: SchedulerOutput, sampled_token_ids: list[int | None]) -> SavedKV:
@@ -198,7 +198,7 @@ class KVTransferConnector:
             num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
-            block_hashes=hash_full_blocks(seq.token_ids[:n], block_size),
+            block_hashes=hash_full_blocks(seq.token_ids[:n], block_size, root=seq.hash_root),
             num_cached_tokens=seq.num_cached_tokens,
         )
 

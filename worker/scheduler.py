@@ -7,7 +7,9 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
    for a decode, the rest of the prompt for a chunked prefill) within the token budget;
    when one cannot get a block, the most recently admitted running sequence is preempted
    (blocks freed, requeued at the front of `waiting`, recomputed later);
-2. then waiting sequences in FIFO order fill what is left of the token budget with
+   (with priorities: the lowest band's most recently admitted goes first);
+2. then waiting sequences in priority order (SamplingParams.priority, lower first, FIFO
+   within a band; one band by default) fill what is left of the token budget with
    prompt chunks (chunked prefill), up to `max_num_seqs`, admitted only when their
    blocks fit. A blocked head of the queue blocks those behind it (no starvation).
    A sequence carrying imported KV (`seq.kv_import`, disaggregation) is admitted by the
@@ -24,6 +26,9 @@ The token budget is max_num_batched_tokens; with a step-time budget (`step_budge
 the engine when SchedulerConfig.max_step_time_s is) each prompt chunk of a step that
 carries decodes gets only the tokens that keep the step's predicted time within it, priced
 at its own context beside the rows planned before it (worker/step_budget.py).
+Before both, a waiting head of a better band that could not be admitted (no running slot
+or no blocks) preempts the lowest band's running sequences, most recent first; a preempted
+sequence is recomputed and resumes exactly (its tokens are kept).
 Torch-free on purpose: it is unit-tested on its own.
 """
 from __future__ import annotations
@@ -72,6 +77,8 @@ class SchedulerOutput:
     lora_loads: list[tuple[int, str]] = field(default_factory=list)
     # Admitted this step into `loading`: the engine starts their tier copies.
     kv_loads: list[TierLoad] = field(default_factory=list)
+    # How many of `preempted` made room for a better priority band (the first ones).
+    preempted_for_priority: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -119,7 +126,22 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.waiting_uncached_tokens = self._uncached_tokens(seq)
-        self.waiting.append(seq)
+        self._enqueue(seq, front_of_band=False)
+
+    def _enqueue(self, seq: Sequence, front_of_band: bool) -> None:
+        """Into `waiting`, ordered by priority band (lower value first, as vLLM's priority
+        policy), FIFO within a band; a preempted sequence goes to the front of its band.
+        All at one priority (the default): append / appendleft."""
+        waiting, band = self.waiting, seq.params.priority
+        if front_of_band:
+            i = 0
+            while i < len(waiting) and waiting[i].params.priority < band:
+                i += 1
+        else:
+            i = len(waiting)
+            while i > 0 and waiting[i - 1].params.priority > band:
+                i -= 1
+        waiting.insert(i, seq)
 
     # -- planning ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -130,10 +152,43 @@ class Scheduler:
         # no step-time budget, or no decode that a prefill could stall.
         self._timed_rows = self._decode_rows() if self.step_budget is not None else None
         self._prefill_planned = False
+        self._preempt_for_priority(out)
         budget = self._schedule_running(out, budget)
-        if not out.preempted:  # memory is short this step: do not admit more
+        if len(out.preempted) == out.preempted_for_priority:  # else memory is short: do not admit more
             self._schedule_waiting(out, budget)
         return out
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """A waiting head of a better band than some running sequence takes its place when
+        it could not be admitted otherwise (no running slot, or its blocks do not fit):
+        the lowest band's most recently admitted sequence is preempted (recomputed later,
+        so it resumes exactly where it was). Never within a band."""
+        while self.waiting and self.running:
+            head = self.waiting[0]
+            victim = self._victim()
+            if victim.params.priority <= head.params.priority:
+                return
+            if len(self.running) < self.config.max_num_seqs and self._fits(head):
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            # For a better band, not for want of memory: admission goes on this step.
+            out.preempted_for_priority += 1
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Could `seq`'s whole uncomputed prompt get its blocks now (cache hits counted)?"""
+        hits = [] if seq.kv_import is not None else self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root)
+        return self.kv.can_allocate(seq.request_id, seq.num_tokens, hits)
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt first: the lowest band's most recently admitted
+        (the most recently admitted of all when every band is the same)."""
+        victim = self.running[-1]
+        for seq in reversed(self.running):
+            if seq.params.priority > victim.params.priority:
+                victim = seq
+        return victim
 
     def _decode_rows(self) -> list[tuple[int, int, bool]] | None:
         """The running decodes as cost rows (new tokens, context, samples), or None if none."""
@@ -180,7 +235,10 @@ class Scheduler:
         """Preempt the most recently admitted running sequences until `seq` can hold
         `num_tokens`; False when `seq` itself had to go."""
         while not self.kv.can_allocate(seq.request_id, num_tokens):
-            victim = self.running.pop()  # most recently admitted
+            victim = self._victim()  # the lowest band's most recently admitted
+            self.running.remove(victim)
+            if victim in out.seqs:  # planned earlier this step: out of the plan
+                out.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
@@ -198,7 +256,7 @@ class Scheduler:
                 # whole prompt (its blocks still enter the cache for others).
                 hits, num_computed = [], 0
             else:
-                hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids)
+                hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root)
                 num_computed = len(hits) * self.kv.block_size
                 num_tier = self._num_tier_blocks(seq, len(hits))
                 if num_tier:
@@ -268,7 +326,7 @@ class Scheduler:
             return  # aborted while it loaded
         self.loading.remove(seq)
         num_computed = seq.num_computed_tokens + num_loaded_blocks * self.kv.block_size
-        self.kv.cache_computed(seq.request_id, seq.token_ids, num_computed)
+        self.kv.cache_computed(seq.request_id, seq.token_ids, num_computed, seq.hash_root)
         if seq.num_preemptions == 0:
             self.kv.record_admission(seq.num_prompt_tokens, num_computed)
             seq.num_cached_tokens = num_computed
@@ -291,7 +349,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.waiting_uncached_tokens = self._uncached_tokens(seq)  # its freed blocks are cached now
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front_of_band=True)
 
     # -- applying a step's result --------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
@@ -308,7 +366,7 @@ class Scheduler:
             before = seq.num_computed_tokens
             seq.num_computed_tokens = after = before + num_new
             if after // block_size > before // block_size:  # a block filled: register it
-                kv.cache_computed(seq.request_id, seq.token_ids, after)
+                kv.cache_computed(seq.request_id, seq.token_ids, after, seq.hash_root)
             if token_id is None:
                 continue  # a prompt chunk that did not reach the end of the prompt
             seq.token_ids.append(token_id)  # Sequence.append_token, inlined (once per token)
@@ -360,7 +418,7 @@ class Scheduler:
         the blocks they wait for), as do prompt_logprobs requests (they skip the cache)."""
         if seq.kv_import is not None or seq.params.prompt_logprobs is not None:
             return seq.num_uncomputed_tokens
-        num_hits = len(self.kv.get_computed_blocks(seq.request_id, seq.token_ids))
+        num_hits = len(self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root))
         cached = (num_hits + self._num_tier_blocks(seq, num_hits)) * self.kv.block_size
         return max(seq.num_tokens - cached, 0)
 

@@ -16,6 +16,7 @@ import enum
 import time
 from typing import TYPE_CHECKING, Any
 
+from kv.block_hash import root_hash
 from worker.api import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class Sequence:
         "num_computed_tokens",
         "num_cached_tokens",
         "params",
+        "hash_root",
         "status",
         "finish_reason",
         "stop_reason",
@@ -71,6 +73,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.params = params
+        # The root of its block-hash chain: its prefix-cache partition (kv/block_hash.py).
+        self.hash_root = root_hash(params.cache_keys)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -46,6 +46,8 @@ class SamplingOptions(TypedDict, total=False):
     add_generation_prompt: bool
     logit_bias: Mapping[int, float]
     n: int
+    cache_salt: str  # vLLM's: the request's prefix-cache partition
+    priority: int  # vLLM's: lower first
 
 
 Message = tuple[str, str] | dict[str, str]  # (role, content) or {"role", "content", "name"?}

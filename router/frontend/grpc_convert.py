@@ -77,6 +77,10 @@ def sampling_body(request: pb.GenerateRequest) -> dict[str, Any]:
         body["n"] = request.n
     if request.HasField("prompt_logprobs"):
         body["prompt_logprobs"] = request.prompt_logprobs
+    if request.HasField("cache_salt"):
+        body["cache_salt"] = request.cache_salt
+    if request.HasField("priority"):
+        body["priority"] = request.priority
     body.update(_constraint_body(request))
     body["ignore_eos"] = request.ignore_eos
     body["min_tokens"] = request.min_tokens

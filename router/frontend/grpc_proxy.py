@@ -33,6 +33,9 @@ the proxy, before anything reaches a replica.
 Standard services: the same call registers grpc.health.v1 (router/frontend/grpc_health.py) and,
 when configured, a TLS port (router/frontend/grpc_tls.py); Serve 2.60 adds server reflection.
 
+Exposure: without API keys a local server answers loopback peers only; each KVServe
+handler is then wrapped by router/frontend/grpc_exposure.py's loopback_guard.
+
 Only the KVServe service's handlers are wrapped, and only when `server` is Serve's
 gRPCGenericServer (it builds handlers through `service_handler_factory`); anywhere else
 this is the plain generated function.
@@ -46,6 +49,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+from router.frontend.grpc_exposure import loopback_guard, loopback_only
 from router.frontend.grpc_health import start_health
 from router.frontend.grpc_tls import add_tls_port
 
@@ -140,12 +144,15 @@ def _tolerant_handlers(method_handlers: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cancel_safe_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
+    # Read once, when the proxy's server is built (router/frontend/grpc_exposure.py).
+    guard = loopback_guard if loopback_only() else (lambda handler: handler)
+
     def build(*args: Any, **kwargs: Any) -> Any:
         handler = factory(*args, **kwargs)
         if inspect.isasyncgenfunction(handler):
-            return cancel_safe_stream(handler)
+            return guard(cancel_safe_stream(handler))
         if inspect.iscoroutinefunction(handler):
-            return rejecting_undecodable(handler)
+            return guard(rejecting_undecodable(handler))
         return handler
 
     return build

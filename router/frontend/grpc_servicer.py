@@ -310,6 +310,8 @@ class GrpcServicer:
             clock.arrival,
             client_session_id(grpc_metadata_value(metadata, SESSION_HEADER), None),
             stream=stream, lora=self.pipeline.lora.resolve(request.model),
+            offload=request.WhichOneof("constraint") is not None,  # a grammar to check
+            priority=request.priority if request.HasField("priority") else None,
         )
 
 

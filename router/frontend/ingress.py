@@ -7,6 +7,7 @@ JSON or server-sent events. Limits, checked before any work:
 
 - no or a wrong API key (when keys are configured, router/frontend/auth.py) -> 401
 - body over `max_body_bytes`                    -> 413 (Content-Length, then while reading)
+- body not all there within `body_read_timeout_s` -> 408
 - malformed JSON, unknown field, bad value       -> 400
 - unknown model                                  -> 404
 - prompt + max_tokens over max_model_len, n over max_n -> 400
@@ -17,7 +18,7 @@ JSON or server-sent events. Limits, checked before any work:
 - no result within `request_timeout_s`           -> 504
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize,
-/detokenize and /version, /health, /metrics; all but /health and /version need the API key
+/detokenize and /version, /health, /metrics; all but /health need the API key
 when keys are configured (/metrics too, unless metrics_public). The
 gRPC methods come from router/frontend/grpc_servicer.py (GrpcMethods -> GrpcServicer, the same pipeline).
 
@@ -60,6 +61,7 @@ from router.routing import SESSION_HEADER, client_session_id
 from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.frontend.workers import Workers
 from worker.api import load_tokenizer
+from router.frontend.structured import has_grammar
 from router.frontend.tools import tool_mode
 from router.tracing import ClientTraceContext
 
@@ -96,18 +98,28 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(errors.internal(f"Internal error: {type(exc).__name__}.").body(), status_code=500)
 
 
-async def read_json(request: Request, limit: int) -> tuple[dict[str, Any], int]:
-    """The body as a JSON object, and its size in bytes (APIError 400 / 413)."""
+async def read_json(request: Request, limit: int, read_timeout_s: float | None = None) -> tuple[dict[str, Any], int]:
+    """The body as a JSON object, and its size in bytes (APIError 400 / 408 / 413). The
+    whole body must arrive within `read_timeout_s`: a client that trickles bytes would
+    otherwise hold a handler (and its body buffer) for as long as it likes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise errors.body_too_large(limit)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise errors.body_too_large(limit)
+    try:
+        async with asyncio.timeout(read_timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise errors.body_too_large(limit)
+    except TimeoutError:
+        raise errors.APIError(
+            408, f"The request body did not arrive within {read_timeout_s:g} s.", "invalid_request_error", None, "request_timeout"
+        ) from None
     try:
         data = json.loads(body)
+    except RecursionError:  # nesting deeper than the parser's recursion limit
+        raise errors.bad_request("The request body is nested too deeply.", None, "invalid_json") from None
     except ValueError as e:
         raise errors.bad_request(f"The request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(data, dict):
@@ -251,6 +263,11 @@ class Ingress(GrpcMethods):
         principal, req, num_bytes = await self._read(request, p.CompletionRequest)
         convert.check_n(req.n, self.settings.max_n)
         num_prompts = 1 if isinstance(req.prompt, str) or all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
+        if num_prompts > self.settings.max_prompts_per_request:
+            raise errors.bad_request(
+                f"This request has {num_prompts} prompts; this server allows at most "
+                f"{self.settings.max_prompts_per_request} per request.", "prompt", "invalid_value",
+            )
         # A list of prompts multiplies the engine requests as n does: bounded the same way
         # (by the in-flight bound, or max_n when that is larger), before any tokenizing.
         max_choices = max(self.pipeline.limiter.limit, self.settings.max_n)
@@ -267,7 +284,7 @@ class Ingress(GrpcMethods):
             principal, req.n * num_prompts, num_bytes,
             lambda max_model_len: convert.completion_inputs(req, tokenizer, max_model_len, max_n),
             f"cmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
-            stream=req.stream, lora=lora,
+            stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
         )
         formatter = convert.CompletionFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs is not None, req.prompt_logprobs)
         if req.echo:
@@ -286,7 +303,7 @@ class Ingress(GrpcMethods):
             principal, req.n, num_bytes,
             lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
             f"chatcmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
-            stream=req.stream, lora=lora,
+            stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
         )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
         formatter = convert.ChatFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)
@@ -317,9 +334,14 @@ class Ingress(GrpcMethods):
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: the ids generation would see, with the context length."""
-        _, req, num_bytes = await self._read(request, tk.TokenizeRequest)
+        principal, req, num_bytes = await self._read(request, tk.TokenizeRequest)
         tokenizer = self.pipeline.tokenizer
-        ids = await self._off_loop(num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
+        # Inside the limits like a generation: the key's slot and this replica's share.
+        permit = await self.pipeline.admit(principal, 1)
+        try:
+            ids = await self._off_loop(num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
+        finally:
+            permit.release()
         info = await self.pipeline.workers.model_info()
         strs = [self.pipeline.texts(t) for t in ids] if req.return_token_strs else None
         out = tk.TokenizeResponse(count=len(ids), max_model_len=int(info["max_model_len"]), tokens=ids, token_strs=strs)
@@ -328,14 +350,20 @@ class Ingress(GrpcMethods):
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:
         """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM)."""
-        _, req, num_bytes = await self._read(request, tk.DetokenizeRequest)
+        principal, req, num_bytes = await self._read(request, tk.DetokenizeRequest)
         tokenizer = self.pipeline.tokenizer
-        text = await self._off_loop(num_bytes, lambda: tk.detokenize_text(req, tokenizer))
+        permit = await self.pipeline.admit(principal, 1)
+        try:
+            text = await self._off_loop(num_bytes, lambda: tk.detokenize_text(req, tokenizer))
+        finally:
+            permit.release()
         return JSONResponse(tk.DetokenizeResponse(prompt=text).model_dump())
 
     @app.get("/version")
-    async def version(self) -> JSONResponse:
-        """kvserve's version; public like /health (it says nothing a client could misuse)."""
+    async def version(self, request: Request) -> JSONResponse:
+        """kvserve's version; behind the API key like every endpoint but /health (a
+        version tells an attacker which known flaws to try)."""
+        self._authenticate(request)
         return JSONResponse(tk.VersionResponse(version=KVSERVE_VERSION).model_dump())
 
     @app.get("/health")
@@ -380,7 +408,7 @@ class Ingress(GrpcMethods):
         """Authenticate, read the JSON body (bounded), validate it and check its `model`
         (optional where the endpoint allows it): every POST endpoint starts so."""
         principal = self._authenticate(request)
-        body, num_bytes = await read_json(request, self.settings.max_body_bytes)
+        body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
         req = parse(model, body)
         name = getattr(req, "model", None)
         if name is not None:

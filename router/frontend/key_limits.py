@@ -1,6 +1,7 @@
 """Per-API-key limits of the ingress: concurrent requests and tokens per minute.
 
-- concurrent requests: a request holds one slot from admission until its stream closes;
+- concurrent requests: a request holds one slot per engine request (n x prompts) from
+  admission until its stream closes, so that a batch of prompts counts as what it costs;
 - tokens per minute: a token bucket (capacity = the per-minute limit, refilled
   continuously). A request is charged its worst case at admission (prompt tokens plus
   max_tokens for each choice) and refunded what it did not use when it ends.
@@ -192,33 +193,39 @@ class KeyLimits:
     def enabled(self) -> bool:
         return self.max_concurrent_requests is not None or self.tokens_per_minute is not None
 
-    async def acquire(self, key_id: str) -> KeyLease:
-        """A concurrency slot for this key (when limited), or APIError 429."""
+    async def acquire(self, key_id: str, weight: int = 1) -> KeyLease:
+        """`weight` concurrency slots for this key (its engine requests; when limited), or
+        APIError 429 holding none. A request heavier than the whole limit takes all of it
+        (it runs when the key has nothing else in flight), as the in-flight bound does."""
         limit = self.max_concurrent_requests
+        lease = KeyLease(self, key_id, [])
         if limit is None:
-            return KeyLease(self, key_id, None)
-        grant = await self.store.acquire_slot(key_id, limit)
-        if grant.slot is None:
-            raise errors.APIError(
-                429,
-                f"This API key already has {grant.in_flight} requests in flight, its limit is {limit}; "
-                "retry when one finishes.",
-                "rate_limit_error",
-                None,
-                "concurrency_limit_exceeded",
-            )
-        return KeyLease(self, key_id, grant.slot)
+            return lease
+        for _ in range(max(min(weight, limit), 1)):
+            grant = await self.store.acquire_slot(key_id, limit)
+            if grant.slot is None:
+                lease.release()
+                raise errors.APIError(
+                    429,
+                    f"This API key already has {grant.in_flight} engine requests in flight, its limit is {limit}; "
+                    "retry when one finishes.",
+                    "rate_limit_error",
+                    None,
+                    "concurrency_limit_exceeded",
+                )
+            lease.slots.append(grant.slot)
+        return lease
 
 
 class KeyLease:
-    """One request's share of its key's limits. `release()` frees the concurrency slot
+    """One request's share of its key's limits. `release()` frees the concurrency slots
     (idempotent; a GenerationStream calls it when it closes); `charge()` takes tokens at
     admission; `settle(used)` refunds what the request did not use (once)."""
 
-    def __init__(self, limits: KeyLimits, key_id: str, slot: Any) -> None:
+    def __init__(self, limits: KeyLimits, key_id: str, slots: list[Any]) -> None:
         self._limits = limits
         self.key_id = key_id
-        self._slot = slot
+        self.slots = slots  # the store's handles, one per engine request
         self._receipts: list[tuple[Any, int]] = []
         self._settled = False
 
@@ -255,8 +262,8 @@ class KeyLease:
                 self._limits.store.refund_tokens(receipt, amount - covered)
 
     def release(self) -> None:
-        slot, self._slot = self._slot, None
-        if slot is not None:
+        slots, self.slots = self.slots, []
+        for slot in slots:
             self._limits.store.release_slot(slot)
 
     def __del__(self) -> None:  # a dropped lease must not hold its slot forever

@@ -105,6 +105,7 @@ def sampling_params(
             skip_special_tokens=request.skip_special_tokens,
             structured=structured,
             logit_bias=request.logit_bias_pairs,
+            cache_salt=request.cache_salt,
         )
     except SamplingParamsError as e:
         raise bad_request(str(e)) from None

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from worker.api import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_STRINGS
+from worker.api import MAX_CACHE_SALT_CHARS, MAX_PRIORITY, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_STOP_STRINGS
 
 
 class _Strict(BaseModel):
@@ -70,6 +70,11 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     # vLLM's: every prompt token's logprob and top-k (not with stream, as vLLM).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: the request's prefix-cache partition (worker/api.py SamplingParams.cache_salt).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's: lower values are served first (admission bands, engine preemption). Unset: the
+    # API key's default band (ingress.key_priorities); a key cannot ask for a better one.
+    priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     # Structured outputs (router/frontend/structured.py): OpenAI's response_format, vLLM's guided_*
     # and structured_outputs. At most one per request.
     response_format: dict[str, Any] | None = None

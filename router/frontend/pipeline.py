@@ -7,7 +7,8 @@
                 admit    the key's concurrency slot (router/frontend/key_limits.py), then this
                          replica's in-flight share (InFlightLimiter)        -> 429 / 503
                 convert  tokenize + sampling params, with the workers' max_model_len,
-                         off the event loop when the request is large      -> 400
+                         off the event loop when the request is large or
+                         carries a grammar to check                          -> 400
                 charge   the worst case from the key's tokens-per-minute budget -> 429
                 hold     admission control (router/routing/admission.py): while no worker replica
                          can take it, held in a queue fair between keys -> 429 at its bound
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 
-from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket, lora_hash_root
+from router import errors
+from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket, request_hash_root
 from router.frontend.lora_modules import LoRAModules
 from router.frontend.auth import ANONYMOUS, ApiKeys, Principal
 from router.frontend.generation import GenerationStream, InFlightLimiter, StreamPermit
@@ -81,10 +84,11 @@ class RequestPipeline:
         return self.api_keys.authenticate(authorization)
 
     async def admit(self, principal: Principal, weight: int) -> JointPermit:
-        """The key's concurrency slot, then this replica's in-flight share (429 for either)."""
+        """The key's concurrency slots (one per engine request), then this replica's
+        in-flight share (429 for either)."""
         lease = None
         if principal is not ANONYMOUS and self.key_limits.enabled:
-            lease = await self.key_limits.acquire(principal.key_id)
+            lease = await self.key_limits.acquire(principal.key_id, weight)
         try:
             permit = self.limiter.acquire(weight)
         except BaseException:
@@ -104,17 +108,30 @@ class RequestPipeline:
         session_id: str | None = None,  # the client's session (router/routing/sessions.py)
         stream: bool = True,  # False: the client reads only the final text
         lora: tuple[str, str] | None = None,  # the LoRA adapter (name, path) that serves it
+        offload: bool = False,  # convert off the event loop whatever the size (a constraint to check)
+        priority: int | None = None,  # the client's band; None: its key's default
     ) -> GenerationStream:
+        band = self.band_of(principal, priority)
         permit = await self.admit(principal, weight)
         try:
             info = await self.workers.model_info()
-            inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]))
+            inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]), offload)
+            if self.settings.isolate_prefix_cache_per_key:
+                inputs = isolated(inputs, principal)
+            if band:
+                inputs = [replace(inp, params=replace(inp.params, priority=band)) for inp in inputs]
             if permit.lease is not None:
                 await permit.lease.charge(worst_case_tokens(inputs))
-            root = lora_hash_root(*lora) if lora is not None else lora_hash_root(None, None)
-            profiles = [RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens), root) for inp in inputs]
-            ticket = await self.admission.admit(principal.key_id, profiles)
+            lora_name, lora_path = lora if lora is not None else (None, None)
+            profiles = [
+                RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens),
+                               request_hash_root(inp.params.cache_keys, lora_name, lora_path))
+                for inp in inputs
+            ]
+            ticket = await self.admission.admit(principal.key_id, profiles, band)
         except BaseException:
+            # Ended before the engine ran (refused, shed, cancelled): nothing was used.
+            permit.settle(0)
             permit.release()
             raise
         stream = GenerationStream(
@@ -125,11 +142,37 @@ class RequestPipeline:
         await stream.start()  # on failure the stream has closed: refunded, released
         return stream
 
+    def band_of(self, principal: Principal, requested: int | None) -> int:
+        """The request's priority band: its key's default when it asks for none; a key may
+        ask for a worse band (a larger value), never a better one (400)."""
+        default = self.settings.key_priorities.get(principal.key_id, 0)
+        if requested is None:
+            return default
+        if principal is not ANONYMOUS and requested < default:
+            raise errors.bad_request(
+                f"priority {requested} is better than this API key's band ({default}); lower values are served first.",
+                "priority", "invalid_value",
+            )
+        return requested
+
     @staticmethod
-    async def _convert(request_bytes: int, to_inputs: ToInputs, max_model_len: int) -> list[EngineInput]:
-        if request_bytes > LARGE_REQUEST_BYTES:
+    async def _convert(request_bytes: int, to_inputs: ToInputs, max_model_len: int, offload: bool = False) -> list[EngineInput]:
+        # Grammar checks (structured outputs, forced tool calls) take milliseconds or more
+        # even for small bodies: never on the event loop.
+        if offload or request_bytes > LARGE_REQUEST_BYTES:
             return await asyncio.to_thread(to_inputs, max_model_len)
         return to_inputs(max_model_len)
+
+
+def isolated(inputs: list[EngineInput], principal: Principal) -> list[EngineInput]:
+    """The inputs with their cache salt framed by the caller's key: each key's prefix-cache
+    partition is its own, and a client's salt partitions only within its key's. A key id
+    holds no NUL and salts are never empty, so no salt a client sends can make its framed
+    salt equal another key's."""
+    return [
+        replace(inp, params=replace(inp.params, cache_salt=f"{principal.key_id}\x00{inp.params.cache_salt or ''}"))
+        for inp in inputs
+    ]
 
 
 class AdmittedPermit:

@@ -4,8 +4,8 @@ A frozen dataclass (not the pydantic schema) so that router/ does not depend on 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from router.frontend.auth import DEFAULT_API_KEYS_ENV
 from router.frontend.key_limits import StateStoreFactory
@@ -22,7 +22,12 @@ class IngressSettings:
     tokenizer_path: str  # a local directory or a Hub id (tokenizer files only are read)
     max_queued_requests: int = 1024  # weighted by n; beyond it: 429 at once
     max_body_bytes: int = 4 * 1024**2  # beyond it: 413
+    # The whole body must arrive within this long (408 otherwise): slow clients cannot
+    # hold handlers open.
+    body_read_timeout_s: float = 30.0
     max_n: int = 16
+    # Prompts in one completions request (a list of prompts): each is an engine request.
+    max_prompts_per_request: int = 64
     request_timeout_s: float = 600.0
     # Times one engine request is resumed on another replica after its replica died
     # (router/frontend/migration.py); 0 turns migration off.
@@ -40,6 +45,12 @@ class IngressSettings:
     # Where the per-key limits are counted: None, this replica; else a factory built once
     # per replica (cluster/state_store.py: Redis, with this replica as the fallback).
     state_store: StateStoreFactory | None = None
+    # Each API key's prompts get a prefix-cache partition of their own (the key's id salts
+    # the block hashes): no key can learn from `cached_tokens` what another sent.
+    isolate_prefix_cache_per_key: bool = False
+    # Priority bands (lower first; router/routing/admission.py, worker/scheduler.py): each listed
+    # key id's default band, also the best it may ask for; unlisted keys: 0.
+    key_priorities: Mapping[str, int] = field(default_factory=dict, compare=False)  # compare=False: unhashable
     # /metrics without an API key (e.g. for a Prometheus scraper) when keys are on.
     metrics_public: bool = False
     # Admission control (router/routing/admission.py): while no worker replica can take a request

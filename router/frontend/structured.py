@@ -60,6 +60,18 @@ def _from_structured_outputs(spec: dict[str, Any]) -> list[StructuredOutput]:
     return found
 
 
+_CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def has_grammar(request: Any) -> bool:
+    """Whether converting the request compiles a grammar (a constraint, or a forced tool
+    call): work to keep off the event loop."""
+    if any(getattr(request, name, None) is not None for name in _CONSTRAINT_FIELDS):
+        return True
+    tool_choice = getattr(request, "tool_choice", None)
+    return bool(getattr(request, "tools", None)) and tool_choice not in (None, "auto", "none")
+
+
 def structured_output_of(request: Any) -> StructuredOutput | None:
     """The request's one constraint (checked: it compiles), or None."""
     found: list[StructuredOutput] = []

@@ -74,24 +74,56 @@ def tool_constraint(request: p.ChatCompletionRequest, mode: ToolMode | None) -> 
     if mode.choice == "named":
         assert mode.function is not None
         return StructuredOutput("json_schema", json.dumps(tools[mode.function].parameters or _ANY_PARAMETERS))
-    one_call = {
-        "anyOf": [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"type": "string", "enum": [name]},
-                    "parameters": fn.parameters or _ANY_PARAMETERS,
-                },
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for name, fn in tools.items()
-        ]
-    }
-    schema: dict[str, Any] = {"type": "array", "items": one_call, "minItems": 1}
+    definitions: dict[str, Any] = {}
+    calls = []
+    for position, (name, fn) in enumerate(tools.items()):
+        parameters = _hoist_definitions(fn.parameters or _ANY_PARAMETERS, f"tool{position}_", definitions)
+        calls.append({
+            "type": "object",
+            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        })
+    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if definitions:
+        schema["$defs"] = definitions
     if request.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return StructuredOutput("json_schema", json.dumps(schema))
+
+
+_DEFINITION_KEYS = ("$defs", "definitions")
+
+
+def _hoist_definitions(parameters: dict[str, Any], prefix: str, definitions: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema nested in the `required` array schema: its local
+    definitions (`$defs`, `definitions`) move to the combined schema's root under
+    `prefix`ed names, and its `#/$defs/...` references follow them, because a `$ref`
+    pointer is resolved from the root of the whole document. The prefix keeps two tools'
+    same-named definitions apart."""
+    local = {key: parameters[key] for key in _DEFINITION_KEYS if isinstance(parameters.get(key), dict)}
+    if not local:
+        return parameters
+    renamed = {f"#/{key}/{name}": f"#/$defs/{prefix}{name}" for key, defs in local.items() for name in defs}
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str):
+                for old, new in renamed.items():
+                    if ref == old or ref.startswith(old + "/"):
+                        out["$ref"] = new + ref[len(old):]
+                        break
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for key, defs in local.items():
+        for name, definition in defs.items():
+            definitions[f"{prefix}{name}"] = rewrite(definition)
+    return rewrite({k: v for k, v in parameters.items() if k not in _DEFINITION_KEYS})
 
 
 def template_message(message: p.ChatMessage) -> dict[str, Any]:
@@ -135,7 +167,10 @@ def delta_tool_calls(deltas: list[CallDelta]) -> list[p.DeltaToolCall]:
 
 def chat_structured_output(request: p.ChatCompletionRequest, mode: ToolMode | None) -> StructuredOutput | None:
     """A forced tool call's constraint, or the request's response_format / guided_*."""
-    forced = tool_constraint(request, mode)
+    try:
+        forced = tool_constraint(request, mode)  # the spec's own bounds are checked as it is built
+    except SamplingParamsError as e:
+        raise bad_request(f"The tools' constraint is too large: {e}", "tools") from None
     requested = structured_output_of(request)
     if forced is not None and requested is not None:
         raise bad_request("A required or named tool_choice cannot be combined with response_format or guided_*.", "tool_choice")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from router.routing.admission import AdmissionController, SnapshotSource, Ticket
 from router.routing.admission_source import RouterSnapshotSource
 from router.routing.sessions import SESSION_HEADER, client_session_id
-from router.routing.types import RequestProfile, lora_hash_root
+from router.routing.types import RequestProfile, request_hash_root
 
 # Serve's RequestRouterConfig.request_router_class for the worker deployments.
 ROUTER_CLASS = "router.routing.serve_router:PolicyRouter"
@@ -24,5 +24,5 @@ __all__ = [
     "SnapshotSource",
     "Ticket",
     "client_session_id",
-    "lora_hash_root",
+    "request_hash_root",
 ]

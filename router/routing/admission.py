@@ -4,8 +4,11 @@ in a bounded queue that is fair between API keys; shed with 429 at the bound.
     pipeline: admit (key slot, in-flight share) -> convert -> charge -> ADMISSION -> stream
                                                                           │
        no fresh stats / nothing of ours in flight / some replica fits ───>│ go now
-       otherwise: held in FairQueue (round robin between keys) ──────────>│ go when one fits
-       queue full, or held longer than max_wait_s ─────────> 429 + Retry-After (gRPC RESOURCE_EXHAUSTED)
+       otherwise: held in FairQueue (round robin between keys; a key's head that does
+       not fit lets other keys' heads go; full: the deepest key gives up a place) ─>│ go when one fits
+       queue full, its key over its share ──────────────────> 429 + Retry-After (gRPC RESOURCE_EXHAUSTED)
+       queue full of better-band work, or held longer than max_wait_s ─> 503 + Retry-After (UNAVAILABLE)
+       (one queue per priority band, best band first: router/routing/fair_queue.py BandedQueue)
 
 Why at the ingress: a request pushed into an engine that has no room waits there anyway
 (and, with KV pressure, gets preempted and recomputed); held here, it is routed later with
@@ -61,7 +64,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from router import errors
-from router.routing.fair_queue import FairQueue
+from router.routing.fair_queue import BandedQueue
 from router.routing.types import RoutingParams, ReplicaReport, RequestProfile, is_fresh
 from router.routing.scoring import report_headroom
 from router.routing.reservations import NOTHING, Unreflected
@@ -205,6 +208,7 @@ class Ticket:
 @dataclass
 class _Held:
     key: str
+    band: int  # priority band (lower first)
     profiles: list[RequestProfile]
     enqueued_at: float  # time.monotonic()
     future: asyncio.Future[Ticket] = field(repr=False)
@@ -225,7 +229,7 @@ class AdmissionController:
         clock: Clock = time.time,  # the reports' clock
     ) -> None:
         self._source = source
-        self.queue = FairQueue(queue_size)
+        self.queue = BandedQueue(queue_size)
         self.max_wait_s = max_wait_s
         self.max_waiting_per_replica = max_waiting_per_replica
         self._metrics = metrics
@@ -252,16 +256,32 @@ class AdmissionController:
         return max(1, math.ceil(self._wait_ewma_s))
 
     # ------------------------------------------------------------------ admitting
-    async def admit(self, key: str, profiles: list[RequestProfile]) -> Ticket:
+    async def admit(self, key: str, profiles: list[RequestProfile], priority: int = 0) -> Ticket:
+        """`priority`: the request's band (lower first). Sheds: 429 when the key holds more
+        than its share of the queue (the tenant's overload), 503 when the cluster has no
+        room for its band (the queue is all better or equal-share work, or the wait ran out)."""
         if not self.enabled:
             return self._grant(len(profiles), Verdict(True, REASON_OFF), 0.0)
         if not len(self.queue):  # nobody held ahead of it
             verdict = self._judge(profiles)
             if verdict.admit:
                 return self._grant(len(profiles), verdict, 0.0)
-        held = _Held(key, profiles, time.monotonic(), asyncio.get_running_loop().create_future())
-        if not self.queue.push(key, held):
-            raise self._shed("queue_full", f"The server's admission queue is full ({self.queue.capacity} requests held)")
+        held = _Held(key, priority, profiles, time.monotonic(), asyncio.get_running_loop().create_future())
+        evicted = self.queue.evict_for(priority, key)
+        if evicted is not None:
+            victim, for_better_band = evicted
+            victim.future.set_exception(
+                self._shed("queue_full", "The server's admission queue is full of requests of a better priority",
+                           status=503)
+                if for_better_band else
+                self._shed("queue_full", f"The server's admission queue is full and this API key holds the most "
+                                         f"of its {self.queue.capacity} places")
+            )
+        if not self.queue.push(priority, key, held):
+            # Refused: its own key holds its share (429), or every place is better work (503).
+            over_share = self.queue.depth(key) > 0
+            raise self._shed("queue_full", f"The server's admission queue is full ({self.queue.capacity} requests held)",
+                             status=429 if over_share else 503)
         self._queue_changed()
         self.pump()
         try:
@@ -269,28 +289,35 @@ class AdmissionController:
                 return await asyncio.shield(held.future)
         except TimeoutError:
             self._drop(held)
-            raise self._shed("queue_timeout", f"No worker could take the request within {self.max_wait_s:g} s") from None
+            raise self._shed("queue_timeout", f"No worker could take the request within {self.max_wait_s:g} s",
+                             status=503) from None
         except asyncio.CancelledError:
             self._drop(held)
             raise
 
     def _drop(self, held: _Held) -> None:
         """The waiter is gone: out of the queue, or, when it was granted meanwhile, released."""
-        if self.queue.remove(held.key, held):
+        if self.queue.remove(held.band, held.key, held):
             self._queue_changed()
         elif held.future.done() and not held.future.cancelled():
             held.future.result().release()
         held.future.cancel()
 
     def pump(self) -> None:
-        """Let held requests go, round robin between keys, while the next one can go."""
-        while len(self.queue):
-            held: _Held = self.queue.peek()
-            verdict = self._judge(held.profiles)
-            if not verdict.admit:
-                break
-            self.queue.pop()
-            held.future.set_result(self._grant(len(held.profiles), verdict, time.monotonic() - held.enqueued_at))
+        """Let held requests go, round robin between keys, while any key's head can go: a
+        head that does not fit waits without holding back other keys' heads that do
+        (within a key, FIFO). A large request passed over keeps its turn and goes once
+        it fits, or is shed at max_wait_s."""
+        granted = True
+        while granted and len(self.queue):
+            granted = False
+            for band, key, held in self.queue.heads():  # best band first
+                verdict = self._judge(held.profiles)
+                if verdict.admit:
+                    self.queue.pop_key(band, key)
+                    held.future.set_result(self._grant(len(held.profiles), verdict, time.monotonic() - held.enqueued_at))
+                    granted = True
+                    break  # the counts changed: judge again from the rotation's front
         self._queue_changed()
 
     def _judge(self, profiles: list[RequestProfile]) -> Verdict:
@@ -359,11 +386,11 @@ class AdmissionController:
         if len(self.queue):
             self.pump()
 
-    def _shed(self, reason: str, message: str) -> errors.APIError:
+    def _shed(self, reason: str, message: str, status: int = 429) -> errors.APIError:
         if self._metrics is not None:
             self._metrics.observe_shed(reason)
         retry = self.retry_after_s
-        return shed_error(f"{message}; retry after {retry} s.", retry)
+        return shed_error(f"{message}; retry after {retry} s.", retry, status)
 
     # ------------------------------------------------------------------ the ticker
     def _queue_changed(self) -> None:
@@ -384,9 +411,13 @@ class AdmissionController:
             self.pump()
 
 
-def shed_error(message: str, retry_after_s: int) -> errors.APIError:
-    """429 with a Retry-After hint (router/frontend/ingress.py sends it as the header; gRPC maps 429
-    to RESOURCE_EXHAUSTED and the message says it)."""
-    error = errors.APIError(429, message, "rate_limit_error", None, "server_overloaded")
+def shed_error(message: str, retry_after_s: int, status: int = 429) -> errors.APIError:
+    """429 (the tenant is over its share) or 503 (the cluster has no capacity for it) with a
+    Retry-After hint (router/frontend/ingress.py sends it as the header; gRPC maps 429 to
+    RESOURCE_EXHAUSTED, 503 to UNAVAILABLE, and the message says it)."""
+    if status == 503:
+        error = errors.APIError(503, message, "server_error", None, "server_overloaded")
+    else:
+        error = errors.APIError(429, message, "rate_limit_error", None, "server_overloaded")
     error.retry_after_s = retry_after_s  # type: ignore[attr-defined]
     return error

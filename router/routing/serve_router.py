@@ -73,7 +73,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from router import tracing
 from router.routing.types import (
-    RoutingParams, ReplicaKey, ReplicaReport, ReplicaView, RequestProfile, lora_hash_root, power_of_two,
+    RoutingParams, ReplicaKey, ReplicaReport, ReplicaView, RequestProfile, power_of_two, request_hash_root,
 )
 from router.routing.policies import RoutingPolicy, RoutingRequest, make_policy, split_policy_kwargs
 from router.routing.policies.base import healthy
@@ -113,10 +113,14 @@ def request_profile(pending_request: PendingRequest | None) -> RequestProfile | 
     token_ids = getattr(request, "prompt_token_ids", None)
     if not isinstance(token_ids, (list, tuple)) or not token_ids:
         return None
-    max_tokens = getattr(getattr(request, "params", None), "max_tokens", 0)
+    params = getattr(request, "params", None)
+    max_tokens = getattr(params, "max_tokens", 0)
     if not isinstance(max_tokens, int):
         max_tokens = 0
-    root = lora_hash_root(getattr(request, "lora_name", None), getattr(request, "lora_path", None))
+    # Hashed from the chain root the worker caches it under (its cache salt, its LoRA
+    # adapter), so a salted or adapter prefix is found where it lives.
+    root = request_hash_root(getattr(params, "cache_keys", ()), getattr(request, "lora_name", None),
+                             getattr(request, "lora_path", None))
     return RequestProfile(prompt_token_ids=token_ids, max_tokens=max_tokens, hash_root=root)
 
 

@@ -10,7 +10,7 @@ import random
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
-from kv.block_hash import ROOT_HASH, chain_root, hash_full_blocks
+from kv.block_hash import ROOT_HASH, hash_full_blocks, root_hash
 from worker.api import lora_cache_key
 
 ReplicaKey = Hashable
@@ -203,20 +203,25 @@ class ReplicaReport:
         return params.expected_output_tokens
 
 
-def lora_hash_root(lora_name: str | None, lora_path: str | None) -> int:
-    """The block-hash root of a request served by this LoRA adapter (None: the base model)."""
-    if lora_name is None or lora_path is None:
-        return ROOT_HASH
-    return chain_root((lora_cache_key(lora_name, lora_path),))
+def request_hash_root(cache_keys: Sequence[str] = (), lora_name: str | None = None,
+                      lora_path: str | None = None) -> int:
+    """The root a worker chains the request's block hashes from (worker/engine.py
+    add_request): its cache keys (a tenant's salt), then its LoRA adapter's identity."""
+    keys = tuple(cache_keys)
+    if lora_name is not None and lora_path is not None:
+        keys += (lora_cache_key(lora_name, lora_path),)
+    return root_hash(keys)
 
 
 @dataclass
 class RequestProfile:
     """What the policy needs of a request: its token ids, max_tokens and the root of its
-    block-hash chain (kv.block_hash.chain_root: a LoRA adapter's, else the plain chain)."""
+    block-hash chain (request_hash_root)."""
 
     prompt_token_ids: Sequence[int]
     max_tokens: int
+    # The root of its block-hash chain (request_hash_root): a salted or adapter prompt
+    # matches only blocks cached under the same root.
     hash_root: int = ROOT_HASH
     _hashes_by_block_size: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 

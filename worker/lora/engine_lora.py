@@ -13,7 +13,6 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any
 
-from kv.block_hash import chain_root
 from worker.api import lora_cache_key
 from worker.config import LoRAConfig
 from worker.lora.registry import Loader, LoRARegistry
@@ -30,8 +29,9 @@ class EngineLoRA:
             self.registry.register(name, path)
         self._loading: list[tuple[Sequence, Future[Any]]] = []
 
-    def hash_root(self, name: str) -> int:
-        return chain_root((lora_cache_key(name, self.registry.paths[name]),))
+    def cache_key(self, name: str) -> str:
+        """The adapter's extra key on a request's block-hash chain (kv/block_hash.py)."""
+        return lora_cache_key(name, self.registry.paths[name])
 
     def add(self, seq: Sequence) -> bool:
         """Pin the request's adapter; True when it is loaded in host memory already (the

@@ -22,6 +22,10 @@ from worker.api import StructuredOutput, load_tokenizer
 from worker.structured.grammar import GrammarError, grammar_of, llguidance_module
 
 DEFAULT_CACHE_SIZE = 256
+# A request whose grammar has not compiled by then fails: llguidance bounds a compile's work
+# (its parser limits' fuel), but a compile queued behind others, or a tokenizer build that
+# hangs, must not hold the request (nor every later constrained one) forever.
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
 
 
 class GrammarCompiler:
@@ -30,8 +34,10 @@ class GrammarCompiler:
         make_tokenizer: Callable[[], Any],  # -> llguidance.LLTokenizer
         max_cached: int = DEFAULT_CACHE_SIZE,
         max_workers: int = 1,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
         self._make_tokenizer = make_tokenizer
+        self.compile_timeout_s = compile_timeout_s
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvserve-grammar")

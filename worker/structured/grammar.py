@@ -38,6 +38,13 @@ def llguidance_module() -> Any:
 def grammar_of(so: StructuredOutput) -> str:
     """The llguidance grammar (its JSON form) for a spec; raises GrammarError. Cached by
     the spec: the same schema sent by many requests is checked once."""
+    try:
+        return _grammar_of(so)
+    except RecursionError:  # the schema check walks the schema recursively
+        raise GrammarError(f"the {so.kind.replace('_', ' ')} is nested too deeply") from None
+
+
+def _grammar_of(so: StructuredOutput) -> str:
     ll = llguidance_module()
     matcher = ll.LLMatcher
     if so.kind == "json_object":

@@ -7,6 +7,8 @@ keeps the output tokens, so the matcher stays valid across a recompute.
 """
 from __future__ import annotations
 
+import time
+
 import logging
 from concurrent.futures import Future
 from typing import Any
@@ -15,15 +17,19 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarState:
-    __slots__ = ("_future", "matcher")
+    __slots__ = ("_future", "_deadline", "matcher")
 
-    def __init__(self, future: Future[Any]) -> None:
+    def __init__(self, future: Future[Any], deadline: float | None = None) -> None:
         self._future = future
+        # time.monotonic() by which the compile must have finished; past it the request
+        # fails (start() says so) instead of waiting on a compile that may never end.
+        self._deadline = deadline
         self.matcher: Any = None  # an llguidance LLMatcher, once started
 
     @property
     def ready(self) -> bool:
-        return self._future.done()
+        """Compiled, failed, or past its deadline: start() can answer."""
+        return self._future.done() or (self._deadline is not None and time.monotonic() >= self._deadline)
 
     @property
     def future(self) -> Future[Any]:
@@ -31,6 +37,8 @@ class GrammarState:
 
     def start(self) -> str | None:
         """Take a private copy of the compiled matcher; the compile error, if any."""
+        if self._deadline is not None and not self._future.done():  # past it (ready)
+            return "the structured-output grammar did not compile within the time limit"
         error = self._future.exception()
         if error is not None:
             return str(error)

@@ -35,7 +35,7 @@ class RoutingRequest:
     prompt_token_ids: Sequence[int]
     max_tokens: int
     session_id: str | None = None
-    hash_root: int = ROOT_HASH  # RequestProfile.hash_root
+    hash_root: int = ROOT_HASH  # its block-hash chain's root (RequestProfile.hash_root)
     # Block hashes memoised per block size, shared by every rank() of this request (a retry
     # after a rejection ranks again without rehashing).
     profile: RequestProfile = field(init=False, repr=False, compare=False)

@@ -24,16 +24,16 @@ def test_host_flag_is_the_way_out() -> None:
 
 def test_grpc_all_interfaces_is_announced() -> None:
     config = KVServeConfig()
-    [warning] = listen_warnings(config, environ={})
+    [warning] = listen_warnings(config, environ={"KVSERVE_API_KEYS": "k"})  # keys: open beyond loopback
     assert "every interface" in warning and "--no-grpc" in warning
     assert listen_warnings(config.with_overrides({"grpc.enabled": False}), environ={}) == []
 
 
 def test_grpc_without_tls_is_announced_and_tls_names_its_port() -> None:
-    [warning] = listen_warnings(KVServeConfig(), environ={})
+    [warning] = listen_warnings(KVServeConfig().with_overrides({"grpc.public": True}), environ={})
     assert "without TLS" in warning and "grpc.tls_port" in warning
     tls = KVServeConfig().with_overrides({"grpc.tls_port": 9443, "grpc.tls_cert_file": "/c.pem", "grpc.tls_key_file": "/k.pem"})
-    [warning] = listen_warnings(tls, environ={})
+    [warning] = listen_warnings(tls, environ={"KVSERVE_API_KEYS": "k"})
     assert "without TLS" in warning and "TLS clients should use port 9443" in warning
 
 

@@ -1,8 +1,8 @@
 """LoRA device-slot bookkeeping (worker/lora/slots.py) and the adapter-keyed prefix-cache
-chain (kv/block_hash.py chain_root), with exact slot and block ids."""
+chain (kv/block_hash.py root_hash), with exact slot and block ids."""
 from __future__ import annotations
 
-from kv.block_hash import ROOT_HASH, chain_root, hash_full_blocks
+from kv.block_hash import ROOT_HASH, hash_full_blocks, root_hash
 from kv.cache_manager import KVCacheManager
 from worker.lora.slots import LoRASlots
 
@@ -33,25 +33,24 @@ def test_evict_only_when_unheld() -> None:
     assert slots.acquire("b") == (0, True)  # the freed slot, lowest first
 
 
-def test_chain_root_separates_chains() -> None:
+def test_root_hash_separates_chains() -> None:
     tokens = list(range(40))
-    assert chain_root(()) == ROOT_HASH
+    assert root_hash(()) == ROOT_HASH
     base = hash_full_blocks(tokens, 16)
-    a = hash_full_blocks(tokens, 16, root=chain_root(("lora:a:/p",)))
-    b = hash_full_blocks(tokens, 16, root=chain_root(("lora:b:/p",)))
+    a = hash_full_blocks(tokens, 16, root=root_hash(("lora:a:/p",)))
+    b = hash_full_blocks(tokens, 16, root=root_hash(("lora:b:/p",)))
     assert len(base) == len(a) == 2 and not set(base) & set(a) and not set(a) & set(b)
     # Extending a known prefix continues the same chain.
-    assert hash_full_blocks(tokens, 16, a[:1], root=chain_root(("lora:a:/p",))) == a
+    assert hash_full_blocks(tokens, 16, a[:1], root=root_hash(("lora:a:/p",))) == a
 
 
 def test_cache_manager_never_shares_blocks_across_roots() -> None:
     m = KVCacheManager(num_blocks=8, block_size=4)
     tokens = list(range(9))  # two full blocks and one token
-    m.set_hash_root("a", chain_root(("lora:x:/p",)))
-    assert m.get_computed_blocks("a", tokens) == []
+    root = root_hash(("lora:x:/p",))
+    assert m.get_computed_blocks("a", tokens, root) == []
     assert m.allocate("a", 9) == [0, 1, 2]
-    m.cache_computed("a", tokens, 8)
+    m.cache_computed("a", tokens, 8, root)
     m.free("a")
     assert m.get_computed_blocks("base", tokens) == []  # no root: the plain chain
-    m.set_hash_root("again", chain_root(("lora:x:/p",)))
-    assert [b.block_id for b in m.get_computed_blocks("again", tokens)] == [0, 1]
+    assert [b.block_id for b in m.get_computed_blocks("again", tokens, root)] == [0, 1]

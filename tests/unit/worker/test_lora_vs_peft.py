@@ -197,13 +197,13 @@ def test_router_hashes_an_adapter_prompt_as_the_engine_caches_it(tiny_model: Tin
     """The replica reports cached block hashes; the router must hash an adapter request's
     prompt from the same adapter-keyed root, or it would credit the base model's cache
     (or another adapter's) to it."""
-    from router.routing.types import RequestProfile, lora_hash_root
+    from router.routing.types import RequestProfile, request_hash_root
 
     paths = adapters("llama")
     engine = _engine(tiny_model("llama"), paths)
     prompt = _prompts(1, seed=5)[0] + list(range(3, 40))  # at least two full blocks
     _run_mixed(engine, [("a", "r4-attn", prompt, 2)])
     cached = set(engine.kv.cached_block_hashes(1000))
-    own = RequestProfile(prompt, 2, lora_hash_root("r4-attn", str(paths["r4-attn"]))).block_hashes(16)
+    own = RequestProfile(prompt, 2, request_hash_root((), "r4-attn", str(paths["r4-attn"]))).block_hashes(16)
     assert len(own) >= 2 and set(own) <= cached
     assert not set(RequestProfile(prompt, 2).block_hashes(16)) & cached  # the base model's chain

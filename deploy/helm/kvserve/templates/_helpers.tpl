@@ -63,6 +63,28 @@ app.kubernetes.io/part-of: kvserve
 {{- and (eq (include "kvserve.grpcEnabled" .) "true") (ne (.Values.grpcTLS.existingSecret | default "") "") -}}
 {{- end -}}
 
+{{/* kvserve.ingress.max_body_bytes in bytes: an integer, or a byte size string as
+cluster/config_fields.py's parse_bytes reads it ("8MiB", "4MB", "1.5GiB"); unset: the
+ingress's default (router/frontend/settings.py, pinned by tests/security/test_grpc_exposure.py).
+Serve's gRPC proxy takes it as its message-size cap, so gRPC refuses what HTTP refuses. */}}
+{{- define "kvserve.maxBodyBytes" -}}
+{{- $ingress := .Values.kvserve.ingress | default dict -}}
+{{- $v := $ingress.max_body_bytes -}}
+{{- if kindIs "invalid" $v -}}4194304
+{{- else if kindIs "string" $v -}}
+{{- $number := regexFind `[0-9]+(\.[0-9]+)?` $v | float64 -}}
+{{- $unit := regexFind "[A-Za-z]+" $v | upper -}}
+{{- $binary := dict "K" 1024 "M" 1048576 "G" 1073741824 "T" 1099511627776 -}}
+{{- $decimal := dict "K" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 -}}
+{{- $scale := 1 -}}
+{{- if contains "I" $unit -}}{{- $scale = get $binary (substr 0 1 $unit) -}}
+{{- else if and $unit (ne $unit "B") -}}{{- $scale = get $decimal (substr 0 1 $unit) -}}
+{{- end -}}
+{{- mulf $number $scale | int64 -}}
+{{- else -}}{{- $v | int64 -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "kvserve.tensorParallelSize" -}}
 {{- $workers := .Values.kvserve.workers | default dict -}}
 {{- $workers.tensor_parallel_size | default 1 | int -}}
@@ -329,6 +351,8 @@ root filesystem can stay read-only. */}}
 {{- end }}
 {{- end }}
 {{- if eq (include "kvserve.grpcEnabled" .) "true" }}
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: {{ include "kvserve.maxBodyBytes" . | quote }}
 - name: KVSERVE_APP_NAME
   value: {{ include "kvserve.appName" . | quote }}
 {{- end }}

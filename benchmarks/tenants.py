@@ -1,0 +1,283 @@
+"""Many tenants under overload: priority bands and fair shares on a REAL Serve cluster of
+simulated-device replicas.
+
+    python -m benchmarks.tenants [--quick]
+
+The cluster (cluster/app.py's build_app, as `kvserve serve` deploys it): the HTTP proxy,
+one ingress replica (admission control on), --num-replicas worker replicas with
+engine.device sim:h200 and --max-num-seqs running sequences each (the real scheduler, KV manager and prefix cache; the llama-3-8b
+shape's step times from the H200 cost model, slept x the time dilation). Six API keys in
+three priority bands (ingress.key_priorities): premium-1/2 (band 0), standard-1/2 (band 5),
+batch-1 and batch-flood (band 10). Workload: ShareGPT-like lengths (cluster/sim/workloads.py),
+Poisson arrivals per key, sent as token ids over HTTP streaming with each key's
+Authorization header, at the arrival times x dilation.
+
+Two phases on the same deployment:
+1. alone: the premium keys' requests only, at their own rate;
+2. overload: every key at once, the offered rate 2x the cluster's capacity (the discrete-
+   event simulator's burst capacity, the same engine code), batch-flood sending half of it;
+   the premium keys replay exactly the requests of phase 1.
+
+Figures (modelled time: real seconds / dilation):
+- premium_ttft_p99_ratio: p99 TTFT of the premium keys' requests under overload / alone
+  (a request that failed or was shed counts as an infinite TTFT);
+- jain_index: Jain's index, over the two standard-band keys (equal demand, one band), of
+  their goodput (requests finished within the SLO per second);
+- lost: requests with neither a completion nor a 429/503 answer.
+
+    RESULT premium_ttft_p99_ratio=<..> jain_index=<..> lost=<n>
+
+Numbers from a shared 2-core box are noisy (the dispatch path is real and not dilated);
+this is a benchmark, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from benchmarks.router import percentile
+
+APP_NAME = "bench-tenants"
+MODEL = "sim"
+KEYS = {  # name -> (priority band, share of the overload rate)
+    "premium-1": (0, 0.1), "premium-2": (0, 0.1),
+    "standard-1": (5, 0.1), "standard-2": (5, 0.1),
+    "batch-1": (10, 0.1), "batch-flood": (10, 0.5),
+}
+PREMIUM = ("premium-1", "premium-2")
+MAX_LEN = 2048  # each of a request's prompt and output: both fit max_model_len 4096 together
+SAME_BAND = ("standard-1", "standard-2")
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    num_requests: int = 240  # overload phase, all keys
+    load: float = 2.0  # offered rate / modelled capacity
+    seed: int = 0
+    input_mean: float = 512.0
+    output_mean: float = 64.0
+    num_replicas: int = 2
+    # Running sequences per replica: small, so that the cluster's capacity is a number of
+    # slots (overload then queues and shows in TTFT, as on a KV-bound GPU) on this box.
+    max_num_seqs: int = 8
+    time_dilation: float = 10.0
+    stats_period_s: float = 1.0
+    slo_ttft_ms: float = 2000.0  # modelled
+    slo_itl_ms: float = 100.0
+    admission_queue_size: int = 32
+    admission_max_wait_s: float = 60.0  # real seconds
+    quick: bool = False
+
+
+def key_id(name: str) -> str:
+    from router.frontend.auth import hash_key, key_id_of
+
+    return key_id_of(hash_key(f"kvserve-bench-{name}"))
+
+
+def app_config(spec: BenchSpec) -> Any:
+    from cluster.config import KVServeConfig
+
+    return KVServeConfig.from_dict({
+        "app_name": APP_NAME, "route_prefix": f"/{APP_NAME}",
+        "model": {"served_model_name": MODEL},
+        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "time_dilation": spec.time_dilation,
+                   "max_model_len": 4096, "max_num_seqs": spec.max_num_seqs},
+        "workers": {"num_replicas": spec.num_replicas, "num_cpus": 0.1},
+        "ingress": {"num_replicas": 1, "num_cpus": 0.5, "admission_queue_size": spec.admission_queue_size,
+                    "admission_max_wait_s": spec.admission_max_wait_s,
+                    "key_priorities": {key_id(name): band for name, (band, _) in KEYS.items()}},
+        "routing": {"router": "headroom", "stats_period_s": spec.stats_period_s},
+    })
+
+
+def modelled_capacity_rps(spec: BenchSpec) -> float:
+    """Requests/s the cluster completes with every request waiting at once (the simulator)."""
+    from cluster.sim.run import SimConfig, simulate
+    from cluster.sim.workloads import make_workload
+
+    d = spec.time_dilation
+    config = SimConfig(shape="llama-3-8b", profile="h200", num_replicas=spec.num_replicas, router="headroom",
+                       stats_period_s=spec.stats_period_s / d, report_lag_s=0.1 / d, max_model_len=4096,
+                       max_num_seqs=spec.max_num_seqs, seed=spec.seed)
+    burst = make_workload("sharegpt", spec.num_requests, spec.num_requests / 1e-3, spec.seed,
+                          input_mean=spec.input_mean, output_mean=spec.output_mean, max_len=MAX_LEN)
+    return spec.num_requests / simulate(config, burst).summary()["duration_s"]
+
+
+def key_workloads(spec: BenchSpec, rate: float) -> dict[str, list[Any]]:
+    """Each key's requests (modelled arrivals) at its share of `rate`."""
+    from cluster.sim.workloads import make_workload
+
+    out = {}
+    for i, (name, (_, share)) in enumerate(KEYS.items()):
+        n = max(1, round(spec.num_requests * share))
+        out[name] = make_workload("sharegpt", n, rate * share, spec.seed + 101 * i,
+                                  input_mean=spec.input_mean, output_mean=spec.output_mean, max_len=MAX_LEN)
+    return out
+
+
+@dataclass
+class Outcome:
+    key: str
+    ttft_s: float  # modelled; inf when it failed or was shed
+    good: bool
+    status: int | None
+    finished: bool
+    end_s: float  # real, from the phase start
+    error: str | None = None  # why it failed (cluster/bench's short reason and the server's message)
+
+
+async def drive(url: str, workloads: dict[str, list[Any]], dilation: float, slo_s: tuple[float, float] = (2.0, 0.1)) -> list[Outcome]:
+    """Every key's requests at arrival x dilation, each with its key; one Outcome each."""
+    from cluster.bench.run import make_client
+    from cluster.bench.stream import send_request
+    from cluster.bench.workload import BenchRequest
+
+    client = make_client(None, 3600.0)
+    loop = asyncio.get_running_loop()
+    start_perf, start = time.perf_counter(), loop.time()
+    schedule = sorted((r.arrival_s, name, r) for name, rs in workloads.items() for r in rs)
+
+    async def one(i: int, name: str, r: Any) -> tuple[str, Any]:
+        bench = BenchRequest(index=i, prompt=list(r.prompt_token_ids), prompt_len=len(r.prompt_token_ids),  # type: ignore[arg-type]
+                             max_tokens=r.max_tokens)
+        body = {"model": MODEL, "prompt": list(r.prompt_token_ids), "max_tokens": r.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+        headers = {"Authorization": f"Bearer kvserve-bench-{name}"}
+        return name, await send_request(client, url, body, bench, "completions", start_perf, headers=headers)
+
+    tasks = []
+    try:
+        for i, (arrival, name, r) in enumerate(schedule):
+            delay = start + arrival * dilation - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)  # the open-loop arrival schedule
+            tasks.append(asyncio.create_task(one(i, name, r)))
+        done = await asyncio.gather(*tasks)
+    finally:
+        await client.aclose()
+    return [outcome(name, r, dilation, *slo_s) for name, r in done]
+
+
+def outcome(name: str, r: Any, dilation: float, slo_ttft_s: float = 2.0, slo_tpot_s: float = 0.1) -> Outcome:
+    if not r.success or r.ttft_s is None:
+        return Outcome(name, math.inf, False, r.status, False, r.start_s + (r.e2e_s or 0.0),
+                       f"{r.error}: {(r.error_detail or '')[:160]}")
+    ttft, tpot = r.ttft_s / dilation, (r.tpot_s or 0.0) / dilation
+    return Outcome(name, ttft, ttft <= slo_ttft_s and tpot <= slo_tpot_s, r.status, True, r.start_s + (r.e2e_s or 0.0))
+
+
+def jain(values: list[float]) -> float:
+    """Jain's fairness index: (sum x)^2 / (n sum x^2); 1 = equal shares."""
+    if not values or not any(values):
+        return math.nan
+    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
+
+
+def report(alone: list[Outcome], overload: list[Outcome], dilation: float) -> list[str]:
+    lines = [f"{'phase':<9} {'key':<12} {'sent':>4} {'done':>4} {'good':>4} {'429':>4} {'503':>4} {'other':>5} "
+             f"{'ttft_p50_ms':>11} {'ttft_p99_ms':>11}"]
+    for phase, outcomes in (("alone", alone), ("overload", overload)):
+        for name in KEYS:
+            mine = [o for o in outcomes if o.key == name]
+            if not mine:
+                continue
+            ttft = [o.ttft_s for o in mine]
+            other = sum(1 for o in mine if not o.finished and o.status not in (429, 503))
+            lines.append(f"{phase:<9} {name:<12} {len(mine):>4} {sum(o.finished for o in mine):>4} "
+                         f"{sum(o.good for o in mine):>4} {sum(o.status == 429 for o in mine):>4} "
+                         f"{sum(o.status == 503 for o in mine):>4} {other:>5} {1000 * percentile(ttft, 0.5):>11.1f} "
+                         f"{1000 * percentile(ttft, 0.99):>11.1f}")
+    for o in alone + overload:
+        if not o.finished and o.status not in (429, 503):
+            lines.append(f"lost: {o.key}: status {o.status}, {o.error}")
+    p99_alone = percentile([o.ttft_s for o in alone], 0.99)
+    p99_over = percentile([o.ttft_s for o in overload if o.key in PREMIUM], 0.99)
+    duration = (max(o.end_s for o in overload) - 0.0) / dilation
+    goodput = [sum(o.good for o in overload if o.key == name) / duration for name in SAME_BAND]
+    lost = sum(1 for o in alone + overload if not o.finished and o.status not in (429, 503))
+    ratio = p99_over / p99_alone if p99_alone > 0 else math.nan
+    lines.append(f"premium TTFT p99: alone {1000 * p99_alone:.1f} ms, under overload {1000 * p99_over:.1f} ms (modelled); "
+                 f"standard-band goodput {', '.join(f'{g:.2f}' for g in goodput)} req/s")
+    lines.append(f"RESULT premium_ttft_p99_ratio={ratio:.3f} jain_index={jain(goodput):.3f} lost={lost}")
+    return lines
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    defaults = BenchSpec()
+    for f in fields(BenchSpec):
+        if f.name == "quick":
+            p.add_argument("--quick", action="store_true", help="120 requests")
+            continue
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))
+    args = p.parse_args(argv)
+    spec = BenchSpec(**{f.name: getattr(args, f.name) for f in fields(BenchSpec)})
+    if spec.quick:
+        spec = replace(spec, num_requests=120)
+
+    capacity = modelled_capacity_rps(spec)
+    rate = spec.load * capacity
+    workloads = key_workloads(spec, rate)
+    print(f"workload: sharegpt-like (input mean {spec.input_mean:g}, output mean {spec.output_mean:g}), "
+          f"{sum(len(w) for w in workloads.values())} requests under overload at {rate:.1f} req/s modelled "
+          f"({rate / spec.time_dilation:.2f} req/s real) = {spec.load:g} x the modelled capacity ({capacity:.1f} req/s); "
+          f"keys (band, share): {KEYS}; {spec.num_replicas} sim:h200 replicas (llama-3-8b), time dilation "
+          f"{spec.time_dilation:g}; admission queue {spec.admission_queue_size}, max wait {spec.admission_max_wait_s:g} s real; "
+          f"SLO TTFT {spec.slo_ttft_ms:g} ms, TPOT {spec.slo_itl_ms:g} ms (modelled)", flush=True)
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ["KVSERVE_API_KEYS"] = ",".join(f"kvserve-bench-{name}" for name in KEYS)  # the replicas inherit it
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    from cluster.app import build_app
+    from cluster.local_ray import start_local_ray
+
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = _free_port()
+    start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled",
+                                              "KVSERVE_API_KEYS": os.environ["KVSERVE_API_KEYS"]}})
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+    try:
+        t = time.perf_counter()
+        serve.run(build_app(app_config(spec)), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+        url = f"http://127.0.0.1:{port}/{APP_NAME}/v1/completions"
+        warm = {name: [replace(r, arrival_s=0.0, max_tokens=2) for r in rs[:1]] for name, rs in workloads.items()}
+        asyncio.run(drive(url, warm, 1.0))
+        time.sleep(2 * spec.stats_period_s)  # a benchmark's settling time: fresh routing stats
+        print(f"app up and warm in {time.perf_counter() - t:.0f} s; load average {os.getloadavg()[0]:.1f}", flush=True)
+        t = time.perf_counter()
+        slo = (spec.slo_ttft_ms / 1000, spec.slo_itl_ms / 1000)
+        alone = asyncio.run(drive(url, {name: workloads[name] for name in PREMIUM}, spec.time_dilation, slo))
+        print(f"alone: {time.perf_counter() - t:.0f} s real; load average {os.getloadavg()[0]:.1f}", flush=True)
+        time.sleep(2 * spec.stats_period_s)
+        t = time.perf_counter()
+        overload = asyncio.run(drive(url, workloads, spec.time_dilation, slo))
+        print(f"overload: {time.perf_counter() - t:.0f} s real; load average {os.getloadavg()[0]:.1f}", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    for line in report(alone, overload, spec.time_dilation):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""benchmarks/tenants.py's pure parts (no Ray): outcomes in modelled time, a shed request
+counted as shed and not lost, Jain's index, and the RESULT line."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+from benchmarks.tenants import KEYS, Outcome, jain, outcome, report
+
+
+def result(success: bool, ttft_s: float | None = None, tpot_s: float = 0.0, status: int | None = 200) -> SimpleNamespace:
+    return SimpleNamespace(success=success, ttft_s=ttft_s, tpot_s=tpot_s, status=status, start_s=0.0, e2e_s=1.0,
+                           error=None if success else f"HTTP {status}", error_detail="")
+
+
+def test_outcomes_are_modelled_and_sheds_are_not_lost() -> None:
+    ok = outcome("premium-1", result(True, ttft_s=10.0, tpot_s=0.5), dilation=10.0)
+    assert ok.finished and ok.ttft_s == 1.0 and ok.good  # 1 s TTFT, 50 ms TPOT modelled
+    slow = outcome("premium-1", result(True, ttft_s=30.0), dilation=10.0)
+    assert slow.finished and not slow.good
+    shed = outcome("batch-flood", result(False, status=429), dilation=10.0)
+    assert not shed.finished and math.isinf(shed.ttft_s)
+
+
+def test_jain_index() -> None:
+    assert jain([2.0, 2.0]) == 1.0 and jain([1.0, 0.0]) == 0.5 and math.isnan(jain([0.0, 0.0]))
+
+
+def test_the_result_line() -> None:
+    def o(key: str, ttft: float, status: int | None = 200) -> Outcome:
+        finished = status == 200
+        return Outcome(key, ttft if finished else math.inf, finished, status, finished, 10.0)
+
+    alone = [o("premium-1", 0.1), o("premium-2", 0.2)]
+    overload = [o("premium-1", 0.2), o("premium-2", 0.2), o("standard-1", 0.3), o("standard-2", 0.3),
+                o("batch-flood", 0.0, 429), o("batch-flood", 0.0, 503), o("batch-1", 0.0, 500)]
+    lines = report(alone, overload, dilation=1.0)
+    assert lines[-1] == "RESULT premium_ttft_p99_ratio=1.000 jain_index=1.000 lost=1"
+    assert set(KEYS) >= {"premium-1", "standard-1", "batch-flood"}
