@@ -306,6 +306,9 @@ class RoutingStats:
     # Sequences the engine runs at once (0: not said): a request sent while fewer run
     # starts at once instead of waiting.
     max_num_seqs: int = 0
+    # Prompt tokens its running sequences have yet to prefill (chunked prefill): work the
+    # waiting figure does not show, seconds of it behind one long prompt.
+    num_running_prompt_tokens: int = 0
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

@@ -134,6 +134,8 @@ class ReplicaReport:
     decode_growth_blocks: int = 0
     mean_output_tokens: float = 0.0
     max_num_seqs: int = 0  # sequences it runs at once (0: not reported)
+    # Prompt tokens its running sequences have yet to prefill (0: not reported).
+    num_running_prompt_tokens: int = 0
 
     @property
     def free_seqs(self) -> int:
@@ -163,11 +165,13 @@ class ReplicaReport:
                 decode_growth_blocks=int(stats.get("decode_growth_blocks") or 0),  # type: ignore[arg-type]
                 mean_output_tokens=float(stats.get("mean_output_tokens") or 0.0),  # type: ignore[arg-type]
                 max_num_seqs=int(stats.get("max_num_seqs") or 0),  # type: ignore[arg-type]
+                num_running_prompt_tokens=int(stats.get("num_running_prompt_tokens") or 0),  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError):
             return None
         if (report.block_size <= 0 or report.capacity_weight <= 0 or report.prefill_tokens_per_s < 0
-                or report.decode_growth_blocks < 0 or not report.mean_output_tokens >= 0):
+                or report.decode_growth_blocks < 0 or not report.mean_output_tokens >= 0
+                or report.num_running_prompt_tokens < 0):
             return None
         return report
 
