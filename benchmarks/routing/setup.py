@@ -65,11 +65,13 @@ PARTITION_WORKLOADS = ("b2b", "agentic")
 # rate with the recorded bursts and lulls kept in proportion (cluster/sim/workloads.py).
 TRACE = "trace"
 TRACE_PATH = Path(__file__).resolve().parent.parent / "traces" / "mooncake-conversation-3000.jsonl"
-# The trace's prompts reach 126k tokens and ~2% exceed 80k: their prefill alone takes longer
-# than the 2 s TTFT SLO on any replica, so the p99 criterion is out of reach at every rate.
-# A trace run meets the SLO when this share of its requests met both targets (DistServe's
-# SLO attainment), the "within SLO".
-TRACE_ATTAINMENT = 0.9
+# The trace's prompts reach 126k tokens: ~2% exceed 80k, whose prefill alone takes longer
+# than the 2 s TTFT SLO on any replica, and ~7% exceed 40k, which miss it beside a decode
+# batch under the step-time budget. The p99 criterion is out of reach at every rate, and
+# even round robin at a fifth of its capacity has ~11% of the first 300 requests late. A
+# trace run meets the SLO when this share of its requests met both targets (DistServe's
+# SLO attainment, the "within SLO"), leaving room for the queueing a router causes.
+TRACE_ATTAINMENT = 0.8
 # ...judged on at least this many requests (a share of a few dozen moves in steps of
 # several percent): the trace's arrival window grows instead at low rates.
 TRACE_MIN_REQUESTS = 300
