@@ -161,7 +161,7 @@ class Runner:
                      f"{f' ingress {config.num_ingress}' if config.num_ingress > 1 else ''} seed {self.seed} "
                      f"rate {rate:8.2f} ({len(requests)} req): {'meets' if fig.meets_slo else 'misses'} SLO"
                      f"{' (stopped at the miss)' if fig.stopped else ''}, TTFT p99 {fig.ttft_p99_s:7.3f} s, "
-                     f"ITL p99 {1000 * fig.itl_p99_s:6.1f} ms, within {summary['goodput_fraction']:.1%}, goodput {'-' if fig.stopped else f'{fig.goodput_rps:.2f}':>7}, "
+                     f"ITL p99 {1000 * fig.itl_p99_s:6.1f} ms, within {'-' if fig.stopped else f'{fig.within_share:.1%}'}, goodput {'-' if fig.stopped else f'{fig.goodput_rps:.2f}':>7}, "
                      f"hit {fig.hit_rate:.3f}, imbalance {fig.imbalance:.2f} "
                      f"({time.perf_counter() - t0:.1f} s)")
         return fig
