@@ -359,6 +359,9 @@ class RoutingStats:
     # first: the router credits them as loads, not recomputation.
     host_prefix_hashes: list[int] = field(default_factory=list)
     disk_prefix_hashes: list[int] = field(default_factory=list)
+    # Prompt tokens its running sequences have yet to prefill (chunked prefill): work the
+    # waiting figure does not show, seconds of it behind one long prompt.
+    num_running_prompt_tokens: int = 0
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

@@ -65,6 +65,14 @@ def decode_growth_blocks(running: Iterable[Sequence], waiting: Iterable[Sequence
     return growth
 
 
+def running_prompt_tokens(running: Iterable[Sequence]) -> int:
+    """Prompt tokens the running sequences still have to prefill. Admission takes a long
+    prompt whole into the running set and chunked prefill works through it over many steps:
+    a replica admitting a 100k-token prompt has nothing waiting and seconds of prefill
+    ahead, which every request sent there waits behind."""
+    return sum(max(seq.num_prompt_tokens - seq.num_computed_tokens, 0) for seq in running)
+
+
 def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[int], timestamp: float,
                         healthy: bool = True, capacity_weight: float = 1.0,
                         tier_hashes: tuple[list[int], list[int]] = ([], [])) -> RoutingStats:
@@ -73,7 +81,8 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
     block_size = stats.kv.block_size
     mean = engine.output_lengths.mean
     scheduler = engine.scheduler
-    growth = decode_growth_blocks(list(scheduler.running), list(scheduler.waiting), mean, block_size,
+    running = list(scheduler.running)
+    growth = decode_growth_blocks(running, list(scheduler.waiting), mean, block_size,
                                   engine.max_model_len)
     return RoutingStats(
         free_blocks=stats.kv.free_blocks,
@@ -94,6 +103,7 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
         **_lora_residency(engine),
         host_prefix_hashes=tier_hashes[0],
         disk_prefix_hashes=tier_hashes[1],
+        num_running_prompt_tokens=running_prompt_tokens(running),
     )
 
 

@@ -22,8 +22,11 @@ from benchmarks.routing.setup import (
     QUICK,
     ROUTERS,
     START_RPS_PER_REPLICA,
+    TRACE,
     log,
     sim_config,
+    slo_attainment,
+    workload_kw,
 )
 
 NUM_REPLICAS = 4
@@ -34,7 +37,8 @@ def main(argv: list[str]) -> int:
     workload = argv[0]
     routers = argv[1].split(",") if len(argv) > 1 else list(ROUTERS)
     start = float(argv[2]) if len(argv) > 2 else START_RPS_PER_REPLICA[workload] * NUM_REPLICAS
-    runner = Runner(workload, SEED, QUICK.window_for(workload), {}, log)
+    wkw = workload_kw(TRACE, NUM_REPLICAS) if workload == TRACE else {}
+    runner = Runner(workload, SEED, QUICK.window_for(workload), wkw, log, slo_attainment(workload))
     t0 = time.perf_counter()
     found: dict[str, RunFigures] = {}
     for router in routers:

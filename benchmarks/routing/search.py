@@ -31,8 +31,8 @@ from typing import Any
 from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.workloads import make_workload
 
-# Stepping down: a miss whose TTFT p99 is not at least this much lower than the previous
-# miss's ends the search (queueing is not the cause, so no rate will meet the SLO).
+# Stepping down: a miss whose shortfall (RunFigures.shortfall: its TTFT p99, or its share
+# outside the SLO) is not at least this much lower than the previous miss's ends the search (queueing is not the cause, so no rate will meet the SLO).
 NO_RELIEF = 0.05
 
 
@@ -54,6 +54,16 @@ class RunFigures:
     stopped: bool = False
     # The lowest rate the search saw miss above this one (nan: none): the bracket's top.
     next_miss_rps: float = math.nan
+    # Share of the requests that met both targets, and whether that share (not the p99s)
+    # judged the run (Runner.attainment).
+    within_share: float = math.nan
+    by_attainment: bool = False
+
+    @property
+    def shortfall(self) -> float:
+        """How far the run missed, in the measure that judged it: its TTFT p99, or the share
+        of requests outside the SLO. A lower rate that does not lower it is no relief."""
+        return 1.0 - self.within_share if self.by_attainment else self.ttft_p99_s
 
     @property
     def bracket_top(self) -> float | None:
@@ -62,11 +72,17 @@ class RunFigures:
         return None if math.isnan(self.next_miss_rps) else self.next_miss_rps
 
     @classmethod
-    def from_summary(cls, rate: float, s: dict[str, Any], slo_ttft_s: float, slo_itl_s: float) -> RunFigures:
+    def from_summary(cls, rate: float, s: dict[str, Any], slo_ttft_s: float, slo_itl_s: float,
+                     attainment: float | None = None) -> RunFigures:
+        """`attainment`: the run meets the SLO when at least this share of its requests met
+        both targets (DistServe's SLO attainment) instead of when its p99s did."""
         ttft99, itl99 = s["ttft_s"]["p99"], s["itl_s"]["p99"]
-        ok = s["num_finished"] == s["num_requests"] and ttft99 <= slo_ttft_s and itl99 <= slo_itl_s
+        within = (s["goodput_fraction"] >= attainment if attainment is not None
+                  else ttft99 <= slo_ttft_s and itl99 <= slo_itl_s)
+        ok = s["num_finished"] == s["num_requests"] and within
         return cls(rate, ok, s["goodput_rps"], s["ttft_s"]["p50"], ttft99, itl99, s["output_tokens_per_s"],
-                   s["prefix_cache_hit_rate"], s["load_imbalance"], stopped=s["stopped_at_slo_miss"])
+                   s["prefix_cache_hit_rate"], s["load_imbalance"], stopped=s["stopped_at_slo_miss"],
+                   within_share=s["goodput_fraction"], by_attainment=attainment is not None)
 
 
 @dataclass(frozen=True)
@@ -113,8 +129,9 @@ class Runner:
     """Runs (workload, rate, config) points, building each replica device once per config."""
 
     def __init__(self, workload: str, seed: int, window: Window, workload_kw: dict[str, Any] | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, attainment: float | None = None) -> None:
         self.log = log
+        self.attainment = attainment  # RunFigures.from_summary's; None: the p99s decide
         self.workload = workload
         self.seed = seed
         self.window = window
@@ -124,7 +141,9 @@ class Runner:
 
     def run(self, config: SimConfig, rate: float, stop_at_slo_miss: bool = True) -> RunFigures:
         """One run; by default it ends as soon as its TTFT p99 is sure to miss the SLO
-        (the search needs only that verdict; figures that must cover the whole run pass False)."""
+        (the search needs only that verdict; figures that must cover the whole run pass False).
+        Judged by attainment, a run always finishes: a late p99 proves nothing there."""
+        stop_at_slo_miss = stop_at_slo_miss and self.attainment is None
         requests = make_workload(self.workload, self.window.num_requests(rate), rate, self.seed, **self.workload_kw)
         key = (config.shape, config.profile)
         device = self._devices.get(key)
@@ -135,13 +154,14 @@ class Runner:
         with collector_paused():
             summary = simulate(replace(config, seed=self.seed, stop_at_slo_miss=stop_at_slo_miss), requests,
                                device).summary()
-        fig = RunFigures.from_summary(rate, summary, config.slo_ttft_ms / 1000.0, config.slo_itl_ms / 1000.0)
+        fig = RunFigures.from_summary(rate, summary, config.slo_ttft_ms / 1000.0, config.slo_itl_ms / 1000.0,
+                                      self.attainment)
         if self.log is not None:
             self.log(f"    {self.workload} x{config.num_replicas} {config.router}"
                      f"{f' ingress {config.num_ingress}' if config.num_ingress > 1 else ''} seed {self.seed} "
                      f"rate {rate:8.2f} ({len(requests)} req): {'meets' if fig.meets_slo else 'misses'} SLO"
                      f"{' (stopped at the miss)' if fig.stopped else ''}, TTFT p99 {fig.ttft_p99_s:7.3f} s, "
-                     f"ITL p99 {1000 * fig.itl_p99_s:6.1f} ms, goodput {'-' if fig.stopped else f'{fig.goodput_rps:.2f}':>7}, "
+                     f"ITL p99 {1000 * fig.itl_p99_s:6.1f} ms, within {'-' if fig.stopped else f'{fig.within_share:.1%}'}, goodput {'-' if fig.stopped else f'{fig.goodput_rps:.2f}':>7}, "
                      f"hit {fig.hit_rate:.3f}, imbalance {fig.imbalance:.2f} "
                      f"({time.perf_counter() - t0:.1f} s)")
         return fig
@@ -183,7 +203,7 @@ def goodput_at_slo(run: Callable[[float], RunFigures], start_rate: float, search
             lo, best = rate, fig
         else:
             hi = rate
-            if last_miss is not None and fig.ttft_p99_s >= (1.0 - NO_RELIEF) * last_miss.ttft_p99_s:
+            if last_miss is not None and fig.shortfall >= (1.0 - NO_RELIEF) * last_miss.shortfall:
                 break  # a lower rate did not help: the SLO is out of reach at any rate (e.g. one prefill > 2 s)
             last_miss = fig
     if hi is None:

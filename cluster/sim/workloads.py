@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -254,13 +254,16 @@ def _code(rng: np.random.Generator, n: int, rate_rps: float, num_repos: int = CO
 
 
 def _trace(rng: np.random.Generator, n: int, rate_rps: float, path: str | Path = "",
-           block_tokens: int = MOONCAKE_BLOCK_TOKENS, time_scale: float = 1.0) -> list[SimRequest]:
+           block_tokens: int = MOONCAKE_BLOCK_TOKENS, time_scale: float = 1.0,
+           scale_to_rate: bool = False) -> list[SimRequest]:
     """Replay a JSONL trace: one object per line with `timestamp` (ms, as in the Mooncake
     traces), `input_length`, `output_length` and `hash_ids` (one id per `block_tokens`
     prompt tokens; equal ids mean equal content). Each hash id expands to the same
     block_tokens random tokens everywhere (seeded by (seed draw, id)), so requests sharing
     leading hash ids share that prefix token for token. `time_scale` multiplies the gaps
-    (0.5 replays twice as fast); `rate_rps` is ignored."""
+    (0.5 replays twice as fast); `rate_rps` is ignored unless `scale_to_rate`: then the gaps
+    are scaled (on top of time_scale) so that the slice's mean arrival rate is rate_rps,
+    its bursts and lulls kept in proportion (a rate search over the trace's own shape)."""
     if not path:
         raise ValueError("the trace workload needs path=<JSONL file>")
     base = int(rng.integers(0, 2**31))
@@ -294,6 +297,10 @@ def _trace(rng: np.random.Generator, n: int, rate_rps: float, path: str | Path =
             out.append(SimRequest(f"trace-{len(out)}", (ts - t0) / 1000.0 * time_scale, prompt, max(1, output_len)))
     if not out:
         raise ValueError(f"{path}: the trace holds no requests")
+    span = out[-1].arrival_s
+    if scale_to_rate and rate_rps > 0 and span > 0 and len(out) > 1:
+        k = (len(out) - 1) / (rate_rps * span)
+        out = [replace(r, arrival_s=r.arrival_s * k) for r in out]
     return out
 
 

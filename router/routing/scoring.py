@@ -29,7 +29,8 @@ Work, because KV usage hides queued work and request counts hide request sizes (
     rate(r)       = r's reported prefill_tokens_per_s if it measured one (prompt tokens per
                     device second over its recent budget-full steps: worker/step_meters.py),
                     else params.prefill_tokens_per_s * capacity_weight(r)
-    backlog(r)    = num_waiting_prompt_tokens(r) + unreflected_prefill_tokens(r)
+    backlog(r)    = num_waiting_prompt_tokens(r) + num_running_prompt_tokens(r)
+                    + unreflected_prefill_tokens(r)
     uncached(q,r) = prompt_len(q) - (cached + host + disk) * block_size
     load(q, r)    = block_size * (host / host_load_tokens_per_s + disk / disk_load_tokens_per_s)
     ttft(q, r)    = (backlog(r) + uncached(q, r)) / rate(r) + load(q, r)  # predicted prefill wait
@@ -224,9 +225,12 @@ def prefill_rate(report: ReplicaReport, params: RoutingParams) -> float:
 
 
 def prefill_backlog(view: ReplicaView) -> int:
-    """Prompt tokens queued there: at the report, plus those sent since (uncached ones)."""
+    """Prompt tokens queued there: at the report (waiting prompts, and what running ones
+    have left to prefill: a long prompt admitted whole is prefilled over seconds, and is
+    no longer waiting), plus those sent since (uncached ones)."""
     assert view.report is not None
-    return view.report.num_waiting_prompt_tokens + view.unreflected_prefill_tokens
+    return (view.report.num_waiting_prompt_tokens + view.report.num_running_prompt_tokens
+            + view.unreflected_prefill_tokens)
 
 
 def uncached_tokens(request: RequestProfile, cached_blocks: int, block_size: int) -> int:

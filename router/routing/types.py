@@ -154,6 +154,8 @@ class ReplicaReport:
     # Prefix blocks held below its device (KV tiers), by tier.
     host_prefix_hashes: frozenset[int] = frozenset()
     disk_prefix_hashes: frozenset[int] = frozenset()
+    # Prompt tokens its running sequences have yet to prefill (0: not reported).
+    num_running_prompt_tokens: int = 0
 
     @property
     def free_seqs(self) -> int:
@@ -187,11 +189,13 @@ class ReplicaReport:
                 lora_loaded=frozenset(map(str, stats.get("lora_loaded") or ())),  # type: ignore[call-overload]
                 host_prefix_hashes=frozenset(stats.get("host_prefix_hashes") or ()),  # type: ignore[arg-type]
                 disk_prefix_hashes=frozenset(stats.get("disk_prefix_hashes") or ()),  # type: ignore[arg-type]
+                num_running_prompt_tokens=int(stats.get("num_running_prompt_tokens") or 0),  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError):
             return None
         if (report.block_size <= 0 or report.capacity_weight <= 0 or report.prefill_tokens_per_s < 0
-                or report.decode_growth_blocks < 0 or not report.mean_output_tokens >= 0):
+                or report.decode_growth_blocks < 0 or not report.mean_output_tokens >= 0
+                or report.num_running_prompt_tokens < 0):
             return None
         return report
 

@@ -180,3 +180,18 @@ def test_the_worker_replica_reports_through_the_same_builder() -> None:
     stats = replica.record_routing_stats()
     assert set(stats) == set(ROUTING_STATS_KEYS)
     assert (stats["decode_growth_blocks"], stats["mean_output_tokens"], stats["num_running"]) == (6, 0.0, 1)
+
+
+def test_report_counts_the_prompt_a_running_sequence_has_left_to_prefill() -> None:
+    # Chunks of 64 tokens: after one step the 1,200-token prompt is running with 1,136 to
+    # go and nothing is waiting; the report says so, and the router reads it.
+    engine = small_engine()
+    engine.add_request("long", list(range(1200)), SamplingParams(max_tokens=2))
+    engine.step()
+    stats = build_routing_stats(engine, engine.stats(), [], timestamp=5.0)
+    assert (stats.num_waiting, stats.num_waiting_prompt_tokens, stats.num_running_prompt_tokens) == (0, 0, 1136)
+    report = ReplicaReport.from_stats(stats.to_dict())
+    assert report is not None and report.num_running_prompt_tokens == 1136
+    for _ in range(1136 // 64 + 1):
+        engine.step()
+    assert build_routing_stats(engine, engine.stats(), [], timestamp=6.0).num_running_prompt_tokens == 0

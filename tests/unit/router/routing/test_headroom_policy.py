@@ -592,3 +592,16 @@ def test_policy_learns_prefix_owners_and_sessions_from_its_dispatches() -> None:
     policy.on_dispatch(turn1, "b", NOW)
     turn2 = RoutingRequest("4", [6] * 8, 8, session_id="s")
     assert policy.rank(turn2, views, NOW)[0] == "b" and policy.last_mode == MODE_AFFINITY
+
+
+def test_a_long_prompt_mid_prefill_is_backlog_the_next_request_avoids() -> None:
+    # Replica a admitted a 100k-token prompt and prefills it chunk by chunk: nothing is
+    # waiting there, but 96k prompt tokens (2.4 s at 40k tokens/s) are still ahead of any
+    # request sent to it. The TTFT term counts them: a cold request goes to b, and a is
+    # past its target.
+    busy = replace(report(900), num_running=1, num_running_prompt_tokens=96_000)
+    scores = {k: score_replica(small_request(), ReplicaView(k, r), PARAMS) for k, r in {"a": busy, "b": report(900)}.items()}
+    assert scores["a"].prefill_backlog == 96_000 and not scores["a"].within_target
+    assert scores["a"].ttft_s == pytest.approx((96_000 + 8) / PARAMS.prefill_tokens_per_s)
+    counts, rankings = dispatch({"a": busy, "b": report(900)}, [small_request()])
+    assert counts == Counter({"b": 1}) and rankings[0].order[0] == "b"
