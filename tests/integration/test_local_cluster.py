@@ -13,10 +13,6 @@ Does not use the session cluster: serve runs as its own process.
 from __future__ import annotations
 
 import ipaddress
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -24,11 +20,10 @@ import psutil
 import pytest
 
 from tests.integration.conftest import free_port
-from tests.support.waiting import wait_until
+from tests.support.serve_process import kvserve_serve, short_ray_tmp
 
 pytestmark = pytest.mark.integration
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _listening(root: psutil.Process) -> list[tuple[str, int, str]]:
@@ -52,50 +47,24 @@ def _is_loopback(address: str) -> bool:
 
 
 def test_serve_ignores_a_stale_cluster_file_and_listens_on_loopback(tmp_path: Path) -> None:
-    # A short temp dir: Ray puts unix sockets under it (their paths are limited to ~107 bytes).
-    ray_tmp = Path(tempfile.mkdtemp(prefix="kvlc-", dir="/tmp"))
+    ray_tmp = short_ray_tmp("kvlc-")
     (ray_tmp / "ray").mkdir()
     (ray_tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")  # nothing listens there
     port, grpc_port = free_port(), free_port()
-    config = tmp_path / "kvserve.yaml"
-    config.write_text(
+    config = (
         "engine: {device: cpu, dtype: float32, num_threads: 1, num_blocks: 32}\n"
         "workers: {num_replicas: 1, num_cpus: 1, drain_timeout_s: 5}\n"
         "ingress: {num_cpus: 0.5}\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(ray_tmp)}
-    env.pop("RAY_ADDRESS", None)
-    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # serve sets it itself
-    log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "serve", "--config", str(config), "--port", str(port),
-             "--grpc-port", str(grpc_port), "--num-cpus", "2"],
-            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
-        try:
-            def healthy() -> bool:
-                assert proc.poll() is None, log_path.read_text()[-3000:]
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-
-            wait_until(healthy, 240, interval_s=1.0, message="kvserve serve to come up", retry_on=(httpx.TransportError,))
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                           json={"model": "kvserve-tiny", "prompt": "Hi", "max_tokens": 4}, timeout=60)
-            assert r.status_code == 200, r.text
-
-            sockets = _listening(psutil.Process(proc.pid))
-            assert any(p == port for _, p, _ in sockets), sockets  # the HTTP proxy is in the tree
-            # Serve's own exceptions, which no Ray setting moves: its gRPC proxy, and each
-            # replica's inter-deployment gRPC server (replica.py binds "[::]:0").
-            exposed = [s for s in sockets if not _is_loopback(s[0]) and s[1] != grpc_port
-                       and not s[2].startswith("ray::ServeReplica")]
-            assert not exposed, f"listening beyond loopback: {exposed}"
-            assert "127.0.0.1:1" not in log_path.read_text()
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-    assert proc.returncode == 0, log_path.read_text()[-3000:]
+    with kvserve_serve(tmp_path, config, port, grpc_port, ray_tmp) as served:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"model": "kvserve-tiny", "prompt": "Hi", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200, r.text
+        sockets = _listening(psutil.Process(served.proc.pid))
+        assert any(p == port for _, p, _ in sockets), sockets  # the HTTP proxy is in the tree
+        # Serve's own exceptions, which no Ray setting moves: its gRPC proxy, and each
+        # replica's inter-deployment gRPC server (replica.py binds "[::]:0").
+        exposed = [s for s in sockets if not _is_loopback(s[0]) and s[1] != grpc_port
+                   and not s[2].startswith("ray::ServeReplica")]
+        assert not exposed, f"listening beyond loopback: {exposed}"
+        assert "127.0.0.1:1" not in served.log()
