@@ -33,7 +33,7 @@ from worker.runner_protocols import Runner
 from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
-from worker.step_budget import StepPredictor, engine_step_budget, profile_predictor
+from worker.step_budget import StepPredictor, engine_step_budget
 from worker.step_meters import OutputLengthTracker, PrefillRateMeter
 from worker.step_overlap import AppliedStep, LaunchedStep, overlaps
 from worker.structured.compiler import GrammarCompiler
@@ -116,53 +116,10 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        from worker.model_path import resolve_model_path
-        from worker.model_config import (
-            cap_to_kv_capacity,
-            eos_token_ids_of,
-            load_hf_config,
-            max_model_len_for,
-        )
-        from worker.sim.device import is_sim_device
+        """The engine a config describes, its runner built (worker/engine_build.py)."""
+        from worker.engine_build import build_engine
 
-        if config.lora.enabled and (is_sim_device(config.model.device) or config.model.tensor_parallel_size > 1):
-            raise ValueError("LoRA adapters need a single-rank real device (not a simulated one, no tensor parallelism)")
-        if is_sim_device(config.model.device):  # a simulated device: no weights, no torch (worker/sim/)
-            from worker.sim.runner import sim_engine_from_config
-
-            return sim_engine_from_config(config)
-        from worker.model_runner import ModelRunner
-
-        path = resolve_model_path(config.model.model)
-        hf_config = load_hf_config(path, config.model.trust_remote_code)
-        max_model_len = max_model_len_for(config.scheduler.max_model_len, hf_config)
-        config = replace(
-            config, model=replace(config.model, model=str(path)),
-            scheduler=replace(config.scheduler, max_model_len=max_model_len),
-        )
-        predictor = profile_predictor(config)  # before any weights load or rank spawns
-        if config.model.tensor_parallel_size > 1:
-            from worker.tp.runner import TPModelRunner
-
-            runner = TPModelRunner(config, hf_config, max_model_len, config.model.tensor_parallel_size)
-        else:
-            runner = ModelRunner(config, hf_config, max_model_len)
-        # The longest sequence the KV pool can hold bounds it too (known once the pool is sized).
-        max_model_len = cap_to_kv_capacity(max_model_len, runner.num_blocks, config.cache.block_size)
-        scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
-        engine = cls(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config),
-                     step_time_predictor=predictor)
-        engine.model_path = path
-        if config.cache.host_kv_cache_bytes:
-            from worker.kv_tiers import TierManager
-
-            device = getattr(runner, "device", None)
-            pin = device is not None and device.type == "cuda"
-            engine.use_tiers(TierManager.from_config(config.cache, runner, path, pin_memory=pin))
-        engine.grammar = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
-        if getattr(runner, "lora", None) is not None:
-            engine.enable_lora(EngineLoRA(config.lora, runner.lora_loader))
-        return engine
+        return build_engine(config)
 
     def enable_lora(self, lora: EngineLoRA) -> None:
         self.lora = lora
@@ -253,12 +210,7 @@ class Engine:
             self.kv.adopt_block_hashes(request_id, prompt_block_hashes)
         if lora_name is not None and not self.lora.add(seq):
             return  # waits for its adapter's host load (_admit_lora_loaded)
-        if params.structured is not None and self.grammar is not None:
-            deadline = time.monotonic() + self.grammar.compile_timeout_s
-            seq.grammar = GrammarState(self.grammar.submit(params.structured), deadline)
-            self.awaiting_grammar.append(seq)
-        else:
-            self.scheduler.add(seq)
+        self._enter(seq)
 
     def check_lora(self, name: str, path: str) -> None:
         """Read an adapter as a request would (any thread: nothing shared is touched);
@@ -403,6 +355,16 @@ class Engine:
         logger.error("engine step failed; failing %d requests", len(plan.seqs), exc_info=error)
         return self._fail(plan, error)
 
+    def _enter(self, seq: Sequence) -> None:
+        """A request with all it needs but its grammar goes to the scheduler, or waits for
+        the grammar's compile (at most the compiler's timeout)."""
+        if seq.params.structured is not None and self.grammar is not None:
+            deadline = time.monotonic() + self.grammar.compile_timeout_s
+            seq.grammar = GrammarState(self.grammar.submit(seq.params.structured), deadline)
+            self.awaiting_grammar.append(seq)
+        else:
+            self.scheduler.add(seq)
+
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar has compiled enter the scheduler (in arrival order); a
         failed compile fails its request."""
@@ -427,11 +389,7 @@ class Engine:
         ready, failed = self.lora.take_loaded()
         outputs = []
         for seq in ready:
-            if seq.params.structured is not None and self.grammar is not None:
-                seq.grammar = GrammarState(self.grammar.submit(seq.params.structured))
-                self.awaiting_grammar.append(seq)
-            else:
-                self.scheduler.add(seq)
+            self._enter(seq)
         for seq, message in failed:
             seq.status = SequenceStatus.FINISHED
             outputs.append(self._fail_one(seq, f"LoRA adapter {seq.lora_name!r}: {message}"))
