@@ -125,7 +125,7 @@ class RequestPipeline:
             lora_name, lora_path = lora if lora is not None else (None, None)
             profiles = [
                 RequestProfile(inp.prompt_token_ids, int(inp.params.max_tokens),
-                               request_hash_root(inp.params.cache_keys, lora_name, lora_path))
+                               request_hash_root(inp.params.cache_keys, lora_name, lora_path), lora_name)
                 for inp in inputs
             ]
             ticket = await self.admission.admit(principal.key_id, profiles, band)

@@ -33,6 +33,9 @@ Work, because KV usage hides queued work and request counts hide request sizes (
                     + unreflected_prefill_tokens(r)
     uncached(q,r) = prompt_len(q) - (cached + host + disk) * block_size
     load(q, r)    = block_size * (host / host_load_tokens_per_s + disk / disk_load_tokens_per_s)
+                    + adapter(q, r)
+    adapter(q, r) = 0 for the base model or an adapter in r's device slots (lora_resident),
+                    lora_swap_s for one in its host memory (lora_loaded), else lora_load_s
     ttft(q, r)    = (backlog(r) + uncached(q, r)) / rate(r) + load(q, r)  # predicted prefill wait
     within_target(q, r) = backlog(r) + uncached(q, r) <= rate(r) * target_ttft_s
 
@@ -77,6 +80,7 @@ class ReplicaScore:
     unreflected_requests: int
     capacity_weight: float = 1.0
     ongoing: int = 0  # requests there now: Serve's queue length, or the report's + sent since
+    adapter_s: float = 0.0  # the request's LoRA adapter's load there, in ttft_s
 
     @property
     def queue_depth(self) -> float:
@@ -135,7 +139,8 @@ def score_replica(
     rate = prefill_rate(report, params)
     backlog = prefill_backlog(view)
     uncached = uncached_tokens(request, cached + host + disk, bs)
-    ttft = predicted_ttft_s(backlog, uncached, rate) + tier_load_s(host, disk, bs, params)
+    adapter_s = adapter_load_s(request, report, params)
+    ttft = predicted_ttft_s(backlog, uncached, rate) + tier_load_s(host, disk, bs, params) + adapter_s
     within = within_target(backlog, uncached, rate, params)
     return ReplicaScore(
         key=view.key,
@@ -158,6 +163,7 @@ def score_replica(
         unreflected_requests=view.unreflected_requests,
         capacity_weight=report.capacity_weight,
         ongoing=max(view.queue_len, report.num_running + report.num_waiting + view.unreflected_requests),
+        adapter_s=adapter_s,
     )
 
 
@@ -240,6 +246,16 @@ def uncached_tokens(request: RequestProfile, cached_blocks: int, block_size: int
 def tier_load_s(num_host: int, num_disk: int, block_size: int, params: RoutingParams) -> float:
     """Seconds to load prefix blocks from a replica's host tier and disk."""
     return block_size * (num_host / params.host_load_tokens_per_s + num_disk / params.disk_load_tokens_per_s)
+
+
+def adapter_load_s(request: RequestProfile, report: ReplicaReport, params: RoutingParams) -> float:
+    """Seconds the request's LoRA adapter takes to reach a device slot on the replica:
+    residency as the replica reports it, not requests in flight (an adapter stays resident
+    after its last request, and one with requests may still be loading)."""
+    name = request.lora_name
+    if name is None or name in report.lora_resident:
+        return 0.0
+    return params.lora_swap_s if name in report.lora_loaded else params.lora_load_s
 
 
 def predicted_ttft_s(backlog: int, uncached: int, rate: float) -> float:

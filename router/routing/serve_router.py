@@ -121,7 +121,8 @@ def request_profile(pending_request: PendingRequest | None) -> RequestProfile | 
     # adapter), so a salted or adapter prefix is found where it lives.
     root = request_hash_root(getattr(params, "cache_keys", ()), getattr(request, "lora_name", None),
                              getattr(request, "lora_path", None))
-    return RequestProfile(prompt_token_ids=token_ids, max_tokens=max_tokens, hash_root=root)
+    return RequestProfile(prompt_token_ids=token_ids, max_tokens=max_tokens, hash_root=root,
+                          lora_name=getattr(request, "lora_name", None))
 
 
 def request_session_id(pending_request: PendingRequest | None) -> str | None:
@@ -218,7 +219,7 @@ class PolicyRouter(RequestRouter):
         if profile is None:
             return None
         request = RoutingRequest(request_id, profile.prompt_token_ids, profile.max_tokens,
-                                 request_session_id(pending_request), profile.hash_root)
+                                 request_session_id(pending_request), profile.hash_root, profile.lora_name)
         if len(self._pending) >= _MAX_PENDING:
             self._pending.clear()
         self._pending[request_id] = request

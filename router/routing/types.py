@@ -76,6 +76,14 @@ class RoutingParams:
     disk_hit_weight: float = 0.25
     host_load_tokens_per_s: float = 300_000.0
     disk_load_tokens_per_s: float = 40_000.0
+    # LoRA adapters (docs/lora.md): a request for an adapter a replica holds in no device
+    # slot waits for it: a copy from host memory when the replica has it loaded there, else
+    # a read from storage and the copy. Both count in its predicted TTFT, so a replica that
+    # holds the adapter wins while its queue is no longer than the load, and a hot adapter
+    # spreads to more replicas as their queues grow (for the reference replica: a rank-16
+    # adapter on every projection of llama-3-8b, about 80 MB).
+    lora_swap_s: float = 0.005
+    lora_load_s: float = 0.25
 
     def __post_init__(self) -> None:
         if self.expected_output_tokens < 0:
@@ -227,6 +235,7 @@ class RequestProfile:
     # The root of its block-hash chain (request_hash_root): a salted or adapter prompt
     # matches only blocks cached under the same root.
     hash_root: int = ROOT_HASH
+    lora_name: str | None = None  # the LoRA adapter that serves it (None: the base model)
     _hashes_by_block_size: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     @property

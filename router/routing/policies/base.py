@@ -36,12 +36,14 @@ class RoutingRequest:
     max_tokens: int
     session_id: str | None = None
     hash_root: int = ROOT_HASH  # its block-hash chain's root (RequestProfile.hash_root)
+    lora_name: str | None = None  # its LoRA adapter (RequestProfile.lora_name)
     # Block hashes memoised per block size, shared by every rank() of this request (a retry
     # after a rejection ranks again without rehashing).
     profile: RequestProfile = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "profile", RequestProfile(self.prompt_token_ids, self.max_tokens, self.hash_root))
+        object.__setattr__(self, "profile", RequestProfile(self.prompt_token_ids, self.max_tokens, self.hash_root,
+                                                              self.lora_name))
 
     @property
     def prompt_len(self) -> int:

@@ -225,12 +225,14 @@ def rank_replicas(
     ready = [s for s in open_ if s.within_target]
     owner = _owner(ready)
     spread = _least_sessions(ready, session_counts, index) if session_counts is not None else None
-    # A cold request (no replica caches any of it, no session) also balances by requests:
-    # load above or below a replica's share tilts the order, a gate's worth of excess
-    # weighing one whole rank_key unit. Not when some replica holds part of the prompt:
-    # there the tilt would outweigh the partial credit and throw the hit rate away. A
-    # spread in proportion to headroom has no excess either way: the fill term rules.
-    tilt = 0.0 if any(s.credit > 0 for s in scores) else 1.0 / max(params.load_gate_threshold, 1.0)
+    # A cold request (no replica caches any of it, no session, its LoRA adapter as far
+    # from every replica) also balances by requests: load above or below a replica's share
+    # tilts the order, a gate's worth of excess weighing one whole rank_key unit. Not when
+    # some replica holds part of the prompt or the adapter: there the tilt would outweigh
+    # what that replica saves and throw the hit rate away. A spread in proportion to
+    # headroom has no excess either way: the fill term rules.
+    warm = any(s.credit > 0 for s in scores) or len({s.adapter_s for s in scores}) > 1
+    tilt = 0.0 if warm else 1.0 / max(params.load_gate_threshold, 1.0)
     first = spread or owner
     open_.sort(key=lambda s: (s is not first, -(s.rank_key - tilt * excess[s.key]), -s.score, index[s.key]))
     gated.sort(key=lambda s: (s.queue_depth, -s.rank_key, index[s.key]))
