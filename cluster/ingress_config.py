@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from cluster.config_fields import ByteSize, Section, default_of
 from cluster.pool_config import CustomResources, IngressAutoscalingSection
@@ -71,6 +71,10 @@ class IngressSection(Section):
     # Held requests are offered best band first, and a full queue sheds the worst band first;
     # in the engine a better band may preempt a worse one. Unlisted keys: 0.
     key_priorities: dict[str, int] = Field(default_of(IngressSettings, "key_priorities"))
+    # Within a band, held requests are served weighted round robin between keys: key id ->
+    # its weight (a key of weight 3 is served up to 3 times in a row, and keeps up to 3x
+    # the places of a weight-1 key when the queue is full). Unlisted keys: 1.
+    key_weights: dict[str, PositiveInt] = Field(default_of(IngressSettings, "key_weights"))
     # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
     metrics_public: bool = default_of(IngressSettings, "metrics_public")
     # Admission control (router/routing/admission.py): while no worker replica can take a request

@@ -75,7 +75,7 @@ class RequestPipeline:
         self.key_limits = key_limits
         self.admission = AdmissionController(
             routing_source, settings.admission_queue_size, settings.admission_max_wait_s or settings.request_timeout_s,
-            settings.admission_max_waiting_per_replica, metrics,
+            settings.admission_max_waiting_per_replica, metrics, key_weights=settings.key_weights,
         )
 
     def authenticate(self, authorization: str | None) -> Principal:

@@ -51,6 +51,9 @@ class IngressSettings:
     # Priority bands (lower first; router/routing/admission.py, worker/scheduler.py): each listed
     # key id's default band, also the best it may ask for; unlisted keys: 0.
     key_priorities: Mapping[str, int] = field(default_factory=dict, compare=False)  # compare=False: unhashable
+    # Weighted fair shares within a band (router/routing/fair_queue.py): each listed key id's
+    # weight in the hold queue's rotation and its share of a full queue; unlisted keys: 1.
+    key_weights: Mapping[str, int] = field(default_factory=dict, compare=False)
     # /metrics without an API key (e.g. for a Prometheus scraper) when keys are on.
     metrics_public: bool = False
     # Admission control (router/routing/admission.py): while no worker replica can take a request

@@ -59,7 +59,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -227,9 +227,10 @@ class AdmissionController:
         metrics: AdmissionMetrics | None = None,
         poll_interval_s: float = POLL_INTERVAL_S,
         clock: Clock = time.time,  # the reports' clock
+        key_weights: Mapping[str, int] | None = None,  # each key's share of the hold queue (1 unlisted)
     ) -> None:
         self._source = source
-        self.queue = BandedQueue(queue_size)
+        self.queue = BandedQueue(queue_size, key_weights)
         self.max_wait_s = max_wait_s
         self.max_waiting_per_replica = max_waiting_per_replica
         self._metrics = metrics
