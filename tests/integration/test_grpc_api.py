@@ -326,7 +326,7 @@ def test_unknown_model_is_not_found(app: GrpcApp, method: str) -> None:
     request = pb.TokenizeRequest(model="nope", prompt="hi") if method == "Tokenize" else pb.GenerateRequest(model="nope", prompt="hi")
     error = rpc_error(lambda: app.call(method, request))
     assert error.code() == grpc.StatusCode.NOT_FOUND
-    assert error.details() == "The model `nope` does not exist."
+    assert error.details() == "The model `nope` does not exist. Known: `tiny-grpc`."  # the names it serves
 
 
 def test_overload_is_resource_exhausted(app: GrpcApp) -> None:
