@@ -174,6 +174,14 @@ def test_queue_depth_scales_up_then_down_without_dropping_requests(serve_cluster
 
         # Generous: a new replica is a new Ray worker process, slow to start on a loaded box.
         wait_until(all_running, 150.0, POLL_S, message=with_status(f"{MAX_REPLICAS} replicas to run"))
+
+        def handle_knows_all() -> bool:
+            # Serve reports a replica RUNNING before this handle's router hears of it; until
+            # it has, the long requests below could only go to the first replica.
+            answers = handle.broadcast("stats").results(timeout_s=WAIT_S, return_exceptions=True)
+            return len([a for a in answers if isinstance(a, dict)]) == MAX_REPLICAS
+
+        wait_until(handle_knows_all, WAIT_S, POLL_S, message=with_status("the handle to route to every replica"))
         t_running = time.monotonic()
 
         # 2. Long requests: the router sends them to the idle new replicas.
