@@ -49,6 +49,11 @@ def adapter_num_bytes(rank: int, targets: tuple[str, ...], shapes: dict[str, tup
     return per_layer * num_layers * dtype_bytes
 
 
+def config_num_bytes(config: dict, shapes: dict[str, tuple[int, int]], num_layers: int, dtype_bytes: int) -> int:
+    """adapter_num_bytes of an adapter_config.json's rank `r` and targets."""
+    return adapter_num_bytes(int(config["r"]), config_targets(config), shapes, num_layers, dtype_bytes)
+
+
 def load_seconds(num_bytes: int, link_bytes_per_s: float) -> float:
     """Seconds to copy an adapter's bytes into a device slot over the host link."""
     if link_bytes_per_s <= 0:

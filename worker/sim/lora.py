@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from worker.lora.cost import adapter_num_bytes, config_targets, load_seconds, step_work, target_shapes
+from worker.lora.cost import config_num_bytes, config_targets, load_seconds, step_work, target_shapes
 from worker.sim.profiles import DeviceProfile
 from worker.sim.shapes import ModelShape
 
@@ -52,8 +52,7 @@ def read_sim_adapter(name: str, path: str, shape: ModelShape, max_rank: int) -> 
     if not targets:
         raise LoRAAdapterError(f"{path}: target_modules {config.get('target_modules')!r} names none of the "
                                f"supported targets")
-    num_bytes = adapter_num_bytes(config["r"], targets, shape_target_shapes(shape), shape.num_layers,
-                                  shape.dtype_bytes)
+    num_bytes = config_num_bytes(config, shape_target_shapes(shape), shape.num_layers, shape.dtype_bytes)
     return SimAdapter(name, str(path), config["r"], num_bytes)
 
 

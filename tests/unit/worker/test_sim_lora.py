@@ -15,7 +15,7 @@ from cluster import cli
 from worker.api import GenerateRequest, LoRAAdapterError, SamplingParams
 from worker.config import CacheConfig, LoRAConfig, SchedulerConfig
 from worker.engine import Engine
-from worker.lora.cost import adapter_num_bytes, config_targets, load_seconds, step_work
+from worker.lora.cost import adapter_num_bytes, config_num_bytes, config_targets, load_seconds, step_work
 from worker.replica import WorkerReplica
 from worker.sim.lora import shape_target_shapes
 from worker.sim.runner import build_sim_engine
@@ -102,7 +102,7 @@ def test_adapter_bytes_from_config_are_the_real_adapters(tiny_model: TinyModels,
     real = adapter_loader(arch, 16)("a", str(path))
     config = json.loads((path / "adapter_config.json").read_text())
     assert sorted(config_targets(config)) == ["down_proj", "q_proj", "v_proj"]
-    assert adapter_num_bytes(config["r"], config_targets(config), target_shapes(arch), arch.num_layers, 4) == real.num_bytes
+    assert config_num_bytes(config, target_shapes(arch), arch.num_layers, 4) == real.num_bytes
 
 
 def test_refused_adapters_fail_their_request_and_base_requests_run(tmp_path: Path) -> None:
