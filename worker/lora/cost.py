@@ -17,8 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# PEFT target name -> the fused projection that holds it (worker/lora/adapter.py's TARGETS
-# adds each part's index there).
+# The PEFT targets the runner applies (worker/lora/adapter.py's TARGETS maps each to the
+# fused projection and part that holds it; a unit test keeps the two lists equal).
 TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -15,7 +15,9 @@ from cluster import cli
 from worker.api import GenerateRequest, LoRAAdapterError, SamplingParams
 from worker.config import CacheConfig, LoRAConfig, SchedulerConfig
 from worker.engine import Engine
-from worker.lora.cost import adapter_num_bytes, config_num_bytes, config_targets, load_seconds, step_work
+from worker.lora.cost import (
+    TARGET_NAMES, adapter_num_bytes, config_num_bytes, config_targets, load_seconds, step_work,
+)
 from worker.replica import WorkerReplica
 from worker.sim.lora import shape_target_shapes
 from worker.sim.runner import build_sim_engine
@@ -92,6 +94,7 @@ def test_adapter_bytes_from_config_are_the_real_adapters(tiny_model: TinyModels,
     """The config-only count (what the simulators price) equals the bytes a real replica
     reads from the adapter's safetensors (fp32 here), for a subset of targets."""
     from tests.support.tiny_lora import make_tiny_adapter
+    from worker.lora.adapter import TARGETS
     from worker.lora.model_lora import adapter_loader, target_shapes
     from worker.model.llama import LlamaArch
     from worker.model_config import load_hf_config
@@ -102,6 +105,7 @@ def test_adapter_bytes_from_config_are_the_real_adapters(tiny_model: TinyModels,
     real = adapter_loader(arch, 16)("a", str(path))
     config = json.loads((path / "adapter_config.json").read_text())
     assert sorted(config_targets(config)) == ["down_proj", "q_proj", "v_proj"]
+    assert tuple(TARGETS) == TARGET_NAMES == config_targets({"target_modules": r".*_proj"})
     assert config_num_bytes(config, target_shapes(arch), arch.num_layers, 4) == real.num_bytes
 
 
