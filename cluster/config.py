@@ -267,17 +267,6 @@ class KVServeConfig(Section):
         # `model: /path/or/hub-id` is short for `model: {path: ...}`.
         return {"path": v} if isinstance(v, str) else v
 
-    @model_validator(mode="after")
-    def _lora_where_served(self) -> KVServeConfig:
-        # The multi-rank runner, simulated devices and the KV export of disaggregation do
-        # not carry adapters yet (docs/lora.md): refuse rather than serve the base model.
-        if self.lora.enable or self.lora.modules:
-            if self.disaggregation is not None:
-                raise ValueError("lora: adapters are not served with disaggregation yet")
-            if self.workers.tensor_parallel_size > 1 or self.engine.device.startswith("sim:"):
-                raise ValueError("lora: adapters need workers.tensor_parallel_size 1 and a real device")
-        return self
-
     @field_validator("route_prefix")
     @classmethod
     def _prefix(cls, v: str) -> str:

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kv.block_hash import ROOT_HASH
+
 if TYPE_CHECKING:  # torch is imported where tensors are moved: a simulated-device replica never does
     import torch
 
@@ -67,6 +69,9 @@ class KVExport:
     num_kv_heads: int
     head_dim: int
     block_hashes: list[int] = field(default_factory=list)  # full blocks (kv.block_hash chain)
+    # The chain's root: the request's extra keys (cache salt, LoRA adapter). KV computed
+    # under one root is valid only for a request of the same root.
+    hash_root: int = ROOT_HASH
     num_cached_tokens: int = 0  # prompt tokens the prefill side served from its prefix cache
 
     @property

@@ -194,18 +194,23 @@ class Engine:
             if lora_path is not None:
                 self.lora.ensure(lora_name, lora_path)
             self.lora.registry.check(lora_name)
+        # An adapter changes every layer's K and V: its blocks chain from a root of their
+        # own (router/routing/types.py request_hash_root hashes the same way).
+        lora_root = root_hash((*params.cache_keys, self.lora.cache_key(lora_name))) if lora_name is not None else None
         try:
             self.connector.check_request(prompt_token_ids, params, export_kv, kv_import)
         except KVTransferError as e:
             raise KVImportError(str(e)) from None
+        if kv_import is not None and kv_import.hash_root != (lora_root if lora_root is not None
+                                                             else root_hash(params.cache_keys)):
+            raise KVImportError(f"the KV export of {kv_import.request_id!r} was computed under another LoRA adapter "
+                                f"or cache salt than this request's")
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         self.connector.add_request(seq, export_kv, kv_import)
         self.seqs[request_id] = seq
         if lora_name is not None:
             seq.lora_name = lora_name
-            # An adapter changes every layer's K and V: its blocks chain from a root of their
-            # own (router/routing/types.py request_hash_root hashes the same way).
-            seq.hash_root = root_hash((*params.cache_keys, self.lora.cache_key(lora_name)))
+            seq.hash_root = lora_root
         elif prompt_block_hashes is not None:  # the manager copies them (it extends its list in place)
             self.kv.adopt_block_hashes(request_id, prompt_block_hashes)
         if lora_name is not None and not self.lora.add(seq):

@@ -23,8 +23,6 @@ def build_engine(config: EngineConfig) -> Engine:
     )
     from worker.sim.device import is_sim_device
 
-    if config.lora.enabled and (is_sim_device(config.model.device) or config.model.tensor_parallel_size > 1):
-        raise ValueError("LoRA adapters need a single-rank real device (not a simulated one, no tensor parallelism)")
     if is_sim_device(config.model.device):  # a simulated device: no weights, no torch (worker/sim/)
         from worker.sim.runner import sim_engine_from_config
 

@@ -199,6 +199,7 @@ class KVTransferConnector:
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             block_hashes=hash_full_blocks(seq.token_ids[:n], block_size, root=seq.hash_root),
+            hash_root=seq.hash_root,
             num_cached_tokens=seq.num_cached_tokens,
         )
 

@@ -172,7 +172,8 @@ class WorkerReplica:
             return last, None
         prefill_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         last = None
-        outputs = self.engine.generate(prompt, prefill_params, request.request_id, export_kv=True)
+        outputs = self.engine.generate(prompt, prefill_params, request.request_id, export_kv=True,
+                                       lora=_lora_of(request))
         if tracing.is_traced(request):
             outputs = tracing.traced(outputs, request, self.replica_id, "prefill")
         async for out in outputs:

@@ -1,9 +1,12 @@
 """Prefill/decode disaggregation end to end: an app with a prefill pool and a decode pool
 (one replica each, tiny model) answers OpenAI completions exactly as the mixed app does
-(greedy), streams included; afterwards the prefill replica holds no pinned block."""
+(greedy), streams included; a request of a LoRA adapter prefills and decodes under it,
+token for token as transformers + peft; afterwards the prefill replica holds no pinned
+block."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,18 +24,34 @@ PROMPTS = [
 ]
 
 
+# Adapters the disaggregated app serves: name -> (rank, targets).
+ADAPTERS = {"sql": (8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+            "math": (4, ("q_proj", "v_proj"))}
+
+
 @pytest.fixture(scope="module")
-def apps(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def model_and_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    from tests.support.tiny_lora import make_tiny_adapter
+    from tests.support.tiny_served_model import make_served_model
+
+    root = tmp_path_factory.mktemp("served-pd")
+    model_dir = make_served_model(root / "tiny")
+    return model_dir, {name: make_tiny_adapter(model_dir, root / name, rank, targets, seed=k)
+                       for k, (name, (rank, targets)) in enumerate(ADAPTERS.items())}
+
+
+@pytest.fixture(scope="module")
+def apps(serve_cluster: Any, model_and_adapters: tuple[Path, dict[str, Path]]) -> Iterator[str]:
     from ray import serve
 
     from cluster.app import build_app
-    from tests.support.tiny_served_model import make_served_model
 
-    model_dir = make_served_model(tmp_path_factory.mktemp("served-pd") / "tiny")
+    model_dir, adapters = model_and_adapters
     mixed = tiny_config(MIXED, model_dir, MODEL)
     pool = {"num_replicas": 1, "num_cpus": 1}
     disagg = tiny_config(DISAGG, model_dir, MODEL).with_overrides(
-        {"disaggregation": {"prefill": pool, "decode": pool, "max_waiting_for_decode": 64}}
+        {"disaggregation": {"prefill": pool, "decode": pool, "max_waiting_for_decode": 64},
+         "lora": {"modules": {name: str(path) for name, path in adapters.items()}, "max_loras": 2}}
     )
     serve.run(build_app(mixed), name=MIXED, route_prefix=f"/{MIXED}")
     serve.run(build_app(disagg), name=DISAGG, route_prefix=f"/{DISAGG}")
@@ -73,6 +92,33 @@ def test_streamed_first_token_then_decode(apps: str) -> None:
     text, chunks = _stream_text(apps, DISAGG, body)
     assert text == _complete(apps, MIXED, body)["choices"][0]["text"]
     assert chunks >= 2  # the prefill's token, then the decode replica's
+
+
+def test_adapter_requests_prefill_and_decode_under_their_adapter(
+    apps: str, model_and_adapters: tuple[Path, dict[str, Path]]
+) -> None:
+    """Both pools load the adapter; the KV moves under the adapter's hash root (a decode
+    engine refuses KV of another root); greedy tokens equal transformers + peft's."""
+    from ray import serve
+
+    from protos.kvserve.v1 import kvserve_pb2 as pb
+    from tests.support.tiny_lora import peft_greedy
+
+    model_dir, adapters = model_and_adapters
+    ingress = serve.get_deployment_handle("ingress", DISAGG)
+    prompts = [[(7 * i + k) % 400 + 3 for i in range(n)] for k, n in ((1, 40), (2, 9))]
+    base = peft_greedy(model_dir, None, prompts, [10, 10])
+    for name in [*ADAPTERS, None]:
+        expected = peft_greedy(model_dir, adapters[name], prompts, [10, 10]) if name else base
+        assert name is None or expected != base, f"adapter {name} does not change outputs: a vacuous test"
+        for prompt, want in zip(prompts, expected):
+            request = pb.GenerateRequest(model=name or MODEL, prompt_token_ids=prompt, max_tokens=10,
+                                         temperature=0, ignore_eos=True)
+            got = ingress.Generate.remote(request).result(timeout_s=120)
+            assert list(got.token_ids) == want, name
+    for pool in ("prefill", "decode"):
+        stats = serve.get_deployment_handle(pool, DISAGG).record_routing_stats.remote().result(timeout_s=30)
+        assert set(stats["lora_loaded"]) == set(ADAPTERS), pool
 
 
 def test_no_blocks_left_on_either_pool(apps: str) -> None:

@@ -1,7 +1,8 @@
 """Tensor parallelism end to end on CPU (gloo): an engine whose runner leads a TP=2 group
 of Ray actors gives token-identical greedy outputs to the single-device engine for a
 mixed batch (chunked prefill, prefix hits, preemption), reads only its shard per rank,
-and fails clearly when a rank dies.
+and fails clearly when a rank dies; with LoRA adapters, a batch mixing the base model and
+three adapters gives transformers + peft's greedy tokens.
 
 Rank 0 lives in its own Ray actor here (as it does in a worker replica): a process joins
 one torch.distributed group in its life, and the pytest process must not be it.
@@ -16,7 +17,7 @@ import pytest
 from kv.transfer import KVExport
 from tests.conftest import run_engine
 from tests.support.tiny_models import make_tiny_model
-from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from worker.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
 from worker.engine import Engine
 from worker.api import SamplingParams
 
@@ -111,6 +112,13 @@ class TPEngineHost:
     def load_stats(self) -> list[dict[str, int]]:
         return self.engine.runner.load_stats()
 
+    def run_mixed(self, jobs: list[tuple[str, str | None, list[int], int]]) -> tuple[dict[str, list[int]], int]:
+        from tests.support.tiny_lora import run_mixed
+
+        tokens = run_mixed(self.engine, jobs)
+        assert self.engine.kv.num_free_blocks == self.engine.kv.num_total_blocks
+        return tokens, self.engine.lora.slots.num_loads
+
     def kill_rank_and_step(self) -> tuple[list[str | None], str]:
         runner = self.engine.runner
         ray.kill(runner.workers[0])
@@ -194,6 +202,36 @@ def test_kv_moves_between_tp2_and_single_device_engines(
     finally:
         ray.kill(host)
         torch.set_num_threads(threads)
+
+
+def test_tp2_lora_mixed_batch_matches_peft(serve_cluster: object, tiny_llama_dir: Path,
+                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Base-model requests and requests of three adapters (ranks 4, 8, 16; attention only,
+    all targets with rsLoRA, MLP only) in flight together on a TP=2 engine: each rank
+    applies its shard of every adapter, and the tokens are peft's. Two slots for three
+    adapters: a slot is rewritten on both ranks mid-run."""
+    from tests.support.tiny_lora import make_mixed_adapters, peft_greedy
+
+    paths = make_mixed_adapters(tiny_llama_dir, tmp_path_factory.mktemp("tp-lora"))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (7, 21, 40)]
+    names: list[str | None] = [None, *paths]
+    expected = {name: peft_greedy(tiny_llama_dir, paths.get(name) if name else None, prompts, [8] * len(prompts))
+                for name in names}
+    assert all(expected[name] != expected[None] for name in paths)
+    config = _config(tiny_llama_dir, 2)
+    config = EngineConfig(config.model, CacheConfig(block_size=16, num_blocks_override=64), config.scheduler,
+                          LoRAConfig(max_loras=2, max_lora_rank=16, modules=tuple((n, str(p)) for n, p in paths.items())))
+    host = TPEngineHost.remote(config)
+    try:
+        jobs = [(f"{name}/{i}", name, p, 8) for name in names for i, p in enumerate(prompts)]
+        got, num_slot_writes = ray.get(host.run_mixed.remote(jobs), timeout=600)
+        for name in names:
+            assert [got[f"{name}/{i}"] for i in range(len(prompts))] == expected[name], name
+        assert num_slot_writes >= 3
+    finally:
+        ray.get(host.shutdown.remote(), timeout=120)
+        ray.kill(host)
 
 
 def test_indivisible_heads_rejected(tiny_llama_dir: Path) -> None:

@@ -3,10 +3,40 @@ itself, and peft's greedy `generate` as the reference."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Adapters a mixed batch serves together: name -> (rank, targets, rsLoRA); None targets: all seven.
+MIXED_ADAPTERS = {
+    "r4-attn": (4, ("q_proj", "k_proj", "v_proj", "o_proj"), False),
+    "r8-all": (8, None, True),
+    "r16-mlp": (16, ("gate_proj", "up_proj", "down_proj"), False),
+}
+
+
+def make_mixed_adapters(base_dir: Path, root: Path) -> dict[str, Path]:
+    """MIXED_ADAPTERS for this base model, under `root`."""
+    return {name: make_tiny_adapter(base_dir, root / name, rank, targets or ALL_TARGETS, use_rslora=rs, seed=k)
+            for k, (name, (rank, targets, rs)) in enumerate(MIXED_ADAPTERS.items())}
+
+
+def run_mixed(engine: Any, jobs: list[tuple[str, str | None, list[int], int]]) -> dict[str, list[int]]:
+    """Add every (request id, adapter or None, prompt, max_tokens) job at once and step the
+    engine to the end; greedy tokens per request id."""
+    from worker.api import SamplingParams
+
+    tokens: dict[str, list[int]] = {rid: [] for rid, *_ in jobs}
+    for rid, lora, prompt, n in jobs:
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0), lora_name=lora)
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(out.new_token_ids)
+    return tokens
 
 
 def make_tiny_adapter(

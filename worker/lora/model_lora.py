@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from worker.lora.adapter import TARGETS, LoRAAdapter, load_adapter
+from worker.lora.cost import target_shapes as lora_target_shapes
 from worker.lora.layers import LoRAColumnLinear, LoRARowLinear, LoRAStepState
 from worker.model.llama import LlamaArch
 
@@ -17,10 +18,8 @@ _OWNER = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
 
 def target_shapes(arch: LlamaArch) -> dict[str, tuple[int, int]]:
     """(in, out) of each PEFT target in the full (unsharded) model."""
-    h, i = arch.hidden_size, arch.intermediate_size
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return lora_target_shapes(arch.hidden_size, arch.intermediate_size, arch.num_heads * arch.head_dim,
+                              arch.num_kv_heads * arch.head_dim)
 
 
 def adapter_loader(arch: LlamaArch, max_rank: int) -> partial[LoRAAdapter]:

@@ -18,6 +18,10 @@ Default efficiencies for the uncalibrated GPU profiles, and why:
 - per_seq_overhead_s 20 us: per-sequence host work in a step (block table row, sampling
   parameters, output update).
 These are stated assumptions, not measurements; a fitted profile replaces all four.
+
+host_link_bandwidth (bytes/s, host -> device, one direction): what a LoRA adapter's copy
+into a device slot crosses (worker/lora/cost.py). The GPU profiles take the PCIe figure
+of their datasheet per direction (half the bidirectional figure printed); a fit leaves it.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ DEFAULT_FLOPS_EFFICIENCY = 0.6
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.8
 DEFAULT_STEP_OVERHEAD_S = 1e-3
 DEFAULT_PER_SEQ_OVERHEAD_S = 20e-6
+DEFAULT_HOST_LINK_BANDWIDTH = 32e9  # PCIe Gen4 x16, one direction
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,7 @@ class DeviceProfile:
     # calibration batches never show it; a run's mixed contexts do: unpriced, the padding
     # makes real decode steps slower than modelled, and TTFTs higher with them.
     padded_decode_attention: bool = False
+    host_link_bandwidth: float = DEFAULT_HOST_LINK_BANDWIDTH
     calibrated: bool = False
     source: str = ""
     # A fitted profile says what it was fitted on and how well (calibrate writes these).
@@ -70,6 +76,8 @@ class DeviceProfile:
             raise ValueError(f"device profile {self.name!r}: efficiencies must be in (0, 1]")
         if min(self.step_overhead_s, self.per_seq_overhead_s, self.per_token_overhead_s) < 0:
             raise ValueError(f"device profile {self.name!r}: overheads must be >= 0")
+        if self.host_link_bandwidth <= 0:
+            raise ValueError(f"device profile {self.name!r}: host_link_bandwidth must be > 0")
 
     @property
     def effective_flops(self) -> float:
@@ -106,24 +114,24 @@ _GB = 10**9
 
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(
-        name="h200", hbm_bandwidth=4.8e12, peak_flops=989e12, memory_bytes=141 * _GB,
+        name="h200", hbm_bandwidth=4.8e12, peak_flops=989e12, memory_bytes=141 * _GB, host_link_bandwidth=64e9,
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity "
-               "(989 dense), 141 GB HBM3e, 4.8 TB/s",
+               "(989 dense), 141 GB HBM3e, 4.8 TB/s, PCIe Gen5 128 GB/s",
     ),
     "h100": DeviceProfile(
-        name="h100", hbm_bandwidth=3.35e12, peak_flops=989e12, memory_bytes=80 * _GB,
+        name="h100", hbm_bandwidth=3.35e12, peak_flops=989e12, memory_bytes=80 * _GB, host_link_bandwidth=64e9,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity "
-               "(989 dense), 80 GB HBM3, 3.35 TB/s",
+               "(989 dense), 80 GB HBM3, 3.35 TB/s, PCIe Gen5 128 GB/s",
     ),
     "a100-80gb": DeviceProfile(
         name="a100-80gb", hbm_bandwidth=2.039e12, peak_flops=312e12, memory_bytes=80 * _GB,
         source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16 312 TFLOPS dense "
-               "(624 with sparsity), 80 GB HBM2e, 2,039 GB/s",
+               "(624 with sparsity), 80 GB HBM2e, 2,039 GB/s, PCIe Gen4 64 GB/s",
     ),
     "l4": DeviceProfile(
         name="l4", hbm_bandwidth=300e9, peak_flops=121e12, memory_bytes=24 * _GB,
         source="NVIDIA L4 Tensor Core GPU datasheet: BF16 242 TFLOPS with sparsity (121 dense), "
-               "24 GB GDDR6, 300 GB/s",
+               "24 GB GDDR6, 300 GB/s, PCIe Gen4 x16 64 GB/s",
     ),
 }
 

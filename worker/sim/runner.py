@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from worker.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from worker.engine import Engine
 from worker.model_config import cap_to_kv_capacity, max_model_len_for
 from worker.api import RunnerOutput
@@ -45,6 +46,7 @@ from worker.scheduler import SchedulerOutput
 from worker.sequence import Sequence
 from worker.sim.cost_model import StepCostModel, StepFeatures
 from worker.sim.device import parse_sim_device
+from worker.sim.lora import SimAdapter, SimLoRA
 from worker.sim.profiles import DeviceProfile, load_profile
 from worker.sim.shapes import ModelShape, load_shape
 
@@ -117,6 +119,7 @@ class SimRunner:
         time_dilation: float = 1.0,
         sleep: bool = True,
         avoid_token_ids: frozenset[int] = frozenset(),
+        lora: SimLoRA | None = None,
     ) -> None:
         if time_dilation <= 0:
             raise ValueError(f"time_dilation must be > 0, got {time_dilation}")
@@ -133,6 +136,11 @@ class SimRunner:
         self.total_step_s = 0.0
         self.num_steps = 0
         self._last_return: float | None = None  # perf_counter when execute last returned
+        # Multi-LoRA (worker/sim/lora.py): the engine's registry reads adapters with
+        # lora_loader and sets lora_adapters (name -> the host copy) to price slot writes.
+        self.lora = lora
+        self.lora_loader = lora.loader if lora is not None else None
+        self.lora_adapters: Callable[[str], SimAdapter] | None = None
 
     @property
     def forward_time_dilation(self) -> float:
@@ -201,6 +209,8 @@ class SimRunner:
                     logprobs[i] = self._logprob(token, seq.params.logprobs)
         features = self.cost.rows_features(rows)
         modelled = self.cost.predict(features)
+        if self.lora is not None and self.lora_adapters is not None:
+            modelled += self.lora.step_seconds(plan, features.num_tokens, self.lora_adapters)
         self.last_step_s = modelled
         self.total_step_s += modelled
         self.num_steps += 1
@@ -268,6 +278,7 @@ def build_sim_engine(
     time_dilation: float = 1.0,
     token_vocab_size: int | None = None,
     eos_token_ids: frozenset[int] | None = None,
+    lora: LoRAConfig = LoRAConfig(),
 ) -> Engine:
     """The real Engine (scheduler, KV cache manager, step loop) on a SimRunner.
 
@@ -275,7 +286,8 @@ def build_sim_engine(
     cache.gpu_memory_utilization minus the weights. max_model_len: the shape's
     max_position_embeddings when unset, never more than it, and never more than the KV
     pool holds. Tokens are drawn from [0, token_vocab_size) (default: the shape's
-    vocabulary), never from eos_token_ids (default: the shape's)."""
+    vocabulary), never from eos_token_ids (default: the shape's). `lora`: adapters as on a
+    real device, priced by worker/sim/lora.py."""
     shape = load_shape(shape) if isinstance(shape, str) else shape
     profile = load_profile(profile) if isinstance(profile, str) else profile
     cost = StepCostModel(shape, profile)
@@ -289,8 +301,14 @@ def build_sim_engine(
     runner = SimRunner(
         cost, num_blocks, cache.block_size, token_vocab_size or shape.vocab_size,
         time_dilation=time_dilation, sleep=sleep, avoid_token_ids=eos,
+        lora=SimLoRA(shape, profile, lora.max_lora_rank) if lora.enabled else None,
     )
-    return Engine(scheduler, cache, runner, shape.vocab_size, eos)
+    engine = Engine(scheduler, cache, runner, shape.vocab_size, eos)
+    if runner.lora_loader is not None:
+        from worker.lora.engine_lora import EngineLoRA
+
+        engine.enable_lora(EngineLoRA(lora, runner.lora_loader))
+    return engine
 
 
 def sim_engine_from_config(config: EngineConfig) -> Engine:
@@ -320,7 +338,7 @@ def sim_engine_from_config(config: EngineConfig) -> Engine:
         shape, profile, config.scheduler, config.cache,
         sleep=True, time_dilation=config.model.time_dilation,
         token_vocab_size=min(shape.vocab_size, text_config.vocab_size) if text_config else None,
-        eos_token_ids=frozenset(shape.eos_token_ids) | text_eos,
+        eos_token_ids=frozenset(shape.eos_token_ids) | text_eos, lora=config.lora,
     )
     engine.model_path = path
     return engine

@@ -5,12 +5,16 @@ over the group's CPU (gloo) process group. Rank 0 keeps what each rank already k
 about a request, so a running request costs a few ints per step (a diff), and only a new
 (or preempted, then re-admitted) request carries its whole token list.
 
-    payload = [op, num_dropped, num_entries, dropped keys..., entries...]
+    payload = [op, num_dropped, num_entries, dropped keys..., entries..., num_lora_loads, loads...]
     entry   = [key, num_computed, num_new, tokens_from, num_tokens_sent, blocks_from,
-               num_blocks_sent, token ids (num_tokens_sent)..., block ids (num_blocks_sent)...]
+               num_blocks_sent, lora_slot, token ids (num_tokens_sent)..., block ids (num_blocks_sent)...]
+    load    = [slot, num_name_bytes, the adapter name's UTF-8 bytes...]
 
 A receiving rank sets  tokens[key] = tokens[key][:tokens_from] + sent tokens  (same for
-blocks), so tokens_from = blocks_from = 0 means "in full".
+blocks), so tokens_from = blocks_from = 0 means "in full". `lora_slot` is the device slot
+of the request's LoRA adapter (-1: the base model); a load names the adapter every rank
+writes into that slot before the step runs (each rank holds the adapter in host memory
+already: worker/tp/runner.py reads it on every rank before the request is admitted).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ OP_STOP = 2
 OP_EXPORT_KV = 3
 OP_IMPORT_KV = 4
 _HEADER = 3
-_ENTRY = 7
+_ENTRY = 8
 
 
 @dataclass
@@ -94,13 +98,17 @@ class PlanEncoder:
                 blocks_from = 0
             new_blocks = block_ids[blocks_from:]
             body += [sent.key, seq.num_computed_tokens, num_new, tokens_from, len(new_tokens),
-                     blocks_from, len(new_blocks)]
+                     blocks_from, len(new_blocks), seq.lora_slot]
             body += new_tokens
             body += new_blocks
             sent.num_tokens = seq.num_tokens
             sent.num_blocks = len(block_ids)
             sent.last_block = block_ids[-1] if block_ids else -1
             sent.num_preemptions = seq.num_preemptions
+        body.append(len(plan.lora_loads))
+        for slot, name in plan.lora_loads:
+            data = name.encode("utf-8")
+            body += [slot, len(data), *data]
         return torch.tensor([OP_STEP, len(dropped), len(plan.seqs), *dropped, *body], dtype=torch.long)
 
 
@@ -111,6 +119,7 @@ class MirrorSeq:
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    lora_slot: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -140,7 +149,7 @@ class PlanDecoder:
         pos += num_dropped
         plan = SchedulerOutput()
         for _ in range(num_entries):
-            key, computed, num_new, tokens_from, num_tok, blocks_from, num_blk = data[pos : pos + _ENTRY]
+            key, computed, num_new, tokens_from, num_tok, blocks_from, num_blk, lora_slot = data[pos : pos + _ENTRY]
             pos += _ENTRY
             seq = self.mirror.get(key)
             if seq is None:
@@ -152,9 +161,16 @@ class PlanDecoder:
             seq.block_ids += data[pos : pos + num_blk]
             pos += num_blk
             seq.num_computed_tokens = computed
+            seq.lora_slot = lora_slot
             plan.seqs.append(seq)  # type: ignore[arg-type]  # duck-typed for the runner
             plan.num_new_tokens.append(num_new)
             plan.block_ids.append(seq.block_ids)
+        num_loads = data[pos]
+        pos += 1
+        for _ in range(num_loads):
+            slot, num_bytes = data[pos : pos + 2]
+            plan.lora_loads.append((slot, bytes(data[pos + 2 : pos + 2 + num_bytes]).decode("utf-8")))
+            pos += 2 + num_bytes
         if pos != len(data):
             raise ValueError(f"malformed tensor-parallel plan: {len(data) - pos} trailing ints")
         return plan

@@ -11,7 +11,9 @@ from worker.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 
-@ray.remote(max_concurrency=2)  # `run` blocks in its loop; `ping` must still answer
+# `run` blocks in its loop; `ping` must still answer, and `load_lora` reads an adapter
+# beside the loop.
+@ray.remote(max_concurrency=3)
 class TPRankWorker:
     def __init__(self, config: EngineConfig, max_model_len: int, rank: int, size: int, host: str, port: int) -> None:
         self.config = config
@@ -19,6 +21,7 @@ class TPRankWorker:
         self.rank, self.size, self.host, self.port = rank, size, host, port
         self.runner = None
         self.plan_group = None
+        self.lora = None  # worker/tp/rank_lora.py's store, when the config enables LoRA
 
     def setup(self) -> int:
         """Join the group, load this rank's shard, allocate its KV cache (the block count all
@@ -37,9 +40,21 @@ class TPRankWorker:
         tp, self.plan_group = init_tp_group(self.rank, self.size, self.host, self.port, device)
         hf_config = load_hf_config(Path(self.config.model.model), self.config.model.trust_remote_code)
         self.runner = ModelRunner(self.config, hf_config, self.max_model_len, tp)
+        if self.runner.lora is not None:
+            from worker.tp.rank_lora import RankLoRAStore
+
+            self.lora = RankLoRAStore(self.runner.lora_loader, self.config.lora.host_capacity)
+            self.runner.lora_adapters = self.lora.get
         num_blocks = agree_num_blocks(self.runner.num_blocks, self.plan_group)  # collective
         _shrink_kv(self.runner, num_blocks)
         return num_blocks
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Read an adapter into this rank's host memory (rank 0's loader thread calls it
+        before the adapter's first request is admitted)."""
+        if self.lora is None:
+            raise RuntimeError("this tensor-parallel rank was started without LoRA")
+        self.lora.load(name, path)
 
     def load_stats(self) -> dict[str, int]:
         stats = self.runner.model.load_stats

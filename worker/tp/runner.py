@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -111,6 +111,8 @@ class TPModelRunner:
         self.kv_spec = replace(self.runner.spec, num_kv_heads=arch.num_kv_heads)
         self._head_ranges = head_ranges(arch.num_heads, arch.num_kv_heads, size)
         self._encoder = PlanEncoder()
+        # Multi-LoRA: rank 0's slots are the model's; every rank reads each adapter itself.
+        self.lora = self.runner.lora
         self._loop_refs = [w.run.remote() for w in self.workers]
         self._broken: str | None = None
         logger.info("tensor-parallel group of %d ranks ready (%d KV blocks)", size, num_blocks)
@@ -118,6 +120,29 @@ class TPModelRunner:
     @property
     def sampler(self) -> object:
         return self.runner.sampler
+
+    # -- multi-LoRA (worker/lora/, worker/tp/rank_lora.py) ----------------------------------------
+    @property
+    def lora_adapters(self) -> Callable[[str], Any] | None:
+        return self.runner.lora_adapters
+
+    @lora_adapters.setter
+    def lora_adapters(self, get: Callable[[str], Any] | None) -> None:
+        """The engine's registry lookup: rank 0's slot writes read from it."""
+        self.runner.lora_adapters = get
+
+    def lora_loader(self, name: str, path: str) -> Any:
+        """The registry's loader (its own thread, never the step's): read the adapter here
+        (a bad one fails here, with its LoRAAdapterError), then on every other rank, so
+        that a plan writing it into a slot finds it on all of them."""
+        from worker.api import LoRAAdapterError
+
+        adapter = self.runner.lora_loader(name, path)
+        try:
+            ray.get([w.load_lora.remote(name, path) for w in self.workers])
+        except ray.exceptions.RayError as e:
+            raise LoRAAdapterError(f"a tensor-parallel rank could not read the adapter {name!r}: {e}") from None
+        return adapter
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         from worker.tp.group import send_plan

@@ -1,5 +1,5 @@
 """The `lora` section: vLLM's `--lora-modules` flag, the mapping onto the engine's
-LoRAConfig and the ingress's settings, and where adapters cannot be served yet."""
+LoRAConfig and the ingress's settings, and its bounds."""
 from __future__ import annotations
 
 import argparse
@@ -34,11 +34,16 @@ def test_cli_flags_reach_engine_and_ingress() -> None:
     assert not KVServeConfig().engine_config().lora.enabled
 
 
-@pytest.mark.parametrize("data, fragment", [
-    ({"lora": {"max_lora_rank": 65}}, "max_lora_rank"),
-    ({"lora": {"enable": True}, "workers": {"tensor_parallel_size": 2}}, "tensor_parallel_size 1"),
-    ({"lora": {"modules": {"a": "/x"}}, "engine": {"device": "sim:h200"}}, "a real device"),
+def test_rank_bound_refused() -> None:
+    with pytest.raises(ConfigError, match="max_lora_rank"):
+        KVServeConfig.from_dict({"lora": {"max_lora_rank": 65}})
+
+
+@pytest.mark.parametrize("data", [
+    {"workers": {"tensor_parallel_size": 2}},
+    {"engine": {"device": "sim:h200"}},
+    {"disaggregation": {"prefill": {"num_replicas": 1}, "decode": {"num_replicas": 1}}},
 ])
-def test_refused_where_not_served(data: dict, fragment: str) -> None:
-    with pytest.raises(ConfigError, match=fragment):
-        KVServeConfig.from_dict(data)
+def test_served_with_tp_sim_devices_and_disaggregation(data: dict) -> None:
+    config = KVServeConfig.from_dict({"lora": {"modules": {"a": "/x"}}, **data})
+    assert config.engine_config().lora.modules == (("a", "/x"),)

@@ -18,12 +18,6 @@ if TYPE_CHECKING:
     from tests.conftest import TinyModels
 
 VOCAB = 512
-# name -> (rank, targets, rsLoRA); None targets: all seven
-ADAPTERS = {
-    "r4-attn": (4, ("q_proj", "k_proj", "v_proj", "o_proj"), False),
-    "r8-all": (8, None, True),
-    "r16-mlp": (16, ("gate_proj", "up_proj", "down_proj"), False),
-}
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -33,18 +27,13 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Path]]:
-    from tests.support.tiny_lora import ALL_TARGETS, make_tiny_adapter
+    from tests.support.tiny_lora import make_mixed_adapters
 
     made: dict[str, dict[str, Path]] = {}
 
     def get(family: str) -> dict[str, Path]:
         if family not in made:
-            root = tmp_path_factory.mktemp(f"lora-{family}")
-            made[family] = {
-                name: make_tiny_adapter(tiny_model(family), root / name, rank, targets or ALL_TARGETS,
-                                        use_rslora=rs, seed=k)
-                for k, (name, (rank, targets, rs)) in enumerate(ADAPTERS.items())
-            }
+            made[family] = make_mixed_adapters(tiny_model(family), tmp_path_factory.mktemp(f"lora-{family}"))
         return made[family]
 
     return get
@@ -60,16 +49,9 @@ def _engine(model_dir: Path, modules: dict[str, Path], max_loras: int = 3, num_b
 
 
 def _run_mixed(engine: Engine, jobs: list[tuple[str, str | None, list[int], int]]) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {rid: [] for rid, *_ in jobs}
-    for rid, lora, prompt, n in jobs:
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0), lora_name=lora)
-    for _ in range(10_000):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens[out.request_id].extend(out.new_token_ids)
-    return tokens
+    from tests.support.tiny_lora import run_mixed
+
+    return run_mixed(engine, jobs)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -207,3 +189,36 @@ def test_router_hashes_an_adapter_prompt_as_the_engine_caches_it(tiny_model: Tin
     own = RequestProfile(prompt, 2, request_hash_root((), "r4-attn", str(paths["r4-attn"]))).block_hashes(16)
     assert len(own) >= 2 and set(own) <= cached
     assert not set(RequestProfile(prompt, 2).block_hashes(16)) & cached  # the base model's chain
+
+
+def test_kv_handed_over_under_the_adapter_root(tiny_model: TinyModels, adapters: Callable) -> None:
+    """Disaggregation at the engine level: a prefill engine computes the prompt under the
+    adapter and exports its KV under the adapter's hash root; a decode engine with the same
+    adapter continues it token for token as peft does. The same export offered to a request
+    of another adapter, or of the base model, is refused: its KV is not theirs."""
+    from kv.block_hash import root_hash
+    from tests.support.tiny_lora import peft_greedy
+    from worker.api import KVImportError, lora_cache_key
+
+    base, paths = tiny_model("llama"), adapters("llama")
+    prompt = _prompts(1, seed=13)[0] + list(range(3, 40))  # two full blocks and a partial one
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prefill, decode = _engine(base, paths), _engine(base, paths)
+    prefill.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0), export_kv=True,
+                        lora_name="r8-all")
+    (out,) = [o for _ in range(100) if prefill.has_unfinished() for o in prefill.step()]
+    export = out.extra["kv_export"]
+    assert export.hash_root == root_hash((lora_cache_key("r8-all", str(paths["r8-all"])),))
+    for other in ("r4-attn", None):
+        with pytest.raises(KVImportError, match="another LoRA adapter or cache salt"):
+            decode.add_request(f"x-{other}", prompt, params, kv_import=export, lora_name=other)
+    decode.add_request("d", prompt, params, kv_import=export, lora_name="r8-all")
+    tokens = [export.next_token_id]
+    while decode.has_unfinished():
+        for o in decode.step():
+            assert o.error is None, o.error
+            tokens += o.new_token_ids
+    assert tokens == peft_greedy(base, paths["r8-all"], [prompt], [8])[0]
+    assert prefill.release_kv("p")
+    for engine in (prefill, decode):
+        assert engine.kv.num_free_blocks == engine.kv.num_total_blocks

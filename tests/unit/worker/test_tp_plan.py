@@ -40,8 +40,31 @@ def test_plans_round_trip_as_diffs_through_preemption_and_finish() -> None:
     assert num_preempted > 0
     decoder.decode(encoder.encode(scheduler.schedule()))  # the empty plan drops the last ones
     assert encoder.num_known == 0 and decoder.mirror == {}
-    assert min(sizes) <= 3 + 2 * (7 + 2)  # decode-only steps: a few ints per request
+    assert min(sizes) <= 4 + 2 * (8 + 2)  # decode-only steps: a few ints per request
     assert decoder.decode(stop_message()) is None
+
+
+def test_lora_slots_and_loads_round_trip() -> None:
+    """Each row's adapter slot travels with it, and the slot writes with the adapter's
+    name (any UTF-8), so every rank applies the same adapter to the same rows."""
+    from worker.lora.slots import LoRASlots
+
+    kv = KVCacheManager(16, 4, True)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv)
+    scheduler.lora_slots = LoRASlots(2)
+    for i, name in enumerate(["sql", None, "maths-\u00e9\u6f22", "sql"]):
+        seq = Sequence(str(i), [5 + i] * 6, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        seq.lora_name = name
+        scheduler.add(seq)
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    plan = scheduler.schedule()
+    got = decoder.decode(encoder.encode(plan))
+    assert plan.lora_loads == [(0, "sql"), (1, "maths-\u00e9\u6f22")] and got.lora_loads == plan.lora_loads
+    assert [m.lora_slot for m in got.seqs] == [s.lora_slot for s in plan.seqs] == [0, -1, 1, 0]
+    scheduler.update(plan, [100] * len(plan.seqs))
+    plan = scheduler.schedule()  # decodes: the slots stay, nothing to write
+    got = decoder.decode(encoder.encode(plan))
+    assert got.lora_loads == [] and [m.lora_slot for m in got.seqs] == [0, -1, 1, 0]
 
 
 def test_worker_options_place_tp_ranks_together() -> None:
