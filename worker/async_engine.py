@@ -348,6 +348,7 @@ class AsyncEngine:
                     self._publish([e], request_ids=[item.request_id])
             elif isinstance(item, _ResetPrefixCache):
                 self.engine.reset_prefix_cache()
+                self.kv_events.cleared()
                 self._snapshot_prefix_hashes(0.0)  # the next report carries the clear
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(_resolve, item.done)

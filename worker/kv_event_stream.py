@@ -27,6 +27,7 @@ catch up without a rebuild.
 """
 from __future__ import annotations
 
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ class KVEventStream:
         self.log = log
         self.epoch = uuid.uuid4().hex[:16]
         self.seq = 0
+        # time.time() of the epoch's start or its latest cache clear: what a router learned
+        # of this replica's cache before it (its prefix hints) no longer holds.
+        self.since = time.time()
         self.max_hashes = max_hashes
         self.snapshot = KVSnapshot()
         self._batches: deque[KVEventBatch] = deque()
@@ -74,6 +78,10 @@ class KVEventStream:
         self._num_hashes += _num_hashes(batch)
         self._trim()
         return batch
+
+    def cleared(self) -> None:
+        """The engine just reset its prefix cache (its `cleared` event is in the log)."""
+        self.since = time.time()
 
     def take_snapshot(self, device: list[int], host: list[int], disk: list[int]) -> None:
         """Right after a drain, on the same thread: the hashes are exact at `self.seq`."""
@@ -97,6 +105,7 @@ class KVEventStream:
         self._report_seqs.append(latest)
         return {
             "kv_epoch": self.epoch,
+            "kv_since": self.since,
             "kv_seq": latest,
             "kv_events": window,
             "kv_snapshot_seq": snapshot.seq,

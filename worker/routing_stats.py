@@ -58,6 +58,9 @@ class RoutingStats:
     kv_seq: int = 0
     kv_events: list[KVEventBatch] = field(default_factory=list)
     kv_snapshot_seq: int = 0
+    # time.time() when the epoch started or the cache was last cleared: prefix hints the
+    # router learned before it are void.
+    kv_since: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

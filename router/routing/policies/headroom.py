@@ -115,7 +115,10 @@ class HeadroomPolicy:
         if bs is None:
             return {}
         self._block_size = bs  # on_dispatch learns the prefix at this block size
-        return self.ledger.prefix_owner_hints(request.profile.block_hashes(bs))
+        # A replica whose cache started empty since (cleared, restarted: its report's
+        # kv_since) no longer holds what routers sent it before.
+        not_before = {v.key: v.report.kv_since for v in views if v.report is not None and v.report.kv_since > 0}
+        return self.ledger.prefix_owner_hints(request.profile.block_hashes(bs), not_before)
 
     def rank(self, request: RoutingRequest, views: Sequence[ReplicaView], now: float) -> list[ReplicaKey]:
         if now - self._last_prune_s >= _PRUNE_INTERVAL_S:
