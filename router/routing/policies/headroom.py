@@ -94,6 +94,10 @@ class HeadroomPolicy:
         self._rng = random.Random(seed)
         self._last_prune_s = -float("inf")
         self.last_mode = ""  # one of the MODE_* above
+        # The last decision's prefix credit: leading prompt blocks counted as cached on each
+        # fresh replica (reported or hinted), and when (for tests and debugging).
+        self.last_credited: dict[ReplicaKey, int] = {}
+        self.last_decided_at = 0.0
         self._block_size: int | None = None  # the replicas' KV block size, from their reports
         # session id -> the replica that served it last (soft affinity), and active sessions
         # per replica (new sessions spread by them).
@@ -133,6 +137,8 @@ class HeadroomPolicy:
                                 hints=self._hints(request, views), session_replica=session,
                                 session_counts=counts, request_tokens=self.request_tokens)
         self.last_mode = ranking.mode
+        self.last_credited = {k: s.cached_blocks for k, s in ranking.scores.items()}
+        self.last_decided_at = now
         if ranking.order:
             top = ranking.order[0]
             self.ledger.reserve(request.request_id, top, ranking.need_blocks, now,
