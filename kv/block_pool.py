@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from kv.kv_events import DEVICE, KVEventLog
+
 
 class Block:
     __slots__ = ("block_id", "ref_count", "block_hash", "prev", "next")
@@ -110,6 +112,10 @@ class BlockPool:
         # With a store shared by replicas: every block newly registered in the cache, as
         # (block hash, block id), for the owner to publish once its KV is computed.
         self.stored: list[tuple[int, int]] | None = None
+        # KV events for the router's index (kv/kv_events.py): blocks cached, evicted and
+        # the cache cleared. An evicted block recorded in `evicted` is reported by the
+        # tiers instead (moved down, or removed when the host tier has it already).
+        self.events: KVEventLog | None = None
 
     def _make_block(self, block_id: int) -> Block:
         if block_id < len(self._blocks):  # made already by `blocks`
@@ -181,12 +187,16 @@ class BlockPool:
         self.cached[block_hash] = block
         if self.stored is not None:
             self.stored.append((block_hash, block.block_id))
+        if self.events is not None:
+            self.events.stored(block_hash, DEVICE)
         return True
 
     def _evict(self, block: Block, record: bool = True) -> None:
         if block.block_hash is not None:
             if record and self.evicted is not None:
                 self.evicted.append((block.block_hash, block.block_id))
+            elif record and self.events is not None:
+                self.events.removed(block.block_hash, DEVICE)
             del self.cached[block.block_hash]
             block.block_hash = None
             self.num_evictions += 1
@@ -195,3 +205,5 @@ class BlockPool:
         """Forget every cached block (a clear, not an eviction: nothing moves down)."""
         for block in list(self.cached.values()):
             self._evict(block, record=False)
+        if self.events is not None:
+            self.events.cleared()

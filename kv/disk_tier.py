@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from kv.kv_cache import KVCacheSpec
+from kv.kv_events import DISK, KVEventLog
 from kv.transfer import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -124,6 +125,9 @@ class DiskTier:
         self._lock = threading.Lock()
         self._entries: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, LRU first
         self._num_bytes = 0
+        # Entries gained and lost, for the router's index (kv/kv_events.py); set on a
+        # replica's local disk only, recorded under the lock so that they keep its order.
+        self.events: KVEventLog | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -226,13 +230,20 @@ class DiskTier:
     # -- internals -------------------------------------------------------------------------
     def _add(self, block_hash: int, nbytes: int) -> None:
         """Under the lock."""
-        old = self._entries.pop(block_hash, 0)
+        old = self._entries.pop(block_hash, None)
+        if old is None and self.events is not None:
+            self.events.stored(block_hash, DISK)
+        old = old or 0
         self._entries[block_hash] = nbytes
         self._num_bytes += nbytes - old
 
     def _forget(self, block_hash: int) -> None:
         with self._lock:
-            self._num_bytes -= self._entries.pop(block_hash, 0)
+            nbytes = self._entries.pop(block_hash, None)
+            if nbytes is not None:
+                self._num_bytes -= nbytes
+                if self.events is not None:
+                    self.events.removed(block_hash, DISK)
 
     def _shrink(self) -> None:
         """Delete least recently used entries until the directory fits its bound."""
@@ -246,6 +257,8 @@ class DiskTier:
                     return
                 block_hash, nbytes = self._entries.popitem(last=False)
                 self._num_bytes -= nbytes
+                if self.events is not None:
+                    self.events.removed(block_hash, DISK)
             (self.directory / entry_name(block_hash)).unlink(missing_ok=True)
 
     def _scan(self) -> None:

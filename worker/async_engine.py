@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.config import EngineConfig
+from worker.kv_event_stream import KVEventStream
 from worker.engine import Engine, EngineStats
 from worker.api import RequestError
 from worker.output_processor import RequestOutputProcessor
@@ -47,6 +48,11 @@ class _Add:
 @dataclass
 class _ReleaseKV:
     request_id: str
+
+
+@dataclass
+class _ResetPrefixCache:
+    done: asyncio.Future[None]
 
 
 @dataclass
@@ -102,9 +108,10 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats: EngineStats = engine.stats()
-        # Taken on the step thread (the pool is not thread-safe), at most every period.
-        self._prefix_hashes: list[int] = []
-        self._tier_hashes: tuple[list[int], list[int]] = ([], [])  # host, disk (KV tiers)
+        # KV events for the router's index, drained every step; the cached-hash snapshot it
+        # rebuilds from is taken on the step thread (the pool is not thread-safe), at most
+        # every period (worker/kv_event_stream.py).
+        self.kv_events = KVEventStream(engine.enable_kv_events())
         self._prefix_hashes_time = 0.0
         self._dead: BaseException | None = None
 
@@ -229,18 +236,31 @@ class AsyncEngine:
 
     def prefix_hashes(self) -> list[int]:
         """Cached block hashes, most recent first, as of the latest snapshot."""
-        return self._prefix_hashes
+        return self.kv_events.snapshot.device
 
     def tier_prefix_hashes(self) -> tuple[list[int], list[int]]:
         """Block hashes in the host tier and on disk, most recent first (same snapshot)."""
-        return self._tier_hashes
+        return self.kv_events.snapshot.host, self.kv_events.snapshot.disk
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (Engine.reset_prefix_cache) on the step thread;
+        returns once done, its `cleared` event in a batch the next report carries."""
+        self._ensure_started()
+        assert self._loop is not None
+        done = self._loop.create_future()
+        self._inbox.put(_ResetPrefixCache(done))
+        await done
 
     def _snapshot_prefix_hashes(self, period_s: float = 0.5) -> None:
+        """This step's KV events as one batch; the cached-hash snapshot when due."""
+        self.kv_events.drain()
         now = time.monotonic()
         if now - self._prefix_hashes_time >= period_s:
-            self._prefix_hashes = self.engine.kv.cached_block_hashes(MAX_PREFIX_HASHES)
+            host: list[int] = []
+            disk: list[int] = []
             if self.engine.tiers is not None:
-                self._tier_hashes = self.engine.tiers.routing_hashes(MAX_PREFIX_HASHES)
+                host, disk = self.engine.tiers.routing_hashes(MAX_PREFIX_HASHES)
+            self.kv_events.take_snapshot(self.engine.kv.cached_block_hashes(MAX_PREFIX_HASHES), host, disk)
             self._prefix_hashes_time = now
 
     @property
@@ -326,6 +346,12 @@ class AsyncEngine:
                     )
                 except RequestError as e:
                     self._publish([e], request_ids=[item.request_id])
+            elif isinstance(item, _ResetPrefixCache):
+                self.engine.reset_prefix_cache()
+                self.kv_events.cleared()
+                self._snapshot_prefix_hashes(0.0)  # the next report carries the clear
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(_resolve, item.done)
             elif isinstance(item, _ReleaseKV):
                 self.engine.release_kv(item.request_id)
             elif isinstance(item, _Abort):
@@ -353,3 +379,8 @@ class AsyncEngine:
                 stream.put_nowait(error)
 
         self._loop.call_soon_threadsafe(fail_all)
+
+
+def _resolve(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)

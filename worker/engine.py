@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kv.block_hash import root_hash
 from kv.cache_manager import KVCacheManager, cdiv
+from kv.kv_events import KVEventLog
 from kv.stats import KVStats
 from kv.transfer import KVExport, KVTransferError
 from worker.api import KVImportError, LoRAAdapterError, LoRANotFoundError, RequestError
@@ -93,6 +94,7 @@ class Engine:
                                                            step_time_predictor)
         self.connector: KVConnector = make_connector(runner, self.kv, vocab_size)
         self.tiers: TierManager | None = None  # KV tiers below the device (use_tiers)
+        self.kv_events: KVEventLog | None = None  # for the router's index (enable_kv_events)
         self.seqs: dict[str, Sequence] = {}
         # Structured outputs: set when the engine has a tokenizer (from_config). Requests
         # whose grammar is still compiling wait here, outside the scheduler.
@@ -134,6 +136,27 @@ class Engine:
         if tiers.shared is not None:
             self.kv.pool.stored = []
         self.scheduler.tiers = tiers
+        if self.kv_events is not None:
+            tiers.use_events(self.kv_events)
+
+    def enable_kv_events(self) -> KVEventLog:
+        """Record what the KV cache and its tiers store, lose and move (kv/kv_events.py).
+        The caller must drain the log (worker/kv_event_stream.py, every step): unread, it
+        grows with every block cached."""
+        if self.kv_events is None:
+            self.kv_events = KVEventLog()
+            self.kv.pool.events = self.kv_events
+            if self.tiers is not None:
+                self.tiers.use_events(self.kv_events)
+        return self.kv_events
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block, on the device and in the host and local-disk
+        tiers (vLLM's reset_prefix_cache): running requests keep their blocks, which are no
+        longer shared. Engine thread only."""
+        self.kv.pool.reset_prefix_cache()
+        if self.tiers is not None:
+            self.tiers.clear()
 
     @property
     def max_model_len(self) -> int:

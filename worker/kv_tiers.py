@@ -36,6 +36,7 @@ import torch
 
 from kv.disk_tier import DiskTier, fingerprint_key, layout_fingerprint
 from kv.host_tier import HostTier
+from kv.kv_events import DEVICE, HOST, KVEventLog
 from kv.kv_cache import KVCacheSpec
 from worker.config import CacheConfig
 from worker.runner_protocols import KVTransferRunner
@@ -83,6 +84,24 @@ class TierManager:
         self.num_loaded_blocks = 0  # from every tier
         self.num_disk_loaded_blocks = 0  # from the local disk or the shared store
         self.num_published_blocks = 0
+        self.events: KVEventLog | None = None  # set by use_events
+
+    def use_events(self, events: KVEventLog) -> None:
+        """Record what the host tier and the local disk gain and lose (kv/kv_events.py):
+        an evicted device block copied down is `moved` device -> host, one the host holds
+        already is `removed` from the device; a block the host pushes out is `removed`
+        from the host, and `stored` on disk once its write lands (the disk tier records
+        that, on its writer thread). The shared store is not reported."""
+        self.events = events
+        if self.disk is not None:
+            self.disk.events = events
+
+    def clear(self) -> None:
+        """A prefix-cache reset: the host tier now, the local disk on the I/O thread (after
+        the writes queued before it). The shared store is every replica's: kept."""
+        self.host.clear()
+        if self.disk is not None and self._io is not None:
+            self._io.submit(self.disk.clear)
 
     @classmethod
     def from_config(cls, cache: CacheConfig, runner: KVTransferRunner, model_path: str | Path | None,
@@ -138,12 +157,22 @@ class TierManager:
         if not evicted:
             return
         fresh = [(h, b) for h, b in evicted if h not in self.host]
+        events = self.events
+        if events is not None:
+            for h, _ in evicted:
+                if h in self.host:
+                    events.removed(h, DEVICE)
+                else:
+                    events.moved(h, DEVICE, HOST)
         evicted.clear()
         if not fresh:
             return
         kv = self.runner.export_kv([b for _, b in fresh])
         pushed = self.host.put([h for h, _ in fresh], kv)
         self.num_offloaded_blocks += len(fresh)
+        if events is not None:
+            for block_hash, _ in pushed:
+                events.removed(block_hash, HOST)
         if self.disk is not None and self._io is not None:
             for block_hash, block_kv in pushed:
                 self._io.submit(self.disk.put, block_hash, block_kv)

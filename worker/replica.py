@@ -206,9 +206,13 @@ class WorkerReplica:
         self.engine.abort(request_id)
 
     def record_routing_stats(self) -> dict:
-        return build_routing_stats(self.engine.engine, self.engine.stats(), self.engine.prefix_hashes(),
-                                   time.time(), self._is_healthy(),
-                                   tier_hashes=self.engine.tier_prefix_hashes()).to_dict()
+        return build_routing_stats(self.engine.engine, self.engine.stats(), [], time.time(), self._is_healthy(),
+                                   kv_events=self.engine.kv_events.report()).to_dict()
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (device, host tier, local disk), as vLLM's
+        POST /reset_prefix_cache; the router's index drops them at the next report."""
+        await self.engine.reset_prefix_cache()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         stats = self.engine.stats()

@@ -28,7 +28,7 @@ GIL) and reads plain int fields; a figure a step old is as good as the rest of t
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from kv.cache_manager import cdiv
 from worker.api import RoutingStats
@@ -75,15 +75,19 @@ def running_prompt_tokens(running: Iterable[Sequence]) -> int:
 
 def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[int], timestamp: float,
                         healthy: bool = True, capacity_weight: float = 1.0,
-                        tier_hashes: tuple[list[int], list[int]] = ([], [])) -> RoutingStats:
+                        tier_hashes: tuple[list[int], list[int]] = ([], []),
+                        kv_events: Mapping[str, object] | None = None) -> RoutingStats:
     """The report of a replica running `engine`. `stats`: its latest EngineStats (the async
-    engine's snapshot under Serve); `timestamp`: time.time(), or the simulator's clock."""
+    engine's snapshot under Serve); `timestamp`: time.time(), or the simulator's clock.
+    `kv_events`: worker/kv_event_stream.py's report (its snapshot replaces the hash lists)."""
     block_size = stats.kv.block_size
     mean = engine.output_lengths.mean
     scheduler = engine.scheduler
     running = list(scheduler.running)
     growth = decode_growth_blocks(running, list(scheduler.waiting), mean, block_size,
                                   engine.max_model_len)
+    kv = dict(kv_events) if kv_events else {
+        "prefix_hashes": prefix_hashes, "host_prefix_hashes": tier_hashes[0], "disk_prefix_hashes": tier_hashes[1]}
     return RoutingStats(
         free_blocks=stats.kv.free_blocks,
         total_blocks=stats.kv.total_blocks,
@@ -92,7 +96,6 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
         num_waiting=stats.num_waiting,
         num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
         reserved_blocks=cdiv(stats.num_waiting_prompt_tokens, block_size),
-        prefix_hashes=prefix_hashes,
         timestamp=timestamp,
         healthy=healthy,
         capacity_weight=capacity_weight,
@@ -101,9 +104,8 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
         mean_output_tokens=mean,
         max_num_seqs=scheduler.config.max_num_seqs,
         **_lora_residency(engine),
-        host_prefix_hashes=tier_hashes[0],
-        disk_prefix_hashes=tier_hashes[1],
         num_running_prompt_tokens=running_prompt_tokens(running),
+        **kv,  # type: ignore[arg-type]
     )
 
 

@@ -53,8 +53,9 @@ class DelayedView:
     def outstanding(self, replica: ReplicaKey) -> int:
         return self.shared.outstanding(replica)
 
-    def prefix_owner_hints(self, block_hashes: Sequence[int]) -> dict[ReplicaKey, int]:
-        return self.shared.prefix_owner_hints(block_hashes)
+    def prefix_owner_hints(self, block_hashes: Sequence[int],
+                           not_before: Mapping[ReplicaKey, float] | None = None) -> dict[ReplicaKey, int]:
+        return self.shared.prefix_owner_hints(block_hashes, not_before)
 
     # -- writes: one round trip later ------------------------------------------------------------
     def reserve(self, request_id: str, replica: ReplicaKey, need_by_replica: Mapping[ReplicaKey, int], now: float,

@@ -331,6 +331,13 @@ class Ingress(GrpcMethods):
         return PlainTextResponse(self.pipeline.lora.unload(req))
 
     # -- vLLM's utility endpoints -------------------------------------------------------------
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(self, request: Request) -> JSONResponse:
+        self._authenticate(request)
+        num_reset, num_failed = await self.pipeline.workers.reset_prefix_cache()
+        return JSONResponse({"num_replicas_reset": num_reset, "num_replicas_failed": num_failed},
+                            status_code=503 if num_failed else 200)
+
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: the ids generation would see, with the context length."""

@@ -85,6 +85,20 @@ class Workers:
             return []
         return [r for r in results if isinstance(r, dict)]
 
+    async def reset_prefix_cache(self) -> tuple[int, int]:
+        """vLLM's reset_prefix_cache on every worker replica of every pool (Serve's
+        broadcast): (replicas that cleared, replicas that failed or did not answer)."""
+        results = []
+        for handle in self.pools().values():
+            try:
+                results += await handle.broadcast("reset_prefix_cache").results_async(
+                    timeout_s=self._stats_timeout_s, return_exceptions=True)
+            except Exception as e:
+                logger.warning("reset_prefix_cache failed: %r", e)
+                return 0, 1
+        num_failed = sum(isinstance(r, BaseException) for r in results)
+        return len(results) - num_failed, num_failed
+
     async def unhealthy_reason(self, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
         """None when a worker of every pool answers its health check within `timeout_s`;
         else why not (the pools are asked at once)."""

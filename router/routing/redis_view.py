@@ -166,9 +166,11 @@ class RedisRoutingView:
         return dropped
 
     # -- prefix hints ---------------------------------------------------------------------------
-    def prefix_owner_hints(self, block_hashes: Sequence[int]) -> dict[ReplicaKey, int]:
-        hints = self.local.prefix_owner_hints(block_hashes)
-        for name, depth in self._shared_hints.match(block_hashes).items():
+    def prefix_owner_hints(self, block_hashes: Sequence[int],
+                           not_before: Mapping[ReplicaKey, float] | None = None) -> dict[ReplicaKey, int]:
+        hints = self.local.prefix_owner_hints(block_hashes, not_before)
+        by_name = {replica_name(k): t for k, t in not_before.items()} if not_before else None
+        for name, depth in self._shared_hints.match(block_hashes, by_name).items():
             key = self._keys.get(name)
             if key is not None and depth > hints.get(key, 0):
                 hints[key] = depth

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from router.routing.reservations import PerReplica, ReplicaKey, ReservationLedger, Unreflected
@@ -61,7 +61,8 @@ class RoutingView(Protocol):
 
     def prune(self, now: float, live_replicas: set[ReplicaKey] | None, unconfirmed_ttl_s: float, ttl_s: float) -> int: ...
 
-    def prefix_owner_hints(self, block_hashes: Sequence[int]) -> dict[ReplicaKey, int]: ...
+    def prefix_owner_hints(self, block_hashes: Sequence[int],
+                           not_before: Mapping[ReplicaKey, float] | None = None) -> dict[ReplicaKey, int]: ...
 
     def learn_prefix(self, replica: ReplicaKey, block_hashes: Sequence[int], now: float) -> None: ...
 
@@ -92,9 +93,17 @@ class HintTable:
         while len(self._owners) > self.max_hashes:
             self._owners.popitem(last=False)
 
-    def match(self, block_hashes: Sequence[int]) -> dict[ReplicaKey, int]:
-        """Leading blocks of `block_hashes` each replica was last seen to receive."""
+    def match(self, block_hashes: Sequence[int], not_before: Mapping[ReplicaKey, float] | None = None
+              ) -> dict[ReplicaKey, int]:
+        """Leading blocks of `block_hashes` each replica was last seen to receive. A hint
+        learned before the replica's `not_before` time (its cache cleared or its engine
+        restarted since: ReplicaReport.kv_since) does not count."""
         horizon = self._now - self.ttl_s
+        if not_before:
+            return self._match(block_hashes, lambda r: max(horizon, not_before.get(r, horizon)))
+        return self._match(block_hashes, lambda r: horizon)
+
+    def _match(self, block_hashes: Sequence[int], horizon_of: Callable[[ReplicaKey], float]) -> dict[ReplicaKey, int]:
         get = self._owners.get
         depth: dict[ReplicaKey, int] = {}
         live: list[ReplicaKey] | None = None  # owners of every block so far
@@ -104,9 +113,9 @@ class HintTable:
             if not owners:
                 break
             if live is None:
-                live = [r for r, t in owners.items() if t >= horizon]
+                live = [r for r, t in owners.items() if t >= horizon_of(r)]
             else:
-                still = [r for r in live if owners.get(r, -math.inf) >= horizon]
+                still = [r for r in live if owners.get(r, -math.inf) >= horizon_of(r)]
                 if len(still) < len(live):
                     for r in live:
                         if r not in still:
@@ -143,8 +152,9 @@ class LocalRoutingView(ReservationLedger):
         super().__init__(report_lag_s)
         self.hints = HintTable(hint_ttl_s, max_hints)
 
-    def prefix_owner_hints(self, block_hashes: Sequence[int]) -> dict[ReplicaKey, int]:
-        return self.hints.match(block_hashes)
+    def prefix_owner_hints(self, block_hashes: Sequence[int],
+                           not_before: Mapping[ReplicaKey, float] | None = None) -> dict[ReplicaKey, int]:
+        return self.hints.match(block_hashes, not_before)
 
     def learn_prefix(self, replica: ReplicaKey, block_hashes: Sequence[int], now: float) -> None:
         if block_hashes:

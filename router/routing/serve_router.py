@@ -67,6 +67,7 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -76,6 +77,7 @@ from router.routing.types import (
     RoutingParams, ReplicaKey, ReplicaReport, ReplicaView, RequestProfile, power_of_two, request_hash_root,
 )
 from router.routing.policies import RoutingPolicy, RoutingRequest, make_policy, split_policy_kwargs
+from router.routing.kv_index import KVIndex
 from router.routing.policies.base import healthy
 from router.routing.redis_view import RedisRoutingView, SharedViewSpec
 from router.routing.routing_view import LocalRoutingView, RoutingView
@@ -158,6 +160,7 @@ class PolicyRouter(RequestRouter):
         self._warmed = not self._warm_start
         self._rng = random.Random(rng_seed + 1)
         self._reports: dict[ReplicaID, ReplicaReport | None] = {}
+        self.kv_index = KVIndex()  # what each replica caches, from its KV events
         self._pending: dict[str, RoutingRequest] = {}  # chosen, not yet routed
         self._sent: dict[str, ReplicaID] = {}  # routed, not yet completed
         self._outstanding: Counter[ReplicaID] = Counter()
@@ -260,10 +263,21 @@ class PolicyRouter(RequestRouter):
         report = self._reports.get(replica_id)
         if report is None or not stats or stats.get("timestamp") != report.timestamp:
             report = ReplicaReport.from_stats(stats)
+            if report is not None:
+                report = self._indexed(replica_id, stats, report)
             self._reports[replica_id] = report
             if report is not None:
                 self.policy.on_report(replica_id, report, now)
         return report
+
+    def _indexed(self, replica_id: ReplicaID, stats: Mapping[str, Any], report: ReplicaReport) -> ReplicaReport:
+        """The report with the exact index's hash sets (router/routing/kv_index.py) in place
+        of its capped snapshot, when the replica sends KV events."""
+        held = self.kv_index.apply(replica_id, stats)
+        if held is None:
+            return report
+        return replace(report, prefix_hashes=held.device, host_prefix_hashes=held.host,
+                       disk_prefix_hashes=held.disk, kv_exact=True)
 
     def _view(self, replica: RunningReplica, now: float) -> ReplicaView:
         replica_id = replica.replica_id
@@ -323,6 +337,7 @@ class PolicyRouter(RequestRouter):
             del self._outstanding[replica_id]
         for replica_id in [r for r in self._warm_stats if r not in live]:
             del self._warm_stats[replica_id]
+        self.kv_index.forget(live)
         if self._uses_view:
             self.view.prune(router_now_s(self), live, self.params.unconfirmed_ttl_s, self.params.reservation_ttl_s)
 
@@ -338,8 +353,13 @@ class PolicyRouter(RequestRouter):
                 out: dict[str, dict[str, Any]] = {}
                 for replica in list(self.curr_replicas.values()):
                     stats = dict(replica.routing_stats or {})
-                    stats["prefix_hashes"] = len(stats.get("prefix_hashes") or ())
+                    for key in ("prefix_hashes", "host_prefix_hashes", "disk_prefix_hashes", "kv_events"):
+                        stats[key] = len(stats.get(key) or ())
                     entry: dict[str, Any] = {"stats": stats, "outstanding": self._outstanding.get(replica.replica_id, 0)}
+                    held = self.kv_index.get(replica.replica_id)
+                    if held is not None:
+                        entry["kv_index"] = {"epoch": held.epoch, "seq": held.seq, "device": len(held.device),
+                                             "host": len(held.host), "disk": len(held.disk)}
                     if self._uses_view:
                         unreflected = self.view.unreflected(replica.replica_id)
                         entry["unreflected_blocks"] = unreflected.blocks

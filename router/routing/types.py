@@ -7,7 +7,7 @@ and Serve's own default). The ranking and the work model are router/routing/scor
 from __future__ import annotations
 
 import random
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field, fields
 
 from kv.block_hash import ROOT_HASH, hash_full_blocks, root_hash
@@ -141,7 +141,10 @@ class ReplicaReport:
     num_waiting: int
     num_waiting_prompt_tokens: int
     reserved_blocks: int
-    prefix_hashes: frozenset[int]
+    # Chained block hashes the replica holds on its device. From the replica's KV events
+    # (router/routing/kv_index.py: kv_exact, the index's live set, brought up to date at
+    # each report), else the report's capped snapshot.
+    prefix_hashes: Set[int]
     timestamp: float
     # False once the replica cannot serve (its engine loop stopped, a tensor-parallel rank
     # died): the router stops choosing it at its next report, before Serve's health check
@@ -160,10 +163,15 @@ class ReplicaReport:
     lora_resident: frozenset[str] = frozenset()
     lora_loaded: frozenset[str] = frozenset()
     # Prefix blocks held below its device (KV tiers), by tier.
-    host_prefix_hashes: frozenset[int] = frozenset()
-    disk_prefix_hashes: frozenset[int] = frozenset()
+    host_prefix_hashes: Set[int] = frozenset()
+    disk_prefix_hashes: Set[int] = frozenset()
     # Prompt tokens its running sequences have yet to prefill (0: not reported).
     num_running_prompt_tokens: int = 0
+    # The hash sets come from the router's exact index (kv_exact), and when the replica's
+    # cache last started empty (its epoch's start or a clear, on the replica's clock): what
+    # routers learned of it before then (prefix hints) no longer holds.
+    kv_exact: bool = False
+    kv_since: float = 0.0
 
     @property
     def free_seqs(self) -> int:
@@ -198,6 +206,7 @@ class ReplicaReport:
                 host_prefix_hashes=frozenset(stats.get("host_prefix_hashes") or ()),  # type: ignore[arg-type]
                 disk_prefix_hashes=frozenset(stats.get("disk_prefix_hashes") or ()),  # type: ignore[arg-type]
                 num_running_prompt_tokens=int(stats.get("num_running_prompt_tokens") or 0),  # type: ignore[arg-type]
+                kv_since=float(stats.get("kv_since") or 0.0),  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -254,7 +263,7 @@ class RequestProfile:
         """Most prompt blocks a cache hit can cover (the last prompt token is always computed)."""
         return max(self.prompt_len - 1, 0) // block_size
 
-    def cached_blocks(self, block_size: int, prefix_hashes: frozenset[int]) -> int:
+    def cached_blocks(self, block_size: int, prefix_hashes: Set[int]) -> int:
         """Leading blocks of the prompt whose chained hash the replica reports as cached."""
         if not prefix_hashes:
             return 0
@@ -266,8 +275,8 @@ class RequestProfile:
             num += 1
         return num
 
-    def tier_blocks(self, block_size: int, num_cached: int, host_hashes: frozenset[int],
-                    disk_hashes: frozenset[int]) -> tuple[int, int]:
+    def tier_blocks(self, block_size: int, num_cached: int, host_hashes: Set[int],
+                    disk_hashes: Set[int]) -> tuple[int, int]:
         """Blocks after the `num_cached` device hits that a replica's tiers hold, as (host,
         disk): the chain continues while each next block is in either."""
         if not host_hashes and not disk_hashes:

@@ -94,6 +94,10 @@ class HeadroomPolicy:
         self._rng = random.Random(seed)
         self._last_prune_s = -float("inf")
         self.last_mode = ""  # one of the MODE_* above
+        # The last decision's prefix credit: leading prompt blocks counted as cached on each
+        # fresh replica (reported or hinted), and when (for tests and debugging).
+        self.last_credited: dict[ReplicaKey, int] = {}
+        self.last_decided_at = 0.0
         self._block_size: int | None = None  # the replicas' KV block size, from their reports
         # session id -> the replica that served it last (soft affinity), and active sessions
         # per replica (new sessions spread by them).
@@ -115,7 +119,10 @@ class HeadroomPolicy:
         if bs is None:
             return {}
         self._block_size = bs  # on_dispatch learns the prefix at this block size
-        return self.ledger.prefix_owner_hints(request.profile.block_hashes(bs))
+        # A replica whose cache started empty since (cleared, restarted: its report's
+        # kv_since) no longer holds what routers sent it before.
+        not_before = {v.key: v.report.kv_since for v in views if v.report is not None and v.report.kv_since > 0}
+        return self.ledger.prefix_owner_hints(request.profile.block_hashes(bs), not_before)
 
     def rank(self, request: RoutingRequest, views: Sequence[ReplicaView], now: float) -> list[ReplicaKey]:
         if now - self._last_prune_s >= _PRUNE_INTERVAL_S:
@@ -130,6 +137,8 @@ class HeadroomPolicy:
                                 hints=self._hints(request, views), session_replica=session,
                                 session_counts=counts, request_tokens=self.request_tokens)
         self.last_mode = ranking.mode
+        self.last_credited = {k: s.cached_blocks for k, s in ranking.scores.items()}
+        self.last_decided_at = now
         if ranking.order:
             top = ranking.order[0]
             self.ledger.reserve(request.request_id, top, ranking.need_blocks, now,
