@@ -57,6 +57,10 @@ class DeviceProfile:
     # calibration batches never show it; a run's mixed contexts do: unpriced, the padding
     # makes real decode steps slower than modelled, and TTFTs higher with them.
     padded_decode_attention: bool = False
+    # Bytes/s one direction of the link between host memory and the device (what a LoRA
+    # adapter's host-to-device copy crosses); None: the device shares host memory (a CPU),
+    # so a copy runs at hbm_bandwidth.
+    host_link_bandwidth: float | None = None
     calibrated: bool = False
     source: str = ""
     # A fitted profile says what it was fitted on and how well (calibrate writes these).
@@ -70,6 +74,8 @@ class DeviceProfile:
             raise ValueError(f"device profile {self.name!r}: efficiencies must be in (0, 1]")
         if min(self.step_overhead_s, self.per_seq_overhead_s, self.per_token_overhead_s) < 0:
             raise ValueError(f"device profile {self.name!r}: overheads must be >= 0")
+        if self.host_link_bandwidth is not None and self.host_link_bandwidth <= 0:
+            raise ValueError(f"device profile {self.name!r}: host_link_bandwidth must be > 0")
 
     @property
     def effective_flops(self) -> float:
@@ -86,6 +92,11 @@ class DeviceProfile:
     @property
     def effective_bandwidth(self) -> float:
         return self.hbm_bandwidth * self.bandwidth_efficiency
+
+    @property
+    def host_to_device_bandwidth(self) -> float:
+        """Bytes/s of a host-to-device copy (peak: a bulk copy of pinned memory runs near it)."""
+        return self.hbm_bandwidth if self.host_link_bandwidth is None else self.host_link_bandwidth
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,24 +117,25 @@ _GB = 10**9
 
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(
-        name="h200", hbm_bandwidth=4.8e12, peak_flops=989e12, memory_bytes=141 * _GB,
+        name="h200", hbm_bandwidth=4.8e12, peak_flops=989e12, memory_bytes=141 * _GB, host_link_bandwidth=64 * _GB,
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity "
-               "(989 dense), 141 GB HBM3e, 4.8 TB/s",
+               "(989 dense), 141 GB HBM3e, 4.8 TB/s; PCIe Gen5 128 GB/s (both directions)",
     ),
     "h100": DeviceProfile(
-        name="h100", hbm_bandwidth=3.35e12, peak_flops=989e12, memory_bytes=80 * _GB,
+        name="h100", hbm_bandwidth=3.35e12, peak_flops=989e12, memory_bytes=80 * _GB, host_link_bandwidth=64 * _GB,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity "
-               "(989 dense), 80 GB HBM3, 3.35 TB/s",
+               "(989 dense), 80 GB HBM3, 3.35 TB/s; PCIe Gen5 128 GB/s (both directions)",
     ),
     "a100-80gb": DeviceProfile(
         name="a100-80gb", hbm_bandwidth=2.039e12, peak_flops=312e12, memory_bytes=80 * _GB,
+        host_link_bandwidth=32 * _GB,
         source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16 312 TFLOPS dense "
-               "(624 with sparsity), 80 GB HBM2e, 2,039 GB/s",
+               "(624 with sparsity), 80 GB HBM2e, 2,039 GB/s; PCIe Gen4 64 GB/s (both directions)",
     ),
     "l4": DeviceProfile(
-        name="l4", hbm_bandwidth=300e9, peak_flops=121e12, memory_bytes=24 * _GB,
+        name="l4", hbm_bandwidth=300e9, peak_flops=121e12, memory_bytes=24 * _GB, host_link_bandwidth=32 * _GB,
         source="NVIDIA L4 Tensor Core GPU datasheet: BF16 242 TFLOPS with sparsity (121 dense), "
-               "24 GB GDDR6, 300 GB/s",
+               "24 GB GDDR6, 300 GB/s; PCIe Gen4 x16 64 GB/s (both directions)",
     ),
 }
 
