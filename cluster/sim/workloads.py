@@ -326,15 +326,24 @@ def zipf_probabilities(num: int, s: float) -> np.ndarray:
 def _lora(rng: np.random.Generator, n: int, rate_rps: float, num_adapters: int = LORA_NUM_ADAPTERS,
           zipf_s: float = LORA_ZIPF_S, input_mean: float = SHAREGPT_INPUT_MEAN,
           output_mean: float = SHAREGPT_OUTPUT_MEAN, sigma: float = SHAREGPT_SIGMA,
-          max_len: int = SHAREGPT_MAX_LEN) -> list[SimRequest]:
+          max_len: int = SHAREGPT_MAX_LEN, warmup_s: float = 0.0) -> list[SimRequest]:
     """ShareGPT requests (Poisson arrivals), each for one of `num_adapters` adapters drawn
-    with Zipf popularity (exponent `zipf_s`)."""
-    if num_adapters < 1 or zipf_s < 0:
-        raise ValueError("num_adapters must be >= 1 and zipf_s >= 0")
-    arrivals = _poisson_arrivals(rng, n, rate_rps)
+    with Zipf popularity (exponent `zipf_s`).
+
+    warmup_s > 0: first, warmup_s seconds of the same traffic (rate x warmup_s more
+    requests, measured by no figure), so that the measured requests meet replicas whose
+    slots and host memory hold adapters and whose batches run, as in a long-running
+    cluster, instead of a cold start where every replica loads its first adapters at once."""
+    if num_adapters < 1 or zipf_s < 0 or warmup_s < 0:
+        raise ValueError("num_adapters must be >= 1, zipf_s >= 0 and warmup_s >= 0")
+    num_warmup = round(rate_rps * warmup_s)
+    total = n + num_warmup
+    arrivals = _poisson_arrivals(rng, total, rate_rps)
     requests = _sharegpt_requests(rng, "lora", arrivals, input_mean, output_mean, sigma, max_len)
-    ranks = rng.choice(num_adapters, size=n, p=zipf_probabilities(num_adapters, zipf_s))
-    return [replace(r, lora_name=lora_adapter_name(int(k))) for r, k in zip(requests, ranks)]
+    ranks = rng.choice(num_adapters, size=total, p=zipf_probabilities(num_adapters, zipf_s))
+    return [replace(r, lora_name=lora_adapter_name(int(k)), warmup=i < num_warmup,
+                    request_id=f"lora-warmup-{i}" if i < num_warmup else f"lora-{i - num_warmup}")
+            for i, (r, k) in enumerate(zip(requests, ranks))]
 
 
 WORKLOADS: dict[str, Callable[..., list[SimRequest]]] = {
