@@ -95,3 +95,16 @@ def test_lora_with_disaggregated_pools_is_refused() -> None:
 
     with pytest.raises(ValueError, match="disaggregated"):
         SimConfig(lora=LORA, disagg=DisaggOptions(prefill_replicas=1, decode_replicas=1))
+
+
+def test_simulate_cli_serves_the_lora_workload_behind_lora_affinity(capsys) -> None:
+    import json
+
+    from cluster.cli import main
+
+    assert main(["simulate", "--workload", "lora", "--router", "lora_affinity", "--max-loras", "2",
+                 "--max-cpu-loras", "4", "--requests", "20", "--rate", "5", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_finished"] == 20 and 0 < summary["lora_slot_loads"] and 0 < summary["lora_cold_loads"]
+    assert main(["simulate", "--workload", "lora", "--max-loras", "2", "--max-cpu-loras", "1"]) == 2
+    assert "max_cpu_loras" in capsys.readouterr().err
