@@ -39,7 +39,6 @@ from benchmarks.routing.setup import MIN_REQUESTS, MAX_REQUESTS, RATE_STEP, STAT
 from cluster.sim.lora import SimLoRA
 from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.workloads import make_workload
-from router.routing.types import RoutingParams
 from worker.config import LoRAConfig
 
 WORKLOAD = "lora"

@@ -105,6 +105,8 @@ class RoutingParams:
             raise ValueError("host_hit_weight and disk_hit_weight must be >= 0")
         if min(self.host_load_tokens_per_s, self.disk_load_tokens_per_s) <= 0:
             raise ValueError("host_load_tokens_per_s and disk_load_tokens_per_s must be > 0")
+        if min(self.lora_swap_s, self.lora_load_s, self.lora_slot_wait_s) < 0:
+            raise ValueError("lora_swap_s, lora_load_s and lora_slot_wait_s must be >= 0")
         if self.report_lag_s < 0:
             raise ValueError(f"report_lag_s must be >= 0, got {self.report_lag_s}")
         if not 0.0 < self.headroom_share <= 1.0:

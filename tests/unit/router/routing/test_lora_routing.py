@@ -89,6 +89,13 @@ def test_every_slot_held_adds_the_wait_for_one_to_drain() -> None:
     assert rank_replicas(request, [full, room], PARAMS, NOW, random.Random(0)).order[0] == "room"
 
 
+def test_negative_lora_prices_are_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="lora_slot_wait_s"):
+        RoutingParams(lora_slot_wait_s=-1.0)
+
+
 def test_adapters_sent_since_the_report_count_as_resident_and_held() -> None:
     from router.routing.policies.base import RoutingRequest
     from router.routing.policies.headroom import HeadroomPolicy
