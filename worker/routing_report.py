@@ -109,8 +109,11 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
     )
 
 
-def _lora_residency(engine: Engine) -> dict[str, tuple[str, ...]]:
-    """The adapters in device slots and in host memory (copies: the engine thread moves them)."""
+def _lora_residency(engine: Engine) -> dict[str, tuple[str, ...] | int]:
+    """The adapters in device slots, in held slots and in host memory, and the number of
+    slots (copies: the engine thread moves them)."""
     if engine.lora is None:
         return {}
-    return {"lora_resident": tuple(engine.lora.slots.resident), "lora_loaded": tuple(engine.lora.registry.host_resident)}
+    slots = engine.lora.slots
+    return {"lora_resident": tuple(slots.resident), "lora_loaded": tuple(engine.lora.registry.host_resident),
+            "lora_active": tuple(slots.active), "max_loras": slots.num_slots}

@@ -42,6 +42,10 @@ class RoutingStats:
     # needs no load) and those read into host memory (a device copy only), worker/lora/.
     lora_resident: tuple[str, ...] = ()
     lora_loaded: tuple[str, ...] = ()
+    # The resident adapters that running sequences use (their slots cannot take another
+    # adapter until those finish), and the replica's number of slots (0: not said).
+    lora_active: tuple[str, ...] = ()
+    max_loras: int = 0
     # Prefix block hashes held below the device (KV tiers, docs/kv-tiers.md), most recent
     # first: the router credits them as loads, not recomputation.
     host_prefix_hashes: list[int] = field(default_factory=list)

@@ -23,20 +23,23 @@ from cluster.sim.disagg import (
 )
 from cluster.sim.run import SimConfig, simulate
 from cluster.sim.serving_cost import ServingCost, describe
+from cluster.sim.lora import SimLoRA
 from cluster.sim.workloads import WORKLOAD_NAMES, make_workload
+from worker.config import LoRAConfig
 
 _DEFAULTS = SimConfig()
+_LORA = LoRAConfig()
 _AUTOSCALE = AutoscaleOptions()
 
 
 def register(subparsers: Any) -> None:
-    from router.routing.policies import POLICY_NAMES
+    from router.routing.policies import SIM_POLICY_NAMES
 
     p = subparsers.add_parser("simulate", help="discrete-event simulation of a cluster (virtual clock, no Ray)")
     p.add_argument("--shape", default=_DEFAULTS.shape, help="model shape name or config.json (default %(default)s)")
     p.add_argument("--profile", default=_DEFAULTS.profile, help="device profile name or JSON (default %(default)s)")
     p.add_argument("--replicas", type=int, default=_DEFAULTS.num_replicas, help="mixed-pool replicas")
-    p.add_argument("--router", default=_DEFAULTS.router, choices=POLICY_NAMES)
+    p.add_argument("--router", default=_DEFAULTS.router, choices=SIM_POLICY_NAMES)
     p.add_argument("--ingress", type=int, default=_DEFAULTS.num_ingress, help="ingress routers")
     p.add_argument("--ingress-assignment", default=_DEFAULTS.ingress_assignment, choices=("round_robin", "session"))
     p.add_argument("--shared-view", action="store_true",
@@ -45,6 +48,10 @@ def register(subparsers: Any) -> None:
                    help="with --shared-view: a router's writes reach the others this much later")
     p.add_argument("--workload", default="sharegpt", choices=WORKLOAD_NAMES)
     p.add_argument("--trace", metavar="JSONL", help="the trace workload's file")
+    p.add_argument("--max-loras", type=int, default=_LORA.max_loras,
+                   help="the lora workload: adapter slots per replica (default %(default)s)")
+    p.add_argument("--max-cpu-loras", type=int, help="the lora workload: adapters in host memory per replica "
+                                                     "(default: --max-loras)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--rate", type=float, default=10.0, help="mean arrival rate, requests/s")
     p.add_argument("--seed", type=int, default=_DEFAULTS.seed)
@@ -95,6 +102,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         disagg=DisaggOptions(args.prefill_replicas, args.decode_replicas, args.link_gbps * 1e9 / 8,
                              args.link_latency_ms / 1000),
         autoscale=autoscale, seed=args.seed,
+        lora=SimLoRA(LoRAConfig(enable=True, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras))
+        if args.workload == "lora" else None,
+        policy_options=(("max_loras", args.max_loras),) if args.router == "lora_affinity" else (),
     )
 
 

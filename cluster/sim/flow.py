@@ -16,16 +16,27 @@ from typing import TYPE_CHECKING
 
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.ingress import Pending, SimRouter
+from cluster.sim.lora import sim_lora_path
 from cluster.sim.metrics import RequestRecord
 from cluster.sim.replica import SimReplica
 from cluster.sim.workloads import SimRequest
 from kv.transfer import KVExport
 from router.routing.policies import RoutingRequest
+from router.routing.types import request_hash_root
 from worker.api import RequestOutput
 from worker.api import SamplingParams
 
 if TYPE_CHECKING:
     from cluster.sim.run import Simulation
+
+
+def routing_request(req: SimRequest) -> RoutingRequest:
+    """What the ingress hands its router: an adapter request's prompt hashes from the
+    adapter's root (as the engine does), so prefix credit counts only its own blocks."""
+    if req.lora_name is None:
+        return RoutingRequest(req.request_id, req.prompt_token_ids, req.max_tokens, req.session_id)
+    root = request_hash_root((), req.lora_name, sim_lora_path(req.lora_name))
+    return RoutingRequest(req.request_id, req.prompt_token_ids, req.max_tokens, req.session_id, root, req.lora_name)
 
 
 class Flight:
@@ -55,7 +66,7 @@ class Orchestrator:
         flight.record = self.sim.tracker.add(req.request_id, req.arrival_s, len(req.prompt_token_ids),
                                              req.max_tokens, req.warmup)
         flight.record.ingress = flight.router.index
-        flight.routing_request = RoutingRequest(req.request_id, req.prompt_token_ids, req.max_tokens, req.session_id)
+        flight.routing_request = routing_request(req)
         self.flights[req.request_id] = flight
         self._route(flight, "prefill" if self.options.enabled else "mixed")
 
@@ -81,7 +92,8 @@ class Orchestrator:
         export = flight.stage == "prefill" and req.max_tokens > 1
         params = SamplingParams(max_tokens=1 if export else req.max_tokens, ignore_eos=True)
         error = replica.submit(req.request_id, list(req.prompt_token_ids), params, export_kv=export,
-                               profile=flight.routing_request.profile)  # type: ignore[union-attr]
+                               profile=flight.routing_request.profile,  # type: ignore[union-attr]
+                               lora_name=req.lora_name)
         if error is not None:
             self._fail(flight, error)
 

@@ -214,6 +214,10 @@ class SimResult:
             "num_router_queued": sum(s["num_queued_total"] for s in self.router_stats),
             "num_events": self.num_events,
             "stopped_at_slo_miss": self.stopped_at_slo_miss,
+            # LoRA adapters (cluster/sim/lora.py): writes into a device slot, and reads from
+            # storage into host memory, over every replica.
+            "lora_slot_loads": sum(r.engine.lora.slots.num_loads for r in self.replicas if r.engine.lora),
+            "lora_cold_loads": sum(r.engine.lora.registry.num_host_loads for r in self.replicas if r.engine.lora),
             "routers": self.router_stats,
             "replicas": [{"key": r.key, "role": r.role, "busy_s": r.busy_s, "num_steps": r.num_steps,
                           "num_preemptions": r.engine.scheduler.num_preemptions} for r in self.replicas],

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from cluster.sim.clock import EventQueue
+from cluster.sim.lora import sim_lora_path
 from kv.kv_cache import KVCacheSpec
 from kv.transfer import KVExport
 from router.routing.types import RoutingParams, RequestProfile
@@ -51,13 +52,17 @@ class VirtualDevice:
     def __init__(self, runner: Any, block_size: int) -> None:
         self.runner = runner
         self.num_blocks: int = runner.num_blocks
+        # A LoRA adapter's host-to-device copy (cluster/sim/lora.py): the step that admits a
+        # sequence whose adapter is not in its slot yet first writes the slot, as the real
+        # runner does, so each slot load adds this to that step.
+        self.lora_swap_s = 0.0
         self.last_step_s = 0.0
         self.num_executed = 0
         self.kv_spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=1, block_size=block_size, dtype=torch.int8)
 
     def execute(self, plan: SchedulerOutput) -> Any:
         result = self.runner.execute(plan)
-        self.last_step_s = self.runner.last_step_s
+        self.last_step_s = self.runner.last_step_s + len(plan.lora_loads) * self.lora_swap_s
         self.num_executed += 1
         return result
 
@@ -106,16 +111,19 @@ class SimReplica:
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                export_kv: bool = False, kv_import: KVExport | None = None,
-               profile: RequestProfile | None = None) -> str | None:
+               profile: RequestProfile | None = None, lora_name: str | None = None) -> str | None:
         """Hand a request to the engine now. Returns None, or the engine's RequestError
         message when it refuses the request (then it is not counted as ongoing).
         `profile`: the router's profile of the prompt; its block hashes (memoised there,
         computed there if no router needed them) are handed to the engine, which would
-        otherwise hash the same prompt again (a real replica does: another process)."""
+        otherwise hash the same prompt again (a real replica does: another process).
+        `lora_name`: the request's adapter (cluster/sim/lora.py), learnt on first use as a
+        real replica learns it from the request."""
         hashes = profile.block_hashes(self.engine.kv.block_size) if profile is not None else None
+        lora = {"lora_name": lora_name, "lora_path": sim_lora_path(lora_name)} if lora_name is not None else {}
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=self.clock.now,
-                                    export_kv=export_kv, kv_import=kv_import, prompt_block_hashes=hashes)
+                                    export_kv=export_kv, kv_import=kv_import, prompt_block_hashes=hashes, **lora)
         except RequestError as e:
             return str(e)
         self.num_ongoing += 1
@@ -134,6 +142,9 @@ class SimReplica:
 
     # -- the step loop on the virtual clock ----------------------------------------------------
     def _step(self) -> None:
+        if self._only_loading():
+            self._stepping = False  # the adapter load's completion wakes the replica
+            return
         executed = self.device.num_executed
         outputs = self.engine.step()
         if self.device.num_executed == executed:  # nothing to run (idle, or blocked on pinned blocks)
@@ -144,6 +155,13 @@ class SimReplica:
         self.busy_s += dt
         self.num_steps += 1
         self.clock.at(self.clock.now + dt, self._step_done, outputs)
+
+    def _only_loading(self) -> bool:
+        """Nothing to step but adapter loads still on the virtual clock: the engine would wait
+        for them on the wall clock (Engine.wait_for_compiles), which here can only stall."""
+        lora = self.engine.lora
+        return (lora is not None and lora.num_loading > 0 and not self.engine.scheduler.has_unfinished()
+                and not any(f.done() for f in lora.futures()))
 
     def _step_done(self, outputs: list[RequestOutput]) -> None:
         self._deliver(outputs)

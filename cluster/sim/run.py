@@ -25,6 +25,7 @@ from cluster.sim.clock import EventQueue
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.flow import Flight, Orchestrator
 from cluster.sim.ingress import Pool, SimRouter
+from cluster.sim.lora import SimLoRA, enable_sim_lora
 from cluster.sim.shared_view import pool_views
 from cluster.sim.metrics import SimResult, Tracker, late_requests_proving_p99_miss
 from cluster.sim.replica import SimReplica, VirtualDevice
@@ -34,6 +35,7 @@ from router.routing.policies.base import check_options
 from router.routing.routing_view import RoutingView
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine
+from worker.sim.shapes import ModelShape
 
 _SCHEDULER = SchedulerConfig()
 # Virtual seconds without any token or dispatch, with requests unfinished, that end a run
@@ -84,6 +86,7 @@ class SimConfig:
     gpu_memory_utilization: float = _CACHE.gpu_memory_utilization
     num_blocks: int | None = None  # overrides the KV size the cost model derives
     enable_prefix_caching: bool = True
+    lora: SimLoRA | None = None  # LoRA adapters on every replica (cluster/sim/lora.py); None: base model only
     disagg: DisaggOptions = field(default_factory=DisaggOptions)
     autoscale: AutoscaleOptions | None = None
     slo_ttft_ms: float = 2000.0
@@ -110,6 +113,9 @@ class SimConfig:
             raise ValueError("dispatch_latency_s and dispatch_latency_samples must be >= 0")
         if self.shared_view_rtt_s < 0:
             raise ValueError("shared_view_rtt_s must be >= 0")
+        if self.lora is not None and self.disagg.enabled:
+            raise ValueError("LoRA adapters are not simulated with disaggregated pools (the KV export does not "
+                             "carry the adapter)")
         if self.shared_view and self.router not in VIEW_POLICIES:
             raise ValueError(f"shared_view needs a policy that reads a routing view {sorted(VIEW_POLICIES)}, "
                              f"not {self.router!r}")
@@ -131,6 +137,9 @@ class SimDevice:
     vocab_size: int
     kv_bytes_per_token: int
     max_model_len: int
+    # What LoRA adapters' loads are priced from (cluster/sim/lora.py): None where unknown.
+    shape: ModelShape | None = None
+    host_to_device_bytes_per_s: float | None = None
 
     @classmethod
     def from_config(cls, config: SimConfig) -> SimDevice:
@@ -148,6 +157,8 @@ class SimDevice:
             vocab_size=shape.vocab_size,
             kv_bytes_per_token=shape.kv_bytes_per_token(),
             max_model_len=shape.max_position_embeddings,
+            shape=shape,
+            host_to_device_bytes_per_s=profile.host_link_bandwidth,
         )
 
 
@@ -193,6 +204,13 @@ class Simulation:
         # the run depend on how fast this machine is.
         engine.connector.pin_timeout_s = float("inf")
         replica = SimReplica(self._next_key, role, engine, dev, self.clock, self.orchestrator.on_output)
+        lora = self.config.lora
+        if lora is not None:
+            shape, link = self.device.shape, self.device.host_to_device_bytes_per_s
+            if shape is None or link is None:
+                raise ValueError("simulating LoRA adapters needs the device's model shape and host link")
+            dev.lora_swap_s = lora.swap_s(shape, link)
+            enable_sim_lora(engine, lora, self.clock, lora.cold_load_s(shape), replica.wake)
         self._next_key += 1
         self.replicas.append(replica)
         return replica

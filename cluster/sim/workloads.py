@@ -15,6 +15,7 @@ Kinds:
             files), short outputs
   bursty    sharegpt lengths, gamma-distributed inter-arrival gaps (bursts)
   trace     replay of a Mooncake-style JSONL trace (`path=`)
+  lora      sharegpt lengths, each request for one of 64 LoRA adapters, Zipf popularity
 Arrivals are Poisson at `rate_rps` except for bursty (gamma) and trace (the file's times).
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ class SimRequest:
     # Served like any other request, measured by no figure (cluster/sim/metrics.py): what
     # brings the replicas' caches to the state a long-running cluster would be in.
     warmup: bool = False
+    lora_name: str | None = None  # the LoRA adapter that serves it (None: the base model)
 
 
 def make_workload(kind: str, num_requests: int, rate_rps: float, seed: int, **kw: object) -> list[SimRequest]:
@@ -304,6 +306,46 @@ def _trace(rng: np.random.Generator, n: int, rate_rps: float, path: str | Path =
     return out
 
 
+# LoRA fleet (S-LoRA's and Punica's setting): many adapters of one base model, a few hot,
+# most rarely used. Popularity follows Zipf's law over the adapters' rank k (k = 1 the
+# most popular): p(k) = k**-s / sum_j j**-s.
+LORA_NUM_ADAPTERS = 64
+LORA_ZIPF_S = 1.0
+
+
+def lora_adapter_name(k: int) -> str:
+    """The name of the adapter of popularity rank k (0: the most popular)."""
+    return f"lora-{k:03d}"
+
+
+def zipf_probabilities(num: int, s: float) -> np.ndarray:
+    weights = np.arange(1, num + 1, dtype=float) ** -s
+    return weights / weights.sum()
+
+
+def _lora(rng: np.random.Generator, n: int, rate_rps: float, num_adapters: int = LORA_NUM_ADAPTERS,
+          zipf_s: float = LORA_ZIPF_S, input_mean: float = SHAREGPT_INPUT_MEAN,
+          output_mean: float = SHAREGPT_OUTPUT_MEAN, sigma: float = SHAREGPT_SIGMA,
+          max_len: int = SHAREGPT_MAX_LEN, warmup_s: float = 0.0) -> list[SimRequest]:
+    """ShareGPT requests (Poisson arrivals), each for one of `num_adapters` adapters drawn
+    with Zipf popularity (exponent `zipf_s`).
+
+    warmup_s > 0: first, warmup_s seconds of the same traffic (rate x warmup_s more
+    requests, measured by no figure), so that the measured requests meet replicas whose
+    slots and host memory hold adapters and whose batches run, as in a long-running
+    cluster, instead of a cold start where every replica loads its first adapters at once."""
+    if num_adapters < 1 or zipf_s < 0 or warmup_s < 0:
+        raise ValueError("num_adapters must be >= 1, zipf_s >= 0 and warmup_s >= 0")
+    num_warmup = round(rate_rps * warmup_s)
+    total = n + num_warmup
+    arrivals = _poisson_arrivals(rng, total, rate_rps)
+    requests = _sharegpt_requests(rng, "lora", arrivals, input_mean, output_mean, sigma, max_len)
+    ranks = rng.choice(num_adapters, size=total, p=zipf_probabilities(num_adapters, zipf_s))
+    return [replace(r, lora_name=lora_adapter_name(int(k)), warmup=i < num_warmup,
+                    request_id=f"lora-warmup-{i}" if i < num_warmup else f"lora-{i - num_warmup}")
+            for i, (r, k) in enumerate(zip(requests, ranks))]
+
+
 WORKLOADS: dict[str, Callable[..., list[SimRequest]]] = {
     "sharegpt": _sharegpt,
     "b2b": _b2b,
@@ -311,5 +353,6 @@ WORKLOADS: dict[str, Callable[..., list[SimRequest]]] = {
     "code": _code,
     "bursty": _bursty,
     "trace": _trace,
+    "lora": _lora,
 }
 WORKLOAD_NAMES: tuple[str, ...] = tuple(WORKLOADS)

@@ -35,7 +35,9 @@ Work, because KV usage hides queued work and request counts hide request sizes (
     load(q, r)    = block_size * (host / host_load_tokens_per_s + disk / disk_load_tokens_per_s)
                     + adapter(q, r)
     adapter(q, r) = 0 for the base model or an adapter in r's device slots (lora_resident),
-                    lora_swap_s for one in its host memory (lora_loaded), else lora_load_s
+                    lora_swap_s for one in its host memory (lora_loaded), else lora_load_s;
+                    + lora_slot_wait_s where running sequences hold all r's slots
+                    (lora_active, max_loras): none can take the adapter until one drains
     ttft(q, r)    = (backlog(r) + uncached(q, r)) / rate(r) + load(q, r)  # predicted prefill wait
     within_target(q, r) = backlog(r) + uncached(q, r) <= rate(r) * target_ttft_s
 
@@ -255,7 +257,10 @@ def adapter_load_s(request: RequestProfile, report: ReplicaReport, params: Routi
     name = request.lora_name
     if name is None or name in report.lora_resident:
         return 0.0
-    return params.lora_swap_s if name in report.lora_loaded else params.lora_load_s
+    load = params.lora_swap_s if name in report.lora_loaded else params.lora_load_s
+    if report.max_loras and len(report.lora_active) >= report.max_loras:
+        load += params.lora_slot_wait_s  # no free or idle slot: one must drain first
+    return load
 
 
 def predicted_ttft_s(backlog: int, uncached: int, rate: float) -> float:

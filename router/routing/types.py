@@ -84,6 +84,13 @@ class RoutingParams:
     # adapter on every projection of llama-3-8b, about 80 MB).
     lora_swap_s: float = 0.005
     lora_load_s: float = 0.25
+    # ... and where running sequences hold every slot, it first waits until all sequences of
+    # one resident adapter have finished (the scheduler admits in order, so the requests
+    # queued behind it wait too): about the rest of one request's decode, a ShareGPT-length
+    # answer on the reference replica. Without it a replica that lacks the adapter looks a
+    # load away, and spreading adapters by queue length fills every replica with more
+    # adapters than its slots (benchmarks/lora.py).
+    lora_slot_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.expected_output_tokens < 0:
@@ -98,6 +105,8 @@ class RoutingParams:
             raise ValueError("host_hit_weight and disk_hit_weight must be >= 0")
         if min(self.host_load_tokens_per_s, self.disk_load_tokens_per_s) <= 0:
             raise ValueError("host_load_tokens_per_s and disk_load_tokens_per_s must be > 0")
+        if min(self.lora_swap_s, self.lora_load_s, self.lora_slot_wait_s) < 0:
+            raise ValueError("lora_swap_s, lora_load_s and lora_slot_wait_s must be >= 0")
         if self.report_lag_s < 0:
             raise ValueError(f"report_lag_s must be >= 0, got {self.report_lag_s}")
         if not 0.0 < self.headroom_share <= 1.0:
@@ -162,6 +171,8 @@ class ReplicaReport:
     # LoRA adapters in its device slots and in its host memory (worker.api.RoutingStats).
     lora_resident: frozenset[str] = frozenset()
     lora_loaded: frozenset[str] = frozenset()
+    lora_active: frozenset[str] = frozenset()  # resident adapters running sequences use
+    max_loras: int = 0  # its device slots (0: not reported)
     # Prefix blocks held below its device (KV tiers), by tier.
     host_prefix_hashes: Set[int] = frozenset()
     disk_prefix_hashes: Set[int] = frozenset()
@@ -203,6 +214,8 @@ class ReplicaReport:
                 max_num_seqs=int(stats.get("max_num_seqs") or 0),  # type: ignore[arg-type]
                 lora_resident=frozenset(map(str, stats.get("lora_resident") or ())),  # type: ignore[call-overload]
                 lora_loaded=frozenset(map(str, stats.get("lora_loaded") or ())),  # type: ignore[call-overload]
+                lora_active=frozenset(map(str, stats.get("lora_active") or ())),  # type: ignore[call-overload]
+                max_loras=int(stats.get("max_loras") or 0),  # type: ignore[arg-type]
                 host_prefix_hashes=frozenset(stats.get("host_prefix_hashes") or ()),  # type: ignore[arg-type]
                 disk_prefix_hashes=frozenset(stats.get("disk_prefix_hashes") or ()),  # type: ignore[arg-type]
                 num_running_prompt_tokens=int(stats.get("num_running_prompt_tokens") or 0),  # type: ignore[arg-type]

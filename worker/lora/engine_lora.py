@@ -10,7 +10,7 @@ computed under one adapter is never served to another, nor to the base model.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from worker.api import lora_cache_key
@@ -21,9 +21,9 @@ from worker.sequence import Sequence
 
 
 class EngineLoRA:
-    def __init__(self, config: LoRAConfig, loader: Loader) -> None:
+    def __init__(self, config: LoRAConfig, loader: Loader, executor: Executor | None = None) -> None:
         self.config = config
-        self.registry = LoRARegistry(loader, config.host_capacity)
+        self.registry = LoRARegistry(loader, config.host_capacity, executor)
         self.slots = LoRASlots(config.max_loras)
         for name, path in config.modules:
             self.registry.register(name, path)

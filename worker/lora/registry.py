@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 from worker.api import LoRAAdapterError, LoRANotFoundError
@@ -20,13 +20,15 @@ Loader = Callable[[str, str], Any]  # (name, path) -> the loaded adapter (worker
 
 
 class LoRARegistry:
-    def __init__(self, loader: Loader, host_capacity: int) -> None:
+    def __init__(self, loader: Loader, host_capacity: int, executor: Executor | None = None) -> None:
+        """`executor`: where host loads run (default: one thread of their own; the simulator
+        passes one that completes them on its virtual clock)."""
         self._loader = loader
         self.host_capacity = host_capacity
         self.paths: dict[str, str] = {}
         self._loaded: OrderedDict[str, Future[Any]] = OrderedDict()  # LRU, most recent last
         self._pins: dict[str, int] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
+        self._pool = executor or ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         self.num_host_loads = 0
 
     @property

@@ -31,6 +31,11 @@ class LoRASlots:
         """The adapters in slots, by slot id."""
         return [n for n in list(self._name_of) if n is not None]
 
+    @property
+    def active(self) -> list[str]:
+        """The adapters in held slots (a running sequence uses each), by slot id."""
+        return [n for n, refs in zip(list(self._name_of), list(self._refs)) if n is not None and refs]
+
     def can_acquire(self, name: str) -> bool:
         return name in self._slot_of or bool(self._free) or bool(self._idle)
 

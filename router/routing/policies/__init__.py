@@ -13,6 +13,12 @@ virtual clock. See router/routing/policies/base.py for the protocol.
     headroom         kvserve: KV headroom with reservations, work-based load (uncached prefill
                      tokens), prefix and session affinity released at a target TTFT
                      (router/routing/scoring.py)
+
+Baselines for the simulator and benchmarks only (make_policy builds them; Serve's config
+accepts only POLICY_NAMES):
+
+    lora_affinity    the Gateway API Inference Extension's LoRA-aware scheduler (needs the
+                     replicas' max_loras)
 """
 from __future__ import annotations
 
@@ -23,12 +29,14 @@ from typing import Any
 from router.routing.types import RoutingParams
 from router.routing.policies.base import RoutingPolicy, RoutingRequest, check_options
 from router.routing.policies.headroom import HeadroomPolicy
+from router.routing.policies.lora_affinity import LoraAffinityOptions, LoraAffinityPolicy
 from router.routing.policies.prefix_affinity import PrefixAffinityOptions, PrefixAffinityPolicy
 from router.routing.policies.simple import LeastKVPolicy, PowerOfTwoPolicy, RoundRobinPolicy
 from router.routing.policies.sticky import StickyOptions, StickyPolicy
 from router.routing.routing_view import RoutingView
 
-__all__ = ["POLICY_NAMES", "RoutingPolicy", "RoutingRequest", "make_policy", "split_policy_kwargs"]
+__all__ = ["POLICY_NAMES", "SIM_POLICY_NAMES", "RoutingPolicy", "RoutingRequest", "make_policy",
+           "split_policy_kwargs"]
 
 
 def _names(cls: type) -> tuple[str, ...]:
@@ -79,6 +87,18 @@ _FACTORIES: dict[str, Callable[[RoutingParams, int, dict[str, Any], RoutingView 
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
 
+def _lora_affinity(params: RoutingParams, seed: int, options: dict[str, Any], view: RoutingView | None) -> RoutingPolicy:
+    check_options("lora_affinity", options, _names(LoraAffinityOptions))
+    if "max_loras" not in options:
+        raise ValueError("routing policy 'lora_affinity' needs the option max_loras (the replicas' lora.max_loras)")
+    return LoraAffinityPolicy(LoraAffinityOptions(**options), seed)
+
+
+_SIM_FACTORIES = {**_FACTORIES, "lora_affinity": _lora_affinity}
+# Every policy the simulator and benchmarks can run: the served ones and the baselines above.
+SIM_POLICY_NAMES: tuple[str, ...] = tuple(_SIM_FACTORIES)
+
+
 def make_policy(
     name: str, params: RoutingParams | None = None, seed: int = 0, view: RoutingView | None = None, **options: Any
 ) -> RoutingPolicy:
@@ -87,9 +107,9 @@ def make_policy(
     `params` carries the settings every router shares with the headroom policy (stats
     period, report lag, ...); `options` are the policy's own (PrefixAffinityOptions,
     StickyOptions); an option the policy does not know is an error."""
-    factory = _FACTORIES.get(name)
+    factory = _SIM_FACTORIES.get(name)
     if factory is None:
-        raise ValueError(f"unknown routing policy {name!r}; known: {list(POLICY_NAMES)}")
+        raise ValueError(f"unknown routing policy {name!r}; known: {list(SIM_POLICY_NAMES)}")
     return factory(params or RoutingParams(), seed, dict(options), view)
 
 

@@ -61,6 +61,7 @@ from router.routing.scoring import (
     score_replica,
 )
 from router.routing.routing_view import LocalRoutingView, RoutingView
+from router.routing.sent_adapters import SentAdapters
 from router.routing.sessions import SessionTable
 
 # Ledger housekeeping at most this often (as router/routing/serve_router.py).
@@ -104,12 +105,15 @@ class HeadroomPolicy:
         self.sessions = SessionTable(self.params.session_idle_s, _MAX_SESSIONS)
         # Mean uncached prompt tokens per dispatched request (0 until the first one).
         self.request_tokens = 0.0
+        self.sent_adapters = SentAdapters()  # LoRA adapters sent since each replica's report
 
     def _view(self, view: ReplicaView) -> ReplicaView:
-        if view.report is not None:
-            self.ledger.observe_report(view.key, view.report.timestamp)
+        report = view.report
+        if report is not None:
+            self.ledger.observe_report(view.key, report.timestamp)
+            report = self.sent_adapters.with_unseen(view.key, report)
         unreflected = self.ledger.unreflected(view.key)
-        return replace(view, unreflected_blocks=unreflected.blocks, unreflected_requests=unreflected.requests,
+        return replace(view, report=report, unreflected_blocks=unreflected.blocks, unreflected_requests=unreflected.requests,
                        unreflected_prefill_tokens=unreflected.prefill_tokens,
                        unreflected_decode_blocks=unreflected.decode_blocks)
 
@@ -150,6 +154,8 @@ class HeadroomPolicy:
 
     def on_dispatch(self, request: RoutingRequest, replica: ReplicaKey, now: float) -> None:
         self.ledger.routed(request.request_id, replica)
+        if request.lora_name is not None:
+            self.sent_adapters.sent(replica, request.lora_name, now)
         report_bs = self._block_size
         if report_bs is not None:
             self.ledger.learn_prefix(replica, request.profile.block_hashes(report_bs), now)

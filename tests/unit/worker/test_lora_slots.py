@@ -24,6 +24,15 @@ def test_slots_lowest_first_then_least_recently_released() -> None:
     assert slots.num_loads == 3
 
 
+def test_active_lists_the_held_slots_adapters_by_slot_id() -> None:
+    slots = LoRASlots(3)
+    slots.acquire("a"), slots.acquire("b"), slots.acquire("c")
+    slots.release(1)  # b idle: resident, not active
+    assert slots.resident == ["a", "b", "c"] and slots.active == ["a", "c"]
+    slots.release(0)
+    assert slots.active == ["c"]
+
+
 def test_evict_only_when_unheld() -> None:
     slots = LoRASlots(2)
     slot, _ = slots.acquire("a")

@@ -68,3 +68,49 @@ def test_base_model_requests_ignore_residency() -> None:
     base = RequestProfile(PROMPT, 16)
     a, b = view("a", resident=("sql", "chat")), view("b")
     assert score_replica(base, a, PARAMS).ttft_s == score_replica(base, b, PARAMS).ttft_s
+
+
+def held(key: str, active: tuple[str, ...], max_loras: int, timestamp: float = NOW - 0.5) -> ReplicaView:
+    report = ReplicaReport.from_stats({
+        "free_blocks": 500, "total_blocks": 1000, "block_size": BS, "num_running": len(active),
+        "num_waiting": 0, "num_waiting_prompt_tokens": 0, "reserved_blocks": 0, "prefix_hashes": [],
+        "lora_resident": list(active), "lora_active": list(active), "max_loras": max_loras, "timestamp": timestamp,
+    })
+    assert report is not None
+    return ReplicaView(key, report, 0, 0)
+
+
+def test_every_slot_held_adds_the_wait_for_one_to_drain() -> None:
+    request = RequestProfile(PROMPT, 16, lora_name="sql")
+    full, room = held("full", ("a", "b"), 2), held("room", ("a",), 2)
+    assert adapter_load_s(request, full.report, PARAMS) == PARAMS.lora_load_s + PARAMS.lora_slot_wait_s
+    assert adapter_load_s(request, room.report, PARAMS) == PARAMS.lora_load_s
+    assert adapter_load_s(RequestProfile(PROMPT, 16, lora_name="a"), full.report, PARAMS) == 0.0
+    assert rank_replicas(request, [full, room], PARAMS, NOW, random.Random(0)).order[0] == "room"
+
+
+def test_negative_lora_prices_are_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="lora_slot_wait_s"):
+        RoutingParams(lora_slot_wait_s=-1.0)
+
+
+def test_adapters_sent_since_the_report_count_as_resident_and_held() -> None:
+    from router.routing.policies.base import RoutingRequest
+    from router.routing.policies.headroom import HeadroomPolicy
+
+    policy = HeadroomPolicy(PARAMS, seed=0)
+    views = [held("x", ("a",), 2), held("y", ("b",), 2)]
+    first = RoutingRequest("1", PROMPT, 16, lora_name="sql")
+    target = policy.rank(first, views, NOW)[0]
+    policy.on_dispatch(first, target, NOW)
+    # The same adapter again: no load where it was just sent, though no report shows it.
+    again = RoutingRequest("2", PROMPT, 16, lora_name="sql")
+    assert policy.rank(again, views, NOW)[0] == target
+    # That replica's slots are now all taken: another new adapter goes to the other one.
+    other = RoutingRequest("3", [t + 5000 for t in PROMPT], 16, lora_name="math")  # no prefix in common
+    assert policy.rank(other, views, NOW)[0] != target
+    # A report taken after the dispatch is the truth again (the request may have finished).
+    fresh = [held(v.key, v.report.lora_resident, 2, timestamp=NOW + 0.5) for v in views]
+    assert policy.sent_adapters.unseen(target, fresh[0].report) == frozenset()
