@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None, help="runs per batch (default 3; --quick 1)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--direct-ingress", action="store_true",
-                   help="the Serve part through Serve's direct ingress (HAProxy, no Serve proxy; needs haproxy)")
+                   help="also run the Serve part as `kvserve serve --direct-ingress` runs it (HAProxy straight "
+                        "to the ingress replicas, no Serve proxy), after the default, and print both")
     p.add_argument("--serve-defaults", action="store_true",
                    help="also run the Serve part with Serve's default settings (RAY_SERVE_THROUGHPUT_OPTIMIZED=0), "
                         "first, and print kvserve's figures against them")
@@ -332,9 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     baseline = None
     if args.serve_defaults:
         print("  with Serve's default settings (RAY_SERVE_THROUGHPUT_OPTIMIZED=0):", flush=True)
-        baseline = measure_serve(batches, repeats, args.direct_ingress, serve_defaults=True)
+        baseline = measure_serve(batches, repeats, serve_defaults=True)
         print("  as kvserve runs Serve (throughput-optimized, cluster/serve_env.py):", flush=True)
-    serve_runs = measure_serve(batches, repeats, args.direct_ingress)
+    serve_runs = measure_serve(batches, repeats)
+    direct = None
+    if args.direct_ingress:
+        print("  as `kvserve serve --direct-ingress` runs Serve (HAProxy -> ingress replicas):", flush=True)
+        direct = measure_serve(batches, repeats, direct_ingress=True)
     print(f"load average after {os.getloadavg()}")
     plain = [r for r in serve_runs if not r.stream]
     streamed = [r for r in serve_runs if r.stream]
@@ -350,6 +355,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{per_token_us(streamed):.0f} / {per_token_us(base_streamed):.0f} streamed "
               f"({per_token_us(streamed) / per_token_us(base_streamed):.2f}x); delivered ratio b64 "
               f"{ratio(64):.3f} / {ratio(64, base_plain):.3f}, b256 {ratio(256):.3f} / {ratio(256, base_plain):.3f}")
+
+    direct_result = ""
+    if direct is not None:
+        d_plain = [r for r in direct if not r.stream]
+        d_streamed = [r for r in direct if r.stream]
+        print(f"direct ingress against the default: {per_token_us(d_plain):.0f} / {per_token_us(plain):.0f} us/token "
+              f"not streamed, {per_token_us(d_streamed):.0f} / {per_token_us(streamed):.0f} streamed; delivered "
+              f"ratio b64 {ratio(64, d_plain):.3f} / {ratio(64):.3f}, b256 {ratio(256, d_plain):.3f} / {ratio(256):.3f}; "
+              f"errors {sum(r.errors for r in direct)}")
+        direct_result = (f" direct_us_per_token_stream={per_token_us(d_streamed):.0f} "
+                         f"direct_us_per_token={per_token_us(d_plain):.0f} "
+                         f"direct_delivered_ratio_b64={ratio(64, d_plain):.3f} "
+                         f"direct_delivered_ratio_b256={ratio(256, d_plain):.3f}")
 
     if args.write_serving_cost:
         from cluster.sim.serving_cost import from_runs
@@ -368,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         f"delivered_ratio_b64={ratio(64):.3f} delivered_ratio_b256={ratio(256):.3f} "
         f"engine_host_pct_b256={b256.median('host_pct'):.2f} engine_host_pct_b64={b64.median('host_pct'):.2f} "
         f"engine_delivered_ratio_b64={b64.median('delivered_ratio'):.3f} "
-        f"engine_delivered_ratio_b256={b256.median('delivered_ratio'):.3f}"
+        f"engine_delivered_ratio_b256={b256.median('delivered_ratio'):.3f}{direct_result}"
     )
     return 0
 

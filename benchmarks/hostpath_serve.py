@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -102,22 +101,23 @@ def app_config() -> Any:
 
 
 def start(port: int, direct_ingress: bool = False) -> str:
-    """Ray, Serve and the app; the completions URL. `direct_ingress`: Serve 2.60's direct
-    ingress (HAProxy in front of the ingress replicas, which serve HTTP themselves; no
-    Serve proxy hop), with Debian's haproxy."""
+    """Ray, Serve and the app; the completions URL. `direct_ingress`: as `kvserve serve
+    --direct-ingress` runs it (cluster/serve_env.py DirectIngress: HAProxy in front of the
+    ingress replicas, which serve HTTP themselves; no Serve proxy hop), on free ports."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if direct_ingress:
-        os.environ.update({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
-                           "RAY_SERVE_HAPROXY_BINARY_PATH": shutil.which("haproxy") or "/usr/sbin/haproxy"})
     from ray import serve
     from ray.serve.config import HTTPOptions
 
     from cluster.app import build_app
     from cluster.local_ray import start_local_ray
+    from cluster.serve_env import DirectIngress
 
+    direct = DirectIngress(free_port(), free_port(), free_port(), free_port()) if direct_ingress else None
     start_local_ray(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                    runtime_env=job_runtime_env({"PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled"}))
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), controller_options=controller_options())
+                    runtime_env=job_runtime_env({"PYTHONPATH": str(REPO_ROOT), "RAY_AUTH_MODE": "disabled"},
+                                                direct_ingress=direct))
+    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port),
+                controller_options=controller_options(direct_ingress=direct))
     serve.run(build_app(app_config()), name=APP_NAME, route_prefix=f"/{APP_NAME}")
     return f"http://127.0.0.1:{port}/{APP_NAME}/v1/completions"
 

@@ -26,12 +26,15 @@ import threading
 import time
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.config import ConfigError, GRPCSection, HTTPSection, KVServeConfig
 from cluster.lora_config import parse_lora_modules
 from cluster.deps import MissingDependencyError, missing
 from worker.model_config import UnsupportedModelError, check_local_model
+
+if TYPE_CHECKING:
+    from cluster.serve_env import DirectIngress
 
 # name -> "module:register_function"; register(subparsers) adds the parser, sets func.
 SUBCOMMANDS: dict[str, str] = {
@@ -99,6 +102,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help=f"HTTP host (default {HTTPSection().host})")
     parser.add_argument("--port", type=int, help=f"HTTP port (default {HTTPSection().port})")
     parser.add_argument("--grpc-port", type=int, help=f"gRPC port (default {GRPCSection().port})")
+    parser.add_argument("--direct-ingress", action="store_true",
+                        help="HAProxy straight to the ingress replicas instead of Serve's proxies "
+                             "(http.direct_ingress; docs/architecture.md)")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
                         help="ranks (devices) per worker replica; every pool when disaggregated")
     parser.add_argument("--disaggregate", action="store_true",
@@ -139,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> KVServeConfig:
         overrides["grpc.enabled"] = False
     if getattr(args, "grpc_public", False):
         overrides["grpc.public"] = True
+    if getattr(args, "direct_ingress", False):
+        overrides["http.direct_ingress"] = True
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         config = config.with_overrides(overrides)
@@ -213,6 +221,27 @@ def _auth_on(config: KVServeConfig, env: Mapping[str, str]) -> bool:
     return bool(keys_env and env.get(keys_env, "").strip(" ,"))
 
 
+def direct_ingress(config: KVServeConfig, environ: Mapping[str, str] | None = None) -> DirectIngress | None:
+    """Serve's direct ingress as the config asks for it (None: Serve's proxies).
+
+    HAProxy binds gRPC on the HTTP host, and every gRPC peer the ingress replica sees is
+    HAProxy, on loopback: the loopback-only guard of a server without API keys
+    (router/frontend/grpc_exposure.py) cannot tell a remote client then, so such a server
+    is refused unless the HTTP host is loopback too."""
+    if not config.http.direct_ingress:
+        return None
+    env = os.environ if environ is None else environ
+    if (config.grpc.enabled and not config.grpc.public and not _auth_on(config, env)
+            and config.http.host not in _LOOPBACK_HOSTS):
+        raise ConfigError(f"http.direct_ingress: gRPC would listen on {config.http.host} (where HTTP does) "
+                          "with no API keys set; set keys, --grpc-public or --no-grpc, or keep --host on loopback")
+    from cluster.serve_env import DirectIngress
+
+    http = config.http
+    return DirectIngress(http.haproxy_stats_port, http.haproxy_metrics_port,
+                         http.fallback_proxy_port, http.fallback_proxy_grpc_port)
+
+
 def grpc_proxy_env(config: KVServeConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment Serve's gRPC proxy of a local cluster starts with: TLS
     (router/frontend/grpc_tls.py), loopback only without API keys unless grpc.public, and
@@ -242,7 +271,11 @@ def listen_warnings(config: KVServeConfig, environ: dict[str, str] | None = None
     if config.http.host not in _LOOPBACK_HOSTS:
         lines.append(f"HTTP listens on {config.http.host}:{config.http.port}, beyond this machine"
                      + ("" if auth_on else f"; no API keys are set (${keys_env}): anyone who can reach it may use it"))
-    if config.grpc.enabled and not auth_on and not config.grpc.public:
+    if config.grpc.enabled and config.http.direct_ingress:
+        # HAProxy binds gRPC where HTTP listens (refused beyond loopback without keys: direct_ingress).
+        if config.http.host not in _LOOPBACK_HOSTS:
+            lines.append(f"gRPC listens on {config.http.host}:{config.grpc.port} (HAProxy) without TLS")
+    elif config.grpc.enabled and not auth_on and not config.grpc.public:
         lines.append(f"gRPC ([::]:{config.grpc.port}) answers loopback clients only: no API keys are set "
                      f"(${keys_env}); set keys or use --grpc-public to serve other machines")
     elif config.grpc.enabled:
@@ -316,6 +349,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from cluster.serve_env import controller_options, job_runtime_env
     from router.frontend.grpc_health import APP_NAME_ENV
 
+    direct = direct_ingress(config)
+
     # Serve's gRPC proxy reads its TLS settings from the node's environment
     # (router/frontend/grpc_tls.py): a local cluster inherits this process's.
     # Likewise its exposure and message-size cap (router/frontend/grpc_exposure.py).
@@ -333,11 +368,11 @@ def run_serve(args: argparse.Namespace) -> int:
             log_to_driver=False,
             include_dashboard=args.dashboard,
             num_cpus=args.num_cpus or local_num_cpus(config),
-            runtime_env=job_runtime_env({"PYTHONPATH": pythonpath}),
+            runtime_env=job_runtime_env({"PYTHONPATH": pythonpath}, direct_ingress=direct),
         )
         record = remember_local_cluster(address_info, config.app_name)
     else:
-        ray.init(address=args.address, log_to_driver=False, runtime_env=job_runtime_env())
+        ray.init(address=args.address, log_to_driver=False, runtime_env=job_runtime_env(direct_ingress=direct))
     stop = threading.Event()
 
     def request_stop(signum: int, frame: Any) -> None:
@@ -353,16 +388,22 @@ def run_serve(args: argparse.Namespace) -> int:
         serve.start(
             http_options=HTTPOptions(host=config.http.host, port=config.http.port),
             grpc_options=gRPCOptions(port=config.grpc.port, grpc_servicer_functions=[servicer] if servicer else []),
-            controller_options=controller_options(),
+            controller_options=controller_options(direct_ingress=direct),
         )
         print(f"kvserve: loading {engine_config.model.model} on {config.workers.num_replicas} worker(s) ...", flush=True)
         serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False)
         name = config.model.resolved_name()
         print(f"kvserve: serving model {name!r}", flush=True)
         print(f"kvserve: HTTP (OpenAI API) on http://{config.http.host}:{config.http.port}{config.route_prefix.rstrip('/')}/v1", flush=True)
+        if direct is not None:
+            print(f"kvserve: direct ingress: HAProxy on the HTTP and gRPC ports, stats on *:{direct.stats_port}, "
+                  f"Prometheus on *:{direct.metrics_port}, fallback proxy on {direct.fallback_http_port} "
+                  f"and {direct.fallback_grpc_port}", flush=True)
         if grpc:
-            # Serve's gRPC proxy has no host option: it listens on every interface.
-            print(f"kvserve: gRPC on [::]:{config.grpc.port} (service kvserve.v1.KVServe, grpc.health.v1, reflection)", flush=True)
+            # Serve's gRPC proxy has no host option: it listens on every interface. HAProxy
+            # (direct ingress) binds gRPC on the HTTP host.
+            grpc_host = config.http.host if direct is not None else "[::]"
+            print(f"kvserve: gRPC on {grpc_host}:{config.grpc.port} (service kvserve.v1.KVServe, grpc.health.v1, reflection)", flush=True)
             if config.grpc.tls_port is not None:
                 mtls = "mutual TLS" if config.grpc.tls_client_ca_file else "TLS"
                 print(f"kvserve: gRPC {mtls} on [::]:{config.grpc.tls_port}", flush=True)

@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 THROUGHPUT_OPTIMIZED_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 # The mode also turns on direct ingress, where every ingress replica opens HTTP and gRPC
 # ports of its own for an HAProxy in front; kvserve serves through Serve's proxies (its
-# gRPC TLS listener lives there), so it keeps direct ingress off unless asked.
+# gRPC TLS listener lives there), so it keeps direct ingress off unless asked
+# (`DirectIngress` below).
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 # The variables of the mode an operator may set explicitly; passed on when set.
 _MODE_OVERRIDES = (
-    "RAY_SERVE_ENABLE_HA_PROXY",
+    HAPROXY_ENV,
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT",
@@ -43,8 +46,41 @@ _MODE_OVERRIDES = (
 )
 
 
-def serve_process_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+@dataclass(frozen=True)
+class DirectIngress:
+    """Serve's direct ingress: HAProxy on the HTTP (and gRPC) port in place of Serve's
+    proxies, forwarding each connection straight to an ingress replica, which serves HTTP
+    and gRPC itself. A token's bytes then cross one Ray hop (worker replica -> ingress)
+    instead of two, and no Python process copies the response a second time.
+
+    HAProxy also listens on a stats and a Prometheus port, on every interface, and the head
+    keeps a fallback Serve proxy (HAProxy's backup route while no ingress replica is up)
+    on two more: each Serve instance on a machine needs ports of its own, or the second
+    one cannot start. (HAProxy's files already sit in a directory per node.)
+    """
+
+    stats_port: int = 8404
+    metrics_port: int = 9101
+    fallback_http_port: int = 8500
+    fallback_grpc_port: int = 9500
+
+    def env(self) -> dict[str, str]:
+        return {
+            THROUGHPUT_OPTIMIZED_ENV: "1",  # direct ingress is part of Serve's throughput mode
+            DIRECT_INGRESS_ENV: "1",
+            HAPROXY_ENV: "1",
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(self.stats_port),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(self.metrics_port),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(self.fallback_http_port),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(self.fallback_grpc_port),
+        }
+
+
+def serve_process_env(environ: Mapping[str, str] = os.environ,
+                      direct_ingress: DirectIngress | None = None) -> dict[str, str]:
     """The environment every Serve process (controller, proxies, replicas) starts with."""
+    if direct_ingress is not None:
+        return direct_ingress.env()
     env = {THROUGHPUT_OPTIMIZED_ENV: environ.get(THROUGHPUT_OPTIMIZED_ENV, "1"),
            DIRECT_INGRESS_ENV: environ.get(DIRECT_INGRESS_ENV, "0")}
     env.update({name: environ[name] for name in _MODE_OVERRIDES if name in environ})
@@ -52,13 +88,15 @@ def serve_process_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]
 
 
 def job_runtime_env(env_vars: Mapping[str, str] | None = None,
-                    environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+                    environ: Mapping[str, str] = os.environ,
+                    direct_ingress: DirectIngress | None = None) -> dict[str, Any]:
     """`ray.init(runtime_env=...)` for a driver that starts Serve: the replicas' environment
     (Serve's mode plus `env_vars`, which win)."""
-    return {"env_vars": {**serve_process_env(environ), **(env_vars or {})}}
+    return {"env_vars": {**serve_process_env(environ, direct_ingress), **(env_vars or {})}}
 
 
-def controller_options(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+def controller_options(environ: Mapping[str, str] = os.environ,
+                       direct_ingress: DirectIngress | None = None) -> dict[str, Any]:
     """`serve.start(controller_options=...)`: the controller's environment, which the proxies
-    it starts inherit."""
-    return {"runtime_env": {"env_vars": serve_process_env(environ)}}
+    (or HAProxy's manager) it starts inherit."""
+    return {"runtime_env": {"env_vars": serve_process_env(environ, direct_ingress)}}

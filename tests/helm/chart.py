@@ -169,7 +169,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     },
     "grpc_off_hub_model": {
         "modelSource": {"type": "none"},
-        "kvserve": {"model": {"path": "meta-llama/Llama-3.2-1B-Instruct"}, "grpc": {"enabled": False}},
+        "kvserve": {"model": {"path": "meta-llama/Llama-3.2-1B-Instruct"}, "grpc": {"enabled": False},
+                    "http": {"direct_ingress": True, "haproxy_stats_port": 18404}},
         "grafanaDashboard": {"enabled": False},
         "securityContext": {"readOnlyRootFilesystem": False},
     },

@@ -260,6 +260,14 @@ def test_serve_runs_throughput_optimized_in_every_pod_unless_turned_off(rendered
             assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0", (scenario, name)
 
 
+
+def test_direct_ingress_reaches_every_pod_with_haproxys_ports(rendered: dict[str, Rendered]) -> None:
+    for name, template in rendered["grpc_off_hub_model"].pod_templates():
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+        assert (env["RAY_SERVE_ENABLE_DIRECT_INGRESS"], env["RAY_SERVE_ENABLE_HA_PROXY"]) == ("1", "1"), name
+        assert (env["RAY_SERVE_HAPROXY_STATS_PORT"], env["RAY_SERVE_HAPROXY_METRICS_PORT"]) == ("18404", "9101"), name
+
+
 def test_autoscaling_off(rendered: dict[str, Rendered]) -> None:
     r = rendered["autoscaling_off"]
     cluster = r.rayservice["spec"]["rayClusterConfig"]

@@ -21,3 +21,53 @@ def test_job_and_controller_carry_the_same_mode() -> None:
     assert controller_options({}) == {"runtime_env": {"env_vars": mode}}
     # The caller's own variables win over the mode's.
     assert job_runtime_env({THROUGHPUT_OPTIMIZED_ENV: "0"}, environ={})["env_vars"][THROUGHPUT_OPTIMIZED_ENV] == "0"
+
+
+def test_direct_ingress_gives_haproxy_its_ports() -> None:
+    from cluster.serve_env import DirectIngress
+
+    env = serve_process_env({DIRECT_INGRESS_ENV: "0"}, DirectIngress(18404, 19101))
+    assert env == {
+        THROUGHPUT_OPTIMIZED_ENV: "1", DIRECT_INGRESS_ENV: "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_HAPROXY_STATS_PORT": "18404", "RAY_SERVE_HAPROXY_METRICS_PORT": "19101",
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": "8500", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": "9500",
+    }
+    assert controller_options({}, DirectIngress())["runtime_env"]["env_vars"][DIRECT_INGRESS_ENV] == "1"
+    assert job_runtime_env({"PYTHONPATH": "/src"}, {}, DirectIngress())["env_vars"]["PYTHONPATH"] == "/src"
+
+
+def test_serve_direct_ingress_flag_and_config() -> None:
+    import argparse
+
+    import pytest
+
+    from cluster.cli import config_from_args, direct_ingress, register_serve
+    from cluster.config import ConfigError, KVServeConfig
+
+    parser = argparse.ArgumentParser()
+    register_serve(parser.add_subparsers())
+    config = config_from_args(parser.parse_args(["serve", "--direct-ingress"]))
+    assert config.http.direct_ingress
+    direct = direct_ingress(config)
+    assert direct is not None and (direct.stats_port, direct.metrics_port) == (8404, 9101)
+    assert direct_ingress(KVServeConfig()) is None
+    with pytest.raises(ConfigError, match="gRPC TLS"):
+        KVServeConfig.from_dict({"http": {"direct_ingress": True},
+                                 "grpc": {"tls_port": 9443, "tls_cert_file": "c.pem", "tls_key_file": "k.pem"}})
+
+
+def test_direct_ingress_refuses_an_open_grpc_port_without_keys() -> None:
+    import pytest
+
+    from cluster.cli import direct_ingress, listen_warnings
+    from cluster.config import ConfigError, KVServeConfig
+
+    public_host = KVServeConfig.from_dict({"http": {"direct_ingress": True, "host": "0.0.0.0"}})
+    with pytest.raises(ConfigError, match="no API keys"):
+        direct_ingress(public_host, environ={})
+    keys = {public_host.ingress.api_keys_env: "sk-one"}
+    assert direct_ingress(public_host, environ=keys) is not None
+    assert any("gRPC listens on 0.0.0.0" in line for line in listen_warnings(public_host, keys))
+    local = KVServeConfig.from_dict({"http": {"direct_ingress": True}})
+    assert direct_ingress(local, environ={}) is not None
+    assert not [line for line in listen_warnings(local, {}) if "gRPC" in line]  # loopback, like HTTP

@@ -326,8 +326,21 @@ root filesystem can stay read-only. */}}
   value: "1"
 - name: RAY_SERVE_THROUGHPUT_OPTIMIZED
   value: {{ ternary "1" "0" .Values.serve.throughputOptimized | quote }}
+{{- $http := .Values.kvserve.http | default dict }}
+{{- if $http.direct_ingress }}
+{{- /* Serve's direct ingress (kvserve.http.direct_ingress; cluster/serve_env.py DirectIngress) */}}
+- name: RAY_SERVE_ENABLE_DIRECT_INGRESS
+  value: "1"
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "1"
+- name: RAY_SERVE_HAPROXY_STATS_PORT
+  value: {{ $http.haproxy_stats_port | default 8404 | quote }}
+- name: RAY_SERVE_HAPROXY_METRICS_PORT
+  value: {{ $http.haproxy_metrics_port | default 9101 | quote }}
+{{- else }}
 - name: RAY_SERVE_ENABLE_DIRECT_INGRESS
   value: "0"
+{{- end }}
 {{- if eq .Values.rayAuth.mode "secret" }}
 - name: RAY_AUTH_MODE
   value: token

@@ -1,0 +1,86 @@
+"""`kvserve serve --direct-ingress` (http.direct_ingress): Serve's HAProxy on the HTTP and
+gRPC ports, forwarding to the ingress replicas, which serve both themselves; no Serve
+proxy in the path.
+
+A whole `kvserve serve` process of its own (the session cluster runs Serve's proxies, and
+the mode is read by every Serve process at start). The official openai client and a grpcio
+client both go through HAProxy: greedy text is the same streamed, not streamed and over
+gRPC; HAProxy's stats and Prometheus listeners take the configured ports (a second
+instance on the machine would otherwise collide with the first on HAProxy's defaults).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.conftest import free_port
+from tests.support.serve_process import kvserve_serve, short_ray_tmp
+from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+MODEL = "kvserve-tiny"
+PROMPT = "The capital of France is"
+
+
+def _processes(root: psutil.Process) -> list[tuple[str, list[tuple[str, int]]]]:
+    """(command line, listening (address, port)s) of `root` and its descendants."""
+    found = []
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            listening = [(c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="tcp")
+                         if c.status == psutil.CONN_LISTEN]
+            found.append((" ".join(proc.cmdline()), listening))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            continue
+    return found
+
+
+def test_http_and_grpc_through_haproxy_to_the_ingress_replicas(tmp_path: Path) -> None:
+    import grpc
+    from openai import OpenAI
+
+    from protos.kvserve.v1 import kvserve_pb2 as pb
+    from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
+
+    port, grpc_port, stats_port, metrics_port, fallback_port, fallback_grpc_port = (free_port() for _ in range(6))
+    config = (
+        "engine: {device: cpu, dtype: float32, num_threads: 1, num_blocks: 64}\n"
+        "workers: {num_replicas: 1, num_cpus: 1, drain_timeout_s: 5}\n"
+        "ingress: {num_cpus: 0.5}\n"
+        f"http: {{direct_ingress: true, haproxy_stats_port: {stats_port}, haproxy_metrics_port: {metrics_port},"
+        f" fallback_proxy_port: {fallback_port}, fallback_proxy_grpc_port: {fallback_grpc_port}}}\n"
+    )
+    with kvserve_serve(tmp_path, config, port, grpc_port, short_ray_tmp("kvdi-")) as served:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60)
+        whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True) if chunk.choices)
+        assert whole.usage.completion_tokens > 0 and whole.choices[0].text
+        assert streamed == whole.choices[0].text
+
+        replies: list[pb.GenerateResponse] = []
+
+        def generated() -> bool:  # HAProxy learns of the replicas' gRPC ports asynchronously
+            try:
+                replies.append(stub.Generate(pb.GenerateRequest(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0),
+                                             metadata=(("application", "kvserve"),), timeout=60))
+                return True
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                return False
+
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pb_grpc.KVServeStub(channel)
+            wait_until(generated, 60, interval_s=0.5, message="HAProxy to route gRPC to the ingress replica")
+        assert replies[0].text == whole.choices[0].text
+
+        listeners = {p: cmd for cmd, ports in _processes(psutil.Process(served.proc.pid)) for _, p in ports}
+        # HAProxy holds the client-facing ports; Serve's proxy only the head's fallback.
+        for p in (port, grpc_port, stats_port, metrics_port):
+            assert "haproxy" in listeners.get(p, "").split(" ")[0], (p, listeners)
+        for p in (fallback_port, fallback_grpc_port):
+            assert "ray::ProxyActor" in listeners.get(p, ""), (p, listeners)
