@@ -94,7 +94,7 @@ def run_kvserve(
     while engine.has_unfinished():
         engine.step()
     plans.clear()
-    steps_before = engine.num_steps
+    steps_before = engine.counters.num_steps
 
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     records: list[StepRecord] = []
@@ -106,7 +106,7 @@ def run_kvserve(
     if profiler:
         profiler.enable()
     while engine.has_unfinished():
-        step0, fwd0, n0 = engine.step_time_s, engine.forward_time_s, len(plans)
+        step0, fwd0, n0 = engine.counters.step_time_s, engine.counters.forward_time_s, len(plans)
         for out in engine.step():
             if out.error:
                 raise RuntimeError(f"kvserve failed {out.request_id}: {out.error}")
@@ -114,7 +114,7 @@ def run_kvserve(
         if len(plans) > n0:
             num_seqs, num_tokens, all_decode = plans[-1]
             records.append(StepRecord(num_seqs, num_tokens, all_decode,
-                                      engine.step_time_s - step0, engine.forward_time_s - fwd0))
+                                      engine.counters.step_time_s - step0, engine.counters.forward_time_s - fwd0))
     if profiler:
         profiler.disable()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start

@@ -20,7 +20,7 @@ Reported, in one run:
    tokens/s and kvserve/peer ratios;
 4. the scheduler's share of kvserve step time over that workload: time in
    Scheduler.schedule + Scheduler.update over the engine's step time (both counted by
-   the engine itself: Engine.schedule_time_s, Engine.step_time_s).
+   the engine itself: Engine.counters.schedule_time_s, .step_time_s).
    hf_cb runs transformers' continuous batching at its own defaults (on CUDA it decides
    CUDA graphs and async batching itself), hf_cb_matched at kvserve's 16-token pages
    with both off; both are reported.
@@ -196,14 +196,14 @@ def run_workload_kvserve(engine: Any, requests: list[Request], concurrency: int)
     # The same concurrency as the peers' batch (the engine was built with room for the
     # largest decode batch); the scheduler reads its limits from this config every step.
     engine.scheduler.config = replace(engine.scheduler.config, max_num_seqs=concurrency)
-    step0, sched0 = engine.step_time_s, engine.schedule_time_s  # the engine's own clocks
+    step0, sched0 = engine.counters.step_time_s, engine.counters.schedule_time_s  # the engine's own clocks
     start, cpu_start = time.perf_counter(), time.process_time()
     for r in requests:
         engine.add_request(r.request_id, r.prompt_token_ids,
                            SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True))
     tokens = _drain(engine)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    sched_share = (engine.schedule_time_s - sched0) / (engine.step_time_s - step0)
+    sched_share = (engine.counters.schedule_time_s - sched0) / (engine.counters.step_time_s - step0)
     out = [tokens[r.request_id] for r in requests]
     generated = sum(len(t) for t in out)
     return PeerRun(out, generated, wall, cpu, f"max_num_seqs {concurrency}"), sched_share

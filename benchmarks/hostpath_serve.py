@@ -141,34 +141,48 @@ def modelled_device_s() -> float:
 # -- CPU of the Serve processes -------------------------------------------------------------------
 def process_kinds() -> dict[int, str]:
     """pid -> "proxy" | "ingress" | "worker" for the processes that carry requests, "daemon"
-    for Ray's own (gcs_server, raylet, the Serve controller)."""
+    for Ray's own (gcs_server, raylet, the Serve controller). Only this driver's own
+    cluster (its descendants): other Ray clusters on the machine are not measured."""
     import psutil
 
     kinds = {}
-    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
-        cmdline = " ".join(proc.info.get("cmdline") or [])
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(proc.cmdline())
+            name = proc.name()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
         if f"ServeReplica:{APP_NAME}:ingress" in cmdline:
-            kinds[proc.info["pid"]] = "ingress"
+            kinds[proc.pid] = "ingress"
         elif f"ServeReplica:{APP_NAME}:worker" in cmdline:
-            kinds[proc.info["pid"]] = "worker"
-        elif "ProxyActor" in cmdline or "haproxy" in (proc.info.get("name") or ""):
-            kinds[proc.info["pid"]] = "proxy"
-        elif any(name in cmdline for name in ("gcs_server", "raylet", "ServeController")):
-            kinds[proc.info["pid"]] = "daemon"
+            kinds[proc.pid] = "worker"
+        elif "ProxyActor" in cmdline or "haproxy" in name:
+            kinds[proc.pid] = "proxy"
+        elif any(daemon in cmdline for daemon in ("gcs_server", "raylet", "ServeController")):
+            kinds[proc.pid] = "daemon"
     return kinds
 
 
-def cpu_seconds(kinds: dict[int, str]) -> dict[str, float]:
+def cpu_seconds(kinds: dict[int, str]) -> dict[int, float]:
+    """pid -> user + system CPU seconds, for those of `kinds` still running."""
     import psutil
 
-    out: dict[str, float] = {}
-    for pid, kind in kinds.items():
+    out: dict[int, float] = {}
+    for pid in kinds:
         try:
             t = psutil.Process(pid).cpu_times()
         except psutil.NoSuchProcess:
             continue
-        out[kind] = out.get(kind, 0.0) + t.user + t.system
+        out[pid] = t.user + t.system
     return out
+
+
+def cpu_spent(kinds: dict[int, str], before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """CPU seconds per kind between two readings, over the processes alive at both."""
+    spent: dict[str, float] = {}
+    for pid in before.keys() & after.keys():
+        spent[kinds[pid]] = spent.get(kinds[pid], 0.0) + after[pid] - before[pid]
+    return spent
 
 
 # -- the load client (its own process) --------------------------------------------------------------
@@ -225,7 +239,7 @@ def measure(url: str, num_requests: int, max_tokens: int, stream: bool, seed: in
     result = run_client(url, num_requests, max_tokens, stream, seed)
     cpu_after = cpu_seconds(kinds)
     device_after = modelled_device_s()
-    spent = {k: cpu_after.get(k, 0.0) - cpu_before.get(k, 0.0) for k in cpu_after}
+    spent = cpu_spent(kinds, cpu_before, cpu_after)
     daemon = spent.pop("daemon", 0.0)
     if result["errors"]:
         print(f"  {result['errors']} errors, e.g. {result['error_sample']}", flush=True)

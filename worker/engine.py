@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from kv.block_hash import root_hash
 from kv.cache_manager import KVCacheManager, cdiv
@@ -35,7 +33,7 @@ from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
 from worker.step_budget import StepPredictor, engine_step_budget
-from worker.step_meters import OutputLengthTracker, PrefillRateMeter
+from worker.step_meters import OutputLengthTracker, PrefillRateMeter, StepCounters
 from worker.step_overlap import AppliedStep, LaunchedStep, overlaps
 from worker.structured.compiler import GrammarCompiler
 from worker.structured.state import GrammarState
@@ -44,8 +42,6 @@ if TYPE_CHECKING:  # torch: a simulated-device engine never imports it
     from worker.kv_tiers import TierManager
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # How long an otherwise idle step waits for a grammar compile (new requests wait at most
 # this long in the inbox meanwhile).
@@ -103,12 +99,7 @@ class Engine:
         # Multi-LoRA (worker/lora/): set by from_config when the engine config enables it.
         self.lora: EngineLoRA | None = None
         self.model_path: Path | None = None  # set when built from a model directory
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.step_time_s = 0.0
-        self.forward_time_s = 0.0
-        self.schedule_time_s = 0.0  # in Scheduler.schedule + Scheduler.update (CPU work)
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for tokens/s
+        self.counters = StepCounters()
         # For the routing-stats report (worker/routing_report.py): observed output lengths,
         # and the prefill rate in device seconds (a sleeping simulated runner's dilation
         # divided out; real runners report device time already).
@@ -293,7 +284,7 @@ class Engine:
             return step.outputs + self._failed_step(step.plan, e)
         applied = self._apply(step, result)
         outputs = step.outputs + self.step_outputs(applied)
-        self._account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
+        self.counters.account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
         return outputs
 
     # The overlapped step (worker/step_overlap.py draws its timeline): launch_step, then
@@ -327,7 +318,7 @@ class Engine:
         if step.error is not None:
             return AppliedStep(step.plan, failed=self._failed_step(step.plan, step.error))
         applied = self._apply(step, result)
-        self._account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
+        self.counters.account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
         return applied
 
     def step_outputs(self, applied: AppliedStep) -> list[RequestOutput]:
@@ -355,7 +346,7 @@ class Engine:
         tiers = self.tiers
         if tiers is not None and tiers.has_pending:  # disk reads done: those sequences run now
             self._finish_loads(tiers.poll())
-        plan = self._timed(self.scheduler.schedule)
+        plan = self.counters.timed(self.scheduler.schedule)
         if tiers is not None:  # evicted blocks down before this step overwrites them, then loads
             tiers.offload(self.kv.pool.evicted)
             if plan.kv_loads:
@@ -373,7 +364,7 @@ class Engine:
         if budget is not None and budget.corrected:  # before update moves num_computed_tokens
             budget.observe_plan(plan, result.token_ids, result.forward_s)
         saved = self.connector.save_kv(plan, result.token_ids)  # before update frees blocks
-        changed = self._timed(self.scheduler.update, plan, result.token_ids)
+        changed = self.counters.timed(self.scheduler.update, plan, result.token_ids)
         if self.tiers is not None:  # blocks computed this step, out to the shared store
             self.tiers.publish(self.kv.pool.stored)
         self.prefill_meter.record(plan.num_new_tokens, result.forward_s)
@@ -422,14 +413,6 @@ class Engine:
             seq.status = SequenceStatus.FINISHED
             outputs.append(self._fail_one(seq, f"LoRA adapter {seq.lora_name!r}: {message}"))
         return outputs
-
-    def _timed(self, fn: Callable[..., T], *args: object) -> T:
-        """Scheduler work, counted in scheduler_share."""
-        t = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.schedule_time_s += time.perf_counter() - t
 
     def _load_kv(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """Let the connector write imported KV; a failed import leaves the plan and fails."""
@@ -494,16 +477,6 @@ class Engine:
         out.error = message
         return out
 
-    def _account(self, num_tokens: int, step_s: float, forward_s: float) -> None:
-        self.num_steps += 1
-        self.num_generated_tokens += num_tokens
-        self.step_time_s += step_s
-        self.forward_time_s += forward_s
-        now = time.monotonic()
-        self._recent.append((now, num_tokens))
-        while self._recent and now - self._recent[0][0] > 5.0:
-            self._recent.popleft()
-
     @staticmethod
     def _output(seq: Sequence, new_token_ids: list[int], logprobs: list | None) -> RequestOutput:
         # Positional, in RequestOutput's field order: this runs once per token, and keywords
@@ -529,12 +502,10 @@ class Engine:
         )
 
     def stats(self) -> EngineStats:
-        recent = self._recent
-        span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
-        tokens_per_s = sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0
         kv = self.kv.stats()
         if self.tiers is not None:
             kv = replace(kv, **self.tiers.stats())
+        counters = self.counters
         return EngineStats(
             kv=kv,
             num_running=self.scheduler.num_running,
@@ -542,9 +513,9 @@ class Engine:
             # Uncached only (Scheduler.waiting_uncached_tokens): the router's prefill backlog.
             num_waiting_prompt_tokens=self.scheduler.waiting_uncached_tokens(),
             num_preemptions=self.scheduler.num_preemptions,
-            num_generated_tokens=self.num_generated_tokens,
-            num_steps=self.num_steps,
-            tokens_per_s=tokens_per_s,
-            forward_share=self.forward_time_s / self.step_time_s if self.step_time_s else 0.0,
-            scheduler_share=self.schedule_time_s / self.step_time_s if self.step_time_s else 0.0,
+            num_generated_tokens=counters.num_generated_tokens,
+            num_steps=counters.num_steps,
+            tokens_per_s=counters.tokens_per_s,
+            forward_share=counters.forward_share,
+            scheduler_share=counters.scheduler_share,
         )

@@ -1,6 +1,7 @@
-"""Two small measurements the engine keeps for its routing-stats report
-(worker/routing_report.py): how long outputs turn out to be, and how fast this device
-prefills. Torch-free, O(1) per record, no allocation beyond a bounded deque.
+"""What the engine measures of its steps. Its running totals (StepCounters: steps, tokens,
+where step time went, tokens per second), and two measurements for its routing-stats
+report (worker/routing_report.py): how long outputs turn out to be, and how fast this
+device prefills. Torch-free, O(1) per record, no allocation beyond a bounded deque.
 
     mean_output_tokens = mean num_output_tokens of the last `window` requests that finished
                          normally ("stop" / "length"; aborts and errors say nothing about
@@ -23,9 +24,65 @@ not its moments.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
 
 from worker.sequence import Sequence
+
+T = TypeVar("T")
+
+# The window of StepCounters.tokens_per_s.
+RATE_WINDOW_S = 5.0
+
+
+class StepCounters:
+    """The engine's totals since it started, and its recent generation rate."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.step_time_s = 0.0
+        self.forward_time_s = 0.0
+        self.schedule_time_s = 0.0  # in Scheduler.schedule + Scheduler.update (CPU work)
+        self._recent: deque[tuple[float, int]] = deque()  # (time.monotonic(), tokens)
+
+    def timed(self, fn: Callable[..., T], *args: object) -> T:
+        """Scheduler work, counted in scheduler_share."""
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.schedule_time_s += time.perf_counter() - t
+
+    def account(self, num_tokens: int, step_s: float, forward_s: float) -> None:
+        """One step that ran: `num_tokens` generated in `step_s`, `forward_s` of it the model."""
+        self.num_steps += 1
+        self.num_generated_tokens += num_tokens
+        self.step_time_s += step_s
+        self.forward_time_s += forward_s
+        now = time.monotonic()
+        self._recent.append((now, num_tokens))
+        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
+            self._recent.popleft()
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over the last RATE_WINDOW_S (the first step in the
+        window opens it: its tokens came before)."""
+        recent = self._recent
+        span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
+        return sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0
+
+    @property
+    def forward_share(self) -> float:
+        return self.forward_time_s / self.step_time_s if self.step_time_s else 0.0
+
+    @property
+    def scheduler_share(self) -> float:
+        return self.schedule_time_s / self.step_time_s if self.step_time_s else 0.0
+
 
 # Finish reasons that tell how long an answer runs (not "abort" / "error").
 NORMAL_FINISH_REASONS = frozenset({"stop", "length"})

@@ -66,7 +66,7 @@ def test_continuous_batching_takes_50_steps() -> None:
 
     num_steps = len(slot_use)
     assert num_steps == 50
-    assert engine.num_steps == 50
+    assert engine.counters.num_steps == 50
     assert engine.runner.num_calls == 50
     assert sum(slot_use) == sum(OUTPUT_LENS) == 155
     use = Fraction(sum(slot_use), NUM_SLOTS * num_steps)
@@ -82,7 +82,7 @@ def test_continuous_batching_takes_50_steps() -> None:
     }
     assert {rid: len(toks) for rid, toks in outputs.items()} == {f"r{i}": n for i, n in enumerate(OUTPUT_LENS)}
     assert all(set(toks) == {TOKEN} for toks in outputs.values())
-    assert engine.num_generated_tokens == 155
+    assert engine.counters.num_generated_tokens == 155
     assert_all_free(engine)
 
 

@@ -29,7 +29,7 @@ async def test_abort_frees_blocks_and_ends_stream(async_engine: AsyncEngine) -> 
     outs = [await anext(stream), await anext(stream)]
     assert async_engine.stats().kv.free_blocks < async_engine.stats().kv.total_blocks
     # The step in flight may still finish; the abort is applied right after it.
-    num_generated_at_abort = async_engine.engine.num_generated_tokens
+    num_generated_at_abort = async_engine.engine.counters.num_generated_tokens
     async_engine.abort("victim")
     outs += [out async for out in stream]
     last = outs[-1]

@@ -162,7 +162,7 @@ def test_random_load_tiny_pool_preempts_and_leaves_nothing_behind() -> None:
 def test_engine_step_with_nothing_to_do() -> None:
     engine = make_engine()
     assert engine.step() == []
-    assert engine.num_steps == 0
+    assert engine.counters.num_steps == 0
     assert engine.abort_request("nope") is None
 
 

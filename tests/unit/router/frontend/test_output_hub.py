@@ -178,7 +178,8 @@ async def test_a_stream_that_ended_idle_is_reopened_for_the_next_request() -> No
         second = await asyncio.wait_for(collect(hub.generate.remote(request("b", 5))), timeout=10)
     finally:
         stop(workers)
-    assert [len(o.new_token_ids) for o in first] == [1] * 5 and second[-1].finished
+    # A reader slower than the steps gets several steps' tokens in one output (absorb).
+    assert sum(len(o.new_token_ids) for o in first) == 5 and first[-1].finished and second[-1].finished
     assert handle.calls["outputs"] == 2
 
 
