@@ -234,10 +234,10 @@ def trace_breakdown(spans: list[Any], start_ns: int, end_ns: int, dilation: floa
         queue, prefill = t.get("kvserve.engine.queue"), t.get("kvserve.engine.prefill")
         if None in (req, gen, rep, queue, prefill) or not start_ns <= req.start_ns < end_ns:
             continue
-        ms = 1e-6 / dilation * 1000
+        ms = 1e-6 / dilation  # real ns -> modelled ms
         rows.setdefault(int(gen.attributes.get("kvserve.priority", 0)), []).append((
-            (gen.start_ns - req.start_ns) * ms / 1000, (rep.start_ns - gen.start_ns) * ms / 1000,
-            (queue.end_ns - queue.start_ns) * ms / 1000, (prefill.end_ns - prefill.start_ns) * ms / 1000,
+            (gen.start_ns - req.start_ns) * ms, (rep.start_ns - gen.start_ns) * ms,
+            (queue.end_ns - queue.start_ns) * ms, (prefill.end_ns - prefill.start_ns) * ms,
             float(rep.attributes.get("kvserve.num_preemptions", 0)),
         ))
     lines = [f"{'band':>4} {'n':>4} " + " ".join(f"{p + '_p50':>12} {p + '_p99':>12}" for p in PHASES)
