@@ -7,6 +7,8 @@ Bands (SamplingParams.priority, lower first, as vLLM's priority policy):
   goes back to the front of its band.
 - `victim`: the running sequence to preempt first is the worst band's most recently
   admitted (of all, when every band is the same).
+- `split_running`: within a step's token budget, a worse band's prompt chunks go after the
+  better bands' decodes, chunks and waiting prompts.
 
 Key shares (SamplingParams.tenant, the API key's id, and tenant_weight): within a band, a
 key may hold at most its weighted share of the replica's running slots while another key
@@ -15,12 +17,12 @@ of that band waits,
     share(k) = max_num_seqs * weight(k) / sum of the weights of the band's keys that run or wait
 
 - `KeyShares.pick`: the next waiting sequence to admit is the first of the head band whose
-  key is under its share (holds fewer running slots than share(k) - 1 + 1, i.e. one more
-  still fits it); when every waiting key of the band is at its share, the head (FIFO).
+  key is under its share (one more running slot keeps it within share(k)); when every
+  waiting key of the band is at its share, the head (FIFO: no slot stays idle).
 - `KeyShares.victim_for`: a waiting sequence of a key under its share that finds no slot
-  may preempt the most recently admitted running sequence of the same band's key furthest
-  over its share (strictly over: it stays at or over its share minus one, so the two never
-  trade places back and forth).
+  may preempt the most recently admitted running sequence of the band's key furthest over
+  its share. Only strictly over: the preempted key cannot take the slot back (it is still
+  not under its share), so no two keys trade a slot back and forth.
 Sequences without a tenant ("") count as one key. Why in the engine, not at admission: only
 the engine knows, step by step, which key holds which of its slots; the ingress sees each
 replica's totals, and its hold queue already shares its places by the same weights.
