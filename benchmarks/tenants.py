@@ -217,14 +217,16 @@ def report(alone: list[Outcome], overload: list[Outcome], dilation: float) -> li
     return lines
 
 
-PHASES = ("hold", "dispatch", "queue", "prefill")
+PHASES = ("hold", "dispatch", "queue", "prefill", "traced")  # traced: the four together
 
 
 def trace_breakdown(spans: list[Any], start_ns: int, end_ns: int, dilation: float) -> list[str]:
     """Where each band's TTFT went (modelled ms), from the spans of the requests that arrived
     in [start_ns, end_ns): hold (admission at the ingress: request -> engine request),
     dispatch (engine request -> the replica's call), queue (the engine's waiting queue),
-    prefill (first admission -> first token); and preemptions."""
+    prefill (first admission -> first token), traced (the four together: the TTFT from the
+    ingress's arrival; the client's TTFT adds the HTTP proxy and the stream's way back);
+    and preemptions."""
     by_trace: dict[str, dict[str, Any]] = {}
     for s in spans:
         by_trace.setdefault(s.trace_id, {})[s.name] = s
@@ -235,11 +237,10 @@ def trace_breakdown(spans: list[Any], start_ns: int, end_ns: int, dilation: floa
         if None in (req, gen, rep, queue, prefill) or not start_ns <= req.start_ns < end_ns:
             continue
         ms = 1e-6 / dilation  # real ns -> modelled ms
-        rows.setdefault(int(gen.attributes.get("kvserve.priority", 0)), []).append((
-            (gen.start_ns - req.start_ns) * ms, (rep.start_ns - gen.start_ns) * ms,
-            (queue.end_ns - queue.start_ns) * ms, (prefill.end_ns - prefill.start_ns) * ms,
-            float(rep.attributes.get("kvserve.num_preemptions", 0)),
-        ))
+        phases = ((gen.start_ns - req.start_ns) * ms, (rep.start_ns - gen.start_ns) * ms,
+                  (queue.end_ns - queue.start_ns) * ms, (prefill.end_ns - prefill.start_ns) * ms)
+        rows.setdefault(int(gen.attributes.get("kvserve.priority", 0)), []).append(
+            (*phases, sum(phases), float(rep.attributes.get("kvserve.num_preemptions", 0))))
     lines = [f"{'band':>4} {'n':>4} " + " ".join(f"{p + '_p50':>12} {p + '_p99':>12}" for p in PHASES)
              + f" {'preempted':>9}  (modelled ms)"]
     for band in sorted(rows):
@@ -247,7 +248,7 @@ def trace_breakdown(spans: list[Any], start_ns: int, end_ns: int, dilation: floa
         cols = " ".join(f"{percentile([x[i] for x in r], 0.5):>12.1f} {percentile([x[i] for x in r], 0.99):>12.1f}"
                         for i in range(len(PHASES)))
         lines.append(f"{band:>4} {len(r):>4} {cols} {sum(x[-1] > 0 for x in r):>9}")
-    worst = sorted(rows.get(min(rows), []) if rows else [], key=lambda x: -sum(x[:4]))[:5]
+    worst = sorted(rows.get(min(rows), []) if rows else [], key=lambda x: -x[4])[:5]
     for x in worst:
         lines.append("best band, slowest: " + " ".join(f"{p}={v:.1f}" for p, v in zip(PHASES, x)) + f" preemptions={x[-1]:g}")
     return lines

@@ -55,5 +55,6 @@ def test_trace_breakdown_splits_ttft_into_phases_per_band() -> None:
     lines = trace_breakdown(spans, int(500e6), int(3000e6), dilation=10.0)
     row = lines[1].split()
     assert row[:2] == ["0", "1"]
-    assert [float(x) for x in row[2:10]] == [10.0, 10.0, 2.0, 2.0, 5.0, 5.0, 20.0, 20.0] and row[10] == "1"
-    assert lines[2] == "best band, slowest: hold=10.0 dispatch=2.0 queue=5.0 prefill=20.0 preemptions=1"
+    assert [float(x) for x in row[2:12]] == [10.0, 10.0, 2.0, 2.0, 5.0, 5.0, 20.0, 20.0, 37.0, 37.0]
+    assert row[12] == "1"
+    assert lines[2] == "best band, slowest: hold=10.0 dispatch=2.0 queue=5.0 prefill=20.0 traced=37.0 preemptions=1"
