@@ -14,9 +14,9 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
    blocks those behind it (no starvation). A sequence carrying imported KV
    (`seq.kv_import`, disaggregation) is admitted by the same rule; its prompt counts as
    computed (the KV connector writes it before the step executes).
-   The prompt chunks of running sequences of a worse band than the waiting head's go
-   after the better waiting prompts: a better band's prefill never waits a step for
-   the budget behind a worse band's.
+   The prompt chunks of a worse band than the best that runs or waits go after the
+   better bands' decodes, chunks and waiting prompts: a better band's prefill never
+   waits a step for the budget behind a worse band's.
 3. with KV tiers below the device (`tiers`, worker/kv_tiers.py), a waiting sequence whose
    prefix continues past the device's cache in a lower tier is admitted into `loading`
    instead: blocks for the whole found prefix are allocated, the plan's `kv_loads` says

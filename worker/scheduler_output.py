@@ -40,7 +40,7 @@ class SchedulerOutput:
     lora_loads: list[tuple[int, str]] = field(default_factory=list)
     # Admitted this step into `loading`: the engine starts their tier copies.
     kv_loads: list[TierLoad] = field(default_factory=list)
-    # How many of `preempted` made room for a better priority band (the first ones).
+    # How many of `preempted` made room for a better band or a key's share (the first ones).
     preempted_for_priority: int = 0
 
     @property
