@@ -67,6 +67,9 @@ class BenchSpec:
     # Running sequences per replica: small, so that the cluster's capacity is a number of
     # slots (overload then queues and shows in TTFT, as on a KV-bound GPU) on this box.
     max_num_seqs: int = 8
+    # engine.max_step_time_s in modelled ms (0: unset): bounds the steps a better band's
+    # request may arrive behind (a worse band's 2048-token chunk beside decodes: ~52 ms).
+    max_step_time_ms: float = 0.0
     time_dilation: float = 10.0
     stats_period_s: float = 1.0
     slo_ttft_ms: float = 2000.0  # modelled
@@ -90,7 +93,8 @@ def app_config(spec: BenchSpec, otlp_endpoint: str | None = None) -> Any:
         "app_name": APP_NAME, "route_prefix": f"/{APP_NAME}",
         "model": {"served_model_name": MODEL},
         "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "time_dilation": spec.time_dilation,
-                   "max_model_len": 4096, "max_num_seqs": spec.max_num_seqs},
+                   "max_model_len": 4096, "max_num_seqs": spec.max_num_seqs,
+                   **({"max_step_time_s": spec.max_step_time_ms / 1000} if spec.max_step_time_ms else {})},
         "workers": {"num_replicas": spec.num_replicas, "num_cpus": 0.1},
         "ingress": {"num_replicas": 1, "num_cpus": 0.5, "admission_queue_size": spec.admission_queue_size,
                     "admission_max_wait_s": spec.admission_max_wait_s,
