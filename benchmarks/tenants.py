@@ -67,6 +67,9 @@ class BenchSpec:
     # Running sequences per replica: small, so that the cluster's capacity is a number of
     # slots (overload then queues and shows in TTFT, as on a KV-bound GPU) on this box.
     max_num_seqs: int = 8
+    # engine.max_step_time_s in modelled ms (0: unset): bounds the steps a better band's
+    # request may arrive behind (a worse band's 2048-token chunk beside decodes: ~52 ms).
+    max_step_time_ms: float = 0.0
     time_dilation: float = 10.0
     stats_period_s: float = 1.0
     slo_ttft_ms: float = 2000.0  # modelled
@@ -74,6 +77,7 @@ class BenchSpec:
     admission_queue_size: int = 32
     admission_max_wait_s: float = 60.0  # real seconds
     quick: bool = False
+    trace: bool = False  # OpenTelemetry spans of every request: where each band's TTFT goes
 
 
 def key_id(name: str) -> str:
@@ -82,19 +86,21 @@ def key_id(name: str) -> str:
     return key_id_of(hash_key(f"kvserve-bench-{name}"))
 
 
-def app_config(spec: BenchSpec) -> Any:
+def app_config(spec: BenchSpec, otlp_endpoint: str | None = None) -> Any:
     from cluster.config import KVServeConfig
 
     return KVServeConfig.from_dict({
         "app_name": APP_NAME, "route_prefix": f"/{APP_NAME}",
         "model": {"served_model_name": MODEL},
         "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "time_dilation": spec.time_dilation,
-                   "max_model_len": 4096, "max_num_seqs": spec.max_num_seqs},
+                   "max_model_len": 4096, "max_num_seqs": spec.max_num_seqs,
+                   **({"max_step_time_s": spec.max_step_time_ms / 1000} if spec.max_step_time_ms else {})},
         "workers": {"num_replicas": spec.num_replicas, "num_cpus": 0.1},
         "ingress": {"num_replicas": 1, "num_cpus": 0.5, "admission_queue_size": spec.admission_queue_size,
                     "admission_max_wait_s": spec.admission_max_wait_s,
                     "key_priorities": {key_id(name): band for name, (band, _) in KEYS.items()}},
         "routing": {"router": "headroom", "stats_period_s": spec.stats_period_s},
+        **({"observability": {"otlp_endpoint": otlp_endpoint, "otlp_protocol": "http/protobuf"}} if otlp_endpoint else {}),
     })
 
 
@@ -135,8 +141,11 @@ class Outcome:
     error: str | None = None  # why it failed (cluster/bench's short reason and the server's message)
 
 
-async def drive(url: str, workloads: dict[str, list[Any]], dilation: float, slo_s: tuple[float, float] = (2.0, 0.1)) -> list[Outcome]:
-    """Every key's requests at arrival x dilation, each with its key; one Outcome each."""
+async def drive(url: str, workloads: dict[str, list[Any]], dilation: float, slo_s: tuple[float, float] = (2.0, 0.1),
+                cache_salt: str | None = None) -> list[Outcome]:
+    """Every key's requests at arrival x dilation, each with its key; one Outcome each.
+    `cache_salt`: the phase's own prefix-cache partition, so that a phase replaying another's
+    prompts does not find their KV cached (each phase prefills as if first)."""
     from cluster.bench.run import make_client
     from cluster.bench.stream import send_request
     from cluster.bench.workload import BenchRequest
@@ -150,7 +159,8 @@ async def drive(url: str, workloads: dict[str, list[Any]], dilation: float, slo_
         bench = BenchRequest(index=i, prompt=list(r.prompt_token_ids), prompt_len=len(r.prompt_token_ids),  # type: ignore[arg-type]
                              max_tokens=r.max_tokens)
         body = {"model": MODEL, "prompt": list(r.prompt_token_ids), "max_tokens": r.max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+                "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0,
+                **({"cache_salt": cache_salt} if cache_salt else {})}
         headers = {"Authorization": f"Bearer kvserve-bench-{name}"}
         return name, await send_request(client, url, body, bench, "completions", start_perf, headers=headers)
 
@@ -211,6 +221,43 @@ def report(alone: list[Outcome], overload: list[Outcome], dilation: float) -> li
     return lines
 
 
+PHASES = ("hold", "dispatch", "queue", "prefill", "traced")  # traced: the four together
+
+
+def trace_breakdown(spans: list[Any], start_ns: int, end_ns: int, dilation: float) -> list[str]:
+    """Where each band's TTFT went (modelled ms), from the spans of the requests that arrived
+    in [start_ns, end_ns): hold (admission at the ingress: request -> engine request),
+    dispatch (engine request -> the replica's call), queue (the engine's waiting queue),
+    prefill (first admission -> first token), traced (the four together: the TTFT from the
+    ingress's arrival; the client's TTFT adds the HTTP proxy and the stream's way back);
+    and preemptions."""
+    by_trace: dict[str, dict[str, Any]] = {}
+    for s in spans:
+        by_trace.setdefault(s.trace_id, {})[s.name] = s
+    rows: dict[int, list[tuple[float, ...]]] = {}
+    for t in by_trace.values():
+        req, gen, rep = t.get("kvserve.request"), t.get("kvserve.generate"), t.get("kvserve.replica")
+        queue, prefill = t.get("kvserve.engine.queue"), t.get("kvserve.engine.prefill")
+        if None in (req, gen, rep, queue, prefill) or not start_ns <= req.start_ns < end_ns:
+            continue
+        ms = 1e-6 / dilation  # real ns -> modelled ms
+        phases = ((gen.start_ns - req.start_ns) * ms, (rep.start_ns - gen.start_ns) * ms,
+                  (queue.end_ns - queue.start_ns) * ms, (prefill.end_ns - prefill.start_ns) * ms)
+        rows.setdefault(int(gen.attributes.get("kvserve.priority", 0)), []).append(
+            (*phases, sum(phases), float(rep.attributes.get("kvserve.num_preemptions", 0))))
+    lines = [f"{'band':>4} {'n':>4} " + " ".join(f"{p + '_p50':>12} {p + '_p99':>12}" for p in PHASES)
+             + f" {'preempted':>9}  (modelled ms)"]
+    for band in sorted(rows):
+        r = rows[band]
+        cols = " ".join(f"{percentile([x[i] for x in r], 0.5):>12.1f} {percentile([x[i] for x in r], 0.99):>12.1f}"
+                        for i in range(len(PHASES)))
+        lines.append(f"{band:>4} {len(r):>4} {cols} {sum(x[-1] > 0 for x in r):>9}")
+    worst = sorted(rows.get(min(rows), []) if rows else [], key=lambda x: -x[4])[:5]
+    for x in worst:
+        lines.append("best band, slowest: " + " ".join(f"{p}={v:.1f}" for p, v in zip(PHASES, x)) + f" preemptions={x[-1]:g}")
+    return lines
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -223,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     for f in fields(BenchSpec):
         if f.name == "quick":
             p.add_argument("--quick", action="store_true", help="120 requests")
+            continue
+        if f.name == "trace":
+            p.add_argument("--trace", action="store_true", help="per-band TTFT breakdown from the requests' spans")
             continue
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))
     args = p.parse_args(argv)
@@ -251,13 +301,18 @@ def main(argv: list[str] | None = None) -> int:
 
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     port = _free_port()
+    receiver = None
+    if spec.trace:
+        from tests.integration.otlp_receiver import OTLPReceiver
+
+        receiver = OTLPReceiver()
     start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
                     runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled",
                                               "KVSERVE_API_KEYS": os.environ["KVSERVE_API_KEYS"]}})
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
     try:
         t = time.perf_counter()
-        serve.run(build_app(app_config(spec)), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+        serve.run(build_app(app_config(spec, receiver.endpoint if receiver else None)), name=APP_NAME, route_prefix=f"/{APP_NAME}")
         url = f"http://127.0.0.1:{port}/{APP_NAME}/v1/completions"
         warm = {name: [replace(r, arrival_s=0.0, max_tokens=2) for r in rs[:1]] for name, rs in workloads.items()}
         asyncio.run(drive(url, warm, 1.0))
@@ -265,15 +320,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"app up and warm in {time.perf_counter() - t:.0f} s; load average {os.getloadavg()[0]:.1f}", flush=True)
         t = time.perf_counter()
         slo = (spec.slo_ttft_ms / 1000, spec.slo_itl_ms / 1000)
-        alone = asyncio.run(drive(url, {name: workloads[name] for name in PREMIUM}, spec.time_dilation, slo))
+        alone = asyncio.run(drive(url, {name: workloads[name] for name in PREMIUM}, spec.time_dilation, slo, "alone"))
         print(f"alone: {time.perf_counter() - t:.0f} s real; load average {os.getloadavg()[0]:.1f}", flush=True)
         time.sleep(2 * spec.stats_period_s)
-        t = time.perf_counter()
-        overload = asyncio.run(drive(url, workloads, spec.time_dilation, slo))
+        t, overload_ns = time.perf_counter(), time.time_ns()
+        overload = asyncio.run(drive(url, workloads, spec.time_dilation, slo, "overload"))
         print(f"overload: {time.perf_counter() - t:.0f} s real; load average {os.getloadavg()[0]:.1f}", flush=True)
+        if receiver is not None:
+            time.sleep(8.0)  # the replicas' span exporters send in batches, every few seconds
+            spans = receiver.snapshot()
+            for phase, (a, b) in (("alone", (0, overload_ns)), ("overload", (overload_ns, time.time_ns()))):
+                print(f"trace, {phase}:")
+                for line in trace_breakdown(spans, a, b, spec.time_dilation):
+                    print("  " + line)
     finally:
         serve.shutdown()
         ray.shutdown()
+        if receiver is not None:
+            receiver.close()
     for line in report(alone, overload, spec.time_dilation):
         print(line)
     return 0

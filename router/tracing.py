@@ -123,6 +123,7 @@ class RequestTrace:
                 "kvserve.request_id": request.request_id,
                 "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
                 "gen_ai.request.max_tokens": request.params.max_tokens,
+                "kvserve.priority": request.params.priority,
             },
         )
         carrier: dict[str, str] = {}

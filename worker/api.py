@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_PRIORITY = 1_000_000
+MAX_TENANT_CHARS = 64  # a key id is 12 hex digits; room for other principals' names
 MAX_CACHE_SALT_CHARS = 1024  # a client's; the engine takes room for the ingress's key frame too
 _CACHE_SALT_FRAME_CHARS = 64
 # OpenAI's logit_bias: at most this many entries, each bias in [-100, 100].
@@ -91,6 +92,11 @@ class SamplingParams:
     # vLLM's priority: lower values are served first; a waiting request of a better band may
     # preempt a running one of a worse band (worker/scheduler.py). The ingress bounds it per key.
     priority: int = 0
+    # The API key it came with (the key's id; "" none) and the key's weight: within a band
+    # the engine keeps each key to its weighted share of the running slots while another
+    # key waits (worker/bands.py). Set by the ingress from its key table, never by a client.
+    tenant: str = ""
+    tenant_weight: int = 1
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -142,6 +148,10 @@ class SamplingParams:
             raise bad(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if not isinstance(self.priority, int) or not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise bad(f"priority must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
+        if not isinstance(self.tenant, str) or len(self.tenant) > MAX_TENANT_CHARS:
+            raise bad(f"tenant must be a string of at most {MAX_TENANT_CHARS} characters")
+        if not isinstance(self.tenant_weight, int) or self.tenant_weight < 1:
+            raise bad(f"tenant_weight must be an integer >= 1, got {self.tenant_weight!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:

@@ -5,98 +5,48 @@ Policy (one rule covers prefill, chunked prefill, decode and recompute: each sch
 sequence's `num_computed_tokens` catches up with its `num_tokens`):
 1. running sequences first, in admission order: each gets what it still lacks (1 token
    for a decode, the rest of the prompt for a chunked prefill) within the token budget;
-   when one cannot get a block, the most recently admitted running sequence is preempted
-   (blocks freed, requeued at the front of `waiting`, recomputed later);
-   (with priorities: the lowest band's most recently admitted goes first);
-2. then waiting sequences in priority order (SamplingParams.priority, lower first, FIFO
-   within a band; one band by default) fill what is left of the token budget with
-   prompt chunks (chunked prefill), up to `max_num_seqs`, admitted only when their
-   blocks fit. A blocked head of the queue blocks those behind it (no starvation).
-   A sequence carrying imported KV (`seq.kv_import`, disaggregation) is admitted by the
-   same rule; its prompt counts as computed (the KV connector writes the payload into
-   its blocks before the step executes), so it only schedules its first decode token.
+   when one cannot get a block, the worst band's most recently admitted running sequence
+   is preempted (blocks freed, requeued at the front of its band, recomputed later);
+2. then waiting sequences in band order (worker/bands.py: SamplingParams.priority, lower
+   first, FIFO within a band, a key over its share of the band's slots passed over) fill
+   what is left of the token budget with prompt chunks (chunked prefill), up to
+   `max_num_seqs`, admitted only when their blocks fit. A blocked head of the queue
+   blocks those behind it (no starvation). A sequence carrying imported KV
+   (`seq.kv_import`, disaggregation) is admitted by the same rule; its prompt counts as
+   computed (the KV connector writes it before the step executes).
+   The prompt chunks of a worse band than the best that runs or waits go after the
+   better bands' decodes, chunks and waiting prompts: a better band's prefill never
+   waits a step for the budget behind a worse band's.
 3. with KV tiers below the device (`tiers`, worker/kv_tiers.py), a waiting sequence whose
    prefix continues past the device's cache in a lower tier is admitted into `loading`
    instead: blocks for the whole found prefix are allocated, the plan's `kv_loads` says
-   which tier blocks go into which device blocks, the engine copies them (a disk read
-   runs in the background), and `finish_load` moves the sequence to `running` with the
-   loaded blocks computed and cached. It takes no token budget while it loads, so the
-   step runs without it; a load that comes up short leaves the rest to compute.
+   which tier blocks go into which device blocks, the engine copies them, and
+   `finish_load` moves the sequence to `running` with the loaded blocks computed and
+   cached. It takes no token budget while it loads.
 The token budget is max_num_batched_tokens; with a step-time budget (`step_budget`, set by
 the engine when SchedulerConfig.max_step_time_s is) each prompt chunk of a step that
-carries decodes gets only the tokens that keep the step's predicted time within it, priced
-at its own context beside the rows planned before it (worker/step_budget.py).
-Before both, a waiting head of a better band that could not be admitted (no running slot
-or no blocks) preempts the lowest band's running sequences, most recent first; a preempted
-sequence is recomputed and resumes exactly (its tokens are kept).
+carries decodes gets only the tokens that keep the step's predicted time within it
+(worker/step_budget.py).
+Before all, a waiting sequence that could not be admitted (no running slot or no blocks)
+preempts a running one of a worse band, or of its band's key furthest over its share when
+its own key is under (worker/bands.py); a preempted sequence resumes exactly.
 Torch-free on purpose: it is unit-tested on its own.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections import Counter, deque
+from itertools import groupby
 
 from kv.cache_manager import KVCacheManager
+from worker import bands
+from worker.bands import KeyShares, enqueue
 from worker.config import SchedulerConfig
 from worker.lora.slots import LoRASlots
+from worker.scheduler_output import SchedulerOutput, TierIndex, TierLoad
 from worker.sequence import Sequence, SequenceStatus
+from worker.stop_check import check_stop
 from worker.step_budget import MIN_PREFILL_TOKENS, StepTimeBudget
-
-
-class TierIndex(Protocol):
-    def num_available(self, block_hashes: list[int]) -> int:
-        """How many of these chained blocks, from the first, a lower tier holds."""
-        ...
-
-
-@dataclass
-class TierLoad:
-    """Blocks of `seq`'s prefix to copy from a lower tier: block_hashes[i] into device
-    block block_ids[i]. They follow `seq`'s device cache hits, which end at token
-    `num_computed_tokens`."""
-
-    seq: Sequence
-    block_hashes: list[int]
-    block_ids: list[int]
-
-
-@dataclass
-class SchedulerOutput:
-    """The plan for one step: `num_new_tokens[i]` tokens of `seqs[i]`, starting at its
-    `num_computed_tokens`, go into this step's flat batch."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    block_ids: list[list[int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    # Admitted this step with imported KV: the connector loads it before execute.
-    kv_imports: list[Sequence] = field(default_factory=list)
-    # (slot, adapter name): adapters to write into device slots before the step runs.
-    lora_loads: list[tuple[int, str]] = field(default_factory=list)
-    # Admitted this step into `loading`: the engine starts their tier copies.
-    kv_loads: list[TierLoad] = field(default_factory=list)
-    # How many of `preempted` made room for a better priority band (the first ones).
-    preempted_for_priority: int = 0
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the plan before it executes (its KV import failed)."""
-        i = next(j for j, s in enumerate(self.seqs) if s is seq)
-        del self.seqs[i], self.num_new_tokens[i], self.block_ids[i]
-
-    def samples(self, i: int) -> bool:
-        """Does seqs[i] reach the end of its tokens this step (and so sample one)?"""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
 
 
 class Scheduler:
@@ -112,6 +62,9 @@ class Scheduler:
         self._timed_rows: list[tuple[int, int, bool]] | None = None  # this step's, under step_budget
         self._prefill_planned = False
         self.lora_slots: LoRASlots | None = None  # the engine's, when LoRA is enabled
+        # Waiting sequences per (band, key), and each key's weight (worker/bands.py).
+        self._waiting_keys: Counter[tuple[int, str]] = Counter()
+        self._weights: dict[str, int] = {}
 
     @property
     def num_waiting(self) -> int:
@@ -129,19 +82,19 @@ class Scheduler:
         self._enqueue(seq, front_of_band=False)
 
     def _enqueue(self, seq: Sequence, front_of_band: bool) -> None:
-        """Into `waiting`, ordered by priority band (lower value first, as vLLM's priority
-        policy), FIFO within a band; a preempted sequence goes to the front of its band.
-        All at one priority (the default): append / appendleft."""
-        waiting, band = self.waiting, seq.params.priority
-        if front_of_band:
-            i = 0
-            while i < len(waiting) and waiting[i].params.priority < band:
-                i += 1
-        else:
-            i = len(waiting)
-            while i > 0 and waiting[i - 1].params.priority > band:
-                i -= 1
-        waiting.insert(i, seq)
+        enqueue(self.waiting, seq, front_of_band)
+        self._waiting_keys[seq.params.priority, seq.params.tenant] += 1
+        self._weights[seq.params.tenant] = seq.params.tenant_weight
+
+    def _take_waiting(self, i: int) -> Sequence:
+        """Remove and return waiting[i] (the head, unless a key's share picked another)."""
+        seq = self.waiting[i]
+        del self.waiting[i]
+        key = seq.params.priority, seq.params.tenant
+        self._waiting_keys[key] -= 1
+        if not self._waiting_keys[key]:
+            del self._waiting_keys[key]
+        return seq
 
     # -- planning ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -152,43 +105,55 @@ class Scheduler:
         # no step-time budget, or no decode that a prefill could stall.
         self._timed_rows = self._decode_rows() if self.step_budget is not None else None
         self._prefill_planned = False
-        self._preempt_for_priority(out)
-        budget = self._schedule_running(out, budget)
-        if len(out.preempted) == out.preempted_for_priority:  # else memory is short: do not admit more
-            self._schedule_waiting(out, budget)
+        shares = self._shares()
+        self._preempt_for_priority(out, shares)
+        first, deferred = bands.split_running(self.running, self.waiting)
+        budget = self._schedule_running(out, budget, first)
+        stopped = False
+        for band, chunks in groupby(deferred, key=lambda s: s.params.priority):
+            # A worse band's prompt chunks take what the better waiting prompts leave.
+            if not stopped and self._may_admit(out):
+                budget, stopped = self._schedule_waiting(out, budget, shares, band)
+            budget = self._schedule_running(out, budget, list(chunks))
+        if not stopped and self._may_admit(out):
+            self._schedule_waiting(out, budget, shares)
         return out
 
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """A waiting head of a better band than some running sequence takes its place when
-        it could not be admitted otherwise (no running slot, or its blocks do not fit):
-        the lowest band's most recently admitted sequence is preempted (recomputed later,
-        so it resumes exactly where it was). Never within a band."""
+    @staticmethod
+    def _may_admit(out: SchedulerOutput) -> bool:
+        """No admission in a step that preempted for want of memory."""
+        return len(out.preempted) == out.preempted_for_priority
+
+    def _shares(self) -> KeyShares | None:
+        """Who holds the running slots, per band and key: while sequences wait and two keys
+        or more have been seen (worker/bands.py)."""
+        if not self.waiting or len(self._weights) < 2:
+            return None
+        return KeyShares(self.running, self._waiting_keys, self._weights, self.config.max_num_seqs)
+
+    def _preempt_for_priority(self, out: SchedulerOutput, shares: KeyShares | None) -> None:
+        """The next waiting sequence takes a running one's place when it could not be
+        admitted otherwise (no running slot, or its blocks do not fit) and it is of a better
+        band (the worst band's most recently admitted goes), or of a key under its share of
+        its band whose slots another key holds over its own (worker/bands.py). A preempted
+        sequence is recomputed later, so it resumes exactly where it was."""
         while self.waiting and self.running:
-            head = self.waiting[0]
-            victim = self._victim()
-            if victim.params.priority <= head.params.priority:
-                return
-            if len(self.running) < self.config.max_num_seqs and self._fits(head):
+            head = self.waiting[shares.pick(self.waiting) if shares is not None else 0]
+            victim = bands.victim_for_waiting(head, self.running, shares)
+            if victim is None or (len(self.running) < self.config.max_num_seqs and self._fits(head)):
                 return
             self.running.remove(victim)
+            if shares is not None:
+                shares.preempted(victim)
             self._preempt(victim)
             out.preempted.append(victim)
-            # For a better band, not for want of memory: admission goes on this step.
+            # For a better band or a fair share, not for want of memory: admission goes on.
             out.preempted_for_priority += 1
 
     def _fits(self, seq: Sequence) -> bool:
         """Could `seq`'s whole uncomputed prompt get its blocks now (cache hits counted)?"""
         hits = [] if seq.kv_import is not None else self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root)
         return self.kv.can_allocate(seq.request_id, seq.num_tokens, hits)
-
-    def _victim(self) -> Sequence:
-        """The running sequence to preempt first: the lowest band's most recently admitted
-        (the most recently admitted of all when every band is the same)."""
-        victim = self.running[-1]
-        for seq in reversed(self.running):
-            if seq.params.priority > victim.params.priority:
-                victim = seq
-        return victim
 
     def _decode_rows(self) -> list[tuple[int, int, bool]] | None:
         """The running decodes as cost rows (new tokens, context, samples), or None if none."""
@@ -206,16 +171,18 @@ class Scheduler:
             self._prefill_planned = True
         return n
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        running, kv = self.running, self.kv
-        i = 0
-        while i < len(running) and budget > 0:
-            seq = running[i]
+    def _schedule_running(self, out: SchedulerOutput, budget: int, seqs: list[Sequence]) -> int:
+        """Plan `seqs` (running, in order) within `budget`; returns what is left of it."""
+        kv, running = self.kv, SequenceStatus.RUNNING
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.status is not running:  # preempted earlier this step
+                continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new > 1 and self._timed_rows is not None:  # a prompt chunk beside decodes
                 num_new = self._time_capped(num_new, seq.num_computed_tokens)
                 if num_new == 0:
-                    i += 1
                     continue
             total = seq.num_computed_tokens + num_new
             # Most decode steps need no new block: no check, no allocation.
@@ -224,18 +191,15 @@ class Scheduler:
                 if not self._make_room(out, seq, total):  # preempts from the tail of `running`
                     break
                 block_ids = kv.allocate(seq.request_id, total)
-            out.seqs.append(seq)
-            out.num_new_tokens.append(num_new)
-            out.block_ids.append(block_ids)
+            self._add_to_plan(out, seq, num_new, block_ids)
             budget -= num_new
-            i += 1
         return budget
 
     def _make_room(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the most recently admitted running sequences until `seq` can hold
         `num_tokens`; False when `seq` itself had to go."""
         while not self.kv.can_allocate(seq.request_id, num_tokens):
-            victim = self._victim()  # the lowest band's most recently admitted
+            victim = bands.victim(self.running)  # the worst band's most recently admitted
             self.running.remove(victim)
             if victim in out.seqs:  # planned earlier this step: out of the plan
                 out.remove(victim)
@@ -245,10 +209,18 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, shares: KeyShares | None,
+                          below_band: int | None = None) -> tuple[int, bool]:
+        """Admit waiting sequences in order (a key's share may pick one further down its
+        band) while budget, slots and blocks last, and, given `below_band`, only those of a
+        better band. Returns what is left of the budget, and whether admission stopped for
+        good this step (False: it reached `below_band`)."""
         while (self.waiting and budget > 0
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+            i = shares.pick(self.waiting) if shares is not None else 0
+            seq = self.waiting[i]
+            if below_band is not None and seq.params.priority >= below_band:
+                return budget, False
             if seq.kv_import is not None:  # its prompt's KV arrives with it
                 hits, num_computed = [], seq.kv_import.num_tokens
             elif seq.params.prompt_logprobs is not None:
@@ -260,8 +232,10 @@ class Scheduler:
                 num_computed = len(hits) * self.kv.block_size
                 num_tier = self._num_tier_blocks(seq, len(hits))
                 if num_tier:
-                    if not self._admit_loading(out, seq, hits, num_tier):
+                    if not self._admit_loading(out, i, hits, num_tier):
                         break
+                    if shares is not None:
+                        shares.admitted(seq)
                     continue
             num_new = min(seq.num_tokens - num_computed, budget)
             if num_new > 1 and self._timed_rows is not None:  # a prompt beside decodes
@@ -286,10 +260,13 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.scheduled_time is None:  # once per request, not per step (tracing, worker/tracing.py)
                 seq.scheduled_time = time.monotonic()
-            self.waiting.popleft()
+            self._take_waiting(i)
             self.running.append(seq)
+            if shares is not None:
+                shares.admitted(seq)
             self._add_to_plan(out, seq, num_new, block_ids)
             budget -= num_new
+        return budget, True
 
     def _num_tier_blocks(self, seq: Sequence, num_hits: int) -> int:
         """Blocks right after the device hits that a lower tier holds (one token is always
@@ -300,9 +277,10 @@ class Scheduler:
         hashes = self.kv.block_hashes(seq.request_id)[num_hits:max_blocks]
         return self.tiers.num_available(hashes) if hashes else 0
 
-    def _admit_loading(self, out: SchedulerOutput, seq: Sequence, hits: list, num_tier: int) -> bool:
-        """Admit `seq` into `loading` with blocks for its device hits and `num_tier` tier
-        blocks after them; False when they do not fit (it stays at the queue's head)."""
+    def _admit_loading(self, out: SchedulerOutput, i: int, hits: list, num_tier: int) -> bool:
+        """Admit waiting[i] into `loading` with blocks for its device hits and `num_tier`
+        tier blocks after them; False when they do not fit (it stays where it waits)."""
+        seq = self.waiting[i]
         num_hits, block_size = len(hits), self.kv.block_size
         num_tokens = (num_hits + num_tier) * block_size
         if not self.kv.can_allocate(seq.request_id, num_tokens, hits):
@@ -315,7 +293,7 @@ class Scheduler:
         seq.status = SequenceStatus.LOADING
         if seq.scheduled_time is None:
             seq.scheduled_time = time.monotonic()
-        self.waiting.popleft()
+        self._take_waiting(i)
         self.loading.append(seq)
         return True
 
@@ -371,7 +349,7 @@ class Scheduler:
                 continue  # a prompt chunk that did not reach the end of the prompt
             seq.token_ids.append(token_id)  # Sequence.append_token, inlined (once per token)
             changed.append(seq)
-            if self._check_stop(seq, token_id):
+            if check_stop(seq, token_id, self.config.max_model_len):
                 any_finished = True
                 kv.free(seq.request_id)
                 if seq.lora_slot >= 0:
@@ -379,28 +357,6 @@ class Scheduler:
         if any_finished:
             self.running = [s for s in self.running if s.status is running]
         return changed
-
-    def _check_stop(self, seq: Sequence, token_id: int) -> bool:
-        params = seq.params
-        num_tokens = len(seq.token_ids)
-        num_output = num_tokens - seq.num_prompt_tokens
-        reason: str | None = None
-        # A constrained output is complete when its grammar terminates (every token
-        # advances the matcher, so this runs before the other checks).
-        if seq.grammar is not None and seq.grammar.accept(token_id):
-            reason = "stop"
-        elif num_output >= params.min_tokens:
-            if not params.ignore_eos and token_id in seq.eos_token_ids:
-                reason = "stop"
-            elif token_id in params.stop_token_ids:
-                reason, seq.stop_reason = "stop", token_id
-        if reason is None and (num_output >= params.max_tokens or num_tokens >= self.config.max_model_len):
-            reason = "length"
-        if reason is None:
-            return False
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        return True
 
     def waiting_uncached_tokens(self) -> int:
         """Prompt tokens the waiting sequences would still have to prefill: their cached
@@ -428,7 +384,7 @@ class Scheduler:
         if seq.status is SequenceStatus.FINISHED:
             return
         if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            self._take_waiting(self.waiting.index(seq))
         elif seq.status is SequenceStatus.LOADING:
             self.loading.remove(seq)
         else:

@@ -113,6 +113,7 @@ def _attributes(request: GenerateRequest, replica_id: str, call: str, last: Requ
         "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
         "kvserve.num_resumed_tokens": request.num_resumed_tokens,
         "gen_ai.request.max_tokens": request.params.max_tokens,
+        "kvserve.priority": request.params.priority,
     }
     if last is not None:
         attributes.update({

@@ -25,7 +25,7 @@ summing over sources (the dashboard's `max by (<source>)`, tests/helm/test_dashb
 Router and admission metrics (per ingress replica: each runs its own request router):
 - admission (router/routing/admission.py): `kvserve:ingress_queue_time_seconds` (time held before
   going to a worker; 0 for requests that went at once), `kvserve:ingress_queue_length`,
-  `kvserve:admission_decisions{reason}` (fits / full / stale / no_router / idle / off) and
+  `kvserve:admission_decisions{reason}` (fits / full / stale / no_router / idle / off / overtakes) and
   sheds under `kvserve:requests_rejected{reason="admission_queue_full"|"admission_queue_timeout"}`;
 - prefix hits: `kvserve:router_prefix_hit_tokens_predicted` (at admission, the prompt
   tokens the best-placed replica reports cached, counted while stats are fresh) against

@@ -118,8 +118,7 @@ class RequestPipeline:
             inputs = await self._convert(request_bytes, to_inputs, int(info["max_model_len"]), offload)
             if self.settings.isolate_prefix_cache_per_key:
                 inputs = isolated(inputs, principal)
-            if band:
-                inputs = [replace(inp, params=replace(inp.params, priority=band)) for inp in inputs]
+            inputs = self.stamped(inputs, principal, band)
             if permit.lease is not None:
                 await permit.lease.charge(worst_case_tokens(inputs))
             lora_name, lora_path = lora if lora is not None else (None, None)
@@ -154,6 +153,13 @@ class RequestPipeline:
                 "priority", "invalid_value",
             )
         return requested
+
+    def stamped(self, inputs: list[EngineInput], principal: Principal, band: int) -> list[EngineInput]:
+        """The inputs with their band and their key and its weight: the engine orders by the
+        band and, within it, shares its running slots between keys (worker/bands.py)."""
+        weight = self.settings.key_weights.get(principal.key_id, 1)
+        return [replace(inp, params=replace(inp.params, priority=band, tenant=principal.key_id, tenant_weight=weight))
+                for inp in inputs]
 
     @staticmethod
     async def _convert(request_bytes: int, to_inputs: ToInputs, max_model_len: int, offload: bool = False) -> list[EngineInput]:

@@ -4,6 +4,7 @@ in a bounded queue that is fair between API keys; shed with 429 at the bound.
     pipeline: admit (key slot, in-flight share) -> convert -> charge -> ADMISSION -> stream
                                                                           │
        no fresh stats / nothing of ours in flight / some replica fits ───>│ go now
+       a better band than work of ours in flight, its bands within the room ─>│ go now (overtakes)
        otherwise: held in FairQueue (round robin between keys; a key's head that does
        not fit lets other keys' heads go; full: the deepest key gives up a place) ─>│ go when one fits
        queue full, its key over its share ──────────────────> 429 + Retry-After (gRPC RESOURCE_EXHAUSTED)
@@ -13,31 +14,12 @@ in a bounded queue that is fair between API keys; shed with 429 at the bound.
 Why at the ingress: a request pushed into an engine that has no room waits there anyway
 (and, with KV pressure, gets preempted and recomputed); held here, it is routed later with
 fresher stats, to whichever replica freed up first, and overload is visible to the client
-as a 429 with a hint instead of as an ever-longer TTFT.
+as a 429 with a hint instead of as an ever-longer TTFT. Except for a better band than
+work in flight: the engines put it ahead of that work anyway, so holding it here would
+only add a completion's wait to its TTFT (`_overtakes`).
 
-"Can some replica take it" (`judge`), from the routing stats the request router in this
-process holds (the same reports it ranks with), the work its routing view says was sent to
-each replica since (u(r): router/routing/reservations.py's Unreflected; none for a baseline router)
-and what this ingress admitted that the router has not sent yet:
-
-    avail(r) = free_blocks(r) - reserved_blocks(r) - decode_growth_blocks(r) - u.blocks(r)
-               (router/routing/scoring.py's report_headroom and score, the same arithmetic; need:
-               prompt + expected decode blocks at r's observed mean output length, less the
-               blocks r has cached; growth: what r's requests will still grow into; u.blocks:
-               the needs reserved there, their decode blocks included)
-    fits(r)  = avail(r) >= need(q, r)
-    slots(r) = max(free_seqs(r) + max_waiting_per_replica - num_waiting(r) - u.requests(r), 0)
-               where fits(r), else 0 (free_seqs: max_num_seqs(r) - num_running(r), its free
-               running slots)
-    admit   <=> sum_r slots(r) > pending                          (requests, see below)
-            and sum_{r fits} avail(r) - pending_blocks >= min_r need(q, r)
-
-  `pending`: requests this controller let go that are in flight towards some replica
-  (which one only the router knows) and counted nowhere else yet. With a view, an admission
-  stops counting once the router has sent it (the view counts it from then on): the
-  router's send count (routed_total) is matched to admissions in grant order. Without one,
-  or as a safety net, it stops counting once its dispatch is reflected (admitted at t,
-  every replica reported at t + report_lag_s or later).
+Whether some replica can take a request now (`judge`, the pending admissions it counts):
+router/routing/admission_judge.py.
 
 Never refuse because stats are stale (the router then ranks by power of two choices): a
 request goes at once when any live replica's report is missing or stale, when the router is
@@ -59,15 +41,29 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from router import errors
+from router.routing.admission_judge import (  # noqa: F401 -- the reasons are this module's surface too
+    REASON_FITS,
+    REASON_FULL,
+    REASON_IDLE,
+    REASON_NO_ROUTER,
+    REASON_OFF,
+    REASON_OVERTAKES,
+    REASON_STALE,
+    REASON_TOO_LARGE,
+    RoutingSnapshot,
+    SnapshotSource,
+    Verdict,
+    _Pending,
+    judge,
+)
 from router.routing.fair_queue import BandedQueue
-from router.routing.types import RoutingParams, ReplicaReport, RequestProfile, is_fresh
-from router.routing.scoring import report_headroom
-from router.routing.reservations import NOTHING, Unreflected
+from router.routing.types import RequestProfile
 
 Clock = Callable[[], float]
 
@@ -76,109 +72,6 @@ Clock = Callable[[], float]
 POLL_INTERVAL_S = 0.05
 # Weight of the newest queue wait in the moving average that Retry-After is derived from.
 _WAIT_EWMA_ALPHA = 0.2
-
-REASON_FITS = "fits"
-REASON_FULL = "full"
-REASON_STALE = "stale"  # some replica without fresh stats: pow2 fallback, never refuse
-REASON_NO_ROUTER = "no_router"  # no kvserve router (yet): nothing to judge with
-REASON_IDLE = "idle"  # nothing of this ingress in flight
-REASON_OFF = "off"
-REASON_TOO_LARGE = "too_large"  # more blocks than any replica has at all: the engine answers it
-
-
-@dataclass(frozen=True)
-class RoutingSnapshot:
-    """What the request router in this process knows of the worker replicas right now."""
-
-    reports: tuple[ReplicaReport | None, ...]  # one per live replica; None: no report yet
-    params: RoutingParams  # the router's (fallback decode tokens, staleness, report lag)
-    now: float  # the reports' clock (time.time())
-    # The router's routing view, aligned with `reports`: the work promised to each replica
-    # since its report (shared view: by every ingress's router). Empty: the router keeps none.
-    unreflected: tuple[Unreflected, ...] = ()
-    # Engine requests (generate calls) this process's router has sent so far, the ones its
-    # view counts; None when the router keeps no view.
-    routed_total: int | None = None
-
-
-class SnapshotSource(Protocol):
-    def snapshot(self) -> RoutingSnapshot | None:
-        """None while there is no kvserve router to ask (Serve's own router, or none yet)."""
-        ...
-
-
-@dataclass(frozen=True)
-class Verdict:
-    admit: bool
-    reason: str
-    # Prompt tokens the best-placed fresh replica reports cached, summed over the request's
-    # engine inputs: the prefix hit routing could get (metrics: predicted vs realised).
-    predicted_cached_tokens: int = 0
-    need_blocks: int = 0  # the request's blocks on the replica where it needs fewest
-
-
-@dataclass
-class _Pending:
-    admitted_at: float
-    num_requests: int
-    blocks: int
-    # Engine requests granted by this controller up to and including this one's: it has been
-    # sent once the router has sent that many of them (AdmissionController._forget_dispatched).
-    granted_through: int = 0
-
-
-def judge(
-    profiles: Sequence[RequestProfile],
-    snapshot: RoutingSnapshot | None,
-    pending: Sequence[_Pending],
-    max_waiting_per_replica: int,
-) -> Verdict:
-    """Whether a request (its engine inputs' profiles) can go now; see the module docstring."""
-    if snapshot is None:
-        return Verdict(True, REASON_NO_ROUTER)
-    params = snapshot.params
-    unreflected = snapshot.unreflected or (NOTHING,) * len(snapshot.reports)
-    live = [(r, u) for r, u in zip(snapshot.reports, unreflected, strict=True) if r is None or r.healthy]
-    reports = [r for r, _ in live]
-    if not reports or any(not is_fresh(r, snapshot.now, params) for r in reports):
-        return Verdict(True, REASON_STALE)
-    slots = 0
-    free = 0
-    min_need: int | None = None
-    predicted = 0
-    for profile in profiles:
-        best = 0
-        for r in reports:
-            assert r is not None  # fresh
-            best = max(best, profile.cached_blocks(r.block_size, r.prefix_hashes) * r.block_size)
-        predicted += best
-    too_large = True
-    for r, u in live:
-        assert r is not None
-        need = 0
-        for profile in profiles:
-            cached = profile.cached_blocks(r.block_size, r.prefix_hashes)
-            need += max(profile.total_blocks(r.block_size, r.expected_output_tokens(params)) - cached, 0)
-        too_large = too_large and need > r.total_blocks
-        # What its waiting prompts, the growth of its requests and the work sent there since
-        # its report leave: router/routing/scoring.py's score, whole share. Not u.decode_blocks too:
-        # a reservation's blocks are its need, expected decode included.
-        available = report_headroom(r) - u.blocks
-        if available < need:
-            continue
-        # Requests sent since the report take its free running slots first, then may wait
-        # there too (the router counts them as ongoing): a burst at an idle replica starts
-        # at once instead of max_waiting_per_replica requests per report.
-        slots += max(r.free_seqs + max_waiting_per_replica - r.num_waiting - u.requests, 0)
-        free += available
-        min_need = need if min_need is None else min(min_need, need)
-    if too_large:  # holding cannot help: let the engine refuse it (400) now
-        return Verdict(True, REASON_TOO_LARGE, predicted)
-    num_pending = sum(p.num_requests for p in pending)
-    pending_blocks = sum(p.blocks for p in pending)
-    fits = min_need is not None and slots - num_pending >= len(profiles) and free - pending_blocks >= min_need
-    return Verdict(fits, REASON_FITS if fits else REASON_FULL, predicted, min_need or 0)
-
 
 class AdmissionMetrics(Protocol):
     def observe_admitted(self, wait_s: float, reason: str, predicted_cached_tokens: int) -> None: ...
@@ -192,9 +85,11 @@ class Ticket:
     """An admitted request's place in the controller's counts until its stream closes;
     release() is idempotent."""
 
-    def __init__(self, controller: AdmissionController, num_requests: int, verdict: Verdict, wait_s: float) -> None:
+    def __init__(self, controller: AdmissionController, num_requests: int, verdict: Verdict, wait_s: float,
+                 band: int = 0) -> None:
         self._controller = controller
         self.num_requests = num_requests
+        self.band = band
         self.verdict = verdict
         self.wait_s = wait_s
         self._held = True
@@ -238,6 +133,7 @@ class AdmissionController:
         self._clock = clock
         self._pending: list[_Pending] = []  # in grant order
         self.num_in_flight = 0  # engine requests admitted here whose streams are open
+        self._in_flight_by_band: Counter[int] = Counter()  # ... of them, by priority band
         # Matching the router's sends to grants here (a snapshot with a view): engine
         # requests granted, how many of them the router has sent, and its count at the last
         # judge (None: no view then).
@@ -262,11 +158,11 @@ class AdmissionController:
         than its share of the queue (the tenant's overload), 503 when the cluster has no
         room for its band (the queue is all better or equal-share work, or the wait ran out)."""
         if not self.enabled:
-            return self._grant(len(profiles), Verdict(True, REASON_OFF), 0.0)
+            return self._grant(len(profiles), Verdict(True, REASON_OFF), 0.0, priority)
         if not len(self.queue):  # nobody held ahead of it
-            verdict = self._judge(profiles)
+            verdict = self._judge(profiles, priority)
             if verdict.admit:
-                return self._grant(len(profiles), verdict, 0.0)
+                return self._grant(len(profiles), verdict, 0.0, priority)
         held = _Held(key, priority, profiles, time.monotonic(), asyncio.get_running_loop().create_future())
         evicted = self.queue.evict_for(priority, key)
         if evicted is not None:
@@ -313,15 +209,16 @@ class AdmissionController:
         while granted and len(self.queue):
             granted = False
             for band, key, held in self.queue.heads():  # best band first
-                verdict = self._judge(held.profiles)
+                verdict = self._judge(held.profiles, band)
                 if verdict.admit:
                     self.queue.pop_key(band, key)
-                    held.future.set_result(self._grant(len(held.profiles), verdict, time.monotonic() - held.enqueued_at))
+                    held.future.set_result(self._grant(len(held.profiles), verdict, time.monotonic() - held.enqueued_at,
+                                                       band))
                     granted = True
                     break  # the counts changed: judge again from the rotation's front
         self._queue_changed()
 
-    def _judge(self, profiles: list[RequestProfile]) -> Verdict:
+    def _judge(self, profiles: list[RequestProfile], band: int) -> Verdict:
         snapshot = self._source.snapshot() if self._source is not None else None
         if snapshot is not None:
             self._forget_dispatched(snapshot)
@@ -329,7 +226,23 @@ class AdmissionController:
         verdict = judge(profiles, snapshot, self._pending, self.max_waiting_per_replica)
         if not verdict.admit and self.num_in_flight == 0:
             return replace(verdict, admit=True, reason=REASON_IDLE)
+        if not verdict.admit and snapshot is not None and self._overtakes(band, len(profiles), snapshot):
+            return replace(verdict, admit=True, reason=REASON_OVERTAKES)
         return verdict
+
+    def _overtakes(self, band: int, num_requests: int, snapshot: RoutingSnapshot) -> bool:
+        """Whether a request may go although the replicas look full, because worse bands'
+        work fills them: an engine admits a better band ahead of it, preempting it when no
+        slot or no blocks are left (worker/scheduler.py), so the request waits a step there
+        instead of here for a completion. Only while this ingress has worse-band requests in
+        flight (work to overtake), and its band and the better ones in flight here, this one
+        included, fit the replicas' running slots and waiting rooms (as if the worse bands
+        were not there)."""
+        worse = sum(n for b, n in self._in_flight_by_band.items() if b > band)
+        if not worse:
+            return False
+        room = sum(r.max_num_seqs + self.max_waiting_per_replica for r in snapshot.reports if r is not None and r.healthy)
+        return self.num_in_flight - worse + num_requests <= room
 
     def _forget_dispatched(self, snapshot: RoutingSnapshot) -> None:
         """With a routing view, a pending admission stops counting once the router has sent
@@ -369,21 +282,23 @@ class AdmissionController:
             cutoff = max(cutoff, min(r.timestamp for r in reports) - snapshot.params.report_lag_s)
         self._pending = [p for p in self._pending if p.admitted_at > cutoff]
 
-    def _grant(self, num_requests: int, verdict: Verdict, wait_s: float) -> Ticket:
+    def _grant(self, num_requests: int, verdict: Verdict, wait_s: float, band: int) -> Ticket:
         self.num_in_flight += num_requests
+        self._in_flight_by_band[band] += num_requests
         # Every grant goes through the router, pending or not (stale stats, ...): its send
         # advances routed_total too.
         self._num_granted += num_requests
-        if verdict.reason in (REASON_FITS, REASON_IDLE):
+        if verdict.reason in (REASON_FITS, REASON_IDLE, REASON_OVERTAKES):
             self._pending.append(_Pending(self._clock(), num_requests, verdict.need_blocks, self._num_granted))
         if wait_s > 0:
             self._wait_ewma_s += _WAIT_EWMA_ALPHA * (wait_s - self._wait_ewma_s)
         if self._metrics is not None:
             self._metrics.observe_admitted(wait_s, verdict.reason, verdict.predicted_cached_tokens)
-        return Ticket(self, num_requests, verdict, wait_s)
+        return Ticket(self, num_requests, verdict, wait_s, band)
 
     def _release(self, ticket: Ticket) -> None:
         self.num_in_flight -= ticket.num_requests
+        self._in_flight_by_band[ticket.band] -= ticket.num_requests
         if len(self.queue):
             self.pump()
 

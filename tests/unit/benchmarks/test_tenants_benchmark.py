@@ -37,3 +37,24 @@ def test_the_result_line() -> None:
     lines = report(alone, overload, dilation=1.0)
     assert lines[-1] == "RESULT premium_ttft_p99_ratio=1.000 jain_index=1.000 lost=1"
     assert set(KEYS) >= {"premium-1", "standard-1", "batch-flood"}
+
+
+def test_trace_breakdown_splits_ttft_into_phases_per_band() -> None:
+    from benchmarks.tenants import trace_breakdown
+
+    def span(name: str, trace: str, start_ms: float, end_ms: float, **attributes: object) -> SimpleNamespace:
+        return SimpleNamespace(name=name, trace_id=trace, start_ns=int(start_ms * 1e6), end_ns=int(end_ms * 1e6),
+                               attributes=attributes)
+
+    spans = [  # real ms at dilation 10: one premium request, held 100 ms, 1 preemption
+        span("kvserve.request", "t1", 1000, 2000), span("kvserve.generate", "t1", 1100, 2000, **{"kvserve.priority": 0}),
+        span("kvserve.replica", "t1", 1120, 2000, **{"kvserve.num_preemptions": 1}),
+        span("kvserve.engine.queue", "t1", 1120, 1170), span("kvserve.engine.prefill", "t1", 1170, 1370),
+        span("kvserve.request", "t2", 5000, 6000),  # outside the window: not counted
+    ]
+    lines = trace_breakdown(spans, int(500e6), int(3000e6), dilation=10.0)
+    row = lines[1].split()
+    assert row[:2] == ["0", "1"]
+    assert [float(x) for x in row[2:12]] == [10.0, 10.0, 2.0, 2.0, 5.0, 5.0, 20.0, 20.0, 37.0, 37.0]
+    assert row[12] == "1"
+    assert lines[2] == "best band, slowest: hold=10.0 dispatch=2.0 queue=5.0 prefill=20.0 traced=37.0 preemptions=1"
