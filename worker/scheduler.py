@@ -11,7 +11,8 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
    first, FIFO within a band, a key over its share of the band's slots passed over) fill
    what is left of the token budget with prompt chunks (chunked prefill), up to
    `max_num_seqs`, admitted only when their blocks fit. A blocked head of the queue
-   blocks those behind it (no starvation). A sequence carrying imported KV
+   blocks those behind it (no starvation), except one waiting for a LoRA slot: those
+   that need no new slot pass it (_with_slot). A sequence carrying imported KV
    (`seq.kv_import`, disaggregation) is admitted by the same rule; its prompt counts as
    computed (the KV connector writes it before the step executes).
    The prompt chunks of a worse band than the best that runs or waits go after the
@@ -217,7 +218,9 @@ class Scheduler:
         good this step (False: it reached `below_band`)."""
         while (self.waiting and budget > 0
                and len(self.running) + len(self.loading) < self.config.max_num_seqs):
-            i = shares.pick(self.waiting) if shares is not None else 0
+            i = self._with_slot(shares.pick(self.waiting) if shares is not None else 0)
+            if i is None:
+                break
             seq = self.waiting[i]
             if below_band is not None and seq.params.priority >= below_band:
                 return budget, False
@@ -242,8 +245,6 @@ class Scheduler:
                 num_new = self._time_capped(num_new, num_computed)
                 if num_new == 0:
                     break
-            if seq.lora_name is not None and not self.lora_slots.can_acquire(seq.lora_name):
-                break  # every slot serves a running sequence's adapter
             if not self.kv.can_allocate(seq.request_id, num_computed + num_new, hits):
                 break
             block_ids = self.kv.allocate(seq.request_id, num_computed + num_new, hits)
@@ -267,6 +268,21 @@ class Scheduler:
             self._add_to_plan(out, seq, num_new, block_ids)
             budget -= num_new
         return budget, True
+
+    def _with_slot(self, i: int) -> int | None:
+        """`i`, or, when waiting[i]'s LoRA adapter cannot get a device slot (every slot
+        serves running sequences' adapters), the first sequence after it that needs no new
+        slot (no adapter, or one already resident); None when there is none. Those may pass
+        it, as in vLLM, but never take a slot from it: a slot that frees goes to the first
+        in order that asks."""
+        slots = self.lora_slots
+        if slots is None:
+            return i
+        for j in range(i, len(self.waiting)):
+            name = self.waiting[j].lora_name
+            if name is None or slots.can_acquire(name):
+                return j
+        return None
 
     def _num_tier_blocks(self, seq: Sequence, num_hits: int) -> int:
         """Blocks right after the device hits that a lower tier holds (one token is always
