@@ -16,10 +16,11 @@ import math
 import random
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.config import WorkersSection
+from kv.host_tier import HostTier
 from cluster.sim.autoscale import AutoscaleOptions, SimAutoscaler
 from cluster.sim.clock import EventQueue
 from cluster.sim.disagg import DisaggOptions
@@ -28,6 +29,7 @@ from cluster.sim.ingress import Pool, SimRouter
 from cluster.sim.shared_view import pool_views
 from cluster.sim.metrics import SimResult, Tracker, late_requests_proving_p99_miss
 from cluster.sim.replica import SimReplica, VirtualDevice
+from cluster.sim.tiers import BlockLRU, SharedStore, SimTierManager, SimTierOptions
 from cluster.sim.workloads import SimRequest
 from router.routing.types import RoutingParams, ReplicaReport
 from router.routing.policies.base import check_options
@@ -85,6 +87,7 @@ class SimConfig:
     num_blocks: int | None = None  # overrides the KV size the cost model derives
     enable_prefix_caching: bool = True
     disagg: DisaggOptions = field(default_factory=DisaggOptions)
+    tiers: SimTierOptions = field(default_factory=SimTierOptions)  # KV tiers below each device (off by default)
     autoscale: AutoscaleOptions | None = None
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 100.0
@@ -131,6 +134,9 @@ class SimDevice:
     vocab_size: int
     kv_bytes_per_token: int
     max_model_len: int
+    # Effective bytes/s of the links below the device (KV tiers); 0: the profile has none.
+    host_link_bandwidth: float = 0.0
+    disk_read_bandwidth: float = 0.0
 
     @classmethod
     def from_config(cls, config: SimConfig) -> SimDevice:
@@ -148,6 +154,8 @@ class SimDevice:
             vocab_size=shape.vocab_size,
             kv_bytes_per_token=shape.kv_bytes_per_token(),
             max_model_len=shape.max_position_embeddings,
+            host_link_bandwidth=profile.effective_host_link_bandwidth,
+            disk_read_bandwidth=profile.effective_disk_read_bandwidth,
         )
 
 
@@ -179,6 +187,7 @@ class Simulation:
             pool.routers = self.routers
         self.orchestrator = Orchestrator(self, config.disagg, device.kv_bytes_per_token)
         self.autoscalers: list[SimAutoscaler] = []
+        self.shared_store = self._shared_store()
         self._next_key = 0
         self._num_requests = 0
         self._late_limit: float = math.inf  # late first tokens that prove the TTFT p99 misses
@@ -192,10 +201,34 @@ class Simulation:
         # is released explicitly when its transfer completes, so a timeout could only make
         # the run depend on how fast this machine is.
         engine.connector.pin_timeout_s = float("inf")
+        if self.config.tiers.enabled:
+            engine.use_tiers(self._tiers(dev))  # type: ignore[arg-type]
         replica = SimReplica(self._next_key, role, engine, dev, self.clock, self.orchestrator.on_output)
         self._next_key += 1
         self.replicas.append(replica)
         return replica
+
+    @property
+    def block_bytes(self) -> int:
+        return self.device.kv_bytes_per_token * self.config.block_size
+
+    def _shared_store(self) -> SharedStore | None:
+        tiers = self.config.tiers
+        if not tiers.shared_bytes:
+            return None
+        return SharedStore(tiers.shared_bytes // self.block_bytes, tiers.shared_bandwidth, self.block_bytes)
+
+    def _tiers(self, dev: VirtualDevice) -> SimTierManager:
+        """One replica's tiers: the real host tier (its LRU over stand-in blocks: the
+        VirtualDevice's KV is bookkeeping only), a disk, the simulation's shared store."""
+        options, device, block_bytes = self.config.tiers, self.device, self.block_bytes
+        if device.host_link_bandwidth <= 0 or (options.disk_bytes and device.disk_read_bandwidth <= 0):
+            raise ValueError(f"KV tiers need the device profile's host link (and disk) bandwidth; "
+                             f"profile {self.config.profile!r} has none")
+        host = HostTier(dev.kv_spec, options.host_bytes // block_bytes)
+        disk = BlockLRU(options.disk_bytes // block_bytes) if options.disk_bytes else None
+        return SimTierManager(dev, self.clock, host, block_bytes, device.host_link_bandwidth, disk,
+                              device.disk_read_bandwidth, self.shared_store)
 
     def bring_up(self, replica: SimReplica) -> None:
         """The replica is ready: routers may choose it, and it starts reporting (each
@@ -245,6 +278,8 @@ class Simulation:
     def _deliver_report(self, replica: SimReplica, report: ReplicaReport) -> None:
         if replica.removed_at is not None:
             return
+        if not self.config.tiers.route_on_tiers:  # a tier-blind router: device-resident blocks only
+            report = replace(report, host_prefix_hashes=frozenset(), disk_prefix_hashes=frozenset())
         for router in self.routers:
             router.receive_report(replica.role, replica.key, report)
 
