@@ -107,6 +107,7 @@ class SimReplica:
         self.timeline = ReplicaTimeline()
         self._stepping = False  # a step event or a step in flight is scheduled
         self._prefill_tokens_per_s: float | None = None  # modelled once, on the first report
+        self.max_report_hashes = MAX_PREFIX_HASHES  # per tier, as the worker's report caps them
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -176,9 +177,10 @@ class SimReplica:
         stays the cost model's (the device's pure-prefill rate relative to the router's
         reference device: mixed fleets)."""
         tiers = self.tiers
-        tier_hashes = tiers.routing_hashes(MAX_PREFIX_HASHES) if tiers is not None else ([], [])
+        limit = self.max_report_hashes
+        tier_hashes = tiers.routing_hashes(limit) if tiers is not None else ([], [])
         return build_routing_stats(
-            self.engine, self.engine.stats(), self.engine.kv.cached_block_hashes(MAX_PREFIX_HASHES),
+            self.engine, self.engine.stats(), self.engine.kv.cached_block_hashes(limit),
             self.clock.now, capacity_weight=self.modelled_prefill_tokens_per_s / _REFERENCE_PREFILL_TOKENS_PER_S,
             tier_hashes=tier_hashes,
         ).to_dict()

@@ -88,6 +88,9 @@ class SimConfig:
     enable_prefix_caching: bool = True
     disagg: DisaggOptions = field(default_factory=DisaggOptions)
     tiers: SimTierOptions = field(default_factory=SimTierOptions)  # KV tiers below each device (off by default)
+    # Prefix hashes a replica's report carries per tier (device, host, disk): the worker's
+    # cap (None). A larger one asks what routers would do with a replica's whole cache.
+    max_report_hashes: int | None = None
     autoscale: AutoscaleOptions | None = None
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 100.0
@@ -188,6 +191,10 @@ class Simulation:
         self.orchestrator = Orchestrator(self, config.disagg, device.kv_bytes_per_token)
         self.autoscalers: list[SimAutoscaler] = []
         self.shared_store = self._shared_store()
+        if config.tiers.enabled and (device.host_link_bandwidth <= 0
+                                     or (config.tiers.disk_bytes and device.disk_read_bandwidth <= 0)):
+            raise ValueError(f"KV tiers need the device profile's host link (and disk) bandwidth; "
+                             f"profile {config.profile!r} has none")
         self._next_key = 0
         self._num_requests = 0
         self._late_limit: float = math.inf  # late first tokens that prove the TTFT p99 misses
@@ -204,6 +211,8 @@ class Simulation:
         if self.config.tiers.enabled:
             engine.use_tiers(self._tiers(dev))  # type: ignore[arg-type]
         replica = SimReplica(self._next_key, role, engine, dev, self.clock, self.orchestrator.on_output)
+        if self.config.max_report_hashes is not None:
+            replica.max_report_hashes = self.config.max_report_hashes
         self._next_key += 1
         self.replicas.append(replica)
         return replica
@@ -222,9 +231,6 @@ class Simulation:
         """One replica's tiers: the real host tier (its LRU over stand-in blocks: the
         VirtualDevice's KV is bookkeeping only), a disk, the simulation's shared store."""
         options, device, block_bytes = self.config.tiers, self.device, self.block_bytes
-        if device.host_link_bandwidth <= 0 or (options.disk_bytes and device.disk_read_bandwidth <= 0):
-            raise ValueError(f"KV tiers need the device profile's host link (and disk) bandwidth; "
-                             f"profile {self.config.profile!r} has none")
         host = HostTier(dev.kv_spec, options.host_bytes // block_bytes)
         disk = BlockLRU(options.disk_bytes // block_bytes) if options.disk_bytes else None
         return SimTierManager(dev, self.clock, host, block_bytes, device.host_link_bandwidth, disk,

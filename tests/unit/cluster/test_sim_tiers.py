@@ -109,7 +109,7 @@ def test_tier_options_are_checked() -> None:
         SimTierOptions(host_bytes=1, shared_bytes=1)
     with pytest.raises(ValueError, match="host link"):
         Simulation(SimConfig(profile="cpu-calibrated", num_blocks=64, tiers=SimTierOptions(host_bytes=BLOCK_BYTES)),
-                   SimDevice.from_config(SimConfig(profile="cpu-calibrated", num_blocks=64))).new_replica("mixed")
+                   SimDevice.from_config(SimConfig(profile="cpu-calibrated", num_blocks=64)))
 
 
 def test_a_reload_waits_for_its_copy_then_computes_only_the_rest() -> None:
