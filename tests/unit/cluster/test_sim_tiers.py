@@ -147,3 +147,14 @@ def test_tiers_beat_the_device_alone_past_its_kv() -> None:
     assert summary["ttft_s"]["p50"] < 0.6 * alone["ttft_s"]["p50"]
     assert tiered.replicas[0].tiers.num_loaded_blocks > 0  # type: ignore[union-attr]
     assert statistics.mean(r.busy_s for r in tiered.replicas) < alone["replicas"][0]["busy_s"]
+
+
+def test_a_replica_reports_its_tiers_up_to_the_report_cap() -> None:
+    options = SimTierOptions(host_bytes=8 * BLOCK_BYTES)
+    for cap, expected in ((None, [33, 32, 31]), (2, [33, 32])):
+        sim = Simulation(SimConfig(num_replicas=1, num_blocks=64, tiers=options, max_report_hashes=cap),
+                         SimDevice.from_config(SimConfig(num_blocks=64)))
+        replica = sim.new_replica("mixed")
+        replica.tiers.offload([(31, 0), (32, 1), (33, 2)])  # type: ignore[union-attr]
+        stats = replica.routing_stats()
+        assert stats["host_prefix_hashes"] == expected and stats["disk_prefix_hashes"] == []
