@@ -236,9 +236,14 @@ class SimTierManager:
                     break
                 if source == "host":
                     host.append(block_hash)
+                elif source == "disk":
+                    assert self.disk is not None
+                    self.disk.touch(block_hash)  # a read refreshes an entry, as on the real disk tier
+                    disk += 1
                 else:
-                    disk += source == "disk"
-                    shared += source == "shared"
+                    assert self.shared is not None
+                    self.shared.blocks.touch(block_hash)
+                    shared += 1
             n = len(host) + disk + shared
             if host:
                 self.host.get(host)  # refreshes their recency, as a real read does

@@ -83,6 +83,7 @@ def test_a_load_takes_bytes_over_bandwidth_on_each_queue_beside_the_steps() -> N
     sim.clock.at(done, lambda: None)
     sim.clock.run()
     assert tiers.poll() == [(seq, 5)] and not tiers.has_pending
+    assert tiers.disk.hashes() == [4, 1, 2, 3]  # the disk reads refreshed 1-3  # type: ignore[union-attr]
     assert (tiers.num_loaded_blocks, tiers.num_disk_loaded_blocks) == (6, 3)
 
 
