@@ -1,6 +1,10 @@
-"""KV tiers below the device: reloading a prefix against recomputing it, on the real CPU engine.
+"""KV tiers below the device: simulated H200s with and without tiers, then reloading a
+prefix against recomputing it on the real CPU engine.
 
     python -m benchmarks.kv_tiers [--quick] [--model PATH] [--prefix-tokens 2048]
+
+The simulated part (benchmarks/kv_tiers_sim.py, its docstring says how) gives
+later_turn_ttft_ratio, goodput_ratio_4x and tier_aware_vs_blind. The real part:
 
 One engine with a host tier (worker/kv_tiers.py) and a device pool that holds one long
 prompt but not two. Each round, on a fresh random prefix P (2,048 tokens by default):
@@ -18,10 +22,8 @@ medians over the rounds (2 with --quick, else 4). The default model is SmolLM2-1
 real 30-layer checkpoint, the GGUF the tests use) when installed, else the benchmark
 model (benchmarks/bench_model.py, whose 2,048-token context caps the prefix).
 
-RESULT reload_vs_recompute=<median reload TTFT / median recompute TTFT>
-The simulated parts of issue 29's RESULT line (later-turn TTFT, goodput at 4x the device
-KV, tier-aware routing) need the simulator's tiers, which are not built yet: they are
-not printed rather than guessed.
+RESULT later_turn_ttft_ratio=<a> goodput_ratio_4x=<b> tier_aware_vs_blind=<c>
+       reload_vs_recompute=<median reload TTFT / median recompute TTFT>   (one line)
 """
 from __future__ import annotations
 
@@ -82,11 +84,22 @@ def ttft(engine: Engine, rid: str, prompt: list[int]) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds instead of 4")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 rounds instead of 4, and the simulated searches' quick plan")
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    from benchmarks import kv_tiers_sim
+
+    sim = kv_tiers_sim.run(args.quick)
+    reload_ratio = reload_vs_recompute(args)
+    print(f"RESULT later_turn_ttft_ratio={sim.later_turn_ttft_ratio:.3f} goodput_ratio_4x={sim.goodput_ratio_4x:.3f} "
+          f"tier_aware_vs_blind={sim.tier_aware_vs_blind:.3f} reload_vs_recompute={reload_ratio:.3f}")
+
+
+def reload_vs_recompute(args: argparse.Namespace) -> float:
+    """The real engine's part: median reload TTFT / median recompute TTFT."""
     torch.set_num_threads(args.threads)
     model, longest = default_model() if args.model is None else (args.model, args.prefix_tokens)
     prefix_tokens = min(args.prefix_tokens, longest) // BLOCK * BLOCK
@@ -134,7 +147,8 @@ def main() -> None:
           f"device hit {med(device) * 1e3:.1f} ms; reload / device hit {med(reload) / med(device):.2f}")
     if mismatches:
         raise SystemExit(f"{mismatches} reloads sampled another token than a recompute of the same prompt")
-    print(f"RESULT reload_vs_recompute={med(reload) / med(recompute):.3f}")
+    print(f"reload_vs_recompute={med(reload) / med(recompute):.3f}", flush=True)
+    return med(reload) / med(recompute)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
         --workload b2b --requests 2000 --rate 40 --seed 0 --json --plot out.png
     kvserve simulate --prefill-replicas 2 --decode-replicas 6 --workload code --rate 2
     kvserve simulate --autoscale --min-replicas 1 --max-replicas 16 --workload bursty
+    kvserve simulate --router headroom --workload agentic --num-blocks 4096 --host-kv-cache-gib 16
 
 Prints a short report (or the summary as JSON with --json); --plot writes a PNG of
 per-replica queue depth and KV usage over time (needs matplotlib).
@@ -24,6 +25,7 @@ from cluster.sim.disagg import (
 from cluster.sim.run import SimConfig, simulate
 from cluster.sim.serving_cost import ServingCost, describe
 from cluster.sim.lora import SimLoRA
+from cluster.sim.tiers import SimTierOptions
 from cluster.sim.workloads import WORKLOAD_NAMES, make_workload
 from worker.config import LoRAConfig
 
@@ -73,6 +75,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_BANDWIDTH * 8 / 1e9,
                    help="KV transfer link, Gbit/s (default %(default)g)")
     p.add_argument("--link-latency-ms", type=float, default=DEFAULT_LINK_LATENCY_S * 1000)
+    p.add_argument("--host-kv-cache-gib", type=float, default=0.0,
+                   help="KV tiers: host memory per replica for blocks evicted from the device (0: no tiers)")
+    p.add_argument("--disk-kv-cache-gib", type=float, default=0.0, help="KV tiers: a local disk per replica")
+    p.add_argument("--shared-kv-store-gib", type=float, default=0.0, help="KV tiers: one store all replicas share")
+    p.add_argument("--shared-kv-store-gbps", type=float, default=0.0,
+                   help="the shared store's bandwidth, Gbit/s, reads and writes together")
+    p.add_argument("--tier-blind-routing", action="store_true",
+                   help="routers ignore the reports' tier fields (credit device-resident blocks only)")
     p.add_argument("--autoscale", action="store_true", help="scale each pool with the real policy")
     p.add_argument("--min-replicas", type=int, default=_AUTOSCALE.min_replicas)
     p.add_argument("--max-replicas", type=int, default=_AUTOSCALE.max_replicas)
@@ -101,6 +111,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
         disagg=DisaggOptions(args.prefill_replicas, args.decode_replicas, args.link_gbps * 1e9 / 8,
                              args.link_latency_ms / 1000),
+        tiers=SimTierOptions(int(args.host_kv_cache_gib * 2**30), int(args.disk_kv_cache_gib * 2**30),
+                             int(args.shared_kv_store_gib * 2**30), args.shared_kv_store_gbps * 1e9 / 8,
+                             route_on_tiers=not args.tier_blind_routing),
         autoscale=autoscale, seed=args.seed,
         lora=SimLoRA(LoRAConfig(enable=True, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras))
         if args.workload == "lora" else None,
@@ -119,7 +132,11 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _check_matplotlib()
     start = time.perf_counter()
-    result = simulate(config, requests)
+    try:
+        result = simulate(config, requests)
+    except ValueError as e:  # a config the device cannot serve (e.g. tiers on a profile without links)
+        print(f"kvserve simulate: {e}", file=sys.stderr)
+        return 2
     wall_s = time.perf_counter() - start
     if args.plot:
         result.plot(args.plot)
@@ -154,6 +171,8 @@ def _print_report(s: dict[str, Any], args: argparse.Namespace, wall_s: float) ->
         print(f"  {describe(plan, streamed)}")
     print(f"  prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}   preemptions {s['num_preemptions']}   "
           f"load imbalance {s['load_imbalance']:.2f}   rejected {s['num_rejected']}")
+    if args.host_kv_cache_gib:
+        print(f"  KV tiers: {s['num_tier_loaded_blocks']} blocks loaded instead of recomputed")
     if s["num_rejected"]:
         print(f"  {s['num_rejected']} requests rejected by the engine, e.g.: {s['rejection_example']}")
         if "max_model_len" in str(s["rejection_example"]):

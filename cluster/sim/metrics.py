@@ -207,6 +207,7 @@ class SimResult:
             "goodput_rps": num_good / duration if duration > 0 else 0.0,
             "goodput_fraction": num_good / len(self.records) if self.records else 0.0,
             "num_preemptions": sum(r.engine.scheduler.num_preemptions for r in self.replicas),
+            "num_tier_loaded_blocks": sum(r.tiers.num_loaded_blocks for r in self.replicas if r.tiers is not None),
             "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
             "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
             "num_replicas_created": len(self.replicas),

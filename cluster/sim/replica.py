@@ -11,6 +11,10 @@ engine's inbox, and are scheduled by the next step.
     step event at t:   outputs = engine.step()  ->  dt = cost(plan)  ->  done event at t + dt
     done event:        deliver outputs (timestamped t + dt), then the next step event
 
+With KV tiers (cluster/sim/tiers.py), a step also carries the device -> host copies its
+plan made (dt grows by them), and a request loading from a tier wakes the replica when its
+copies end, so an otherwise idle replica steps it then.
+
 The engine itself stamps `first_token_time` etc. with the wall clock; the simulator
 ignores those stamps and takes every time from the virtual clock.
 """
@@ -24,6 +28,7 @@ import torch
 
 from cluster.sim.clock import EventQueue
 from cluster.sim.lora import sim_lora_path
+from cluster.sim.tiers import SimTierManager
 from kv.kv_cache import KVCacheSpec
 from kv.transfer import KVExport
 from router.routing.types import RoutingParams, RequestProfile
@@ -107,6 +112,7 @@ class SimReplica:
         self.timeline = ReplicaTimeline()
         self._stepping = False  # a step event or a step in flight is scheduled
         self._prefill_tokens_per_s: float | None = None  # modelled once, on the first report
+        self.max_report_hashes = MAX_PREFIX_HASHES  # per tier, as the worker's report caps them
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -147,11 +153,15 @@ class SimReplica:
             return
         executed = self.device.num_executed
         outputs = self.engine.step()
-        if self.device.num_executed == executed:  # nothing to run (idle, or blocked on pinned blocks)
+        tiers = self.tiers
+        copy_s = tiers.take_copy_s() if tiers is not None else 0.0
+        if self.device.num_executed == executed:  # nothing to run (idle, blocked on pinned blocks, or loading)
             self._stepping = False
             self._deliver(outputs)
+            if tiers is not None and tiers.has_pending:
+                self.clock.at(max(tiers.next_load_done_s, self.clock.now + copy_s), self.wake)  # type: ignore[type-var]
             return
-        dt = self.device.last_step_s
+        dt = self.device.last_step_s + copy_s
         self.busy_s += dt
         self.num_steps += 1
         self.clock.at(self.clock.now + dt, self._step_done, outputs)
@@ -174,15 +184,23 @@ class SimReplica:
                 self.num_ongoing -= 1
             self.sink(self, out, now)
 
+    @property
+    def tiers(self) -> SimTierManager | None:
+        return self.engine.tiers  # type: ignore[return-value]
+
     # -- what the replica reports (worker/replica.py's records, same keys) ---------------------
     def routing_stats(self) -> dict[str, Any]:
         """WorkerReplica.record_routing_stats (the same builder), on the virtual clock. The
         prefill rate is the engine's measured one, as a real worker's; the capacity weight
         stays the cost model's (the device's pure-prefill rate relative to the router's
         reference device: mixed fleets)."""
+        tiers = self.tiers
+        limit = self.max_report_hashes
+        tier_hashes = tiers.routing_hashes(limit) if tiers is not None else ([], [])
         return build_routing_stats(
-            self.engine, self.engine.stats(), self.engine.kv.cached_block_hashes(MAX_PREFIX_HASHES),
+            self.engine, self.engine.stats(), self.engine.kv.cached_block_hashes(limit),
             self.clock.now, capacity_weight=self.modelled_prefill_tokens_per_s / _REFERENCE_PREFILL_TOKENS_PER_S,
+            tier_hashes=tier_hashes,
         ).to_dict()
 
     @property

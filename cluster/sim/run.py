@@ -16,10 +16,11 @@ import math
 import random
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.config import WorkersSection
+from kv.host_tier import HostTier
 from cluster.sim.autoscale import AutoscaleOptions, SimAutoscaler
 from cluster.sim.clock import EventQueue
 from cluster.sim.disagg import DisaggOptions
@@ -29,6 +30,7 @@ from cluster.sim.lora import SimLoRA, enable_sim_lora
 from cluster.sim.shared_view import pool_views
 from cluster.sim.metrics import SimResult, Tracker, late_requests_proving_p99_miss
 from cluster.sim.replica import SimReplica, VirtualDevice
+from cluster.sim.tiers import BlockLRU, SharedStore, SimTierManager, SimTierOptions
 from cluster.sim.workloads import SimRequest
 from router.routing.types import RoutingParams, ReplicaReport
 from router.routing.policies.base import check_options
@@ -88,6 +90,10 @@ class SimConfig:
     enable_prefix_caching: bool = True
     lora: SimLoRA | None = None  # LoRA adapters on every replica (cluster/sim/lora.py); None: base model only
     disagg: DisaggOptions = field(default_factory=DisaggOptions)
+    tiers: SimTierOptions = field(default_factory=SimTierOptions)  # KV tiers below each device (off by default)
+    # Prefix hashes a replica's report carries per tier (device, host, disk): the worker's
+    # cap (None). A larger one asks what routers would do with a replica's whole cache.
+    max_report_hashes: int | None = None
     autoscale: AutoscaleOptions | None = None
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 100.0
@@ -140,6 +146,9 @@ class SimDevice:
     # What LoRA adapters' loads are priced from (cluster/sim/lora.py): None where unknown.
     shape: ModelShape | None = None
     host_to_device_bytes_per_s: float | None = None
+    # Effective bytes/s of the links below the device (KV tiers); 0: the profile has none.
+    host_link_bandwidth: float = 0.0
+    disk_read_bandwidth: float = 0.0
 
     @classmethod
     def from_config(cls, config: SimConfig) -> SimDevice:
@@ -159,6 +168,8 @@ class SimDevice:
             max_model_len=shape.max_position_embeddings,
             shape=shape,
             host_to_device_bytes_per_s=profile.host_link_bandwidth,
+            host_link_bandwidth=profile.effective_host_link_bandwidth,
+            disk_read_bandwidth=profile.effective_disk_read_bandwidth,
         )
 
 
@@ -190,6 +201,11 @@ class Simulation:
             pool.routers = self.routers
         self.orchestrator = Orchestrator(self, config.disagg, device.kv_bytes_per_token)
         self.autoscalers: list[SimAutoscaler] = []
+        self.shared_store = self._shared_store()
+        if config.tiers.enabled and (device.host_link_bandwidth <= 0
+                                     or (config.tiers.disk_bytes and device.disk_read_bandwidth <= 0)):
+            raise ValueError(f"KV tiers need the device profile's host link (and disk) bandwidth; "
+                             f"profile {config.profile!r} has none")
         self._next_key = 0
         self._num_requests = 0
         self._late_limit: float = math.inf  # late first tokens that prove the TTFT p99 misses
@@ -203,6 +219,8 @@ class Simulation:
         # is released explicitly when its transfer completes, so a timeout could only make
         # the run depend on how fast this machine is.
         engine.connector.pin_timeout_s = float("inf")
+        if self.config.tiers.enabled:
+            engine.use_tiers(self._tiers(dev))  # type: ignore[arg-type]
         replica = SimReplica(self._next_key, role, engine, dev, self.clock, self.orchestrator.on_output)
         lora = self.config.lora
         if lora is not None:
@@ -211,9 +229,30 @@ class Simulation:
                 raise ValueError("simulating LoRA adapters needs the device's model shape and host link")
             dev.lora_swap_s = lora.swap_s(shape, link)
             enable_sim_lora(engine, lora, self.clock, lora.cold_load_s(shape), replica.wake)
+        if self.config.max_report_hashes is not None:
+            replica.max_report_hashes = self.config.max_report_hashes
         self._next_key += 1
         self.replicas.append(replica)
         return replica
+
+    @property
+    def block_bytes(self) -> int:
+        return self.device.kv_bytes_per_token * self.config.block_size
+
+    def _shared_store(self) -> SharedStore | None:
+        tiers = self.config.tiers
+        if not tiers.shared_bytes:
+            return None
+        return SharedStore(tiers.shared_bytes // self.block_bytes, tiers.shared_bandwidth, self.block_bytes)
+
+    def _tiers(self, dev: VirtualDevice) -> SimTierManager:
+        """One replica's tiers: the real host tier (its LRU over stand-in blocks: the
+        VirtualDevice's KV is bookkeeping only), a disk, the simulation's shared store."""
+        options, device, block_bytes = self.config.tiers, self.device, self.block_bytes
+        host = HostTier(dev.kv_spec, options.host_bytes // block_bytes)
+        disk = BlockLRU(options.disk_bytes // block_bytes) if options.disk_bytes else None
+        return SimTierManager(dev, self.clock, host, block_bytes, device.host_link_bandwidth, disk,
+                              device.disk_read_bandwidth, self.shared_store)
 
     def bring_up(self, replica: SimReplica) -> None:
         """The replica is ready: routers may choose it, and it starts reporting (each
@@ -263,6 +302,8 @@ class Simulation:
     def _deliver_report(self, replica: SimReplica, report: ReplicaReport) -> None:
         if replica.removed_at is not None:
             return
+        if not self.config.tiers.route_on_tiers:  # a tier-blind router: device-resident blocks only
+            report = replace(report, host_prefix_hashes=frozenset(), disk_prefix_hashes=frozenset())
         for router in self.routers:
             router.receive_report(replica.role, replica.key, report)
 

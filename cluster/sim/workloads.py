@@ -176,12 +176,15 @@ B2B_KV_SHARE = 0.73
 def _b2b(rng: np.random.Generator, n: int, rate_rps: float, num_groups: int = B2B_NUM_GROUPS,
          prefix_len: int = B2B_PREFIX_LEN, question_len: int = B2B_QUESTION_LEN,
          output_len: int = B2B_OUTPUT_LEN, warmup_s: float = 0.0,
-         warmup_max_tokens: int | None = None) -> list[SimRequest]:
+         warmup_max_tokens: int | None = None, sessions: bool = True) -> list[SimRequest]:
+    """sessions=False: the requests carry no session id (clients that name no user or
+    conversation), so a router can place a group only by its prefix."""
     # Questions and answers vary +-50% around their means (uniform): distinct, similar size.
-    return _shared_prefix_requests(
+    out = _shared_prefix_requests(
         rng, "b2b", "group", n, rate_rps, num_groups, prefix_len,
         lambda rng, n: (_around(rng, question_len, n), _around(rng, output_len, n)), warmup_s, warmup_max_tokens,
     )
+    return out if sessions else [replace(r, session_id=None) for r in out]
 
 
 # Agentic sessions: a system prompt + tools, then turns that each append the previous

@@ -19,9 +19,17 @@ Default efficiencies for the uncalibrated GPU profiles, and why:
   parameters, output update).
 These are stated assumptions, not measurements; a fitted profile replaces all four.
 
-host_link_bandwidth (bytes/s, host -> device, one direction): what a LoRA adapter's copy
-into a device slot crosses (worker/lora/cost.py). The GPU profiles take the PCIe figure
-of their datasheet per direction (half the bidirectional figure printed); a fit leaves it.
+KV tiers (cluster/sim/tiers.py) and LoRA adapter copies (worker/lora/cost.py) also need the
+links below the device, peak figures again:
+- host_link_bandwidth: the device's host link, one direction (PCIe Gen5 x16: 32 GT/s x 16
+  lanes x 128b/130b = 63 GB/s; Gen4 x16 half that, the default of a profile that says none).
+- disk_read_bandwidth: one local NVMe data drive's sequential read (a Gen4 x4 U.2 data-centre
+  SSD such as the Samsung PM9A3 reads 6.9 GB/s; NVIDIA's DGX H100/H200 carry 8 such 3.84 TB
+  data drives for 8 GPUs: one drive per GPU).
+- link_efficiency 0.8: pinned-memory copies over PCIe and large sequential NVMe reads reach
+  80-90% of the link's peak in published measurements (nvbandwidth, fio).
+A disk_read_bandwidth of 0 means the profile does not model a disk: the simulator then
+refuses the disk tier.
 """
 from __future__ import annotations
 
@@ -36,7 +44,10 @@ DEFAULT_FLOPS_EFFICIENCY = 0.6
 DEFAULT_BANDWIDTH_EFFICIENCY = 0.8
 DEFAULT_STEP_OVERHEAD_S = 1e-3
 DEFAULT_PER_SEQ_OVERHEAD_S = 20e-6
-DEFAULT_HOST_LINK_BANDWIDTH = 32e9  # PCIe Gen4 x16, one direction
+DEFAULT_LINK_EFFICIENCY = 0.8
+_PCIE_GEN5_X16 = 32e9 * 16 * 128 / 130 / 8  # bytes/s, one direction
+_PCIE_GEN4_X16 = _PCIE_GEN5_X16 / 2
+_NVME_GEN4_READ = 6.9e9  # bytes/s: Samsung PM9A3 U.2 datasheet, sequential read
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,10 @@ class DeviceProfile:
     # calibration batches never show it; a run's mixed contexts do: unpriced, the padding
     # makes real decode steps slower than modelled, and TTFTs higher with them.
     padded_decode_attention: bool = False
-    host_link_bandwidth: float = DEFAULT_HOST_LINK_BANDWIDTH
+    # Links below the device (KV tiers, LoRA copies), bytes/s peak; a disk of 0: not modelled.
+    host_link_bandwidth: float = _PCIE_GEN4_X16
+    disk_read_bandwidth: float = 0.0
+    link_efficiency: float = DEFAULT_LINK_EFFICIENCY
     calibrated: bool = False
     source: str = ""
     # A fitted profile says what it was fitted on and how well (calibrate writes these).
@@ -76,8 +90,9 @@ class DeviceProfile:
             raise ValueError(f"device profile {self.name!r}: efficiencies must be in (0, 1]")
         if min(self.step_overhead_s, self.per_seq_overhead_s, self.per_token_overhead_s) < 0:
             raise ValueError(f"device profile {self.name!r}: overheads must be >= 0")
-        if self.host_link_bandwidth <= 0:
-            raise ValueError(f"device profile {self.name!r}: host_link_bandwidth must be > 0")
+        if self.host_link_bandwidth <= 0 or self.disk_read_bandwidth < 0 or not 0 < self.link_efficiency <= 1:
+            raise ValueError(f"device profile {self.name!r}: host_link_bandwidth must be > 0, "
+                             "disk_read_bandwidth >= 0, link_efficiency in (0, 1]")
 
     @property
     def effective_flops(self) -> float:
@@ -94,6 +109,14 @@ class DeviceProfile:
     @property
     def effective_bandwidth(self) -> float:
         return self.hbm_bandwidth * self.bandwidth_efficiency
+
+    @property
+    def effective_host_link_bandwidth(self) -> float:
+        return self.host_link_bandwidth * self.link_efficiency
+
+    @property
+    def effective_disk_read_bandwidth(self) -> float:
+        return self.disk_read_bandwidth * self.link_efficiency
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,24 +137,31 @@ _GB = 10**9
 
 BUILTIN_PROFILES: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(
-        name="h200", hbm_bandwidth=4.8e12, peak_flops=989e12, memory_bytes=141 * _GB, host_link_bandwidth=64e9,
+        name="h200", hbm_bandwidth=4.8e12, peak_flops=989e12, memory_bytes=141 * _GB,
+        host_link_bandwidth=_PCIE_GEN5_X16, disk_read_bandwidth=_NVME_GEN4_READ,
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity "
-               "(989 dense), 141 GB HBM3e, 4.8 TB/s, PCIe Gen5 128 GB/s",
+               "(989 dense), 141 GB HBM3e, 4.8 TB/s, PCIe Gen5 x16 (128 GB/s both directions); local NVMe: "
+               "one PCIe Gen4 U.2 data drive per GPU as in DGX H200 (8x 3.84 TB), 6.9 GB/s read each",
     ),
     "h100": DeviceProfile(
-        name="h100", hbm_bandwidth=3.35e12, peak_flops=989e12, memory_bytes=80 * _GB, host_link_bandwidth=64e9,
+        name="h100", hbm_bandwidth=3.35e12, peak_flops=989e12, memory_bytes=80 * _GB,
+        host_link_bandwidth=_PCIE_GEN5_X16, disk_read_bandwidth=_NVME_GEN4_READ,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM): BF16 1,979 TFLOPS with sparsity "
-               "(989 dense), 80 GB HBM3, 3.35 TB/s, PCIe Gen5 128 GB/s",
+               "(989 dense), 80 GB HBM3, 3.35 TB/s, PCIe Gen5 x16; local NVMe: one Gen4 U.2 data drive "
+               "per GPU (DGX H100: 8x 3.84 TB), 6.9 GB/s read each",
     ),
     "a100-80gb": DeviceProfile(
         name="a100-80gb", hbm_bandwidth=2.039e12, peak_flops=312e12, memory_bytes=80 * _GB,
+        host_link_bandwidth=_PCIE_GEN4_X16, disk_read_bandwidth=_NVME_GEN4_READ,
         source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): BF16 312 TFLOPS dense "
-               "(624 with sparsity), 80 GB HBM2e, 2,039 GB/s, PCIe Gen4 64 GB/s",
+               "(624 with sparsity), 80 GB HBM2e, 2,039 GB/s, PCIe Gen4 x16; local NVMe: one Gen4 U.2 "
+               "data drive, 6.9 GB/s read",
     ),
     "l4": DeviceProfile(
         name="l4", hbm_bandwidth=300e9, peak_flops=121e12, memory_bytes=24 * _GB,
+        host_link_bandwidth=_PCIE_GEN4_X16, disk_read_bandwidth=_NVME_GEN4_READ,
         source="NVIDIA L4 Tensor Core GPU datasheet: BF16 242 TFLOPS with sparsity (121 dense), "
-               "24 GB GDDR6, 300 GB/s, PCIe Gen4 x16 64 GB/s",
+               "24 GB GDDR6, 300 GB/s, PCIe Gen4 x16; local NVMe: one Gen4 U.2 data drive, 6.9 GB/s read",
     ),
 }
 

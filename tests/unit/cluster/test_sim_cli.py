@@ -44,3 +44,22 @@ def test_simulate_shared_view_flags(capsys) -> None:
     assert json.loads(capsys.readouterr().out)["num_finished"] == 8
     assert main(["simulate", "--router", "pow2", "--ingress", "2", "--shared-view", "--requests", "5"]) == 2
     assert "routing view" in capsys.readouterr().err
+
+
+
+def test_simulate_kv_tier_flags(capsys) -> None:
+    from cluster.cli import build_parser
+    from cluster.sim.cli import config_from_args
+
+    args = build_parser().parse_args(["simulate", "--host-kv-cache-gib", "4", "--disk-kv-cache-gib", "8",
+                                      "--shared-kv-store-gib", "16", "--shared-kv-store-gbps", "80",
+                                      "--tier-blind-routing"])
+    tiers = config_from_args(args).tiers
+    assert (tiers.host_bytes, tiers.disk_bytes, tiers.shared_bytes) == (4 * 2**30, 8 * 2**30, 16 * 2**30)
+    assert tiers.shared_bandwidth == 10e9 and not tiers.route_on_tiers
+    assert main(["simulate", "--requests", "5", "--disk-kv-cache-gib", "1"]) == 2
+    assert "needs a host tier" in capsys.readouterr().err
+    # A profile without a disk (every profile has a host link: PCIe Gen4 unless it says otherwise).
+    assert main(["simulate", "--requests", "5", "--profile", "cpu-calibrated", "--host-kv-cache-gib", "1",
+                 "--disk-kv-cache-gib", "1"]) == 2
+    assert "(and disk) bandwidth" in capsys.readouterr().err

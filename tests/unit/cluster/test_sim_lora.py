@@ -33,7 +33,8 @@ def test_a_rank_16_llama_3_8b_adapter_on_all_seven_projections() -> None:
     per_layer = 16 * (2 * 8192 + 2 * 5120 + 3 * 18432)
     assert lora_adapter_bytes(SHAPE, 16) == per_layer * 32 * 2 == 83_886_080
     assert COLD_S == pytest.approx(83_886_080 / LORA.storage_bytes_per_s)
-    assert SWAP_S == pytest.approx(83_886_080 / 64e9)  # the H200's PCIe Gen5, one direction
+    # The H200's PCIe Gen5 x16, one direction: 32 GT/s x 16 lanes x 128b/130b.
+    assert SWAP_S == pytest.approx(83_886_080 / (32e9 * 16 * 128 / 130 / 8))
 
 
 def test_the_loader_runs_one_load_at_a_time_in_order() -> None:
