@@ -128,6 +128,8 @@ def router_cell(workload: str, num_replicas: int, seed: int, plan: Plan, wkw: di
     start = start or START_RPS_PER_REPLICA[workload] * num_replicas
     fig = runner.goodput(config, start, plan.search, known_miss)
     at = at_rate if at_rate is not None else AT_FRACTION * fig.rate_rps
+    if workload == TRACE and not plan.trace_at_80:
+        at = 0.0
     at_80 = runner.run(config, at, stop_at_slo_miss=False) if at > 0 else None
     cpu_s = time.process_time() - cpu0
     log(f"  {workload} x{num_replicas} seed {seed} {router}: {runner.num_runs} simulations in "
