@@ -339,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     validation_pool = None if args.skip_validation else ProcessPoolExecutor(max_workers=1)
     try:
         cluster_result = start_cluster_validation(validation_pool, args.quick) if validation_pool else None
-        with ProcessPoolExecutor(max_workers=jobs, initializer=os.nice, initargs=(TABLE_NICE,)) as pool:
+        # Nothing to yield to without validation 2: the table keeps the nice it was started at.
+        nice = TABLE_NICE if validation_pool is not None else 0
+        with ProcessPoolExecutor(max_workers=jobs, initializer=os.nice, initargs=(nice,)) as pool:
             rows, table_cpu_s, ingress_runs, partition = run_table(pool, keys, plan, kw_of)
         log(f"router table done at {time.perf_counter() - t0:.0f} s")
         ingress = {shared: statistics.fmean(v) for shared, v in ingress_runs.items() if v}
