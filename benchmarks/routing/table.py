@@ -10,7 +10,8 @@
    of round robin's rate: TTFT p99, prefix-cache hit rate, load imbalance there.
    Trace cells: the Mooncake conversation trace (benchmarks/traces/) at Plan.trace_replicas,
    arrivals scaled to each searched rate; a run meets the SLO at TRACE_ATTAINMENT of its
-   requests within both targets (its long prompts put the TTFT p99 out of reach).
+   requests within both targets (its long prompts put the TTFT p99 out of reach). --quick's
+   trace cells run the goodput search only (Plan.trace_at_80).
 2. Multi-ingress rows: headroom on b2b behind 1 ingress router (the table's cell) and behind
    4, each with a private view (the herding failure) or all sharing one view (what Redis
    shares in a deployment: SimConfig.shared_view); headroom_share is 1.0 in every case.
