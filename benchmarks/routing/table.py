@@ -10,7 +10,8 @@
    of round robin's rate: TTFT p99, prefix-cache hit rate, load imbalance there.
    Trace cells: the Mooncake conversation trace (benchmarks/traces/) at Plan.trace_replicas,
    arrivals scaled to each searched rate; a run meets the SLO at TRACE_ATTAINMENT of its
-   requests within both targets (its long prompts put the TTFT p99 out of reach).
+   requests within both targets (its long prompts put the TTFT p99 out of reach). --quick's
+   trace cells run the goodput search only (Plan.trace_at_80).
 2. Multi-ingress rows: headroom on b2b behind 1 ingress router (the table's cell) and behind
    4, each with a private view (the herding failure) or all sharing one view (what Redis
    shares in a deployment: SimConfig.shared_view); headroom_share is 1.0 in every case.
@@ -128,6 +129,8 @@ def router_cell(workload: str, num_replicas: int, seed: int, plan: Plan, wkw: di
     start = start or START_RPS_PER_REPLICA[workload] * num_replicas
     fig = runner.goodput(config, start, plan.search, known_miss)
     at = at_rate if at_rate is not None else AT_FRACTION * fig.rate_rps
+    if workload == TRACE and not plan.trace_at_80:
+        at = 0.0
     at_80 = runner.run(config, at, stop_at_slo_miss=False) if at > 0 else None
     cpu_s = time.process_time() - cpu0
     log(f"  {workload} x{num_replicas} seed {seed} {router}: {runner.num_runs} simulations in "
@@ -337,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     validation_pool = None if args.skip_validation else ProcessPoolExecutor(max_workers=1)
     try:
         cluster_result = start_cluster_validation(validation_pool, args.quick) if validation_pool else None
-        with ProcessPoolExecutor(max_workers=jobs, initializer=os.nice, initargs=(TABLE_NICE,)) as pool:
+        # Nothing to yield to without validation 2: the table keeps the nice it was started at.
+        nice = TABLE_NICE if validation_pool is not None else 0
+        with ProcessPoolExecutor(max_workers=jobs, initializer=os.nice, initargs=(nice,)) as pool:
             rows, table_cpu_s, ingress_runs, partition = run_table(pool, keys, plan, kw_of)
         log(f"router table done at {time.perf_counter() - t0:.0f} s")
         ingress = {shared: statistics.fmean(v) for shared, v in ingress_runs.items() if v}

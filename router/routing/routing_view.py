@@ -24,7 +24,8 @@ from typing import Protocol, runtime_checkable
 
 from router.routing.reservations import PerReplica, ReplicaKey, ReservationLedger, Unreflected
 
-# How long a learned hint counts, and how many block hashes one view remembers (LRU beyond).
+# How long a learned hint counts, and how many block hashes one view remembers per replica
+# (LRU beyond): prefix_affinity's max tree size, more blocks than one replica's KV holds.
 DEFAULT_HINT_TTL_S = 300.0
 DEFAULT_MAX_HINTS = 1 << 18
 
@@ -68,14 +69,20 @@ class RoutingView(Protocol):
 
 
 class HintTable:
-    """block hash -> {replica: when last learned}; bounded (LRU over hashes) and aged."""
+    """block hash -> {replica: when last learned}; aged, and bounded per replica (LRU over
+    each replica's hashes, like prefix_affinity's index): one global bound lets a busy
+    cluster's newest prompts push out every replica's older prefixes while the replicas still
+    cache them, and the router forgets where a conversation's history lives."""
 
     def __init__(self, ttl_s: float = DEFAULT_HINT_TTL_S, max_hashes: int = DEFAULT_MAX_HINTS) -> None:
         if ttl_s <= 0 or max_hashes <= 0:
             raise ValueError("hint ttl_s and max_hashes must be > 0")
         self.ttl_s = ttl_s
-        self.max_hashes = max_hashes
-        self._owners: OrderedDict[int, dict[ReplicaKey, float]] = OrderedDict()
+        self.max_hashes = max_hashes  # per replica
+        self._owners: dict[int, dict[ReplicaKey, float]] = {}
+        # Per replica its hashes, least recently learned first. Invariant: h in _lru[r]
+        # exactly when r in _owners[h].
+        self._lru: dict[ReplicaKey, OrderedDict[int, None]] = {}
         self._now = 0.0  # the latest `now` seen: hints older than now - ttl_s are dead
 
     def __len__(self) -> int:
@@ -83,15 +90,25 @@ class HintTable:
 
     def learn(self, replica: ReplicaKey, block_hashes: Sequence[int], now: float) -> None:
         self._now = max(self._now, now)
+        lru = self._lru.setdefault(replica, OrderedDict())
         for h in reversed(block_hashes):  # leaf first, root last: roots are evicted last
             owners = self._owners.get(h)
             if owners is None:
                 owners = self._owners[h] = {}
-            else:
-                self._owners.move_to_end(h)
             owners[replica] = now
-        while len(self._owners) > self.max_hashes:
-            self._owners.popitem(last=False)
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+        while len(lru) > self.max_hashes:
+            old, _ = lru.popitem(last=False)
+            self._drop(old, replica)
+
+    def _drop(self, h: int, replica: ReplicaKey) -> None:
+        owners = self._owners[h]
+        del owners[replica]
+        if not owners:
+            del self._owners[h]
 
     def match(self, block_hashes: Sequence[int], not_before: Mapping[ReplicaKey, float] | None = None
               ) -> dict[ReplicaKey, int]:
@@ -129,15 +146,9 @@ class HintTable:
         return depth
 
     def forget(self, replicas: Iterable[ReplicaKey]) -> None:
-        gone = set(replicas)
-        if not gone:
-            return
-        for h in list(self._owners):
-            owners = self._owners[h]
-            for r in gone & owners.keys():
-                del owners[r]
-            if not owners:
-                del self._owners[h]
+        for r in set(replicas):
+            for h in self._lru.pop(r, ()):
+                self._drop(h, r)
 
 
 class LocalRoutingView(ReservationLedger):

@@ -179,16 +179,22 @@ def _owner(fitting: Sequence[ReplicaScore]) -> ReplicaScore | None:
     return best
 
 
-def _least_sessions(ready: Sequence[ReplicaScore], session_counts: Mapping[ReplicaKey, int],
+def _least_sessions(open_: Sequence[ReplicaScore], session_counts: Mapping[ReplicaKey, int],
                     index: Mapping[ReplicaKey, int]) -> ReplicaScore | None:
-    """Among the replicas that cache the most of the prompt, the one with the fewest active
-    sessions per unit of capacity (ties: higher rank_key). A new session that shares a
-    prefix with one replica only (a tenant's system prompt) still goes to that replica."""
+    """The open replica within target with the fewest active sessions per unit of capacity
+    (ties: higher rank_key), when every open replica caches as much of the prompt as any
+    (a cold prompt, or a system prompt all of them hold); else None. A prompt some replica
+    caches more of has been served before, whatever this router's own session table says:
+    another router may have served its session (each sees only the turns sent through it),
+    or it shares a tenant's prefix with that replica only; affinity and the headroom ranking
+    weigh that cache against the queue, as for a known session, where a count would deal
+    the request to a replica that recomputes the prefix."""
+    if not open_ or len({s.cached_blocks for s in open_}) > 1:
+        return None
+    ready = [s for s in open_ if s.within_target]
     if not ready:
         return None
-    most = max(s.cached_blocks for s in ready)
-    return min((s for s in ready if s.cached_blocks == most),
-               key=lambda s: (session_counts.get(s.key, 0) / s.capacity_weight, -s.rank_key, index[s.key]))
+    return min(ready, key=lambda s: (session_counts.get(s.key, 0) / s.capacity_weight, -s.rank_key, index[s.key]))
 
 
 def rank_replicas(
@@ -239,7 +245,7 @@ def rank_replicas(
     gated = [s for s in fitting if excess[s.key] > allowed[s.key]]
     ready = [s for s in open_ if s.within_target]
     owner = _owner(ready)
-    spread = _least_sessions(ready, session_counts, index) if session_counts is not None else None
+    spread = _least_sessions(open_, session_counts, index) if session_counts is not None else None
     # A cold request (no replica caches any of it, no session, its LoRA adapter as far
     # from every replica) also balances by requests: load above or below a replica's share
     # tilts the order, a gate's worth of excess weighing one whole rank_key unit. Not when

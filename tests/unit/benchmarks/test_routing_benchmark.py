@@ -239,3 +239,31 @@ def test_the_real_engine_runs_on_the_validations_clock(tiny_llama) -> None:  # n
     assert figures.ttft_p99_s == pytest.approx(0.01)
     # 5 tokens from the first arrival (0 s) to the last finish (5 s + 2 steps).
     assert figures.output_tokens_per_s == pytest.approx(5 / 5.02)
+
+
+def test_quick_trace_cells_skip_the_80_percent_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--quick's trace cells search goodput only; the full plan's also run at 80% of it.
+    (The simulation is replaced: what is checked is which runs a cell asks for.)"""
+    from benchmarks.routing import table
+    from benchmarks.routing.setup import FULL, QUICK
+
+    runs: list[float] = []
+    found = RunFigures(5.0, True, 4.0, 0.5, 1.5, 0.09, 100.0, 0.1, 1.1)
+
+    class Runner:
+        num_runs = 0
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def goodput(self, *args: object, **kwargs: object) -> RunFigures:
+            return found
+
+        def run(self, config: object, rate: float, stop_at_slo_miss: bool = True) -> RunFigures:
+            runs.append(rate)
+            return found
+
+    monkeypatch.setattr(table, "Runner", Runner)
+    assert table.router_cell("trace", 4, 0, QUICK, {}, "headroom").at_80 is None and runs == []
+    assert table.router_cell("b2b", 4, 0, QUICK, {}, "headroom").at_80 is found and runs == [4.0]
+    assert table.router_cell("trace", 4, 0, FULL, {}, "headroom").at_80 is found and runs == [4.0, 4.0]

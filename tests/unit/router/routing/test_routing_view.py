@@ -40,15 +40,34 @@ def test_hints_match_leading_blocks_per_replica() -> None:
     assert table.match(other) == {}
 
 
-def test_hints_expire_and_are_bounded() -> None:
-    table = HintTable(ttl_s=10, max_hashes=3)
+def test_hints_expire() -> None:
+    table = HintTable(ttl_s=10)
     old = hash_full_blocks(list(range(32)), BS)  # 2 blocks
     table.learn("a", old, NOW)
     new = hash_full_blocks(list(range(500, 532)), BS)
-    table.learn("b", new, NOW + 11)  # a's hints are now older than the ttl; LRU keeps 3 hashes
-    assert len(table) == 3
+    table.learn("b", new, NOW + 11)  # a's hints are now older than the ttl
     assert table.match(old) == {}
     assert table.match(new) == {"b": 2}
+
+
+def test_hints_are_bounded_per_replica_least_recently_learned_first() -> None:
+    """Replica b's stream of new prompts does not push out what a was sent: each replica
+    keeps its own max_hashes (a busy cluster's newest prompts would otherwise erase where
+    every older conversation lives while the replicas still cache it)."""
+    table = HintTable(ttl_s=60, max_hashes=4)
+    history = hash_full_blocks(list(range(64)), BS)  # 4 blocks
+    table.learn("a", history, NOW)
+    for i in range(5):
+        table.learn("b", hash_full_blocks(list(range(1000 * (i + 1), 1000 * (i + 1) + 32)), BS), NOW + i)
+    assert table.match(history) == {"a": 4}
+    assert len(table) == 4 + 4  # b keeps its 4 newest hashes: its last two prompts
+    assert table.match(hash_full_blocks(list(range(5000, 5032)), BS)) == {"b": 2}
+    assert table.match(hash_full_blocks(list(range(3000, 3032)), BS)) == {}
+    # Beyond a's bound its least recently learned hashes go, leaves before their root.
+    table.learn("a", hash_full_blocks(list(range(200, 232)), BS), NOW + 9)
+    assert table.match(history) == {"a": 2}
+    table.forget(["a", "b"])
+    assert len(table) == 0 and table.match(history) == {}
 
 
 def test_forget_drops_a_gone_replica() -> None:

@@ -15,6 +15,7 @@ from router.routing.policies.headroom import HeadroomPolicy
 from router.routing.scoring import Ranking, move_costs, score_replica
 from router.routing.policies.headroom import MODE_AFFINITY, MODE_HEADROOM, MODE_LOAD_GATE, MODE_SPREAD, rank_replicas
 from router.routing.reservations import ReservationLedger
+from router.routing.routing_view import LocalRoutingView
 from router.routing.sessions import MAX_SESSION_ID_CHARS, SessionTable, client_session_id
 from tests.unit.router.routing.test_headroom_policy import BS, NOW, PARAMS, report, views_for
 
@@ -217,3 +218,56 @@ def test_the_move_cost_adds_at_most_one_more_gate_limit() -> None:
     assert ranking(23).order[0] == "owner"  # share 23/3: excess 15.3 <= 8 + 8
     gated = ranking(26)  # share 26/3: excess 17.3 > 16
     assert (gated.mode, gated.order[-1]) == (MODE_LOAD_GATE, "owner")
+
+
+# ---------------------------------------------------------------- sessions other routers served
+
+
+def test_an_unseen_session_whose_prefix_one_replica_caches_is_ranked_as_a_known_one() -> None:
+    """The owner caches the prompt's history but is past target; the cold replicas hold fewer
+    sessions. A count would deal the turn to a cold replica and recompute the history: the
+    ranking is the one the router makes for a session it knows (no spread)."""
+    prefix = list(range(1024))
+    reports = {"owner": replace(report(500, prefix_hashes=hash_full_blocks(prefix, BS)),
+                                num_running_prompt_tokens=90_000),
+               "b": report(500), "c": report(500)}
+    request = session_request(0, prefix)
+    known = rank_replicas(request, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
+    unseen = rank_replicas(request, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0),
+                           session_counts={"owner": 9, "b": 0, "c": 1})
+    assert unseen.mode != MODE_SPREAD
+    assert (unseen.mode, unseen.order) == (known.mode, known.order)
+
+
+def test_routers_sharing_a_view_rank_a_session_alike_whichever_saw_it() -> None:
+    """Two ingress routers share one routing view (Redis); router A served a b2b-like group's
+    first request on the replica with the most headroom, which then gets busy. Router B has
+    never seen the session: it ranks the next request as A does."""
+    params = replace(PARAMS, session_weight=0.0)  # A's session credit aside, the two must agree
+    shared = LocalRoutingView(params.report_lag_s)
+    a, b = HeadroomPolicy(params, view=shared), HeadroomPolicy(params, view=shared)
+    prefix = list(range(2048))
+    first = RoutingRequest("g-1", prefix + [7] * 40, 8, session_id="group-7")
+    views = [ReplicaView(k, report(f)) for k, f in (("x", 900), ("y", 600), ("z", 600))]
+    for policy in (a, b):
+        for v in views:
+            policy.on_report(v.key, v.report, NOW)
+    top = a.rank(first, views, NOW)[0]
+    a.on_dispatch(first, top, NOW)
+    # Later, by reports: the owner caches the prefix and is busy, the others are idle.
+    later = NOW + 1.0
+    busy = {k: report(500, timestamp=later - 0.5) for k in ("x", "y", "z")}
+    busy[top] = replace(report(500, prefix_hashes=hash_full_blocks(prefix, BS), timestamp=later - 0.5),
+                        num_running_prompt_tokens=70_000)
+    views = [ReplicaView(k, r) for k, r in busy.items()]
+    for policy in (a, b):
+        for v in views:
+            policy.on_report(v.key, v.report, later)
+    for other in ("y", "z"):  # B has dealt other sessions to the idle replicas
+        b.sessions.touch(f"other-{other}", other, later)
+    second = RoutingRequest("g-2", prefix + [8] * 40, 8, session_id="group-7")
+    order_a = a.rank(second, views, later)
+    mode_a = a.last_mode
+    order_b = b.rank(RoutingRequest("g-2b", prefix + [8] * 40, 8, session_id="group-7"), views, later)
+    assert (b.last_mode, order_b) == (mode_a, order_a)
+    assert order_b[0] == top  # the prefix's 2,048 tokens outweigh the busy owner's queue
