@@ -36,6 +36,7 @@ import torch
 
 from kv.disk_tier import DiskTier, fingerprint_key, layout_fingerprint
 from kv.host_tier import HostTier
+from kv.tier_report import TierReport
 from kv.kv_events import DEVICE, HOST, KVEventLog
 from kv.kv_cache import KVCacheSpec
 from worker.config import CacheConfig
@@ -69,7 +70,7 @@ class _PendingLoad:
     future: Future[list[torch.Tensor]]  # the disk blocks after them, read in the background
 
 
-class TierManager:
+class TierManager(TierReport):
     def __init__(self, runner: KVTransferRunner, spec: KVCacheSpec, host: HostTier,
                  disk: DiskTier | None = None, shared: DiskTier | None = None) -> None:
         self.runner = runner
@@ -134,21 +135,6 @@ class TierManager:
                 break
             n += 1
         return n
-
-    def stats(self) -> dict[str, int]:
-        """KVStats' tier fields."""
-        return {
-            "num_host_blocks": len(self.host),
-            "num_disk_blocks": len(self.disk) if self.disk is not None else 0,
-            "num_tier_loaded_blocks": self.num_loaded_blocks,
-        }
-
-    def routing_hashes(self, limit: int) -> tuple[list[int], list[int]]:
-        """What the router credits (worker/api.py's RoutingStats): up to `limit` hashes
-        of the host tier and of the local disk, most recent first. The shared store is
-        left out: every replica reads it alike, so it tells replicas apart by nothing."""
-        disk = self.disk.recent_hashes(limit) if self.disk is not None else []
-        return self.host.recent_hashes(limit), disk
 
     # -- the step --------------------------------------------------------------------------------
     def offload(self, evicted: list[tuple[int, int]]) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv.host_tier import HostTier
+from kv.tier_report import TierReport
 from worker.scheduler import TierLoad
 from worker.sequence import Sequence, SequenceStatus
 
@@ -157,7 +158,7 @@ class _PendingLoad:
     done_s: float
 
 
-class SimTierManager:
+class SimTierManager(TierReport):
     """One simulated replica's tiers, behind the engine's TierManager calls."""
 
     def __init__(self, device: VirtualDevice, clock: EventQueue, host: HostTier, block_bytes: int,
@@ -187,17 +188,6 @@ class SimTierManager:
                 break
             n += 1
         return n
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "num_host_blocks": len(self.host),
-            "num_disk_blocks": len(self.disk) if self.disk is not None else 0,
-            "num_tier_loaded_blocks": self.num_loaded_blocks,
-        }
-
-    def routing_hashes(self, limit: int) -> tuple[list[int], list[int]]:
-        disk = self.disk.recent_hashes(limit) if self.disk is not None else []
-        return self.host.recent_hashes(limit), disk
 
     # -- the step ------------------------------------------------------------------------------
     def offload(self, evicted: list[tuple[int, int]]) -> None:
