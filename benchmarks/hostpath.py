@@ -292,6 +292,11 @@ def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int, direct_ing
     return runs
 
 
+def by_stream(runs: list[Any]) -> tuple[list[Any], list[Any]]:
+    """(not streamed, streamed) runs."""
+    return [r for r in runs if not r.stream], [r for r in runs if r.stream]
+
+
 def per_token_us(runs: list[Any]) -> float:
     """Serving CPU over all the runs' tokens (a ratio of sums)."""
     return 1e6 * sum(r.serving_cpu_s for r in runs) / max(sum(r.tokens for r in runs), 1)
@@ -341,15 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         print("  as `kvserve serve --direct-ingress` runs Serve (HAProxy -> ingress replicas):", flush=True)
         direct = measure_serve(batches, repeats, direct_ingress=True)
     print(f"load average after {os.getloadavg()}")
-    plain = [r for r in serve_runs if not r.stream]
-    streamed = [r for r in serve_runs if r.stream]
+    plain, streamed = by_stream(serve_runs)
 
     def ratio(b: int, runs: list[Any] = plain) -> float:
         return statistics.median(r.delivered_ratio for r in runs if r.num_requests == b)
 
     if baseline is not None:
-        base_plain = [r for r in baseline if not r.stream]
-        base_streamed = [r for r in baseline if r.stream]
+        base_plain, base_streamed = by_stream(baseline)
         print(f"against Serve's defaults: {per_token_us(plain):.0f} / {per_token_us(base_plain):.0f} us/token "
               f"not streamed ({per_token_us(plain) / per_token_us(base_plain):.2f}x), "
               f"{per_token_us(streamed):.0f} / {per_token_us(base_streamed):.0f} streamed "
@@ -358,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
 
     direct_result = ""
     if direct is not None:
-        d_plain = [r for r in direct if not r.stream]
-        d_streamed = [r for r in direct if r.stream]
+        d_plain, d_streamed = by_stream(direct)
         print(f"direct ingress against the default: {per_token_us(d_plain):.0f} / {per_token_us(plain):.0f} us/token "
               f"not streamed, {per_token_us(d_streamed):.0f} / {per_token_us(streamed):.0f} streamed; delivered "
               f"ratio b64 {ratio(64, d_plain):.3f} / {ratio(64):.3f}, b256 {ratio(256, d_plain):.3f} / {ratio(256):.3f}; "
