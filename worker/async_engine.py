@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -29,6 +30,13 @@ from worker.api import SamplingParams
 from worker.step_overlap import AppliedStep
 
 logger = logging.getLogger(__name__)
+
+# The process's GIL switch interval while a step thread beside a device runs. When the
+# device finishes a step, the step thread needs the GIL back to launch the next one; a
+# thread holding it (the replica's event loop publishing outputs to its callers) gives it
+# up only at the switch interval (Python's default: 5 ms), and a decode step only a few
+# times longer would wait a large part of its length with the device idle.
+STEP_THREAD_SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineDeadError(RuntimeError):
@@ -129,6 +137,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
+            if self.engine.overlaps_device:
+                sys.setswitchinterval(min(sys.getswitchinterval(), STEP_THREAD_SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
             self._thread.start()
 

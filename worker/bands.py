@@ -74,9 +74,12 @@ def split_running(running: list[Sequence], waiting: deque[Sequence]) -> tuple[li
     after the better bands' decodes, chunks and waiting prompts, so a better band's
     prefill never waits a step for the budget behind a worse band's), and the rest, in
     admission order."""
-    best = min((s.params.priority for s in running), default=0)
+    priorities = [s.params.priority for s in running]
+    best = min(priorities, default=0)
     if waiting:
         best = min(best, waiting[0].params.priority) if running else waiting[0].params.priority
+    if not running or max(priorities) <= best:  # one band (the usual case): nothing deferred
+        return list(running), []
     first: list[Sequence] = []
     deferred: list[Sequence] = []
     for seq in running:

@@ -303,6 +303,9 @@ class Engine:
                 step.handle = self.runner.launch(step.plan)
             except Exception as e:
                 step.error = e
+                return step
+            # Under the device: what applying the step needs of the plan alone.
+            self.counters.timed(self.scheduler.advance, step.plan)
         return step
 
     def complete_step(self, step: LaunchedStep) -> AppliedStep:

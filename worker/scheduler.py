@@ -174,25 +174,33 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, seqs: list[Sequence]) -> int:
         """Plan `seqs` (running, in order) within `budget`; returns what is left of it."""
-        kv, running = self.kv, SequenceStatus.RUNNING
+        kv, running, timed = self.kv, SequenceStatus.RUNNING, self._timed_rows is not None
+        held = kv.held_block_ids
+        # The plan's lists, appended in place (this loop runs once per running sequence).
+        plan_seqs, plan_new, plan_blocks = out.seqs, out.num_new_tokens, out.block_ids
         for seq in seqs:
             if budget <= 0:
                 break
             if seq.status is not running:  # preempted earlier this step
                 continue
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if num_new > 1 and self._timed_rows is not None:  # a prompt chunk beside decodes
-                num_new = self._time_capped(num_new, seq.num_computed_tokens)
+            computed = seq.num_computed_tokens
+            num_new = len(seq.token_ids) - computed
+            if num_new > budget:
+                num_new = budget
+            if num_new > 1 and timed:  # a prompt chunk beside decodes
+                num_new = self._time_capped(num_new, computed)
                 if num_new == 0:
                     continue
-            total = seq.num_computed_tokens + num_new
+            total = computed + num_new
             # Most decode steps need no new block: no check, no allocation.
-            block_ids = kv.held_block_ids(seq.request_id, total)
+            block_ids = held(seq.request_id, total)
             if block_ids is None:
                 if not self._make_room(out, seq, total):  # preempts from the tail of `running`
                     break
                 block_ids = kv.allocate(seq.request_id, total)
-            self._add_to_plan(out, seq, num_new, block_ids)
+            plan_seqs.append(seq)
+            plan_new.append(num_new)
+            plan_blocks.append(block_ids)
             budget -= num_new
         return budget
 
@@ -346,26 +354,50 @@ class Scheduler:
         self._enqueue(seq, front_of_band=True)
 
     # -- applying a step's result --------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
-        """Advance every scheduled sequence; append sampled tokens; finish and free the
-        ones that stop. Returns the sequences that got a token (finished ones included)."""
-        changed: list[Sequence] = []
-        any_finished = False
+    def advance(self, out: SchedulerOutput) -> None:
+        """Move every planned sequence past its tokens and register the blocks they fill.
+
+        The half of applying a step that does not need its result: the tokens a step
+        computes are its inputs, known when it is planned. The overlapped loop runs it
+        while the step is on the device (worker/step_overlap.py), so that only `update`
+        waits for the device. Blocks registered here are not hit before the step ends:
+        only the next schedule, which follows the step's wait, admits against them.
+
+            before:  token_ids [ ... c-1 | c ... c+n-1 | ... ]   num_computed_tokens = c
+            after:   num_computed_tokens = c + n  (the step writes positions c .. c+n-1)
+        """
+        if out.advanced:
+            return
+        out.advanced = True
         kv = self.kv
         block_size = kv.block_size
         running = SequenceStatus.RUNNING
-        for seq, num_new, token_id in zip(out.seqs, out.num_new_tokens, sampled_token_ids):
+        for seq, num_new in zip(out.seqs, out.num_new_tokens):
             if seq.status is not running:
                 continue
             before = seq.num_computed_tokens
             seq.num_computed_tokens = after = before + num_new
             if after // block_size > before // block_size:  # a block filled: register it
                 kv.cache_computed(seq.request_id, seq.token_ids, after, seq.hash_root)
-            if token_id is None:
-                continue  # a prompt chunk that did not reach the end of the prompt
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
+        """Apply a step's result (advancing the plan first if that has not been done):
+        append sampled tokens; finish and free the sequences that stop. Returns the
+        sequences that got a token (finished ones included)."""
+        self.advance(out)
+        changed: list[Sequence] = []
+        any_finished = False
+        kv = self.kv
+        running = SequenceStatus.RUNNING
+        max_model_len = self.config.max_model_len
+        for seq, token_id in zip(out.seqs, sampled_token_ids):
+            # None: a prompt chunk that did not reach the end of the prompt. Not running:
+            # aborted (or failed) while the step was on the device; its token is dropped.
+            if token_id is None or seq.status is not running:
+                continue
             seq.token_ids.append(token_id)  # Sequence.append_token, inlined (once per token)
             changed.append(seq)
-            if check_stop(seq, token_id, self.config.max_model_len):
+            if check_stop(seq, token_id, max_model_len):
                 any_finished = True
                 kv.free(seq.request_id)
                 if seq.lora_slot >= 0:

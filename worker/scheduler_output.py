@@ -42,6 +42,10 @@ class SchedulerOutput:
     kv_loads: list[TierLoad] = field(default_factory=list)
     # How many of `preempted` made room for a better band or a key's share (the first ones).
     preempted_for_priority: int = 0
+    # Scheduler.advance has moved the plan's sequences past its tokens (their
+    # num_computed_tokens counts this step's); from then on a row's context is
+    # num_computed_tokens - num_new_tokens[i].
+    advanced: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -59,4 +63,5 @@ class SchedulerOutput:
     def samples(self, i: int) -> bool:
         """Does seqs[i] reach the end of its tokens this step (and so sample one)?"""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        end = seq.num_computed_tokens + (0 if self.advanced else self.num_new_tokens[i])
+        return end == seq.num_tokens

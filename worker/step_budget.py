@@ -81,8 +81,9 @@ class StepTimeBudget:
         return lo
 
     def observe_plan(self, plan: SchedulerOutput, token_ids: list, measured_s: float) -> None:
-        """A step the engine ran (before its update moves num_computed_tokens)."""
-        self.observe([(n, seq.num_computed_tokens, t is not None)
+        """A step the engine ran; its rows' contexts as they were when it was planned."""
+        back = plan.advanced
+        self.observe([(n, seq.num_computed_tokens - (n if back else 0), t is not None)
                       for seq, n, t in zip(plan.seqs, plan.num_new_tokens, token_ids)], measured_s)
 
     def observe(self, rows: Sequence[Row], measured_s: float) -> None:

@@ -6,19 +6,27 @@ A runner that overlaps (`overlaps()` below) splits `execute(plan)` into `launch(
 which returns as soon as the step is on the device, and `wait(handle)`, which returns its
 RunnerOutput once the device is done. The async engine's step thread then runs:
 
-    host    ..| wait N-1 | update N-1 | schedule N | launch N | outputs N-1, publish, stats, inbox | wait N |...
+    host    ..| wait N-1 | update N-1 | schedule N | launch N | advance N, outputs N-1, publish, stats, inbox | wait N |...
     device  ..== N-1 ===|          (idle)                     |================ step N ================|
 
-    exposed host time per step: update + schedule + launch's host part (the device waits)
-    hidden: building step N-1's RequestOutputs, publishing them, the stats and prefix-hash
-            snapshots, draining the inbox (adds, aborts, KV releases); beyond the device
-            step they become exposed too (wait then finds the device already done)
+    exposed host time per step: update (the sampled tokens: append, stop checks, frees) +
+            schedule + launch's host part (the device waits)
+    hidden: advancing step N's sequences past its tokens and registering the blocks they
+            fill (Scheduler.advance: the plan alone decides it), building step N-1's
+            RequestOutputs, publishing them, the stats and prefix-hash snapshots, draining
+            the inbox (adds, aborts, KV releases); beyond the device step they become
+            exposed too (wait then finds the device already done)
 
 The rules, and why:
 - update N-1 and schedule N stay on the critical path: step N's decodes take as input the
   tokens step N-1 sampled, and which sequences still run depends on N-1's stop checks.
   Full async scheduling would plan N with placeholders for those tokens and drop tokens
-  of sequences that stopped a step late; it is not done here.
+  of sequences that stopped a step late; it needs the plan, not the update, to own
+  num_computed_tokens everywhere (runners, KV export, tiers), and is not done here.
+- advance N runs right after launch N: the runner has taken the plan's inputs by then,
+  and nothing before wait N reads a planned sequence's num_computed_tokens (outputs and
+  stats read tokens and counts). Blocks it registers in the prefix cache are still being
+  written by the device, but only schedule N+1, after wait N, can admit against them.
 - Step N-1's outputs are built after schedule N has run, from the state update N-1 left:
   nothing on the step thread touches a sequence in between except schedule N, whose
   preemptions only show in an output's num_preemptions (the count when it is published).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 
 from tests.support.engine_api_helpers import all_free, await_condition, make_engine
 from worker.api import RequestOutput, SamplingParams
-from worker.async_engine import AsyncEngine
+from worker.async_engine import STEP_THREAD_SWITCH_INTERVAL_S, AsyncEngine
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine import Engine, EngineStats
 from worker.model_runner import ModelRunner
@@ -149,6 +150,35 @@ async def test_host_work_in_the_window_hides_under_the_device_step(
     total = steps[-1][2] - steps[0][0]
     assert total == pytest.approx(sum(max(m, host_s) for _, m, _ in steps), abs=1e-6)
     assert total < sum(m + host_s - 0.9 * min(m, host_s) for _, m, _ in steps)
+
+
+async def test_advance_runs_under_the_device_and_update_after_it(clock: FakeClock, engines: list[AsyncEngine]) -> None:
+    """Per step: launch, then advance (the plan alone) while the step is on the device,
+    then wait, then update (the sampled tokens); the step thread takes the GIL back within
+    a short switch interval."""
+    core = sim_engine()
+    calls: list[str] = []
+
+    def traced(obj: Any, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def call(*args: Any) -> Any:
+            if not (name == "advance" and args[0].advanced):  # update's own call: a no-op then
+                calls.append(name)
+            return fn(*args)
+
+        setattr(obj, name, call)
+
+    for obj, name in ((core.runner, "launch"), (core.runner, "wait"), (core.scheduler, "advance"),
+                      (core.scheduler, "update")):
+        traced(obj, name)
+    ae = AsyncEngine(core)
+    engines.append(ae)
+    await stream_tokens(ae, requests(3, 6))
+    assert sys.getswitchinterval() <= STEP_THREAD_SWITCH_INTERVAL_S
+    steps = [calls[i:i + 4] for i in range(0, len(calls), 4)]
+    assert len(steps) > 10
+    assert all(step == ["launch", "advance", "wait", "update"] for step in steps)
 
 
 # -- the same tokens as the serial loop ----------------------------------------------------------
