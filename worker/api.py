@@ -262,10 +262,15 @@ class RequestOutput:
         tokens, text and logprobs of both in order, the later one's state and counts, the
         earlier one's one-time fields (prompt logprobs, first times). Outputs of one
         request that wait to leave together cross process boundaries as one object."""
-        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        # In place: an output absorbs outputs while it waits to leave, and nothing else
+        # holds its lists (the engine builds them per output), so a request held for its
+        # whole answer costs one append per token, not a copy of all so far.
+        self.new_token_ids.extend(later.new_token_ids)
         self.text_delta += later.text_delta
         if later.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + later.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(later.logprobs)
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
         self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason

@@ -211,16 +211,18 @@ class AsyncEngine:
         on_output: Callable[[RequestOutput], None],
         num_resumed_tokens: int = 0,
         lora: tuple[str, str | None] | None = None,
+        text_at_end: bool = False,
     ) -> None:
         """Run a request whose outputs are handed to `on_output` in the event-loop turn that
         delivers their step: no task wakes per output, unlike iterating `generate` (the
         batched output streams' path, worker/output_streams.py). Returns once the request
-        finished; raises what failed it; cancelling it aborts the request."""
+        finished; raises what failed it; cancelling it aborts the request. `text_at_end`:
+        the caller reads the text only at the end (worker/output_processor.py)."""
         self._ensure_started()
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.engine.validate(prompt_token_ids, params)
-        processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, num_resumed_tokens)
+        processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, num_resumed_tokens, text_at_end)
         assert self._loop is not None
         sink = _Sink(processor, on_output, self._loop.create_future(), lambda: self._inbox.put(_Abort(request_id, notify=False)))
         self._streams[request_id] = sink

@@ -11,10 +11,18 @@ from worker.api import SamplingParams
 
 
 class RequestOutputProcessor:
-    """Per-request: incremental text, stop-string matching, final flush."""
+    """Per-request: incremental text, stop-string matching, final flush.
+
+    `text_at_end`: the caller reads the text only when the request has finished (a
+    non-streamed response). Then, unless a stop string must be watched for, the tokens
+    after the first output are decoded once, with the finished one, instead of one window
+    per step: the same text (the detokenizer's windows equal a full decode), a fraction of
+    the decoding. The first output is decoded at once: it is the one a migration resumes
+    from, so its text must be final when it leaves."""
 
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams, num_resumed_tokens: int = 0
+        self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams, num_resumed_tokens: int = 0,
+        text_at_end: bool = False,
     ) -> None:
         # A migrated request: its last `num_resumed_tokens` prompt tokens were output on
         # another replica. Replaying them one per step, as they were produced, puts the
@@ -34,6 +42,9 @@ class RequestOutputProcessor:
             else None
         )
         self.stopped = False  # a stop string ended the request here (the core must abort it)
+        self._defer = text_at_end and not params.stop
+        self._started = False  # an output with tokens was processed
+        self._pending: list[int] = []  # deferred token ids, decoded with the finished output
         if self.detokenizer is not None:
             for token_id in resumed:
                 self.detokenizer.update([token_id])
@@ -41,7 +52,14 @@ class RequestOutputProcessor:
     def process(self, out: RequestOutput) -> RequestOutput:
         if self.detokenizer is None:
             return out
-        update = self.detokenizer.update(out.new_token_ids) if out.new_token_ids else None
+        ids = out.new_token_ids
+        if self._defer and self._started and not out.finished:
+            self._pending.extend(ids)
+            return out  # text_delta stays "": this output's text leaves with the last one
+        if self._pending:
+            ids, self._pending = self._pending + ids, []
+        self._started = self._started or bool(ids)
+        update = self.detokenizer.update(ids) if ids else None
         delta = update.text_delta if update is not None else ""
         if update is not None and update.stop_string is not None:
             self.stopped = True

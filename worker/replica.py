@@ -115,7 +115,8 @@ class WorkerReplica:
                 self._outboxes.put(stream_id, self._output(out))
 
             await self.engine.run_into(request.prompt_token_ids, request.params, request.request_id, on_output,
-                                       request.num_resumed_tokens, lora=_lora_of(request))
+                                       request.num_resumed_tokens, lora=_lora_of(request),
+                                       text_at_end=not request.stream)
             if cut_short:
                 raise ReplicaDrainingError("this worker replica was removed before the request "
                                            "finished; resume it on another replica")

@@ -325,3 +325,38 @@ def test_stop_strings_random(
             assert expected.startswith(emitted), (stops, text)
         assert emitted + tail == expected, (stops, text)
         assert (updates[-1].stop_string if updates else None) == stop
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_text_at_end_is_the_streamed_text(tokenizer: PreTrainedTokenizerFast, seed: int) -> None:
+    """A non-streamed request's processor decodes its tokens after the first once, at the
+    end: the same text as one window per step, the first output's text at once (what a
+    migration resumes from), nothing in between; a stop string keeps it per step."""
+    from worker.api import RequestOutput, SamplingParams
+    from worker.output_processor import RequestOutputProcessor
+
+    rng = random.Random(seed)
+    prompt = tokenizer.encode(CORPUS[seed])[:5]
+    output = tokenizer.encode(CORPUS[seed + 1])[:40]
+    sizes = [rng.choice([1, 1, 2, 3]) for _ in output]  # tokens per step
+
+    def run(text_at_end: bool, stop: list[str] | None = None) -> list[str]:
+        params = SamplingParams(max_tokens=len(output), stop=stop or [])
+        processor = RequestOutputProcessor(tokenizer, prompt, params, text_at_end=text_at_end)
+        deltas, i = [], 0
+        for n in sizes:
+            if i >= len(output):
+                break
+            ids = output[i:i + n]
+            i += len(ids)
+            out = RequestOutput("r", ids, finished=i >= len(output), finish_reason="length" if i >= len(output) else None)
+            deltas.append(processor.process(out).text_delta)
+            if processor.stopped:
+                break
+        return deltas
+
+    streamed, at_end = run(False), run(True)
+    assert "".join(at_end) == "".join(streamed) == tokenizer.decode(output)
+    assert at_end[0] == streamed[0] and not any(at_end[1:-1])
+    stop = CORPUS[seed + 1][10:14]
+    assert run(True, [stop]) and "".join(run(True, [stop])) == "".join(run(False, [stop]))
