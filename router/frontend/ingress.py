@@ -26,7 +26,6 @@ gRPC methods come from router/frontend/grpc_servicer.py (GrpcMethods -> GrpcServ
 No `from __future__ import annotations` here: Serve rebuilds the FastAPI routes of the
 class, and FastAPI must then resolve the handlers' annotations (`Request`) at runtime.
 """
-import asyncio
 import logging
 import time
 import uuid
@@ -55,7 +54,7 @@ from router.frontend.key_limits import KeyLimits
 from router.frontend.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.frontend.metrics import CONTENT_TYPE, IngressMetrics
 from router.frontend.output_hub import OutputHub
-from router.frontend.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
+from router.frontend.pipeline import RequestPipeline, off_loop_if_large
 from router.serve_internals import initialized_request_router_of
 from router.routing import SESSION_HEADER, client_session_id
 from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
@@ -223,12 +222,7 @@ class Ingress(GrpcMethods):
         """vLLM's /tokenize: the ids generation would see, with the context length."""
         principal, req, num_bytes = await self._read(request, tk.TokenizeRequest)
         tokenizer = self.pipeline.tokenizer
-        # Inside the limits like a generation: the key's slot and this replica's share.
-        permit = await self.pipeline.admit(principal, 1)
-        try:
-            ids = await self._off_loop(num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
-        finally:
-            permit.release()
+        ids = await self._tokenizer_work(principal, num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
         info = await self.pipeline.workers.model_info()
         strs = [self.pipeline.texts(t) for t in ids] if req.return_token_strs else None
         out = tk.TokenizeResponse(count=len(ids), max_model_len=int(info["max_model_len"]), tokens=ids, token_strs=strs)
@@ -239,11 +233,7 @@ class Ingress(GrpcMethods):
         """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM)."""
         principal, req, num_bytes = await self._read(request, tk.DetokenizeRequest)
         tokenizer = self.pipeline.tokenizer
-        permit = await self.pipeline.admit(principal, 1)
-        try:
-            text = await self._off_loop(num_bytes, lambda: tk.detokenize_text(req, tokenizer))
-        finally:
-            permit.release()
+        text = await self._tokenizer_work(principal, num_bytes, lambda: tk.detokenize_text(req, tokenizer))
         return JSONResponse(tk.DetokenizeResponse(prompt=text).model_dump())
 
     @app.get("/version")
@@ -284,12 +274,14 @@ class Ingress(GrpcMethods):
     def _authenticate(self, request: Request) -> Principal:
         return self.pipeline.authenticate(request.headers.get("authorization"))
 
-    @staticmethod
-    async def _off_loop(num_bytes: int, work: Callable[[], T]) -> T:
-        """Tokenizer work for a large body runs off the event loop (as the pipeline does)."""
-        if num_bytes > LARGE_REQUEST_BYTES:
-            return await asyncio.to_thread(work)
-        return work()
+    async def _tokenizer_work(self, principal: Principal, num_bytes: int, work: Callable[[], T]) -> T:
+        """`work` inside the limits like a generation (the key's slot and this replica's
+        share), off the event loop for a large body (as the pipeline does)."""
+        permit = await self.pipeline.admit(principal, 1)
+        try:
+            return await off_loop_if_large(num_bytes, work)
+        finally:
+            permit.release()
 
     async def _read(self, request: Request, model: type[M]) -> tuple[Principal, M, int]:
         """Authenticate, read the JSON body (bounded), validate it and check its `model`
