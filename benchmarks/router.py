@@ -45,15 +45,14 @@ import argparse
 import asyncio
 import math
 import os
-import socket
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from benchmarks import serve_cluster
 from benchmarks.open_loop import replay
-from cluster.serve_env import controller_options, job_runtime_env
 
 ROUTERS = ("headroom", "pow2")
 SIM_POLICY = {"headroom": "headroom", "pow2": "pow2"}  # the same code in the simulator
@@ -264,12 +263,6 @@ def report(runs: list[dict[str, RunResult]]) -> list[str]:
     return lines
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = BenchSpec()
@@ -298,18 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"simulator forecast, seed {spec.seed + repeat} ({spec.num_ingress} private-view routers): {'; '.join(forecast)}")
     print(f"(capacity and forecasts: {time.perf_counter() - t0:.0f} s); load average {os.getloadavg()[0]:.1f}", flush=True)
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions
-
-    from cluster.local_ray import start_local_ray
-
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    port = _free_port()
-    start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
-                    runtime_env=job_runtime_env({"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}))
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), controller_options=controller_options())
+    port = serve_cluster.start()
     runs: list[dict[str, RunResult]] = []
     try:
         t = time.perf_counter()
@@ -329,8 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"real, load average {os.getloadavg()[0]:.1f}", flush=True)
             runs.append(pair)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve_cluster.stop()
     for line in report(runs):
         print(line)
     return 0

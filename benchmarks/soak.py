@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
 import sys
 import time
 from collections import Counter
@@ -34,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from cluster.serve_env import controller_options, job_runtime_env
+from benchmarks import serve_cluster
 
 RSS_BOUND_MB = 64.0
 
@@ -256,12 +254,6 @@ def run_soak(
 
 
 # -- standalone: a local cluster of its own ---------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=1.0)
@@ -271,23 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-bound-mb", type=float, default=RSS_BOUND_MB)
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a private loopback cluster
-    import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions
 
     from cluster.app import build_app
     from cluster.config import KVServeConfig
 
     app_name, prefix = "soak", "/soak"
-    root_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    from cluster.local_ray import start_local_ray  # a new cluster, on loopback
-
-    start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
-                    runtime_env=job_runtime_env({"PYTHONPATH": root_dir, "RAY_AUTH_MODE": "disabled"}))
-    port = _free_port()
+    port = serve_cluster.start()
     try:
-        serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port), controller_options=controller_options())
         model: dict[str, Any] = {"path": args.model} if args.model else {}
         config = KVServeConfig.from_dict({
             "app_name": app_name,
@@ -300,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         serve.run(build_app(config), name=app_name, route_prefix=prefix)
         result = run_soak(f"http://127.0.0.1:{port}{prefix}", config.model.resolved_name(), app_name, args.minutes, args.concurrency)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve_cluster.stop()
     ok = result.errors == 0 and result.leaked_blocks == 0 and result.rss_growth_mb < args.rss_bound_mb
     print("soak: PASS" if ok else "soak: FAIL", flush=True)
     print(result.line(), flush=True)

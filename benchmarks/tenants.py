@@ -36,12 +36,12 @@ import argparse
 import asyncio
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from benchmarks import serve_cluster
 from benchmarks.router import percentile
 
 APP_NAME = "bench-tenants"
@@ -258,12 +258,6 @@ def trace_breakdown(spans: list[Any], start_ns: int, end_ns: int, dilation: floa
     return lines
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = BenchSpec()
@@ -290,26 +284,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{spec.time_dilation:g}; admission queue {spec.admission_queue_size}, max wait {spec.admission_max_wait_s:g} s real; "
           f"SLO TTFT {spec.slo_ttft_ms:g} ms, TPOT {spec.slo_itl_ms:g} ms (modelled)", flush=True)
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ["KVSERVE_API_KEYS"] = ",".join(f"kvserve-bench-{name}" for name in KEYS)  # the replicas inherit it
-    import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions
 
     from cluster.app import build_app
-    from cluster.local_ray import start_local_ray
 
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    port = _free_port()
     receiver = None
     if spec.trace:
         from tests.integration.otlp_receiver import OTLPReceiver
 
         receiver = OTLPReceiver()
-    start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
-                    runtime_env={"env_vars": {"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled",
-                                              "KVSERVE_API_KEYS": os.environ["KVSERVE_API_KEYS"]}})
-    serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port))
+    port = serve_cluster.start({"KVSERVE_API_KEYS": os.environ["KVSERVE_API_KEYS"]}, throughput_mode=False)
     try:
         t = time.perf_counter()
         serve.run(build_app(app_config(spec, receiver.endpoint if receiver else None)), name=APP_NAME, route_prefix=f"/{APP_NAME}")
@@ -334,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                 for line in trace_breakdown(spans, a, b, spec.time_dilation):
                     print("  " + line)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve_cluster.stop()
         if receiver is not None:
             receiver.close()
     for line in report(alone, overload, spec.time_dilation):

@@ -25,16 +25,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cluster.config import ConfigError, GRPCSection, HTTPSection, KVServeConfig
 from cluster.lora_config import parse_lora_modules
 from cluster.deps import MissingDependencyError, missing
+from cluster.serve_exposure import direct_ingress, endpoint_lines, grpc_proxy_env, listen_warnings
 from worker.model_config import UnsupportedModelError, check_local_model
-
-if TYPE_CHECKING:
-    from cluster.serve_env import DirectIngress
 
 # name -> "module:register_function"; register(subparsers) adds the parser, sets func.
 SUBCOMMANDS: dict[str, str] = {
@@ -213,84 +210,6 @@ def register_serve(subparsers: Any) -> None:
     parser.set_defaults(func=run_serve)
 
 
-_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def _auth_on(config: KVServeConfig, env: Mapping[str, str]) -> bool:
-    keys_env = config.ingress.api_keys_env
-    return bool(keys_env and env.get(keys_env, "").strip(" ,"))
-
-
-def direct_ingress(config: KVServeConfig, environ: Mapping[str, str] | None = None) -> DirectIngress | None:
-    """Serve's direct ingress as the config asks for it (None: Serve's proxies).
-
-    HAProxy binds gRPC on the HTTP host, and every gRPC peer the ingress replica sees is
-    HAProxy, on loopback: the loopback-only guard of a server without API keys
-    (router/frontend/grpc_exposure.py) cannot tell a remote client then, so such a server
-    is refused unless the HTTP host is loopback too."""
-    if not config.http.direct_ingress:
-        return None
-    env = os.environ if environ is None else environ
-    if (config.grpc.enabled and not config.grpc.public and not _auth_on(config, env)
-            and config.http.host not in _LOOPBACK_HOSTS):
-        raise ConfigError(f"http.direct_ingress: gRPC would listen on {config.http.host} (where HTTP does) "
-                          "with no API keys set; set keys, --grpc-public or --no-grpc, or keep --host on loopback")
-    from cluster.serve_env import DirectIngress
-
-    http = config.http
-    return DirectIngress(http.haproxy_stats_port, http.haproxy_metrics_port,
-                         http.fallback_proxy_port, http.fallback_proxy_grpc_port)
-
-
-def grpc_proxy_env(config: KVServeConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment Serve's gRPC proxy of a local cluster starts with: TLS
-    (router/frontend/grpc_tls.py), loopback only without API keys unless grpc.public, and
-    the message-size cap at the HTTP body cap (router/frontend/grpc_exposure.py)."""
-    from router.frontend.grpc_exposure import LOOPBACK_ONLY_ENV, MAX_MESSAGE_ENV
-
-    if not config.grpc.enabled:
-        return {}
-    env = dict(config.grpc.tls_env)
-    env[MAX_MESSAGE_ENV] = str(config.ingress.max_body_bytes)
-    if not config.grpc.public and not _auth_on(config, os.environ if environ is None else environ):
-        env[LOOPBACK_ONLY_ENV] = "1"
-    return env
-
-
-def listen_warnings(config: KVServeConfig, environ: dict[str, str] | None = None) -> list[str]:
-    """What `kvserve serve` exposes beyond this machine, as warning lines.
-
-    HTTP binds `http.host` (127.0.0.1 unless --host asks otherwise). Serve 2.60's gRPC
-    proxy has no host option: it binds [::]:port, every interface
-    (ray/serve/_private/grpc_util.py start_grpc_server), so it is reachable from the
-    network whenever it is on."""
-    env = os.environ if environ is None else environ
-    keys_env = config.ingress.api_keys_env
-    auth_on = _auth_on(config, env)
-    lines = []
-    if config.http.host not in _LOOPBACK_HOSTS:
-        lines.append(f"HTTP listens on {config.http.host}:{config.http.port}, beyond this machine"
-                     + ("" if auth_on else f"; no API keys are set (${keys_env}): anyone who can reach it may use it"))
-    if config.grpc.enabled and config.http.direct_ingress:
-        # HAProxy binds gRPC where HTTP listens (refused beyond loopback without keys: direct_ingress).
-        if config.http.host not in _LOOPBACK_HOSTS:
-            lines.append(f"gRPC listens on {config.http.host}:{config.grpc.port} (HAProxy) without TLS")
-    elif config.grpc.enabled and not auth_on and not config.grpc.public:
-        lines.append(f"gRPC ([::]:{config.grpc.port}) answers loopback clients only: no API keys are set "
-                     f"(${keys_env}); set keys or use --grpc-public to serve other machines")
-    elif config.grpc.enabled:
-        # Serve's own gRPC port is always plaintext (router/frontend/grpc_tls.py); TLS, when
-        # configured, is on grpc.tls_port beside it.
-        tls = config.grpc.tls_port
-        lines.append(f"gRPC listens on every interface ([::]:{config.grpc.port}; Serve has no host option for it) "
-                     + "without TLS"
-                     + ("" if auth_on else f" and no API keys are set (${keys_env})")
-                     + (f"; TLS clients should use port {tls}" if tls is not None else
-                        "; set grpc.tls_port/tls_cert_file/tls_key_file for TLS")
-                     + "; use --no-grpc or a firewall to keep the plaintext port local")
-    return lines
-
-
 def local_num_cpus(config: KVServeConfig) -> int:
     """Logical CPUs for a local cluster: the machine's, or what the replicas ask for when
     that is more (they are scheduling units; on a small machine the replicas share cores
@@ -384,7 +303,6 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     try:
         servicer = grpc_servicer() if config.grpc.enabled else None
-        grpc = servicer is not None
         serve.start(
             http_options=HTTPOptions(host=config.http.host, port=config.http.port),
             grpc_options=gRPCOptions(port=config.grpc.port, grpc_servicer_functions=[servicer] if servicer else []),
@@ -394,21 +312,8 @@ def run_serve(args: argparse.Namespace) -> int:
         serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False)
         name = config.model.resolved_name()
         print(f"kvserve: serving model {name!r}", flush=True)
-        print(f"kvserve: HTTP (OpenAI API) on http://{config.http.host}:{config.http.port}{config.route_prefix.rstrip('/')}/v1", flush=True)
-        if direct is not None:
-            print(f"kvserve: direct ingress: HAProxy on the HTTP and gRPC ports, stats on *:{direct.stats_port}, "
-                  f"Prometheus on *:{direct.metrics_port}, fallback proxy on {direct.fallback_http_port} "
-                  f"and {direct.fallback_grpc_port}", flush=True)
-        if grpc:
-            # Serve's gRPC proxy has no host option: it listens on every interface. HAProxy
-            # (direct ingress) binds gRPC on the HTTP host.
-            grpc_host = config.http.host if direct is not None else "[::]"
-            print(f"kvserve: gRPC on {grpc_host}:{config.grpc.port} (service kvserve.v1.KVServe, grpc.health.v1, reflection)", flush=True)
-            if config.grpc.tls_port is not None:
-                mtls = "mutual TLS" if config.grpc.tls_client_ca_file else "TLS"
-                print(f"kvserve: gRPC {mtls} on [::]:{config.grpc.tls_port}", flush=True)
-        else:
-            print("kvserve: gRPC off", flush=True)
+        for line in endpoint_lines(config, direct):
+            print(f"kvserve: {line}", flush=True)
         for line in listen_warnings(config):
             print(f"kvserve: WARNING: {line}", file=sys.stderr, flush=True)
         print("kvserve: Ctrl-C to stop", flush=True)

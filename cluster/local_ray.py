@@ -18,7 +18,7 @@ Two things go wrong with a plain `ray.init(num_cpus=...)` on a shared machine:
   here before that and checked after.
 
 Serve's HTTP proxy binds `http.host` (127.0.0.1 by default) and its gRPC proxy every
-interface; neither depends on this (cluster/cli.py:listen_warnings says so at start-up).
+interface; neither depends on this (cluster/serve_exposure.py:listen_warnings says so at start-up).
 """
 from __future__ import annotations
 

@@ -37,11 +37,10 @@ max_tokens); router/frontend/grpc_proxy.py's servicer function closes it.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -55,7 +54,7 @@ from router.frontend.grpc_convert import (
     Clock, echo_text, engine_inputs, num_choices, prompt_logprobs, replica_stats, set_finish, set_stop, status_code_of,
     token_logprobs, tokenize,
 )
-from router.frontend.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
+from router.frontend.pipeline import RequestPipeline, off_loop_if_large
 from router.routing import SESSION_HEADER, client_session_id
 
 if TYPE_CHECKING:
@@ -63,7 +62,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 R = TypeVar("R")
 
 MAX_REQUEST_ID_CHARS = 128
@@ -105,12 +103,6 @@ async def _unary(grpc_context: RayServegRPCContext | None, empty: R, call: Await
         if grpc_context is None:
             raise error from None
         return empty
-
-
-async def _off_loop_if_large(num_bytes: int, fn: Callable[..., T], *args: Any) -> T:
-    if num_bytes > LARGE_REQUEST_BYTES:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
 
 
 class GrpcServicer:
@@ -207,7 +199,7 @@ class GrpcServicer:
         self._authenticate(grpc_context)
         model = self._model(request.model)
         _check_size(request, pipeline.settings.max_body_bytes)
-        ids = await _off_loop_if_large(request.ByteSize(), tokenize, request, model, pipeline.tokenizer)
+        ids = await off_loop_if_large(request.ByteSize(), tokenize, request, model, pipeline.tokenizer)
         info = await pipeline.workers.model_info()
         response = pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=info["max_model_len"])
         if request.return_token_strings:

@@ -1,9 +1,10 @@
 """The HTTP ingress: a Ray Serve FastAPI deployment speaking OpenAI's API.
 
-Each handler is thin: read and validate the body, run it through the request pipeline
-that gRPC uses too (router/frontend/pipeline.py: admit, tokenize once here, charge the key's
-budget, stream through the worker handle, settle), convert the events back to OpenAI's
-JSON or server-sent events. Limits, checked before any work:
+Each handler is thin: read and validate the body (router/frontend/http_body.py), run it
+through the request pipeline that gRPC uses too (router/frontend/pipeline.py: admit,
+tokenize once here, charge the key's budget, stream through the worker handle, settle),
+convert the events back to OpenAI's JSON or server-sent events
+(router/frontend/http_response.py). Limits, checked before any work:
 
 - no or a wrong API key (when keys are configured, router/frontend/auth.py) -> 401
 - body over `max_body_bytes`                    -> 413 (Content-Length, then while reading)
@@ -25,20 +26,17 @@ gRPC methods come from router/frontend/grpc_servicer.py (GrpcMethods -> GrpcServ
 No `from __future__ import annotations` here: Serve rebuilds the FastAPI routes of the
 class, and FastAPI must then resolve the handlers' annotations (`Request`) at runtime.
 """
-import asyncio
-import json
 import logging
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -49,13 +47,14 @@ from router.frontend import tokenize_api as tk
 from router.routing import RouterSnapshotSource
 from router.frontend.auth import ApiKeys, Principal
 from router.frontend.disagg import DisaggregatedGenerate
-from router.frontend.generation import GenerationStream
 from router.frontend.grpc_servicer import GrpcMethods, GrpcServicer
+from router.frontend.http_body import parse, read_json
+from router.frontend.http_response import echo_texts, respond
 from router.frontend.key_limits import KeyLimits
 from router.frontend.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.frontend.metrics import CONTENT_TYPE, IngressMetrics
 from router.frontend.output_hub import OutputHub
-from router.frontend.pipeline import LARGE_REQUEST_BYTES, RequestPipeline
+from router.frontend.pipeline import RequestPipeline, off_loop_if_large
 from router.serve_internals import initialized_request_router_of
 from router.routing import SESSION_HEADER, client_session_id
 from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
@@ -96,126 +95,6 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s", request.url.path)
     return JSONResponse(errors.internal(f"Internal error: {type(exc).__name__}.").body(), status_code=500)
-
-
-async def read_json(request: Request, limit: int, read_timeout_s: float | None = None) -> tuple[dict[str, Any], int]:
-    """The body as a JSON object, and its size in bytes (APIError 400 / 408 / 413). The
-    whole body must arrive within `read_timeout_s`: a client that trickles bytes would
-    otherwise hold a handler (and its body buffer) for as long as it likes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise errors.body_too_large(limit)
-    body = bytearray()
-    try:
-        async with asyncio.timeout(read_timeout_s):
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > limit:
-                    raise errors.body_too_large(limit)
-    except TimeoutError:
-        raise errors.APIError(
-            408, f"The request body did not arrive within {read_timeout_s:g} s.", "invalid_request_error", None, "request_timeout"
-        ) from None
-    try:
-        data = json.loads(body)
-    except RecursionError:  # nesting deeper than the parser's recursion limit
-        raise errors.bad_request("The request body is nested too deeply.", None, "invalid_json") from None
-    except ValueError as e:
-        raise errors.bad_request(f"The request body is not valid JSON: {e}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise errors.bad_request("The request body must be a JSON object.", None, "invalid_json")
-    if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(data):
-        # JSON may spell a lone UTF-16 surrogate ("\ud83d"); Python keeps it in the str,
-        # and the tokenizer and the response encoder would then fail on it with a 500.
-        raise errors.bad_request(
-            "The request body contains a lone UTF-16 surrogate escape (such as \\ud83d without its pair); "
-            "strings must be valid Unicode.", None, "invalid_json"
-        )
-    return data, len(body)
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-
-
-def _has_lone_surrogate(data: Any) -> bool:
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def parse(model: type[M], data: dict[str, Any]) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise errors.from_validation_error(e) from None
-
-
-def _prompt_lengths(inputs: list[convert.EngineInput]) -> list[int]:
-    lengths: dict[int, int] = {}
-    for inp in inputs:
-        lengths[inp.prompt_index] = len(inp.prompt_token_ids)
-    return list(lengths.values())
-
-
-async def _sse_events(
-    stream: GenerationStream,
-    formatter: convert.CompletionFormatter | convert.ChatFormatter,
-    prompt_lengths: list[int],
-    include_usage: bool,
-    continuous_usage: bool,
-) -> AsyncIterator[str]:
-    """`data: {chunk}` events, an optional usage chunk, then `data: [DONE]`. An error
-    after the first token can only be reported in the stream: an error event, then DONE."""
-    states = {inp.index: convert.ChoiceState(inp.index, inp.prompt_index) for inp in stream.inputs}
-    try:
-        for chunk in formatter.start_chunks(sorted(states)):
-            yield convert.sse(chunk)
-        async for event in stream:
-            states[event.index].add(event.output)
-            chunk = formatter.delta_chunk(event.index, event.output)
-            if chunk is not None:
-                if include_usage and continuous_usage:
-                    chunk.usage = convert.usage_of(list(states.values()), prompt_lengths)
-                yield convert.sse(chunk)
-        if include_usage:
-            yield convert.sse(formatter.usage_chunk(convert.usage_of(list(states.values()), prompt_lengths)))
-    except errors.APIError as e:
-        yield convert.sse(e.body())
-    except Exception as e:  # a bug: still end the stream in a way clients understand
-        logger.exception("stream %s failed", stream.request_id)
-        yield convert.sse(errors.internal(f"The request failed: {type(e).__name__}.").body())
-    finally:
-        stream.close()  # also on client disconnect (this generator is cancelled): settles
-    yield convert.SSE_DONE
-
-
-async def _respond(
-    stream: GenerationStream,
-    formatter: convert.CompletionFormatter | convert.ChatFormatter,
-    req: p.CompletionRequest | p.ChatCompletionRequest,
-) -> Response:
-    """The started stream as server-sent events, or, once it has finished, one JSON body."""
-    prompt_lengths = _prompt_lengths(stream.inputs)
-    if req.stream:
-        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
-        events = _sse_events(stream, formatter, prompt_lengths, req.include_usage, continuous)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    states = {inp.index: convert.ChoiceState(inp.index, inp.prompt_index) for inp in stream.inputs}
-    async for event in stream:  # closes (and settles) the stream when done or on error
-        states[event.index].add(event.output)
-    usage = convert.usage_of(list(states.values()), prompt_lengths)
-    return JSONResponse(formatter.response(list(states.values()), usage).model_dump())
-
-
-def echo_texts(prompt: Any, inputs: list[convert.EngineInput], tokenizer: Any) -> dict[int, str]:
-    """Each choice's prompt as text for `echo`: a text prompt as sent, token ids decoded."""
-    texts = [prompt] if isinstance(prompt, str) else list(prompt) if all(isinstance(x, str) for x in prompt) else None
-    return {
-        inp.index: texts[inp.prompt_index] if texts is not None else tokenizer.decode(inp.prompt_token_ids)
-        for inp in inputs
-    }
 
 
 def _model_name(lora: tuple[str, str] | None, settings: IngressSettings) -> str:
@@ -290,7 +169,7 @@ class Ingress(GrpcMethods):
         if req.echo:
             ids = {inp.index: inp.prompt_token_ids for inp in stream.inputs}
             formatter.set_echo(echo_texts(req.prompt, stream.inputs, tokenizer), ids, req.logprobs)
-        return await _respond(stream, formatter, req)
+        return await respond(stream, formatter, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -307,7 +186,7 @@ class Ingress(GrpcMethods):
         )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
         formatter = convert.ChatFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)
-        return await _respond(stream, formatter, req)
+        return await respond(stream, formatter, req)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -343,12 +222,7 @@ class Ingress(GrpcMethods):
         """vLLM's /tokenize: the ids generation would see, with the context length."""
         principal, req, num_bytes = await self._read(request, tk.TokenizeRequest)
         tokenizer = self.pipeline.tokenizer
-        # Inside the limits like a generation: the key's slot and this replica's share.
-        permit = await self.pipeline.admit(principal, 1)
-        try:
-            ids = await self._off_loop(num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
-        finally:
-            permit.release()
+        ids = await self._tokenizer_work(principal, num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
         info = await self.pipeline.workers.model_info()
         strs = [self.pipeline.texts(t) for t in ids] if req.return_token_strs else None
         out = tk.TokenizeResponse(count=len(ids), max_model_len=int(info["max_model_len"]), tokens=ids, token_strs=strs)
@@ -359,11 +233,7 @@ class Ingress(GrpcMethods):
         """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM)."""
         principal, req, num_bytes = await self._read(request, tk.DetokenizeRequest)
         tokenizer = self.pipeline.tokenizer
-        permit = await self.pipeline.admit(principal, 1)
-        try:
-            text = await self._off_loop(num_bytes, lambda: tk.detokenize_text(req, tokenizer))
-        finally:
-            permit.release()
+        text = await self._tokenizer_work(principal, num_bytes, lambda: tk.detokenize_text(req, tokenizer))
         return JSONResponse(tk.DetokenizeResponse(prompt=text).model_dump())
 
     @app.get("/version")
@@ -404,12 +274,14 @@ class Ingress(GrpcMethods):
     def _authenticate(self, request: Request) -> Principal:
         return self.pipeline.authenticate(request.headers.get("authorization"))
 
-    @staticmethod
-    async def _off_loop(num_bytes: int, work: Callable[[], T]) -> T:
-        """Tokenizer work for a large body runs off the event loop (as the pipeline does)."""
-        if num_bytes > LARGE_REQUEST_BYTES:
-            return await asyncio.to_thread(work)
-        return work()
+    async def _tokenizer_work(self, principal: Principal, num_bytes: int, work: Callable[[], T]) -> T:
+        """`work` inside the limits like a generation (the key's slot and this replica's
+        share), off the event loop for a large body (as the pipeline does)."""
+        permit = await self.pipeline.admit(principal, 1)
+        try:
+            return await off_loop_if_large(num_bytes, work)
+        finally:
+            permit.release()
 
     async def _read(self, request: Request, model: type[M]) -> tuple[Principal, M, int]:
         """Authenticate, read the JSON body (bounded), validate it and check its `model`

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any, TypeVar
 
 from router import errors
 from router.routing import AdmissionController, RequestProfile, SnapshotSource, Ticket, request_hash_root
@@ -43,6 +44,8 @@ from router.frontend.workers import Workers
 # Requests above this many bytes are tokenized off the event loop (a long prompt takes
 # milliseconds).
 LARGE_REQUEST_BYTES = 64 * 1024
+
+T = TypeVar("T")
 
 # Builds a request's engine inputs given the longest sequence a worker holds.
 ToInputs = Callable[[int], list[EngineInput]]
@@ -168,6 +171,13 @@ class RequestPipeline:
         if offload or request_bytes > LARGE_REQUEST_BYTES:
             return await asyncio.to_thread(to_inputs, max_model_len)
         return to_inputs(max_model_len)
+
+
+async def off_loop_if_large(num_bytes: int, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` (tokenizer work), on a thread when the request is large."""
+    if num_bytes > LARGE_REQUEST_BYTES:
+        return await asyncio.to_thread(work, *args)
+    return work(*args)
 
 
 def isolated(inputs: list[EngineInput], principal: Principal) -> list[EngineInput]:

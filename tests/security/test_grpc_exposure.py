@@ -8,7 +8,8 @@ from typing import Any
 import grpc
 import pytest
 
-from cluster.cli import build_parser, config_from_args, grpc_proxy_env
+from cluster.cli import build_parser, config_from_args
+from cluster.serve_exposure import grpc_proxy_env
 from cluster.config import KVServeConfig
 from router.frontend import grpc_proxy
 from router.frontend.grpc_exposure import LOOPBACK_ONLY_ENV, MAX_MESSAGE_ENV, is_loopback_peer

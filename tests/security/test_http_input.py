@@ -14,7 +14,8 @@ from router.errors import APIError
 from router.frontend import openai_protocol as p
 from router.frontend import tools
 from router.frontend.auth import ApiKeys, hash_key
-from router.frontend.ingress import Ingress, read_json
+from router.frontend.http_body import read_json
+from router.frontend.ingress import Ingress
 from worker.api import MAX_STRUCTURED_SPEC_CHARS
 
 

@@ -41,7 +41,8 @@ def test_serve_direct_ingress_flag_and_config() -> None:
 
     import pytest
 
-    from cluster.cli import config_from_args, direct_ingress, register_serve
+    from cluster.cli import config_from_args, register_serve
+    from cluster.serve_exposure import direct_ingress
     from cluster.config import ConfigError, KVServeConfig
 
     parser = argparse.ArgumentParser()
@@ -55,19 +56,3 @@ def test_serve_direct_ingress_flag_and_config() -> None:
         KVServeConfig.from_dict({"http": {"direct_ingress": True},
                                  "grpc": {"tls_port": 9443, "tls_cert_file": "c.pem", "tls_key_file": "k.pem"}})
 
-
-def test_direct_ingress_refuses_an_open_grpc_port_without_keys() -> None:
-    import pytest
-
-    from cluster.cli import direct_ingress, listen_warnings
-    from cluster.config import ConfigError, KVServeConfig
-
-    public_host = KVServeConfig.from_dict({"http": {"direct_ingress": True, "host": "0.0.0.0"}})
-    with pytest.raises(ConfigError, match="no API keys"):
-        direct_ingress(public_host, environ={})
-    keys = {public_host.ingress.api_keys_env: "sk-one"}
-    assert direct_ingress(public_host, environ=keys) is not None
-    assert any("gRPC listens on 0.0.0.0" in line for line in listen_warnings(public_host, keys))
-    local = KVServeConfig.from_dict({"http": {"direct_ingress": True}})
-    assert direct_ingress(local, environ={}) is not None
-    assert not [line for line in listen_warnings(local, {}) if "gRPC" in line]  # loopback, like HTTP

@@ -1,8 +1,12 @@
-"""`kvserve serve` listens on loopback only by default (HTTP); what it says otherwise."""
+"""`kvserve serve` listens on loopback only by default (HTTP); what it says otherwise
+(cluster/serve_exposure.py)."""
 from __future__ import annotations
 
-from cluster.cli import build_parser, config_from_args, listen_warnings
-from cluster.config import KVServeConfig
+import pytest
+
+from cluster.cli import build_parser, config_from_args
+from cluster.config import ConfigError, KVServeConfig
+from cluster.serve_exposure import direct_ingress, endpoint_lines, listen_warnings
 
 
 def test_http_binds_loopback_by_default() -> None:
@@ -52,3 +56,28 @@ def test_grpc_tls_settings_become_the_proxy_environment() -> None:
                 {"grpc.tls_port": 9000, "grpc.tls_cert_file": "/c", "grpc.tls_key_file": "/k"}):
         with pytest.raises((ConfigError, ValueError)):
             KVServeConfig().with_overrides(bad)
+
+
+def test_direct_ingress_refuses_an_open_grpc_port_without_keys() -> None:
+    public_host = KVServeConfig.from_dict({"http": {"direct_ingress": True, "host": "0.0.0.0"}})
+    with pytest.raises(ConfigError, match="no API keys"):
+        direct_ingress(public_host, environ={})
+    keys = {public_host.ingress.api_keys_env: "sk-one"}
+    assert direct_ingress(public_host, environ=keys) is not None
+    assert any("gRPC listens on 0.0.0.0" in line for line in listen_warnings(public_host, keys))
+    local = KVServeConfig.from_dict({"http": {"direct_ingress": True}})
+    assert direct_ingress(local, environ={}) is not None
+    assert not [line for line in listen_warnings(local, {}) if "gRPC" in line]  # loopback, like HTTP
+
+
+def test_endpoint_lines_name_every_listener() -> None:
+    config = KVServeConfig().with_overrides({"route_prefix": "/app"})
+    http, grpc = endpoint_lines(config, None)
+    assert http == f"HTTP (OpenAI API) on http://127.0.0.1:{config.http.port}/app/v1"
+    assert grpc.startswith(f"gRPC on [::]:{config.grpc.port} ")  # Serve's proxy: every interface
+    assert endpoint_lines(config.with_overrides({"grpc.enabled": False}), None)[1:] == ["gRPC off"]
+    tls = config.with_overrides({"grpc.tls_port": 9443, "grpc.tls_cert_file": "/c.pem", "grpc.tls_key_file": "/k.pem"})
+    assert endpoint_lines(tls, None)[-1] == "gRPC TLS on [::]:9443"
+    direct_config = KVServeConfig.from_dict({"http": {"direct_ingress": True}})
+    _, haproxy, grpc = endpoint_lines(direct_config, direct_ingress(direct_config, environ={}))
+    assert "stats on *:8404" in haproxy and grpc.startswith(f"gRPC on 127.0.0.1:{config.grpc.port} ")  # HAProxy: the HTTP host
