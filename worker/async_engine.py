@@ -22,7 +22,8 @@ from typing import Any
 
 from worker.config import EngineConfig
 from worker.kv_event_stream import KVEventStream
-from worker.engine import Engine, EngineStats
+from worker.engine import Engine
+from worker.engine_stats import EngineStats
 from worker.api import RequestError
 from worker.output_processor import RequestOutputProcessor
 from worker.api import RequestOutput

@@ -4,8 +4,8 @@ Synchronous and single-threaded on purpose (the async wrapper runs it on its own
 the scheduler, block pool and sequences are only ever touched from one thread. On a runner
 whose device works while the host does (worker/step_overlap.py), the same iteration runs
 in three calls instead, so that the previous step's outputs are built under the device's
-time: launch_step (plan, launch), step_outputs (of the step before), complete_step (wait,
-apply).
+time: launch_step (plan, launch, advance past the plan), step_outputs (of the step
+before), complete_step (wait, update).
 Disaggregation (KV export and import) is not in the step: the KV connector
 (worker/kv_connector.py) is called at fixed points of it.
 """
@@ -14,29 +14,30 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kv.block_hash import root_hash
-from kv.cache_manager import KVCacheManager, cdiv
+from kv.cache_manager import KVCacheManager
 from kv.kv_events import KVEventLog
-from kv.stats import KVStats
 from kv.transfer import KVExport, KVTransferError
 from worker.api import KVImportError, LoRAAdapterError, LoRANotFoundError, RequestError
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from worker.engine_stats import EngineStats
 from worker.kv_connector import KVConnector, SavedKV, make_connector
 from worker.lora.engine_lora import EngineLoRA
 from worker.api import RequestOutput, RunnerOutput
 from worker.runner_protocols import Runner
 from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
+from worker.request_checks import RequestLimits, check_import_root, check_request
+from worker.request_output import request_output
 from worker.sequence import Sequence, SequenceStatus
 from worker.step_budget import StepPredictor, engine_step_budget
 from worker.step_meters import OutputLengthTracker, PrefillRateMeter, StepCounters
 from worker.step_overlap import AppliedStep, LaunchedStep, overlaps
-from worker.structured.compiler import GrammarCompiler
-from worker.structured.state import GrammarState
+from worker.structured.compile_waits import CompileWaits
 
 if TYPE_CHECKING:  # torch: a simulated-device engine never imports it
     from worker.kv_tiers import TierManager
@@ -46,25 +47,6 @@ logger = logging.getLogger(__name__)
 # How long an otherwise idle step waits for a grammar compile (new requests wait at most
 # this long in the inbox meanwhile).
 GRAMMAR_POLL_S = 0.005
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    kv: KVStats
-    num_running: int
-    num_waiting: int
-    num_waiting_prompt_tokens: int
-    num_preemptions: int
-    num_generated_tokens: int
-    num_steps: int
-    tokens_per_s: float  # generated tokens per second over the last few seconds
-    forward_share: float  # share of step time spent in the model forward (cumulative)
-    scheduler_share: float = 0.0  # share of step time in schedule + update (cumulative)
-
-    def to_dict(self) -> dict[str, float]:
-        d = {k: v for k, v in self.__dict__.items() if k != "kv"}
-        d.update(self.kv.to_dict())
-        return d
 
 
 class Engine:
@@ -92,10 +74,8 @@ class Engine:
         self.tiers: TierManager | None = None  # KV tiers below the device (use_tiers)
         self.kv_events: KVEventLog | None = None  # for the router's index (enable_kv_events)
         self.seqs: dict[str, Sequence] = {}
-        # Structured outputs: set when the engine has a tokenizer (from_config). Requests
-        # whose grammar is still compiling wait here, outside the scheduler.
-        self.grammar: GrammarCompiler | None = None
-        self.awaiting_grammar: list[Sequence] = []
+        # Structured outputs: the compiler is set when the engine has a tokenizer (from_config).
+        self.compiles = CompileWaits()
         # Multi-LoRA (worker/lora/): set by from_config when the engine config enables it.
         self.lora: EngineLoRA | None = None
         self.model_path: Path | None = None  # set when built from a model directory
@@ -156,28 +136,10 @@ class Engine:
     # -- requests ------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a request that could never be served."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {n} tokens; max_model_len is {self.max_model_len} "
-                f"(at least one output token must fit)"
-            )
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if params.structured is not None and self.grammar is None:
-            raise RequestError("this engine has no tokenizer, so it cannot constrain outputs")
-        if params.prompt_logprobs is not None and not getattr(self.runner, "supports_prompt_logprobs", False):
-            raise RequestError("prompt_logprobs is not supported by this engine (tensor parallelism or a simulated device)")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be in [0, {self.vocab_size})")
-        need = cdiv(min(n + params.max_tokens, self.max_model_len), self.kv.block_size)
-        if need > self.kv.num_total_blocks:
-            raise RequestError(
-                f"the request needs {need} KV blocks but the pool has {self.kv.num_total_blocks}; "
-                f"shorten the prompt or max_tokens"
-            )
+        check_request(prompt_token_ids, params, RequestLimits(
+            self.vocab_size, self.max_model_len, self.kv.block_size, self.kv.num_total_blocks,
+            constrains=self.compiles.compiler is not None,
+            prompt_logprobs=getattr(self.runner, "supports_prompt_logprobs", False)))
 
     def add_request(
         self,
@@ -215,10 +177,8 @@ class Engine:
             self.connector.check_request(prompt_token_ids, params, export_kv, kv_import)
         except KVTransferError as e:
             raise KVImportError(str(e)) from None
-        if kv_import is not None and kv_import.hash_root != (lora_root if lora_root is not None
-                                                             else root_hash(params.cache_keys)):
-            raise KVImportError(f"the KV export of {kv_import.request_id!r} was computed under another LoRA adapter "
-                                f"or cache salt than this request's")
+        if kv_import is not None:
+            check_import_root(kv_import, lora_root if lora_root is not None else root_hash(params.cache_keys))
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         self.connector.add_request(seq, export_kv, kv_import)
         self.seqs[request_id] = seq
@@ -257,18 +217,17 @@ class Engine:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return None
-        if seq in self.awaiting_grammar:  # not in the scheduler yet
-            self.awaiting_grammar.remove(seq)
+        if self.compiles.remove(seq):  # not in the scheduler yet
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         if self.lora is not None and seq.lora_name is not None:
             if self.lora.is_loading(seq):  # not in the scheduler yet
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
             self.lora.done(seq)
         self.scheduler.finish(seq, "abort")
-        return self._output(seq, [], None)
+        return request_output(seq, [], None)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self.awaiting_grammar)
+        return (self.scheduler.has_unfinished() or bool(self.compiles.seqs)
                 or (self.lora is not None and self.lora.num_loading > 0))
 
     # -- the iteration ---------------------------------------------------------------------
@@ -332,7 +291,7 @@ class Engine:
 
     def wait_for_compiles(self) -> None:
         """Nothing to run but grammar compiles, adapter loads or tier reads: wait for one, briefly."""
-        futures = [s.grammar.future for s in self.awaiting_grammar]
+        futures = self.compiles.futures()
         if self.lora is not None:
             futures += self.lora.futures()
         if self.tiers is not None:
@@ -343,7 +302,7 @@ class Engine:
     def _plan_step(self) -> LaunchedStep:
         start = time.perf_counter()
         self.connector.expire_pins()
-        outputs = self._admit_compiled() if self.awaiting_grammar else []
+        outputs = self._admit_compiled() if self.compiles.seqs else []
         if self.lora is not None and self.lora.num_loading:
             outputs += self._admit_lora_loaded()
         tiers = self.tiers
@@ -380,28 +339,19 @@ class Engine:
     def _enter(self, seq: Sequence) -> None:
         """A request with all it needs but its grammar goes to the scheduler, or waits for
         the grammar's compile (at most the compiler's timeout)."""
-        if seq.params.structured is not None and self.grammar is not None:
-            deadline = time.monotonic() + self.grammar.compile_timeout_s
-            seq.grammar = GrammarState(self.grammar.submit(seq.params.structured), deadline)
-            self.awaiting_grammar.append(seq)
-        else:
+        if not self.compiles.submit(seq):
             self.scheduler.add(seq)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Requests whose grammar has compiled enter the scheduler (in arrival order); a
         failed compile fails its request."""
-        outputs, still = [], []
-        for seq in self.awaiting_grammar:
-            if not seq.grammar.ready:
-                still.append(seq)
-                continue
-            error = seq.grammar.start()
-            if error is None:
-                self.scheduler.add(seq)
-            else:
-                seq.status = SequenceStatus.FINISHED
-                outputs.append(self._fail_one(seq, error))
-        self.awaiting_grammar = still
+        ready, failed = self.compiles.take_compiled()
+        for seq in ready:
+            self.scheduler.add(seq)
+        outputs = []
+        for seq, error in failed:
+            seq.status = SequenceStatus.FINISHED
+            outputs.append(self._fail_one(seq, error))
         return outputs
 
     def _admit_lora_loaded(self) -> list[RequestOutput]:
@@ -445,7 +395,7 @@ class Engine:
                 if seq.lora_name is not None:
                     self.lora.done(seq)
             lp = logprobs_of.get(seq.request_id) if logprobs_of is not None else None
-            out = self._output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None)
+            out = request_output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None)
             # On the first output, when complete (a decode-side import computed no prompt:
             # its prefill replica's first output carried them).
             entries = seq.prompt_logprobs
@@ -476,33 +426,9 @@ class Engine:
         self.seqs.pop(seq.request_id, None)
         if seq.lora_name is not None and self.lora is not None:
             self.lora.done(seq)
-        out = self._output(seq, [], None)
+        out = request_output(seq, [], None)
         out.error = message
         return out
-
-    @staticmethod
-    def _output(seq: Sequence, new_token_ids: list[int], logprobs: list | None) -> RequestOutput:
-        # Positional, in RequestOutput's field order: this runs once per token, and keywords
-        # cost measurably more than positions there (tests/unit/worker/test_engine_output.py
-        # checks every field by name).
-        return RequestOutput(
-            seq.request_id,
-            new_token_ids,
-            "",  # text_delta: the detokenizer's, downstream
-            seq.status is SequenceStatus.FINISHED,
-            seq.finish_reason,
-            seq.stop_reason,
-            logprobs,
-            None,  # prompt_logprobs: set by the caller on a first output that carries them
-            seq.num_prompt_tokens,
-            len(seq.token_ids) - seq.num_prompt_tokens,
-            seq.num_cached_tokens,
-            None,  # error
-            seq.arrival_time,
-            seq.first_token_time,
-            seq.scheduled_time,
-            seq.num_preemptions,
-        )
 
     def stats(self) -> EngineStats:
         kv = self.kv.stats()

@@ -55,7 +55,7 @@ def build_engine(config: EngineConfig) -> Engine:
         device = getattr(runner, "device", None)
         pin = device is not None and device.type == "cuda"
         engine.use_tiers(TierManager.from_config(config.cache, runner, path, pin_memory=pin))
-    engine.grammar = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
+    engine.compiles.compiler = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
     if getattr(runner, "lora", None) is not None:
         engine.enable_lora(EngineLoRA(config.lora, runner.lora_loader))
     return engine

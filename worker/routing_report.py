@@ -32,7 +32,8 @@ from collections.abc import Iterable, Mapping
 
 from kv.cache_manager import cdiv
 from worker.api import RoutingStats
-from worker.engine import Engine, EngineStats
+from worker.engine import Engine
+from worker.engine_stats import EngineStats
 from worker.sequence import Sequence
 
 # Output tokens forecast per request before any has finished (the router's default

@@ -69,7 +69,7 @@ def test_the_engine_fails_a_stuck_compile_and_keeps_serving() -> None:
         release.wait(30)  # the compile pool's first job builds the tokenizer: it hangs here
         raise RuntimeError("released")
 
-    engine.grammar = GrammarCompiler(stuck_tokenizer, compile_timeout_s=0.2)
+    engine.compiles.compiler = GrammarCompiler(stuck_tokenizer, compile_timeout_s=0.2)
     try:
         so = StructuredOutput("regex", "[ab]+")
         engine.add_request("stuck", [1, 5, 6], SamplingParams(max_tokens=4, temperature=0.0, structured=so))
@@ -85,4 +85,4 @@ def test_the_engine_fails_a_stuck_compile_and_keeps_serving() -> None:
         assert finished["plain"].error is None and finished["plain"].finish_reason == "length"
     finally:
         release.set()
-        engine.grammar.shutdown()
+        engine.compiles.compiler.shutdown()

@@ -104,4 +104,4 @@ def test_engine_holds_gguf_output_to_json_schema_and_named_tool_call(
     # The answers take their values from the questions: the grammar's token ids are the
     # model's own (a vocabulary from another tokenizer would still parse, as gibberish).
     assert values["0"]["name"] == "Alice" and values["1"]["city"] == "Oslo"
-    assert not engine.awaiting_grammar and not engine.seqs
+    assert not engine.compiles.seqs and not engine.seqs

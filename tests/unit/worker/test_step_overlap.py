@@ -22,7 +22,8 @@ from tests.support.engine_api_helpers import all_free, await_condition, make_eng
 from worker.api import RequestOutput, SamplingParams
 from worker.async_engine import STEP_THREAD_SWITCH_INTERVAL_S, AsyncEngine
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine, EngineStats
+from worker.engine import Engine
+from worker.engine_stats import EngineStats
 from worker.model_runner import ModelRunner
 from worker.sim import runner as sim_runner
 from worker.sim.runner import SimRunner, build_sim_engine

@@ -207,7 +207,7 @@ def test_engine_constrained_beside_unconstrained(engine: Engine, hf_tokenizer: A
             jsonschema.validate(json.loads(text), SCHEMA)
         elif rid == "choice":
             assert reason == "stop" and text in ("red", "green")
-    assert not engine.awaiting_grammar and not engine.seqs
+    assert not engine.compiles.seqs and not engine.seqs
 
 
 def test_engine_fails_a_request_whose_grammar_does_not_compile(engine: Engine) -> None:
@@ -225,4 +225,4 @@ def test_abort_while_compiling(engine: Engine) -> None:
     seq.grammar = GrammarState(future)
     out = engine.abort_request("slow")
     assert out is not None and out.finish_reason == "abort"
-    assert not engine.awaiting_grammar and not engine.has_unfinished()
+    assert not engine.compiles.seqs and not engine.has_unfinished()

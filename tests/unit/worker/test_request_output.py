@@ -1,11 +1,11 @@
-"""Engine._output builds a RequestOutput positionally (once per token, for speed): every
+"""request_output builds a RequestOutput positionally (once per token, for speed): every
 field must still come from the sequence attribute of the same meaning."""
 from __future__ import annotations
 
 from dataclasses import fields
 
 from worker.api import RequestOutput, SamplingParams
-from worker.engine import Engine
+from worker.request_output import request_output
 from worker.sequence import Sequence, SequenceStatus
 
 
@@ -20,7 +20,7 @@ def test_every_field_by_name() -> None:
     seq.scheduled_time = 100.75
     seq.num_preemptions = 5
     logprobs = [object()]
-    out = Engine._output(seq, [22], logprobs)
+    out = request_output(seq, [22], logprobs)
     expected = RequestOutput(
         request_id="req-7", new_token_ids=[22], text_delta="", finished=True, finish_reason="stop", stop_reason=22,
         logprobs=logprobs, prompt_logprobs=None, num_prompt_tokens=4, num_output_tokens=2, num_cached_tokens=3,
@@ -28,11 +28,11 @@ def test_every_field_by_name() -> None:
     )
     for f in fields(RequestOutput):
         assert getattr(out, f.name) == getattr(expected, f.name), f.name
-    assert out.extra is not Engine._output(seq, [], None).extra  # a fresh dict per output
+    assert out.extra is not request_output(seq, [], None).extra  # a fresh dict per output
 
 
 def test_running_sequence_is_not_finished() -> None:
     seq = Sequence("r", [1, 2], SamplingParams())
     seq.status = SequenceStatus.RUNNING
-    out = Engine._output(seq, [], None)
+    out = request_output(seq, [], None)
     assert not out.finished and out.finish_reason is None and out.num_output_tokens == 0 and out.error is None

@@ -1,0 +1,30 @@
+"""One RequestOutput from a sequence's state: built once per token, so built positionally."""
+from __future__ import annotations
+
+from worker.api import RequestOutput
+from worker.sequence import Sequence, SequenceStatus
+
+
+def request_output(seq: Sequence, new_token_ids: list[int], logprobs: list | None) -> RequestOutput:
+    """The RequestOutput of `seq` as it stands, carrying `new_token_ids` (and their logprobs)."""
+    # Positional, in RequestOutput's field order: this runs once per token, and keywords
+    # cost measurably more than positions there (tests/unit/worker/test_engine_output.py
+    # checks every field by name).
+    return RequestOutput(
+        seq.request_id,
+        new_token_ids,
+        "",  # text_delta: the detokenizer's, downstream
+        seq.status is SequenceStatus.FINISHED,
+        seq.finish_reason,
+        seq.stop_reason,
+        logprobs,
+        None,  # prompt_logprobs: set by the caller on a first output that carries them
+        seq.num_prompt_tokens,
+        len(seq.token_ids) - seq.num_prompt_tokens,
+        seq.num_cached_tokens,
+        None,  # error
+        seq.arrival_time,
+        seq.first_token_time,
+        seq.scheduled_time,
+        seq.num_preemptions,
+    )
