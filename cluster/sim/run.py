@@ -93,8 +93,9 @@ class SimConfig:
     lora: SimLoRA | None = None  # LoRA adapters on every replica (cluster/sim/lora.py); None: base model only
     disagg: DisaggOptions = field(default_factory=DisaggOptions)
     tiers: SimTierOptions = field(default_factory=SimTierOptions)  # KV tiers below each device (off by default)
-    # Prefix hashes a replica's report carries per tier (device, host, disk): the worker's
-    # cap (None). A larger one asks what routers would do with a replica's whole cache.
+    # Prefix hashes a replica's KV snapshot carries per tier (device, host, disk): the
+    # worker's cap (None). Routers score from the index the KV events keep; the snapshot
+    # counts only where the index rebuilds (a router's first report, a gap).
     max_report_hashes: int | None = None
     autoscale: AutoscaleOptions | None = None
     slo_ttft_ms: float = 2000.0
