@@ -23,10 +23,11 @@ limits (benchmarks/routing/setup.py); goodput is its SLO rate search (search.py)
             One router needs no tier fields: its own dispatch hints (routing_view.py, kept
             300 s) send each group back to the replica that served it, whose tiers hold
             it; aware and blind ran identical searches there. Behind several routers
-            each knows a share of the dispatches, and the reports decide the rest.
-            Then a what-if pair of searches: reports carrying every hash
+            each knows a share of the dispatches, and the replicas' KV state decides the
+            rest: the exact index the routers keep from the replicas' KV events.
+            Then a what-if pair of searches: snapshots carrying every hash
             (SimConfig.max_report_hashes) instead of the worker's cap of the most recent
-            MAX_PREFIX_HASHES per tier, which covers a small share of large tiers.
+            MAX_PREFIX_HASHES per tier; with the index they count only where it rebuilds.
   agentic   AGENTIC_REPLICAS replicas, a smaller device KV (sessions' histories grow to
             ~16k tokens), sessions thinking AGENTIC_THINK_S between turns (tool calls, a
             user reading): the working set is the sessions in flight (rate x think time)

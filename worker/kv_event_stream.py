@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kv.kv_events import KVEventBatch, KVEventLog
@@ -53,13 +54,15 @@ class KVSnapshot:
 
 class KVEventStream:
     def __init__(self, log: KVEventLog, max_hashes: int = DEFAULT_MAX_HASHES,
-                 retain_reports: int = DEFAULT_RETAIN_REPORTS) -> None:
+                 retain_reports: int = DEFAULT_RETAIN_REPORTS, clock: Callable[[], float] = time.time) -> None:
         self.log = log
         self.epoch = uuid.uuid4().hex[:16]
         self.seq = 0
-        # time.time() of the epoch's start or its latest cache clear: what a router learned
+        # The clock the replica's reports are stamped with (the simulator's is virtual).
+        self._clock = clock
+        # clock() at the epoch's start or its latest cache clear: what a router learned
         # of this replica's cache before it (its prefix hints) no longer holds.
-        self.since = time.time()
+        self.since = clock()
         self.max_hashes = max_hashes
         self.snapshot = KVSnapshot()
         self._batches: deque[KVEventBatch] = deque()
@@ -81,7 +84,7 @@ class KVEventStream:
 
     def cleared(self) -> None:
         """The engine just reset its prefix cache (its `cleared` event is in the log)."""
-        self.since = time.time()
+        self.since = self._clock()
 
     def take_snapshot(self, device: list[int], host: list[int], disk: list[int]) -> None:
         """Right after a drain, on the same thread: the hashes are exact at `self.seq`."""

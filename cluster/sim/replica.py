@@ -15,6 +15,12 @@ With KV tiers (cluster/sim/tiers.py), a step also carries the device -> host cop
 plan made (dt grows by them), and a request loading from a tier wakes the replica when its
 copies end, so an otherwise idle replica steps it then.
 
+KV events: the engine records them (Engine.enable_kv_events: the block pool's and the
+tiers' hooks), and the replica numbers each step's as one batch right after the step,
+as the worker's step loop does (worker/kv_event_stream.py's KVEventStream); each report
+carries the stream's window and a snapshot taken as it is built, and routers keep their
+exact index from them (cluster/sim/run.py).
+
 The engine itself stamps `first_token_time` etc. with the wall clock; the simulator
 ignores those stamps and takes every time from the virtual clock.
 """
@@ -34,6 +40,7 @@ from kv.transfer import KVExport
 from router.routing.types import RoutingParams, RequestProfile
 from worker.async_engine import MAX_PREFIX_HASHES
 from worker.engine import Engine
+from worker.kv_event_stream import KVEventStream
 from worker.routing_report import build_routing_stats
 from worker.sim.cost_model import StepCostModel
 from worker.api import RequestError
@@ -112,7 +119,8 @@ class SimReplica:
         self.timeline = ReplicaTimeline()
         self._stepping = False  # a step event or a step in flight is scheduled
         self._prefill_tokens_per_s: float | None = None  # modelled once, on the first report
-        self.max_report_hashes = MAX_PREFIX_HASHES  # per tier, as the worker's report caps them
+        self.max_report_hashes = MAX_PREFIX_HASHES  # per tier, as the worker's snapshot caps them
+        self.kv_events = KVEventStream(engine.enable_kv_events(), clock=lambda: clock.now)
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -153,6 +161,7 @@ class SimReplica:
             return
         executed = self.device.num_executed
         outputs = self.engine.step()
+        self.kv_events.drain()
         tiers = self.tiers
         copy_s = tiers.take_copy_s() if tiers is not None else 0.0
         if self.device.num_executed == executed:  # nothing to run (idle, blocked on pinned blocks, or loading)
@@ -193,15 +202,22 @@ class SimReplica:
         """WorkerReplica.record_routing_stats (the same builder), on the virtual clock. The
         prefill rate is the engine's measured one, as a real worker's; the capacity weight
         stays the cost model's (the device's pure-prefill rate relative to the router's
-        reference device: mixed fleets)."""
-        tiers = self.tiers
-        limit = self.max_report_hashes
-        tier_hashes = tiers.routing_hashes(limit) if tiers is not None else ([], [])
+        reference device: mixed fleets). The KV events' snapshot (what a router rebuilds
+        from) is taken as the report is built."""
+        self.take_kv_snapshot()
         return build_routing_stats(
-            self.engine, self.engine.stats(), self.engine.kv.cached_block_hashes(limit),
-            self.clock.now, capacity_weight=self.modelled_prefill_tokens_per_s / _REFERENCE_PREFILL_TOKENS_PER_S,
-            tier_hashes=tier_hashes,
+            self.engine, self.engine.stats(), [], self.clock.now,
+            capacity_weight=self.modelled_prefill_tokens_per_s / _REFERENCE_PREFILL_TOKENS_PER_S,
+            kv_events=self.kv_events.report(),
         ).to_dict()
+
+    def take_kv_snapshot(self) -> None:
+        """The cached hashes per tier, capped at `max_report_hashes` each, exact as of the
+        stream's latest batch (drained first: nothing runs between the two)."""
+        self.kv_events.drain()
+        tiers, limit = self.tiers, self.max_report_hashes
+        host, disk = tiers.routing_hashes(limit) if tiers is not None else ([], [])
+        self.kv_events.take_snapshot(self.engine.kv.cached_block_hashes(limit), host, disk)
 
     @property
     def modelled_prefill_tokens_per_s(self) -> float:

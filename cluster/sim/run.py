@@ -3,7 +3,8 @@
     arrival ──> ingress router k (round robin, or by session) ──policy rank──> replica
                   │ every replica at max_ongoing_requests: FIFO queue, retried when a slot frees
     replica: the real Engine stepped by the cost model (cluster/sim/replica.py)
-    reports: every stats_period_s each replica's routing stats, to every router after report_lag_s
+    reports: every stats_period_s each replica's routing stats, to every router after report_lag_s;
+             they carry the replica's KV events, which keep the routers' exact KV index
     disaggregated: prefill pool (max_tokens=1, KV exported) ─transfer─> decode pool (KV imported)
     autoscaling: the real policy (cluster/autoscaling.py) every interval, start-up delay, drain
 
@@ -32,6 +33,7 @@ from cluster.sim.metrics import SimResult, Tracker, late_requests_proving_p99_mi
 from cluster.sim.replica import SimReplica, VirtualDevice
 from cluster.sim.tiers import BlockLRU, SharedStore, SimTierManager, SimTierOptions
 from cluster.sim.workloads import SimRequest
+from router.routing.kv_index import KVIndex
 from router.routing.types import RoutingParams, ReplicaReport
 from router.routing.policies.base import check_options
 from router.routing.routing_view import RoutingView
@@ -91,8 +93,9 @@ class SimConfig:
     lora: SimLoRA | None = None  # LoRA adapters on every replica (cluster/sim/lora.py); None: base model only
     disagg: DisaggOptions = field(default_factory=DisaggOptions)
     tiers: SimTierOptions = field(default_factory=SimTierOptions)  # KV tiers below each device (off by default)
-    # Prefix hashes a replica's report carries per tier (device, host, disk): the worker's
-    # cap (None). A larger one asks what routers would do with a replica's whole cache.
+    # Prefix hashes a replica's KV snapshot carries per tier (device, host, disk): the
+    # worker's cap (None). Routers score from the index the KV events keep; the snapshot
+    # counts only where the index rebuilds (a router's first report, a gap).
     max_report_hashes: int | None = None
     autoscale: AutoscaleOptions | None = None
     slo_ttft_ms: float = 2000.0
@@ -201,6 +204,11 @@ class Simulation:
             pool.routers = self.routers
         self.orchestrator = Orchestrator(self, config.disagg, device.kv_bytes_per_token)
         self.autoscalers: list[SimAutoscaler] = []
+        # The routers' exact index of every replica's KV cache, from the KV events the
+        # reports carry (router/routing/kv_index.py, as PolicyRouter keeps it). One for all
+        # routers: each real router copy applies the same reports, delivered to every
+        # router at once here, so every copy's index would be this one.
+        self.kv_index = KVIndex()
         self.shared_store = self._shared_store()
         if config.tiers.enabled and (device.host_link_bandwidth <= 0
                                      or (config.tiers.disk_bytes and device.disk_read_bandwidth <= 0)):
@@ -268,6 +276,7 @@ class Simulation:
         self.pools[replica.role].replicas.pop(replica.key, None)
         for router in self.routers:
             router.forget(replica.key)
+        self.kv_index.forget({key for pool in self.pools.values() for key in pool.replicas})
         self.count_live()
 
     def count_live(self) -> None:
@@ -282,9 +291,8 @@ class Simulation:
             return
         self._check_stall()
         replica.sample_timeline()
-        report = ReplicaReport.from_stats(replica.routing_stats())
-        assert report is not None
-        self.clock.after(self.config.report_lag_s, self._deliver_report, replica, report)
+        stats = replica.routing_stats()
+        self.clock.after(self.config.report_lag_s, self._deliver_report, replica, stats)
         self.clock.after(self.config.stats_period_s, self._report, replica)
 
     def _check_stall(self) -> None:
@@ -299,9 +307,12 @@ class Simulation:
                 f"t={self.clock.now:.1f} s with {len(self.orchestrator.flights)} arrived requests unfinished "
                 f"({queued} queued at routers; does the {self.config.router!r} policy rank no replica?)")
 
-    def _deliver_report(self, replica: SimReplica, report: ReplicaReport) -> None:
+    def _deliver_report(self, replica: SimReplica, stats: dict[str, Any]) -> None:
         if replica.removed_at is not None:
             return
+        report = ReplicaReport.from_stats(stats)
+        assert report is not None
+        report = self.kv_index.indexed(replica.key, stats, report)
         if not self.config.tiers.route_on_tiers:  # a tier-blind router: device-resident blocks only
             report = replace(report, host_prefix_hashes=frozenset(), disk_prefix_hashes=frozenset())
         for router in self.routers:

@@ -28,6 +28,12 @@ Time, per replica (B = KV bytes of one block; bandwidths from the device profile
                      readable, to every replica, when its write ends.
 Disk writes (blocks the host tier pushes out) run in the background on the disk's write
 path and are readable at once: reads and writes of an NVMe drive do not share one queue.
+
+KV events (kv/kv_events.py, `use_events`): the same records as worker/kv_tiers.py's, at the
+same points: an evicted device block copied down is `moved` device -> host, one the host
+holds already `removed` from the device; a block the host pushes out is `removed` from the
+host and `stored` on disk (at once: readable at once), and one the disk drops `removed`
+from it. The shared store is not reported.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv.host_tier import HostTier
+from kv.kv_events import DEVICE, DISK, HOST, KVEventLog
 from kv.tier_report import TierReport
 from worker.scheduler import TierLoad
 from worker.sequence import Sequence, SequenceStatus
@@ -109,13 +116,19 @@ class BlockLRU:
         ready = self._ready.get(block_hash)
         return ready is not None and ready <= now
 
-    def put(self, block_hash: int, ready_s: float) -> None:
+    def put(self, block_hash: int, ready_s: float) -> int | None:
+        """Hold `block_hash` (refresh it if held); returns the hash it pushed out, if any."""
         if block_hash in self._ready:
             self._ready.move_to_end(block_hash)
-            return
+            return None
+        dropped = None
         if len(self._ready) >= self.capacity_blocks:
-            self._ready.popitem(last=False)
+            dropped, _ = self._ready.popitem(last=False)
         self._ready[block_hash] = ready_s
+        return dropped
+
+    def clear(self) -> None:
+        self._ready.clear()
 
     def touch(self, block_hash: int) -> None:
         self._ready.move_to_end(block_hash)
@@ -179,6 +192,18 @@ class SimTierManager(TierReport):
         self.num_disk_loaded_blocks = 0
         self.num_shared_loaded_blocks = 0
         self.num_published_blocks = 0
+        self.events: KVEventLog | None = None  # set by use_events
+
+    def use_events(self, events: KVEventLog) -> None:
+        """Record what the host tier and the disk gain and lose (the module docstring)."""
+        self.events = events
+
+    def clear(self) -> None:
+        """A prefix-cache reset: the host tier and the disk (the pool's `cleared` event
+        covers them); the shared store is every replica's: kept."""
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
 
     # -- the scheduler's view ------------------------------------------------------------------
     def num_available(self, block_hashes: list[int]) -> int:
@@ -194,15 +219,34 @@ class SimTierManager(TierReport):
         if not evicted:
             return
         fresh = [(h, b) for h, b in evicted if h not in self.host]
+        events = self.events
+        if events is not None:
+            for h, _ in evicted:
+                if h in self.host:
+                    events.removed(h, DEVICE)
+                else:
+                    events.moved(h, DEVICE, HOST)
         evicted.clear()
         if not fresh:
             return
         pushed = self.host.put([h for h, _ in fresh], self.device.export_kv([b for _, b in fresh]))
         self._copy_s += len(fresh) * self.block_bytes / self.host_link.bandwidth
         self.num_offloaded_blocks += len(fresh)
-        if self.disk is not None:
-            for block_hash, _ in pushed:
-                self.disk.put(block_hash, self.clock.now)
+        for block_hash, _ in pushed:
+            if events is not None:
+                events.removed(block_hash, HOST)
+            if self.disk is not None:
+                self._write_disk(block_hash)
+
+    def _write_disk(self, block_hash: int) -> None:
+        assert self.disk is not None
+        fresh = block_hash not in self.disk
+        dropped = self.disk.put(block_hash, self.clock.now)
+        if self.events is not None:
+            if dropped is not None:
+                self.events.removed(dropped, DISK)
+            if fresh:
+                self.events.stored(block_hash, DISK)
 
     def publish(self, stored: list[tuple[int, int]] | None) -> None:
         if not stored:

@@ -26,10 +26,11 @@ hash lists are used as they are. Single-threaded: the router's event loop.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kv.kv_events import CLEARED, DEVICE, DISK, HOST, MOVED, REMOVED, STORED, KVEventBatch
 from router.routing.reservations import ReplicaKey
+from router.routing.types import ReplicaReport
 
 APPLIED, REBUILT, DROPPED = "applied", "rebuilt", "dropped"  # what a report did (counters)
 
@@ -113,6 +114,16 @@ class KVIndex:
             self._rebuild(state, stats, snapshot_seq, batches)
         self.num_reports[outcome] += 1
         return state
+
+    def indexed(self, replica: ReplicaKey, stats: Mapping[str, object], report: ReplicaReport) -> ReplicaReport:
+        """`report` (parsed from `stats`) with the index's hash sets, brought up to `stats`,
+        in place of its capped snapshot (kv_exact); as it is when the replica sends no
+        events. The sets are the index's own, live: the next report updates them."""
+        held = self.apply(replica, stats)
+        if held is None:
+            return report
+        return replace(report, prefix_hashes=held.device, host_prefix_hashes=held.host,
+                       disk_prefix_hashes=held.disk, kv_exact=True)
 
     def forget(self, live: set[ReplicaKey]) -> None:
         """Drop the replicas that left the deployment."""

@@ -41,8 +41,12 @@ Work, because KV usage hides queued work and request counts hide request sizes (
     ttft(q, r)    = (backlog(r) + uncached(q, r)) / rate(r) + load(q, r)  # predicted prefill wait
     within_target(q, r) = backlog(r) + uncached(q, r) <= rate(r) * target_ttft_s
 
-Load: each replica's share of all ongoing requests is in proportion to headroom times
-capacity weight; its excess is what it carries beyond that share. The gate limit is
+Load: each replica's share of all ongoing requests is in proportion to its size (total
+KV blocks) times capacity weight; its excess is what it carries beyond that share. Not to
+its headroom: the requests a replica carries use its headroom up, so a share by headroom
+shrinks as the replica fills and its excess grows twice over (positive feedback): the gate
+then moves its cached requests elsewhere in a wave, each a recompute there, until the
+other replica is the one over its share. The gate limit is
 load_gate_threshold requests or load_gate_fraction of the share, whichever is more (a fixed
 count alone closes on the ordinary spread of a busy cluster); a move's cost is the prompt
 tokens only this replica caches, in mean uncached requests, capped at one more limit (an
@@ -82,6 +86,7 @@ class ReplicaScore:
     unreflected_requests: int
     capacity_weight: float = 1.0
     ongoing: int = 0  # requests there now: Serve's queue length, or the report's + sent since
+    total_blocks: int = 0  # its KV size (load shares)
     adapter_s: float = 0.0  # the request's LoRA adapter's load there, in ttft_s
 
     @property
@@ -164,15 +169,17 @@ def score_replica(
         num_waiting=report.num_waiting,
         unreflected_requests=view.unreflected_requests,
         capacity_weight=report.capacity_weight,
+        total_blocks=report.total_blocks,
         ongoing=max(view.queue_len, report.num_running + report.num_waiting + view.unreflected_requests),
         adapter_s=adapter_s,
     )
 
 
 def load_shares(scores: Sequence[ReplicaScore]) -> dict[ReplicaKey, float]:
-    """Each replica's share of all ongoing requests: its headroom times its capacity weight
-    over everyone's (equal shares when no replica has headroom)."""
-    weights = {s.key: s.capacity * s.capacity_weight for s in scores}
+    """Each replica's share of all ongoing requests: its KV size times its capacity weight
+    over everyone's (equal shares when none reports a size). Never its headroom, which its
+    own requests use up (the module docstring)."""
+    weights = {s.key: s.total_blocks * s.capacity_weight for s in scores}
     total_weight = sum(weights.values())
     total = sum(s.ongoing for s in scores)
     return {s.key: total * (weights[s.key] / total_weight if total_weight > 0 else 1.0 / len(scores)) for s in scores}
@@ -180,7 +187,7 @@ def load_shares(scores: Sequence[ReplicaScore]) -> dict[ReplicaKey, float]:
 
 def load_excess(scores: Sequence[ReplicaScore]) -> dict[ReplicaKey, float]:
     """Requests ongoing at each replica beyond its share of all ongoing requests: a burst
-    spread in proportion to headroom (and speed) has no excess; affinity piling onto one
+    spread in proportion to size (and speed) has no excess; affinity piling onto one
     replica has."""
     shares = load_shares(scores)
     return {s.key: s.ongoing - shares[s.key] for s in scores}

@@ -67,7 +67,6 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -273,11 +272,7 @@ class PolicyRouter(RequestRouter):
     def _indexed(self, replica_id: ReplicaID, stats: Mapping[str, Any], report: ReplicaReport) -> ReplicaReport:
         """The report with the exact index's hash sets (router/routing/kv_index.py) in place
         of its capped snapshot, when the replica sends KV events."""
-        held = self.kv_index.apply(replica_id, stats)
-        if held is None:
-            return report
-        return replace(report, prefix_hashes=held.device, host_prefix_hashes=held.host,
-                       disk_prefix_hashes=held.disk, kv_exact=True)
+        return self.kv_index.indexed(replica_id, stats, report)
 
     def _view(self, replica: RunningReplica, now: float) -> ReplicaView:
         replica_id = replica.replica_id

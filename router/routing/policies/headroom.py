@@ -251,7 +251,7 @@ def rank_replicas(
     # tilts the order, a gate's worth of excess weighing one whole rank_key unit. Not when
     # some replica holds part of the prompt or the adapter: there the tilt would outweigh
     # what that replica saves and throw the hit rate away. A spread in proportion to
-    # headroom has no excess either way: the fill term rules.
+    # size has no excess either way: the fill term rules.
     warm = any(s.credit > 0 for s in scores) or len({s.adapter_s for s in scores}) > 1
     tilt = 0.0 if warm else 1.0 / max(params.load_gate_threshold, 1.0)
     first = spread or owner

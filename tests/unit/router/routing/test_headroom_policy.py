@@ -146,7 +146,8 @@ def test_score_subtracts_cached_blocks_and_adds_prefix_credit() -> None:
 
 
 def test_burst_of_200_spreads_in_proportion_to_headroom() -> None:
-    reports = {"r100": report(100), "r200": report(200), "r300": report(300)}
+    # Idle replicas of 100, 200 and 300 blocks (a busy one's used blocks are its requests').
+    reports = {f"r{n}": report(n, total_blocks=n) for n in (100, 200, 300)}
     counts, rankings = dispatch(reports, [small_request(i) for i in range(200)])
     # 200 one-block requests over 600 free blocks: each replica keeps 2/3 of its headroom.
     assert counts == {"r100": 33, "r200": 67, "r300": 100}
@@ -164,7 +165,7 @@ def test_without_dispatch_time_reservations_the_burst_herds() -> None:
 
 
 def test_burst_proportions_hold_for_multi_block_requests() -> None:
-    reports = {"a": report(100), "b": report(300)}
+    reports = {"a": report(100, total_blocks=100), "b": report(300, total_blocks=300)}
     reqs = [RequestProfile(prompt_token_ids=list(range(40)), max_tokens=8) for _ in range(40)]  # 3 blocks each
     counts, _ = dispatch(reports, reqs)
     assert counts == {"a": 10, "b": 30}  # 120 of 400 blocks, 30% of each replica
