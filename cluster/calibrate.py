@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import itertools
 import os
 import platform
 import statistics
@@ -199,9 +201,51 @@ class GridSpec:
     mixed: tuple[tuple[int, int, int], ...] = MIXED
 
 
-def measure(model: str | None, num_threads: int | None, block_size: int, clock: str,
-            spec: GridSpec | None = None) -> tuple[list[Point], dict[str, Any]]:
-    """Run the grid; the points and what they were measured on."""
+class Measurement:
+    """A calibration grid under way: `measure_next()` runs one more of its plans (a decode
+    point, a chunk size's prefill points, a mixed point), so that a caller can spread the
+    grid over the same stretch of time as a run the profile will price (the validation
+    interleaves it with the real engine's steps: whatever the machine's load does to the
+    process clock in that stretch, it does to both). The plans alternate kinds, so every
+    kind is sampled across the whole stretch."""
+
+    def __init__(self, grid: _Grid, tasks: list[Callable[[], list[Point]]], context: dict[str, Any]) -> None:
+        self.grid = grid
+        self.tasks = tasks
+        self.context = context
+        self.points: list[Point] = []
+        self.num_done = 0
+
+    @property
+    def done(self) -> bool:
+        return self.num_done == len(self.tasks)
+
+    @property
+    def progress(self) -> float:
+        return self.num_done / len(self.tasks)
+
+    def measure_next(self) -> None:
+        self.points.extend(self.tasks[self.num_done]())
+        self.num_done += 1
+
+    def finish(self) -> list[Point]:
+        while not self.done:
+            self.measure_next()
+        return self.points
+
+
+def _one(measure: Callable[..., Point], *args: int) -> list[Point]:
+    return [measure(*args)]
+
+
+def _alternating(*kinds: list[Callable[[], list[Point]]]) -> list[Callable[[], list[Point]]]:
+    """One of each kind in turn, then the longer kinds' rest."""
+    return [task for group in itertools.zip_longest(*kinds) for task in group if task is not None]
+
+
+def start_measurement(model: str | None, num_threads: int | None, block_size: int, clock: str,
+                      spec: GridSpec | None = None) -> Measurement:
+    """Load the model, measure the peaks, warm up; the grid's plans are left to run."""
     import torch
 
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -234,17 +278,25 @@ def measure(model: str | None, num_threads: int | None, block_size: int, clock: 
     grid = _Grid(config, runner, StepCostModel(shape, base), hf_config.vocab_size, CLOCKS[clock])
     grid.decode(spec.decode_batches[-1], spec.decode_contexts[0])  # warm-up: one-off costs (allocations, kernels)
     grid.prefill(spec.prefill_chunks[0])
-    points = [grid.decode(b, c) for b in spec.decode_batches for c in spec.decode_contexts]
-    for chunk in spec.prefill_chunks:
-        points.extend(grid.prefill(chunk))
-    points.extend(grid.mixed(chunk, batch, context) for chunk, batch, context in spec.mixed)
+    tasks = _alternating(
+        [functools.partial(_one, grid.decode, b, c) for b in spec.decode_batches for c in spec.decode_contexts],
+        [functools.partial(grid.prefill, chunk) for chunk in spec.prefill_chunks],
+        [functools.partial(_one, grid.mixed, *m) for m in spec.mixed],
+    )
     context = {
         "model": model or DEFAULT_MODEL_NAME, "dtype_bytes": shape.dtype_bytes, "block_size": block_size,
         "num_threads": torch.get_num_threads(), "clock": clock, "measured_peak_flops": peak_flops,
         "measured_bandwidth": bandwidth, "machine": _machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    return points, {"base": base, **context}
+    return Measurement(grid, tasks, {"base": base, **context})
+
+
+def measure(model: str | None, num_threads: int | None, block_size: int, clock: str,
+            spec: GridSpec | None = None) -> tuple[list[Point], dict[str, Any]]:
+    """Run the grid; the points and what they were measured on."""
+    measurement = start_measurement(model, num_threads, block_size, clock, spec)
+    return measurement.finish(), measurement.context
 
 
 def _machine() -> str:
@@ -267,13 +319,20 @@ def calibrate(
     A run this profile is compared with (validation) should use the same model, dtype
     (FP32 on CPU), num_threads and clock: with the "process" clock and N threads a step
     costs the CPU time of all N, which is its wall time only when N == 1 on an idle core."""
-    points, context = measure(model, num_threads, block_size, clock, spec)
+    measurement = start_measurement(model, num_threads, block_size, clock, spec)
+    measurement.finish()
+    return fit_measurement(measurement, name)
+
+
+def fit_measurement(measurement: Measurement, name: str) -> tuple[DeviceProfile, FitReport, list[Point]]:
+    """The profile that a finished measurement's points fit."""
+    points, context = measurement.points, dict(measurement.context)
     base: DeviceProfile = context.pop("base")
     fitted, report = fit_profile(replace(base, name=name), [(p.features, p.seconds) for p in points])
     fitted = replace(
         fitted, calibrated=True,
         source=f"kvserve calibrate on this machine ({context['machine']}, {context['num_threads']} threads, "
-               f"{clock} clock): "
+               f"{context['clock']} clock): "
                f"measured FP32 matmul and copy peaks, fitted over {len(points)} engine steps",
         fit={**context, **report.to_dict()},
     )
