@@ -49,8 +49,8 @@ PREFILL_CHUNKS_PER_PROMPT = 4  # chunk contexts 0, P, 2P, 3P
 # points alone fit a profile that prices mixed steps fast, and every TTFT of a loaded
 # engine ends with one, so the simulated TTFT would run under the real one.
 MIXED = ((32, 4, 128), (128, 16, 128), (512, 4, 128))
-NUM_DECODE_STEPS = 12  # per decode point (median taken)
-NUM_REPEATS = 7  # per prefill point (median taken)
+NUM_DECODE_STEPS = 12  # per decode point (mean taken)
+NUM_REPEATS = 7  # per prefill point (mean taken)
 CLOCKS = {"process": time.process_time, "wall": time.perf_counter}
 
 
@@ -148,7 +148,7 @@ class _Grid:
         for i in range(batch):
             engine.add_request(f"d{i}", self.prompt(context), params)
         steps = [s for s in self.steps(engine) if s[0].num_tokens == batch == s[0].num_seqs]
-        return _median_point(f"decode b={batch} ctx={context}", steps)
+        return _mean_point(f"decode b={batch} ctx={context}", steps)
 
     def prefill(self, chunk: int) -> list[Point]:
         from worker.api import SamplingParams
@@ -158,7 +158,7 @@ class _Grid:
             engine = self.engine(1, chunk)
             engine.add_request("p", self.prompt(chunk * PREFILL_CHUNKS_PER_PROMPT), SamplingParams(max_tokens=1, temperature=0.0))
             runs.append(self.steps(engine))
-        return [_median_point(f"prefill chunk={chunk} ctx={k * chunk}", [run[k] for run in runs])
+        return [_mean_point(f"prefill chunk={chunk} ctx={k * chunk}", [run[k] for run in runs])
                 for k in range(PREFILL_CHUNKS_PER_PROMPT)]
 
     def mixed(self, chunk: int, batch: int, context: int) -> Point:
@@ -178,15 +178,20 @@ class _Grid:
             mixed.append(self.one_step(engine))
             self.one_step(engine)
         steps = [s for s in mixed if s[0].num_seqs == batch + 1 and s[0].num_tokens == batch + chunk]
-        return _median_point(f"mixed chunk={chunk} + decode b={batch} ctx={context}", steps)
+        return _mean_point(f"mixed chunk={chunk} + decode b={batch} ctx={context}", steps)
 
 
-def _median_point(label: str, steps: list[tuple[StepFeatures, float]]) -> Point:
+def _mean_point(label: str, steps: list[tuple[StepFeatures, float]]) -> Point:
+    """The point's time is its steps' mean: a run's time is the sum of its steps, so the
+    expected step time is what prices it. A median drops the slow tail (steps that other
+    work on the machine left with cold caches) which a run on the same machine pays in
+    full. Its features are the median step's (a decode point's steps differ by a token of
+    context each)."""
     if not steps:
         raise RuntimeError(f"calibration point {label!r} produced no step of its shape")
     ordered = sorted(steps, key=lambda s: s[1])
     features, _ = ordered[len(ordered) // 2]
-    return Point(label, features, statistics.median(t for _, t in steps))
+    return Point(label, features, statistics.fmean(t for _, t in steps))
 
 
 @dataclass(frozen=True)

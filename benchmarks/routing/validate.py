@@ -2,14 +2,16 @@
 
 1. Engine: the real engine (one replica, CPU, the embedded model, FP32) on its own clock
    (each request added once the clock passes its arrival, the engine stepped as
-   AsyncEngine's loop does: step, then a stats snapshot), against `simulate` with the
-   calibrated CPU profile (`kvserve calibrate`, cluster/calibrate.py) on the same shape,
-   KV size and scheduler limits. The clock is the one the calibration priced the steps
-   with: by default the process's CPU time, which other load on the machine does not
-   move (a step advances it by the CPU seconds the step took; an idle engine jumps to the
-   next arrival, as a real one would sleep until it).
-   Calibration and the real run are paired ENGINE_REPEATS times; the error is the median
-   of the pairs' errors.
+   AsyncEngine's loop does: step, then a stats snapshot), against `simulate` with a CPU
+   profile calibrated (`kvserve calibrate`, cluster/calibrate.py) on the same shape, KV
+   size and scheduler limits, over plans where this workload's steps run (workload_grid).
+   The clock is the one the calibration priced the steps with: by default the process's
+   CPU time (a step advances it by the CPU seconds the step took; an idle engine jumps to
+   the next arrival, as a real one would sleep until it). CPU time is not moved by waiting
+   for a core, but it is by what other load does to the caches and the core's speed, so
+   each pair's calibration is measured between the steps of its real run
+   (calibrate_beside), and the error is the median over ENGINE_REPEATS pairs of each
+   pair's error, with the pairs' spread printed.
 2. Cluster: a real Ray Serve cluster of 8 simulated-device replicas vs the simulator
    (benchmarks/routing/validate_cluster.py).
 
@@ -164,25 +166,34 @@ ENGINE_REPEATS = 5
 # steps every TTFT ends with.
 ENGINE_DECODE_BATCHES = (1, 2, 4, 8, 16)
 ENGINE_DECODE_CONTEXTS = (16, 128, 512)
-ENGINE_MIXED_BATCHES = (2, 4)  # the decodes beside a fresh prompt, at half load
+# Prefill chunks whose contexts (up to 3 chunks before the last) span the workload's
+# sequences, not beyond: points far outside the run's regime pull the fit away from it.
+ENGINE_PREFILL_CHUNKS = (32, 128, 256)
+ENGINE_MIXED_BATCHES = (2, 4, 8)  # the decodes beside a fresh prompt, at half load
 ENGINE_PROMPT_QUANTILES = (0.25, 0.5, 0.75, 0.9)  # the prompt lengths the mixed points take
 # The clock of both sides: the calibration's steps and the real run's (cluster/calibrate.py).
 ENGINE_CLOCK = "process"
 
 
 def workload_grid(requests: Sequence[SimRequest], max_num_batched_tokens: int):  # noqa: ANN201 (GridSpec)
-    """The calibration plans of validation 1: decode batches of a half-loaded engine at the
-    contexts its sequences reach, the default prefill chunks, and mixed steps with the
-    workload's own prompt lengths (its quantiles, one chunk at most) beside a few decodes
-    at its median prompt's context."""
-    from cluster.calibrate import PREFILL_CHUNKS, GridSpec
+    """The calibration plans of validation 1, where the workload's steps run:
+    - decode batches of a half-loaded engine at contexts up to the workload's longest
+      sequence (prompt + output): the grouped backend pads a batch's decodes to its longest
+      member, so while one long request decodes, every step attends at its length;
+    - prefill chunks at those contexts;
+    - mixed steps (what every TTFT ends with): the workload's own prompt lengths (its
+      quantiles, one chunk at most) beside a few decodes at its 90th-percentile sequence
+      length (a handful of decodes, padded to their longest, attend at about that)."""
+    from cluster.calibrate import GridSpec
 
     prompts = sorted(len(r.prompt_token_ids) for r in requests)
+    sequences = sorted(len(r.prompt_token_ids) + r.max_tokens for r in requests)
     chunks = sorted({min(max_num_batched_tokens, prompts[round(q * (len(prompts) - 1))])
                      for q in ENGINE_PROMPT_QUANTILES})
-    context = prompts[len(prompts) // 2]
-    return GridSpec(decode_batches=ENGINE_DECODE_BATCHES, decode_contexts=ENGINE_DECODE_CONTEXTS,
-                    prefill_chunks=tuple(min(max_num_batched_tokens, c) for c in PREFILL_CHUNKS),
+    context = sequences[round(0.9 * (len(sequences) - 1))]
+    return GridSpec(decode_batches=ENGINE_DECODE_BATCHES,
+                    decode_contexts=tuple(sorted({*ENGINE_DECODE_CONTEXTS, sequences[-1]})),
+                    prefill_chunks=tuple(sorted({min(max_num_batched_tokens, c) for c in ENGINE_PREFILL_CHUNKS})),
                     mixed=tuple((c, b, context) for c in chunks for b in ENGINE_MIXED_BATCHES))
 
 

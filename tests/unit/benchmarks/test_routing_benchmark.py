@@ -193,19 +193,24 @@ def test_pair_error_spread_is_each_figures_lowest_and_highest_pair_error() -> No
     assert spread["output_tokens_per_s"] == pytest.approx((0.0, 5.0))
 
 
-def test_validation_grid_takes_the_workloads_prompt_lengths() -> None:
+def test_validation_grid_takes_the_workloads_prompt_and_sequence_lengths() -> None:
     """Mixed points at the prompt-length quantiles (one chunk at most), beside a few decodes
-    at the median prompt's context; decode and prefill points as the module sets them."""
+    at the 90th-percentile sequence length; decodes up to the longest sequence."""
     from benchmarks.routing import validate
 
     requests = [SimRequest(f"r{i}", 0.0, (1,) * (10 * (i + 1)), 4) for i in range(100)]  # prompts 10..1000
     spec = workload_grid(requests, 512)
-    # quantile indices round(q * 99): 25, 50, 74, 89 -> 260, 510, 750 -> 512, 900 -> 512
-    assert spec.mixed == ((260, 2, 510), (260, 4, 510), (510, 2, 510), (510, 4, 510), (512, 2, 510), (512, 4, 510))
-    assert spec.decode_batches == validate.ENGINE_DECODE_BATCHES
-    assert spec.decode_contexts == validate.ENGINE_DECODE_CONTEXTS
-    assert spec.prefill_chunks == (32, 128, 512)
-    assert workload_grid(requests, 256).prefill_chunks == (32, 128, 256)
+    # prompt quantile indices round(q * 99): 25, 50, 74, 89 -> 260, 510, 750 -> 512, 900 -> 512;
+    # sequences 14..1004, the 90th percentile index 89 -> 904
+    assert validate.ENGINE_MIXED_BATCHES == (2, 4, 8)
+    assert spec.mixed == tuple((c, b, 904) for c in (260, 510, 512) for b in (2, 4, 8))
+    assert spec.decode_batches == validate.ENGINE_DECODE_BATCHES == (1, 2, 4, 8, 16)
+    assert validate.ENGINE_DECODE_CONTEXTS == (16, 128, 512)
+    assert spec.decode_contexts == (16, 128, 512, 1004)
+    assert spec.prefill_chunks == (32, 128, 256)
+    assert workload_grid(requests, 100).prefill_chunks == (32, 100)  # one chunk at most
+    short = [SimRequest("s", 0.0, (1,) * 60, 40)]
+    assert workload_grid(short, 512).decode_contexts == (16, 100, 128, 512)
 
 
 def test_step_check_sets_each_model_step_against_its_prediction() -> None:
