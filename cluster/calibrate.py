@@ -28,6 +28,7 @@ import argparse
 import datetime
 import functools
 import itertools
+import math
 import os
 import platform
 import statistics
@@ -114,6 +115,9 @@ class _Grid:
         self.recorder = _RecordingRunner(runner, cost)
         self.vocab_size = vocab_size
         self.num_prompts = 0
+        # Every timed step of each point, by label in first-measured order: a point measured
+        # in several passes pools its passes' steps.
+        self.samples: dict[str, list[tuple[StepFeatures, float]]] = {}
 
     def engine(self, max_num_seqs: int, max_num_batched_tokens: int) -> Any:
         """A fresh engine (scheduler, KV bookkeeping) on the one loaded runner."""
@@ -140,45 +144,49 @@ class _Grid:
         assert self.recorder.last is not None
         return self.recorder.last, elapsed
 
-    def decode(self, batch: int, context: int) -> Point:
+    def point(self, label: str, steps: list[tuple[StepFeatures, float]]) -> Point:
+        self.samples.setdefault(label, []).extend(steps)
+        return _mean_point(label, steps)
+
+    def decode(self, batch: int, context: int, num_steps: int = NUM_DECODE_STEPS) -> Point:
         from worker.api import SamplingParams
 
         engine = self.engine(batch, max(2048, batch * context))  # every prompt in one step
-        params = SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=num_steps + 1, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"d{i}", self.prompt(context), params)
         steps = [s for s in self.steps(engine) if s[0].num_tokens == batch == s[0].num_seqs]
-        return _mean_point(f"decode b={batch} ctx={context}", steps)
+        return self.point(f"decode b={batch} ctx={context}", steps)
 
-    def prefill(self, chunk: int) -> list[Point]:
+    def prefill(self, chunk: int, repeats: int = NUM_REPEATS) -> list[Point]:
         from worker.api import SamplingParams
 
         runs = []
-        for _ in range(NUM_REPEATS):
+        for _ in range(repeats):
             engine = self.engine(1, chunk)
             engine.add_request("p", self.prompt(chunk * PREFILL_CHUNKS_PER_PROMPT), SamplingParams(max_tokens=1, temperature=0.0))
             runs.append(self.steps(engine))
-        return [_mean_point(f"prefill chunk={chunk} ctx={k * chunk}", [run[k] for run in runs])
+        return [self.point(f"prefill chunk={chunk} ctx={k * chunk}", [run[k] for run in runs])
                 for k in range(PREFILL_CHUNKS_PER_PROMPT)]
 
-    def mixed(self, chunk: int, batch: int, context: int) -> Point:
+    def mixed(self, chunk: int, batch: int, context: int, repeats: int = NUM_REPEATS) -> Point:
         """A fresh prompt of `chunk` tokens joining `batch` running decodes of `context`
-        tokens, NUM_REPEATS times (each prompt answers in one token and leaves; a decode
+        tokens, `repeats` times (each prompt answers in one token and leaves; a decode
         step between them keeps the decodes' contexts within a few tokens)."""
         from worker.api import SamplingParams
 
         engine = self.engine(batch + 1, max(2048, batch * context, batch + chunk))
-        decode = SamplingParams(max_tokens=2 * NUM_REPEATS + 4, temperature=0.0, ignore_eos=True)
+        decode = SamplingParams(max_tokens=2 * repeats + 4, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"d{i}", self.prompt(context), decode)
         engine.step()  # the decodes' prompts (a prefill point of its own, not this one)
         mixed = []
-        for k in range(NUM_REPEATS):
+        for k in range(repeats):
             engine.add_request(f"p{k}", self.prompt(chunk), SamplingParams(max_tokens=1, temperature=0.0))
             mixed.append(self.one_step(engine))
             self.one_step(engine)
         steps = [s for s in mixed if s[0].num_seqs == batch + 1 and s[0].num_tokens == batch + chunk]
-        return _mean_point(f"mixed chunk={chunk} + decode b={batch} ctx={context}", steps)
+        return self.point(f"mixed chunk={chunk} + decode b={batch} ctx={context}", steps)
 
 
 def _mean_point(label: str, steps: list[tuple[StepFeatures, float]]) -> Point:
@@ -204,6 +212,10 @@ class GridSpec:
     decode_contexts: tuple[int, ...] = DECODE_CONTEXTS
     prefill_chunks: tuple[int, ...] = PREFILL_CHUNKS
     mixed: tuple[tuple[int, int, int], ...] = MIXED
+    # Passes over the grid, each with its share of every point's steps (pooled): a point
+    # measured in one burst takes the machine's speed of that moment, and on a shared
+    # machine the moments of two points differ more than the points do.
+    passes: int = 1
 
 
 class Measurement:
@@ -212,14 +224,19 @@ class Measurement:
     grid over the same stretch of time as a run the profile will price (the validation
     interleaves it with the real engine's steps: whatever the machine's load does to the
     process clock in that stretch, it does to both). The plans alternate kinds, so every
-    kind is sampled across the whole stretch."""
+    kind is sampled across the whole stretch, and with GridSpec.passes > 1 the grid runs
+    that many times, each point's steps pooled over its passes."""
 
     def __init__(self, grid: _Grid, tasks: list[Callable[[], list[Point]]], context: dict[str, Any]) -> None:
         self.grid = grid
         self.tasks = tasks
         self.context = context
-        self.points: list[Point] = []
         self.num_done = 0
+
+    @property
+    def points(self) -> list[Point]:
+        """One per point measured so far, each over the steps of all its passes so far."""
+        return [_mean_point(label, steps) for label, steps in self.grid.samples.items()]
 
     @property
     def done(self) -> bool:
@@ -230,7 +247,7 @@ class Measurement:
         return self.num_done / len(self.tasks)
 
     def measure_next(self) -> None:
-        self.points.extend(self.tasks[self.num_done]())
+        self.tasks[self.num_done]()
         self.num_done += 1
 
     def finish(self) -> list[Point]:
@@ -283,10 +300,13 @@ def start_measurement(model: str | None, num_threads: int | None, block_size: in
     grid = _Grid(config, runner, StepCostModel(shape, base), hf_config.vocab_size, CLOCKS[clock])
     grid.decode(spec.decode_batches[-1], spec.decode_contexts[0])  # warm-up: one-off costs (allocations, kernels)
     grid.prefill(spec.prefill_chunks[0])
-    tasks = _alternating(
-        [functools.partial(_one, grid.decode, b, c) for b in spec.decode_batches for c in spec.decode_contexts],
-        [functools.partial(grid.prefill, chunk) for chunk in spec.prefill_chunks],
-        [functools.partial(_one, grid.mixed, *m) for m in spec.mixed],
+    grid.samples.clear()
+    num_steps, repeats = (math.ceil(n / spec.passes) for n in (NUM_DECODE_STEPS, NUM_REPEATS))
+    tasks = spec.passes * _alternating(
+        [functools.partial(_one, grid.decode, b, c, num_steps) for b in spec.decode_batches
+         for c in spec.decode_contexts],
+        [functools.partial(grid.prefill, chunk, repeats) for chunk in spec.prefill_chunks],
+        [functools.partial(_one, grid.mixed, *m, repeats) for m in spec.mixed],
     )
     context = {
         "model": model or DEFAULT_MODEL_NAME, "dtype_bytes": shape.dtype_bytes, "block_size": block_size,

@@ -171,6 +171,7 @@ ENGINE_DECODE_CONTEXTS = (16, 128, 512)
 ENGINE_PREFILL_CHUNKS = (32, 128, 256)
 ENGINE_MIXED_BATCHES = (2, 4, 8)  # the decodes beside a fresh prompt, at half load
 ENGINE_PROMPT_QUANTILES = (0.25, 0.5, 0.75, 0.9)  # the prompt lengths the mixed points take
+ENGINE_GRID_PASSES = 3  # each point's steps taken at this many moments of the run (GridSpec.passes)
 # The clock of both sides: the calibration's steps and the real run's (cluster/calibrate.py).
 ENGINE_CLOCK = "process"
 
@@ -194,7 +195,8 @@ def workload_grid(requests: Sequence[SimRequest], max_num_batched_tokens: int): 
     return GridSpec(decode_batches=ENGINE_DECODE_BATCHES,
                     decode_contexts=tuple(sorted({*ENGINE_DECODE_CONTEXTS, sequences[-1]})),
                     prefill_chunks=tuple(sorted({min(max_num_batched_tokens, c) for c in ENGINE_PREFILL_CHUNKS})),
-                    mixed=tuple((c, b, context) for c in chunks for b in ENGINE_MIXED_BATCHES))
+                    mixed=tuple((c, b, context) for c in chunks for b in ENGINE_MIXED_BATCHES),
+                    passes=ENGINE_GRID_PASSES)
 
 
 def engine_profile(profile_path: str | None, spec, log: Log):  # noqa: ANN001  # noqa: ANN201 (worker.sim.profiles.DeviceProfile)

@@ -208,6 +208,7 @@ def test_validation_grid_takes_the_workloads_prompt_and_sequence_lengths() -> No
     assert validate.ENGINE_DECODE_CONTEXTS == (16, 128, 512)
     assert spec.decode_contexts == (16, 128, 512, 1004)
     assert spec.prefill_chunks == (32, 128, 256)
+    assert spec.passes == validate.ENGINE_GRID_PASSES == 3
     assert workload_grid(requests, 100).prefill_chunks == (32, 100)  # one chunk at most
     short = [SimRequest("s", 0.0, (1,) * 60, 40)]
     assert workload_grid(short, 512).decode_contexts == (16, 100, 128, 512)

@@ -130,3 +130,28 @@ def test_a_measurement_runs_one_plan_at_a_time_alternating_kinds(monkeypatch: py
     profile, report, fitted_points = calibrate.fit_measurement(measurement, "cpu-beside")
     assert fitted_points == points and report.num_points == len(points)
     assert profile.calibrated and profile.name == "cpu-beside" and profile.fit["clock"] == "process"
+
+
+def test_passes_pool_each_points_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two passes: the grid's plans twice, each with half of every point's steps, one point
+    per label over both."""
+    from cluster import calibrate
+
+    monkeypatch.setattr(calibrate, "NUM_REPEATS", 2)
+    monkeypatch.setattr(calibrate, "NUM_DECODE_STEPS", 4)
+    spec = calibrate.GridSpec(decode_batches=(2,), decode_contexts=(8,), prefill_chunks=(8,), mixed=((8, 2, 8),),
+                              passes=2)
+    measurement = calibrate.start_measurement(None, 1, 16, "process", spec)
+    assert len(measurement.tasks) == 6
+    for _ in range(3):
+        measurement.measure_next()
+    assert {label: len(steps) for label, steps in measurement.grid.samples.items()} == {
+        "decode b=2 ctx=8": 2, **{f"prefill chunk=8 ctx={8 * k}": 1 for k in range(4)},
+        "mixed chunk=8 + decode b=2 ctx=8": 1}
+    points = measurement.finish()
+    assert {label: len(steps) for label, steps in measurement.grid.samples.items()} == {
+        "decode b=2 ctx=8": 4, **{f"prefill chunk=8 ctx={8 * k}": 2 for k in range(4)},
+        "mixed chunk=8 + decode b=2 ctx=8": 2}
+    decode = measurement.grid.samples["decode b=2 ctx=8"]
+    assert points[0].label == "decode b=2 ctx=8" and points[0].seconds == pytest.approx(
+        sum(t for _, t in decode) / 4)  # the mean of both passes' steps
