@@ -12,7 +12,9 @@
    arrives, and what its TTFT is made of). Each step's time is what one turn
    of the engine loop costs (Engine.step plus the stats snapshot AsyncEngine takes after
    it), so the fitted overheads cover the engine's host work too; each plan's features
-   come from the cost model reading the plan the runner executes.
+   come from the cost model reading the plan the runner executes. A point's time is the
+   mean of its steps; the plans run in turns of decode, prefill and mixed, and a caller
+   can run them one at a time (Measurement) and in several passes (GridSpec.passes).
 3. Fits the profile's efficiencies and overheads (worker/sim/fit.py), prints the fit
    error (mean and max relative error over the grid), writes the profile JSON.
 Prefix caching is off so each plan is exactly what was asked for.
@@ -21,6 +23,8 @@ The clock: by default the process's CPU time, with one torch thread. On a machin
 with other work (a small CI or development machine running several Ray clusters at once)
 wall time measures the contention, not the device; CPU time of a single-threaded engine is
 what its wall time would be on a core of its own. `--clock wall` for a dedicated machine.
+CPU time still moves with other load (cold caches, a shared core); a comparison with a run
+measures the grid beside that run (benchmarks/routing/validate.py's calibrate_beside).
 """
 from __future__ import annotations
 

@@ -199,7 +199,7 @@ def workload_grid(requests: Sequence[SimRequest], max_num_batched_tokens: int): 
                     passes=ENGINE_GRID_PASSES)
 
 
-def engine_profile(profile_path: str | None, spec, log: Log):  # noqa: ANN001  # noqa: ANN201 (worker.sim.profiles.DeviceProfile)
+def engine_profile(profile_path: str | None, spec, log: Log):  # noqa: ANN001, ANN201 (GridSpec; DeviceProfile)
     """The CPU profile that sets the workload's rate: `profile_path` (which then prices every
     pair too), else a calibration now, with the engine's thread count and clock. Now, not a
     committed fit: a shared machine's speed moves from one hour to the next, and a
@@ -226,7 +226,8 @@ def _fit_summary(report) -> str:  # noqa: ANN001 (worker.sim.fit.FitReport)
     return f"fit error mean {100 * report.mean_rel_error:.1f}%, max {100 * report.max_rel_error:.1f}%"
 
 
-def calibrate_beside(engine, requests: Sequence[SimRequest], spec, log: Log):  # noqa: ANN001, ANN201 (Engine, GridSpec; Figures, DeviceProfile)
+def calibrate_beside(engine, requests: Sequence[SimRequest], spec,  # noqa: ANN001 (Engine, GridSpec)
+                     log: Log):  # noqa: ANN201 (Figures, DeviceProfile)
     """The real run, with a calibration's grid measured between its steps (off the run's
     clock): one grid plan whenever the grid's share done falls behind the share of the
     run's requests added, the rest after the last step. Both then sample the machine over
