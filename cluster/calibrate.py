@@ -12,7 +12,9 @@
    arrives, and what its TTFT is made of). Each step's time is what one turn
    of the engine loop costs (Engine.step plus the stats snapshot AsyncEngine takes after
    it), so the fitted overheads cover the engine's host work too; each plan's features
-   come from the cost model reading the plan the runner executes.
+   come from the cost model reading the plan the runner executes. A point's time is the
+   mean of its steps; the plans run in turns of decode, prefill and mixed, and a caller
+   can run them one at a time (Measurement) and in several passes (GridSpec.passes).
 3. Fits the profile's efficiencies and overheads (worker/sim/fit.py), prints the fit
    error (mean and max relative error over the grid), writes the profile JSON.
 Prefix caching is off so each plan is exactly what was asked for.
@@ -21,11 +23,16 @@ The clock: by default the process's CPU time, with one torch thread. On a machin
 with other work (a small CI or development machine running several Ray clusters at once)
 wall time measures the contention, not the device; CPU time of a single-threaded engine is
 what its wall time would be on a core of its own. `--clock wall` for a dedicated machine.
+CPU time still moves with other load (cold caches, a shared core); a comparison with a run
+measures the grid beside that run (benchmarks/routing/validate.py's calibrate_beside).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import itertools
+import math
 import os
 import platform
 import statistics
@@ -47,8 +54,8 @@ PREFILL_CHUNKS_PER_PROMPT = 4  # chunk contexts 0, P, 2P, 3P
 # points alone fit a profile that prices mixed steps fast, and every TTFT of a loaded
 # engine ends with one, so the simulated TTFT would run under the real one.
 MIXED = ((32, 4, 128), (128, 16, 128), (512, 4, 128))
-NUM_DECODE_STEPS = 12  # per decode point (median taken)
-NUM_REPEATS = 7  # per prefill point (median taken)
+NUM_DECODE_STEPS = 12  # per decode point (mean taken)
+NUM_REPEATS = 7  # per prefill point (mean taken)
 CLOCKS = {"process": time.process_time, "wall": time.perf_counter}
 
 
@@ -112,6 +119,9 @@ class _Grid:
         self.recorder = _RecordingRunner(runner, cost)
         self.vocab_size = vocab_size
         self.num_prompts = 0
+        # Every timed step of each point, by label in first-measured order: a point measured
+        # in several passes pools its passes' steps.
+        self.samples: dict[str, list[tuple[StepFeatures, float]]] = {}
 
     def engine(self, max_num_seqs: int, max_num_batched_tokens: int) -> Any:
         """A fresh engine (scheduler, KV bookkeeping) on the one loaded runner."""
@@ -138,53 +148,62 @@ class _Grid:
         assert self.recorder.last is not None
         return self.recorder.last, elapsed
 
-    def decode(self, batch: int, context: int) -> Point:
+    def point(self, label: str, steps: list[tuple[StepFeatures, float]]) -> Point:
+        self.samples.setdefault(label, []).extend(steps)
+        return _mean_point(label, steps)
+
+    def decode(self, batch: int, context: int, num_steps: int = NUM_DECODE_STEPS) -> Point:
         from worker.api import SamplingParams
 
         engine = self.engine(batch, max(2048, batch * context))  # every prompt in one step
-        params = SamplingParams(max_tokens=NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=num_steps + 1, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"d{i}", self.prompt(context), params)
         steps = [s for s in self.steps(engine) if s[0].num_tokens == batch == s[0].num_seqs]
-        return _median_point(f"decode b={batch} ctx={context}", steps)
+        return self.point(f"decode b={batch} ctx={context}", steps)
 
-    def prefill(self, chunk: int) -> list[Point]:
+    def prefill(self, chunk: int, repeats: int = NUM_REPEATS) -> list[Point]:
         from worker.api import SamplingParams
 
         runs = []
-        for _ in range(NUM_REPEATS):
+        for _ in range(repeats):
             engine = self.engine(1, chunk)
             engine.add_request("p", self.prompt(chunk * PREFILL_CHUNKS_PER_PROMPT), SamplingParams(max_tokens=1, temperature=0.0))
             runs.append(self.steps(engine))
-        return [_median_point(f"prefill chunk={chunk} ctx={k * chunk}", [run[k] for run in runs])
+        return [self.point(f"prefill chunk={chunk} ctx={k * chunk}", [run[k] for run in runs])
                 for k in range(PREFILL_CHUNKS_PER_PROMPT)]
 
-    def mixed(self, chunk: int, batch: int, context: int) -> Point:
+    def mixed(self, chunk: int, batch: int, context: int, repeats: int = NUM_REPEATS) -> Point:
         """A fresh prompt of `chunk` tokens joining `batch` running decodes of `context`
-        tokens, NUM_REPEATS times (each prompt answers in one token and leaves; a decode
+        tokens, `repeats` times (each prompt answers in one token and leaves; a decode
         step between them keeps the decodes' contexts within a few tokens)."""
         from worker.api import SamplingParams
 
         engine = self.engine(batch + 1, max(2048, batch * context, batch + chunk))
-        decode = SamplingParams(max_tokens=2 * NUM_REPEATS + 4, temperature=0.0, ignore_eos=True)
+        decode = SamplingParams(max_tokens=2 * repeats + 4, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"d{i}", self.prompt(context), decode)
         engine.step()  # the decodes' prompts (a prefill point of its own, not this one)
         mixed = []
-        for k in range(NUM_REPEATS):
+        for k in range(repeats):
             engine.add_request(f"p{k}", self.prompt(chunk), SamplingParams(max_tokens=1, temperature=0.0))
             mixed.append(self.one_step(engine))
             self.one_step(engine)
         steps = [s for s in mixed if s[0].num_seqs == batch + 1 and s[0].num_tokens == batch + chunk]
-        return _median_point(f"mixed chunk={chunk} + decode b={batch} ctx={context}", steps)
+        return self.point(f"mixed chunk={chunk} + decode b={batch} ctx={context}", steps)
 
 
-def _median_point(label: str, steps: list[tuple[StepFeatures, float]]) -> Point:
+def _mean_point(label: str, steps: list[tuple[StepFeatures, float]]) -> Point:
+    """The point's time is its steps' mean: a run's time is the sum of its steps, so the
+    expected step time is what prices it. A median drops the slow tail (steps that other
+    work on the machine left with cold caches) which a run on the same machine pays in
+    full. Its features are the median step's (a decode point's steps differ by a token of
+    context each)."""
     if not steps:
         raise RuntimeError(f"calibration point {label!r} produced no step of its shape")
     ordered = sorted(steps, key=lambda s: s[1])
     features, _ = ordered[len(ordered) // 2]
-    return Point(label, features, statistics.median(t for _, t in steps))
+    return Point(label, features, statistics.fmean(t for _, t in steps))
 
 
 @dataclass(frozen=True)
@@ -197,11 +216,62 @@ class GridSpec:
     decode_contexts: tuple[int, ...] = DECODE_CONTEXTS
     prefill_chunks: tuple[int, ...] = PREFILL_CHUNKS
     mixed: tuple[tuple[int, int, int], ...] = MIXED
+    # Passes over the grid, each with its share of every point's steps (pooled): a point
+    # measured in one burst takes the machine's speed of that moment, and on a shared
+    # machine the moments of two points differ more than the points do.
+    passes: int = 1
 
 
-def measure(model: str | None, num_threads: int | None, block_size: int, clock: str,
-            spec: GridSpec | None = None) -> tuple[list[Point], dict[str, Any]]:
-    """Run the grid; the points and what they were measured on."""
+class Measurement:
+    """A calibration grid under way: `measure_next()` runs one more of its plans (a decode
+    point, a chunk size's prefill points, a mixed point), so that a caller can spread the
+    grid over the same stretch of time as a run the profile will price (the validation
+    interleaves it with the real engine's steps: whatever the machine's load does to the
+    process clock in that stretch, it does to both). The plans alternate kinds, so every
+    kind is sampled across the whole stretch, and with GridSpec.passes > 1 the grid runs
+    that many times, each point's steps pooled over its passes."""
+
+    def __init__(self, grid: _Grid, tasks: list[Callable[[], list[Point]]], context: dict[str, Any]) -> None:
+        self.grid = grid
+        self.tasks = tasks
+        self.context = context
+        self.num_done = 0
+
+    @property
+    def points(self) -> list[Point]:
+        """One per point measured so far, each over the steps of all its passes so far."""
+        return [_mean_point(label, steps) for label, steps in self.grid.samples.items()]
+
+    @property
+    def done(self) -> bool:
+        return self.num_done == len(self.tasks)
+
+    @property
+    def progress(self) -> float:
+        return self.num_done / len(self.tasks)
+
+    def measure_next(self) -> None:
+        self.tasks[self.num_done]()
+        self.num_done += 1
+
+    def finish(self) -> list[Point]:
+        while not self.done:
+            self.measure_next()
+        return self.points
+
+
+def _one(measure: Callable[..., Point], *args: int) -> list[Point]:
+    return [measure(*args)]
+
+
+def _alternating(*kinds: list[Callable[[], list[Point]]]) -> list[Callable[[], list[Point]]]:
+    """One of each kind in turn, then the longer kinds' rest."""
+    return [task for group in itertools.zip_longest(*kinds) for task in group if task is not None]
+
+
+def start_measurement(model: str | None, num_threads: int | None, block_size: int, clock: str,
+                      spec: GridSpec | None = None) -> Measurement:
+    """Load the model, measure the peaks, warm up; the grid's plans are left to run."""
     import torch
 
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -234,17 +304,28 @@ def measure(model: str | None, num_threads: int | None, block_size: int, clock: 
     grid = _Grid(config, runner, StepCostModel(shape, base), hf_config.vocab_size, CLOCKS[clock])
     grid.decode(spec.decode_batches[-1], spec.decode_contexts[0])  # warm-up: one-off costs (allocations, kernels)
     grid.prefill(spec.prefill_chunks[0])
-    points = [grid.decode(b, c) for b in spec.decode_batches for c in spec.decode_contexts]
-    for chunk in spec.prefill_chunks:
-        points.extend(grid.prefill(chunk))
-    points.extend(grid.mixed(chunk, batch, context) for chunk, batch, context in spec.mixed)
+    grid.samples.clear()
+    num_steps, repeats = (math.ceil(n / spec.passes) for n in (NUM_DECODE_STEPS, NUM_REPEATS))
+    tasks = spec.passes * _alternating(
+        [functools.partial(_one, grid.decode, b, c, num_steps) for b in spec.decode_batches
+         for c in spec.decode_contexts],
+        [functools.partial(grid.prefill, chunk, repeats) for chunk in spec.prefill_chunks],
+        [functools.partial(_one, grid.mixed, *m, repeats) for m in spec.mixed],
+    )
     context = {
         "model": model or DEFAULT_MODEL_NAME, "dtype_bytes": shape.dtype_bytes, "block_size": block_size,
         "num_threads": torch.get_num_threads(), "clock": clock, "measured_peak_flops": peak_flops,
         "measured_bandwidth": bandwidth, "machine": _machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    return points, {"base": base, **context}
+    return Measurement(grid, tasks, {"base": base, **context})
+
+
+def measure(model: str | None, num_threads: int | None, block_size: int, clock: str,
+            spec: GridSpec | None = None) -> tuple[list[Point], dict[str, Any]]:
+    """Run the grid; the points and what they were measured on."""
+    measurement = start_measurement(model, num_threads, block_size, clock, spec)
+    return measurement.finish(), measurement.context
 
 
 def _machine() -> str:
@@ -267,13 +348,20 @@ def calibrate(
     A run this profile is compared with (validation) should use the same model, dtype
     (FP32 on CPU), num_threads and clock: with the "process" clock and N threads a step
     costs the CPU time of all N, which is its wall time only when N == 1 on an idle core."""
-    points, context = measure(model, num_threads, block_size, clock, spec)
+    measurement = start_measurement(model, num_threads, block_size, clock, spec)
+    measurement.finish()
+    return fit_measurement(measurement, name)
+
+
+def fit_measurement(measurement: Measurement, name: str) -> tuple[DeviceProfile, FitReport, list[Point]]:
+    """The profile that a finished measurement's points fit."""
+    points, context = measurement.points, dict(measurement.context)
     base: DeviceProfile = context.pop("base")
     fitted, report = fit_profile(replace(base, name=name), [(p.features, p.seconds) for p in points])
     fitted = replace(
         fitted, calibrated=True,
         source=f"kvserve calibrate on this machine ({context['machine']}, {context['num_threads']} threads, "
-               f"{clock} clock): "
+               f"{context['clock']} clock): "
                f"measured FP32 matmul and copy peaks, fitted over {len(points)} engine steps",
         fit={**context, **report.to_dict()},
     )

@@ -2,14 +2,16 @@
 
 1. Engine: the real engine (one replica, CPU, the embedded model, FP32) on its own clock
    (each request added once the clock passes its arrival, the engine stepped as
-   AsyncEngine's loop does: step, then a stats snapshot), against `simulate` with the
-   calibrated CPU profile (`kvserve calibrate`, cluster/calibrate.py) on the same shape,
-   KV size and scheduler limits. The clock is the one the calibration priced the steps
-   with: by default the process's CPU time, which other load on the machine does not
-   move (a step advances it by the CPU seconds the step took; an idle engine jumps to the
-   next arrival, as a real one would sleep until it).
-   Calibration and the real run are paired ENGINE_REPEATS times; the error is the median
-   of the pairs' errors.
+   AsyncEngine's loop does: step, then a stats snapshot), against `simulate` with a CPU
+   profile calibrated (`kvserve calibrate`, cluster/calibrate.py) on the same shape, KV
+   size and scheduler limits, over plans where this workload's steps run (workload_grid).
+   The clock is the one the calibration priced the steps with: by default the process's
+   CPU time (a step advances it by the CPU seconds the step took; an idle engine jumps to
+   the next arrival, as a real one would sleep until it). CPU time is not moved by waiting
+   for a core, but it is by what other load does to the caches and the core's speed, so
+   each pair's calibration is measured between the steps of its real run
+   (calibrate_beside), and the error is the median over ENGINE_REPEATS pairs of each
+   pair's error, with the pairs' spread printed.
 2. Cluster: a real Ray Serve cluster of 8 simulated-device replicas vs the simulator
    (benchmarks/routing/validate_cluster.py).
 
@@ -26,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -107,10 +110,13 @@ ENGINE_WORKLOAD = dict(kind="sharegpt", input_mean=160.0, output_mean=48.0, max_
 
 
 def run_engine_on_clock(engine, requests: Sequence[SimRequest],  # noqa: ANN001 (worker.engine.Engine)
-                        clock: Callable[[], float] = time.process_time) -> Figures:
+                        clock: Callable[[], float] = time.process_time,
+                        between_steps: Callable[[float], None] | None = None) -> Figures:
     """The engine's run, timed by `clock`: each step advances the run's time by what the
     step (and the stats snapshot after it) took on that clock; requests join once the
-    time passes their arrival; an idle engine jumps to the next arrival."""
+    time passes their arrival; an idle engine jumps to the next arrival.
+    `between_steps(progress)`, when given, runs after each step, off the run's clock, with
+    the share of the requests added so far (the validation measures its calibration there)."""
     from worker.api import SamplingParams
 
     pending = deque(requests)
@@ -137,6 +143,8 @@ def run_engine_on_clock(engine, requests: Sequence[SimRequest],  # noqa: ANN001 
                 num_tokens += len(out.new_token_ids)
             if out.finished:
                 finish[out.request_id] = t
+        if between_steps is not None:
+            between_steps(1.0 - len(pending) / len(requests))
     arrivals = [r.arrival_s for r in requests]
     return Figures.of(arrivals, [first[r.request_id] for r in requests], list(finish.values()), num_tokens)
 
@@ -145,23 +153,58 @@ ENGINE_NUM_THREADS = 1  # torch threads: the engine here and the calibration tha
 ENGINE_LOAD_FRACTION = 0.5  # the run's rate: this fraction of the modelled saturation rate
 ENGINE_REQUESTS = {True: 100, False: 300}  # --quick, full
 # Calibration and the real run, paired, this many times; the error is the median over the
-# pairs of each pair's error (median_pair_errors): the machine's speed drifts within tens
-# of seconds, so a run is priced by the calibration taken right before it.
-ENGINE_REPEATS = 3
-# Calibration's grid here: the regime this workload runs in (decode contexts up to its
-# longest sequences), a few seconds instead of the full grid's, whose largest decode point
-# alone prefills 32 prompts of 1,024 tokens.
-ENGINE_GRID = dict(decode_contexts=(16, 128, 512))
+# pairs of each pair's error (median_pair_errors). Each pair's calibration runs interleaved
+# with its real run (calibrate_beside): on a shared machine the process clock still moves
+# with the load (caches and the core's other tenants), within tens of seconds, and a
+# calibration taken before the run would price it at another moment's speed.
+ENGINE_REPEATS = 5
+# Calibration's grid here: the regime this workload runs in (workload_grid), a few seconds
+# instead of the full grid's, whose largest decode point alone prefills 32 prompts of 1,024
+# tokens. A fit is only as good as its points near the steps it prices: with the full
+# grid's few mixed points, all beside large decode batches, the fit under-priced the steps
+# that carry a fresh prompt beside a half-loaded engine's few decodes, and those are the
+# steps every TTFT ends with.
+ENGINE_DECODE_BATCHES = (1, 2, 4, 8, 16)
+ENGINE_DECODE_CONTEXTS = (16, 128, 512)
+# Prefill chunks whose contexts (up to 3 chunks before the last) span the workload's
+# sequences, not beyond: points far outside the run's regime pull the fit away from it.
+ENGINE_PREFILL_CHUNKS = (32, 128, 256)
+ENGINE_MIXED_BATCHES = (2, 4, 8)  # the decodes beside a fresh prompt, at half load
+ENGINE_PROMPT_QUANTILES = (0.25, 0.5, 0.75, 0.9)  # the prompt lengths the mixed points take
+ENGINE_GRID_PASSES = 3  # each point's steps taken at this many moments of the run (GridSpec.passes)
 # The clock of both sides: the calibration's steps and the real run's (cluster/calibrate.py).
 ENGINE_CLOCK = "process"
 
 
-def engine_profile(profile_path: str | None, log: Log):  # noqa: ANN201 (worker.sim.profiles.DeviceProfile)
-    """The CPU profile to price the engine with: `profile_path`, else a calibration now,
-    with the engine's thread count and clock. Now, not a committed fit: a shared machine's
-    speed moves from one hour to the next, and a calibrated profile is a statement about
-    the machine as it is."""
-    from cluster.calibrate import GridSpec, calibrate
+def workload_grid(requests: Sequence[SimRequest], max_num_batched_tokens: int):  # noqa: ANN201 (GridSpec)
+    """The calibration plans of validation 1, where the workload's steps run:
+    - decode batches of a half-loaded engine at contexts up to the workload's longest
+      sequence (prompt + output): the grouped backend pads a batch's decodes to its longest
+      member, so while one long request decodes, every step attends at its length;
+    - prefill chunks at those contexts;
+    - mixed steps (what every TTFT ends with): the workload's own prompt lengths (its
+      quantiles, one chunk at most) beside a few decodes at its 90th-percentile sequence
+      length (a handful of decodes, padded to their longest, attend at about that)."""
+    from cluster.calibrate import GridSpec
+
+    prompts = sorted(len(r.prompt_token_ids) for r in requests)
+    sequences = sorted(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    chunks = sorted({min(max_num_batched_tokens, prompts[round(q * (len(prompts) - 1))])
+                     for q in ENGINE_PROMPT_QUANTILES})
+    context = sequences[round(0.9 * (len(sequences) - 1))]
+    return GridSpec(decode_batches=ENGINE_DECODE_BATCHES,
+                    decode_contexts=tuple(sorted({*ENGINE_DECODE_CONTEXTS, sequences[-1]})),
+                    prefill_chunks=tuple(sorted({min(max_num_batched_tokens, c) for c in ENGINE_PREFILL_CHUNKS})),
+                    mixed=tuple((c, b, context) for c in chunks for b in ENGINE_MIXED_BATCHES),
+                    passes=ENGINE_GRID_PASSES)
+
+
+def engine_profile(profile_path: str | None, spec, log: Log):  # noqa: ANN001, ANN201 (GridSpec; DeviceProfile)
+    """The CPU profile that sets the workload's rate: `profile_path` (which then prices every
+    pair too), else a calibration now, with the engine's thread count and clock. Now, not a
+    committed fit: a shared machine's speed moves from one hour to the next, and a
+    calibrated profile is a statement about the machine as it is."""
+    from cluster.calibrate import calibrate
     from worker.sim.profiles import load_profile
 
     if profile_path:
@@ -170,14 +213,42 @@ def engine_profile(profile_path: str | None, log: Log):  # noqa: ANN201 (worker.
         return profile
     t0 = time.perf_counter()
     profile, report, points = calibrate(None, "cpu-validation", ENGINE_NUM_THREADS, 16, clock=ENGINE_CLOCK,
-                                        spec=GridSpec(**ENGINE_GRID))
+                                        spec=spec)
     saved = os.path.join(tempfile.gettempdir(), f"kvserve-cpu-validation-{os.getpid()}.json")
     profile.save(saved)
-    log(f"validation 1: calibrated a CPU profile now ({len(points)} engine steps, decode contexts "
-        f"{ENGINE_GRID['decode_contexts']}, {time.perf_counter() - t0:.0f} s, "
-        f"{ENGINE_NUM_THREADS} thread, saved to {saved}): fit error mean {100 * report.mean_rel_error:.1f}%, "
-        f"max {100 * report.max_rel_error:.1f}%")
+    log(f"validation 1: calibrated a CPU profile for the workload's rate ({len(points)} engine steps, "
+        f"{time.perf_counter() - t0:.0f} s, {ENGINE_NUM_THREADS} thread, saved to {saved}): "
+        f"{_fit_summary(report)}")
     return profile
+
+
+def _fit_summary(report) -> str:  # noqa: ANN001 (worker.sim.fit.FitReport)
+    return f"fit error mean {100 * report.mean_rel_error:.1f}%, max {100 * report.max_rel_error:.1f}%"
+
+
+def calibrate_beside(engine, requests: Sequence[SimRequest], spec,  # noqa: ANN001 (Engine, GridSpec)
+                     log: Log):  # noqa: ANN201 (Figures, DeviceProfile)
+    """The real run, with a calibration's grid measured between its steps (off the run's
+    clock): one grid plan whenever the grid's share done falls behind the share of the
+    run's requests added, the rest after the last step. Both then sample the machine over
+    the same stretch of time, so a load that comes or goes mid-run moves both alike.
+    Returns the run's figures and the profile fitted to the grid."""
+    from cluster.calibrate import fit_measurement, start_measurement
+
+    t0 = time.perf_counter()
+    measurement = start_measurement(None, ENGINE_NUM_THREADS, 16, ENGINE_CLOCK, spec)
+
+    def between_steps(progress: float) -> None:
+        while not measurement.done and measurement.progress < progress:
+            measurement.measure_next()
+
+    real = run_engine_on_clock(engine, requests, CLOCKS[ENGINE_CLOCK], between_steps)
+    num_after = len(measurement.tasks) - measurement.num_done
+    measurement.finish()
+    profile, report, points = fit_measurement(measurement, "cpu-validation")
+    log(f"    calibrated beside the run ({len(points)} engine steps in {len(measurement.tasks)} grid plans, "
+        f"{num_after} after its last step; {time.perf_counter() - t0:.0f} s together): {_fit_summary(report)}")
+    return real, profile
 
 
 def modelled_saturation_rps(config: SimConfig, device: SimDevice, kind: str, num_requests: int, seed: int,
@@ -190,9 +261,10 @@ def modelled_saturation_rps(config: SimConfig, device: SimDevice, kind: str, num
 
 
 def validate_engine(quick: bool, profile_path: str | None, log: Log,
-                    step_check: Callable[..., AbstractContextManager[None]] | None = None) -> dict[str, float]:
+                    step_check: Callable[..., AbstractContextManager[Any]] | None = None) -> dict[str, float]:
     """`step_check(engine, cost, log)`, when given, wraps each real run (a context manager:
-    benchmarks/routing/validate_steps.py sets each step against its prediction)."""
+    benchmarks/routing/validate_steps.py sets each step against its prediction, priced at
+    the block's end by the pair's own profile: the `cost` set on what it yields)."""
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from worker.default_model import default_model_path
     from worker.engine import Engine
@@ -220,10 +292,15 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log,
                            max_model_len=scheduler.max_model_len, block_size=16, num_blocks=num_blocks, seed=7)
         return config, device, cost
 
-    config, device, cost = simulator(engine_profile(profile_path, log))
     kind = ENGINE_WORKLOAD["kind"]
     kw = {k: v for k, v in ENGINE_WORKLOAD.items() if k != "kind"}
     num_requests = ENGINE_REQUESTS[quick]
+    # The workload's lengths do not depend on its rate: the grid is known before the rate.
+    spec = workload_grid(make_workload(kind, num_requests, 1.0, 7, **kw), scheduler.max_num_batched_tokens)
+    first = engine_profile(profile_path, spec, log)
+    log(f"  calibration grid: decode batches {spec.decode_batches} x contexts {spec.decode_contexts}, prefill "
+        f"chunks {spec.prefill_chunks}, mixed (chunk, decodes, their context) {spec.mixed}")
+    config, device, cost = simulator(first)
     capacity = modelled_saturation_rps(config, device, kind, num_requests, 7, shape.vocab_size, **kw)
     rate = ENGINE_LOAD_FRACTION * capacity
     requests = into_vocab(make_workload(kind, num_requests, rate, 7, **kw), shape.vocab_size)
@@ -234,11 +311,15 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log,
     engine.step()  # warm-up (first-step allocations), before the clock starts
     reals, sims = [], []
     for i in range(ENGINE_REPEATS):
-        if i > 0 and not profile_path:  # calibrate again right before this run: the machine drifts
-            config, device, cost = simulator(engine_profile(None, log))
-        with step_check(engine, cost, log) if step_check is not None else nullcontext():
-            real = run_engine_on_clock(engine, [replace(r, request_id=f"{r.request_id}-{i}") for r in requests],
-                                       CLOCKS[ENGINE_CLOCK])
+        run = [replace(r, request_id=f"{r.request_id}-{i}") for r in requests]
+        with step_check(engine, cost, log) if step_check is not None else nullcontext() as steps:
+            if profile_path:
+                real, profile = run_engine_on_clock(engine, run, CLOCKS[ENGINE_CLOCK]), first
+            else:
+                real, profile = calibrate_beside(engine, run, spec, log)
+            config, device, cost = simulator(profile)
+            if steps is not None:
+                steps.cost = cost  # the step check prices the run's steps with this pair's profile
         engine.kv.pool.reset_prefix_cache()  # each repeat starts cold, as the simulation does
         sim = Figures.of_sim(simulate(config, requests, device).summary())
         reals.append(real)
@@ -248,14 +329,28 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log,
             f"{real.output_tokens_per_s:.1f} tok/s; simulated {sim.ttft_p50_s:.4f} s, {sim.ttft_p99_s:.4f} s, "
             f"{sim.output_tokens_per_s:.1f} tok/s; error {e['ttft_p50_s']:+.1f}%, {e['ttft_p99_s']:+.1f}%, "
             f"{e['output_tokens_per_s']:+.1f}%")
-    log(f"  load average {os.getloadavg()[0]:.1f} at end (both sides on the {ENGINE_CLOCK} clock: "
-        f"other load on the machine moves neither)")
+    log(f"  load average {os.getloadavg()[0]:.1f} at end (both sides on the {ENGINE_CLOCK} clock, each pair's "
+        f"calibration measured between its real run's steps)")
+    log_spread(reals, sims, log)
     real, sim = Figures.median(reals), Figures.median(sims)
     apart = relative_errors(real, sim)
     log(f"  (the medians taken apart would read {apart['ttft_p50_s']:+.1f}%, {apart['ttft_p99_s']:+.1f}%, "
         f"{apart['output_tokens_per_s']:+.1f}%)")
     return compare(f"engine (1 CPU replica, {ENGINE_REPEATS} pairs: medians; error: median of the pairs' errors)",
                    real, sim, log, median_pair_errors(reals, sims))
+
+
+def pair_error_spread(reals: Sequence[Figures], sims: Sequence[Figures]) -> dict[str, tuple[float, float]]:
+    """Each figure's (lowest, highest) error over the pairs."""
+    per_pair = [relative_errors(r, s) for r, s in zip(reals, sims, strict=True)]
+    return {k: (min(e[k] for e in per_pair), max(e[k] for e in per_pair)) for k in FIGURES}
+
+
+def log_spread(reals: Sequence[Figures], sims: Sequence[Figures], log: Log) -> None:
+    spread = pair_error_spread(reals, sims)
+    log("  the pairs' errors spread over: " + ", ".join(
+        f"{name} {spread[k][0]:+.1f}% .. {spread[k][1]:+.1f}%"
+        for name, k in zip(("TTFT p50", "TTFT p99", "out tok/s"), FIGURES)))
 
 
 def validate_cluster_buffered(quick: bool) -> ClusterValidation:

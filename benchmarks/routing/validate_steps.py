@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,18 +28,29 @@ from cluster.calibrate import CLOCKS
 KINDS = (("with a prefill chunk", True), ("decodes only", False))
 
 
+@dataclass
+class StepRecord:
+    """The real steps of one run: (step s, execute s, the plan's features, has a prefill
+    chunk) each; `cost` prices them when the run is over (the pair's profile, fitted by a
+    calibration measured beside the run)."""
+
+    cost: Any  # StepCostModel
+    rows: list[tuple[float, float, Any, bool]] = field(default_factory=list)
+
+
 @contextmanager
-def step_check(engine: Any, cost: Any, log: Log) -> Iterator[None]:  # worker.engine.Engine, StepCostModel
+def step_check(engine: Any, cost: Any, log: Log) -> Iterator[StepRecord]:  # worker.engine.Engine, StepCostModel
     """Times each engine.step() and its runner.execute(plan) while the block runs, then logs
-    them against cost.plan_time_s(plan) (predicted before execute: the plan's sequences
-    still hold this step's starting positions)."""
+    them against the prediction for each plan's features (read before execute: the plan's
+    sequences still hold this step's starting positions), by the `cost` the record holds
+    at the block's end."""
     runner, real_execute, real_step = engine.runner, engine.runner.execute, engine.step
-    rows: list[tuple[float, float, float, bool]] = []  # step s, execute s, predicted s, has a prefill chunk
+    record = StepRecord(cost)
     current: dict[str, Any] = {}
     clock = CLOCKS[ENGINE_CLOCK]
 
     def execute(plan: Any) -> Any:
-        current["predicted"] = cost.plan_time_s(plan)
+        current["features"] = cost.plan_features(plan)
         current["prefill"] = any(n > 1 for n in plan.num_new_tokens)
         t0 = clock()
         out = real_execute(plan)
@@ -50,15 +62,15 @@ def step_check(engine: Any, cost: Any, log: Log) -> Iterator[None]:  # worker.en
         t0 = clock()
         out = real_step()
         if current:  # a step that ran the model
-            rows.append((clock() - t0, current["execute"], current["predicted"], current["prefill"]))
+            record.rows.append((clock() - t0, current["execute"], current["features"], current["prefill"]))
         return out
 
     runner.execute, engine.step = execute, step
     try:
-        yield
+        yield record
     finally:
         runner.execute, engine.step = real_execute, real_step
-        log_steps(rows, log)
+        log_steps([(t, e, record.cost.predict(f), p) for t, e, f, p in record.rows], log)
 
 
 def log_steps(rows: list[tuple[float, float, float, bool]], log: Log) -> None:

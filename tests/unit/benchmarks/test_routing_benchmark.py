@@ -7,7 +7,8 @@ import math
 import pytest
 
 from benchmarks.routing.search import RunFigures, Search, Window, goodput_at_slo
-from benchmarks.routing.validate import Figures, into_vocab, median_pair_errors, relative_errors
+from benchmarks.routing.validate import (Figures, into_vocab, median_pair_errors, pair_error_spread, relative_errors,
+                                         workload_grid)
 from cluster.sim.workloads import SimRequest
 
 
@@ -183,9 +184,41 @@ def test_validation_error_is_the_median_of_each_pairs_own_error() -> None:
         median_pair_errors(reals, sims[:2])
 
 
+def test_pair_error_spread_is_each_figures_lowest_and_highest_pair_error() -> None:
+    reals = [Figures(0.010, 0.10, 500.0), Figures(0.020, 0.10, 500.0), Figures(0.010, 0.10, 400.0)]
+    sims = [Figures(0.011, 0.10, 500.0), Figures(0.017, 0.12, 500.0), Figures(0.010, 0.09, 420.0)]
+    spread = pair_error_spread(reals, sims)
+    assert spread["ttft_p50_s"] == pytest.approx((-15.0, 10.0))
+    assert spread["ttft_p99_s"] == pytest.approx((-10.0, 20.0))
+    assert spread["output_tokens_per_s"] == pytest.approx((0.0, 5.0))
+
+
+def test_validation_grid_takes_the_workloads_prompt_and_sequence_lengths() -> None:
+    """Mixed points at the prompt-length quantiles (one chunk at most), beside a few decodes
+    at the 90th-percentile sequence length; decodes up to the longest sequence."""
+    from benchmarks.routing import validate
+
+    requests = [SimRequest(f"r{i}", 0.0, (1,) * (10 * (i + 1)), 4) for i in range(100)]  # prompts 10..1000
+    spec = workload_grid(requests, 512)
+    # prompt quantile indices round(q * 99): 25, 50, 74, 89 -> 260, 510, 750 -> 512, 900 -> 512;
+    # sequences 14..1004, the 90th percentile index 89 -> 904
+    assert validate.ENGINE_MIXED_BATCHES == (2, 4, 8)
+    assert spec.mixed == tuple((c, b, 904) for c in (260, 510, 512) for b in (2, 4, 8))
+    assert spec.decode_batches == validate.ENGINE_DECODE_BATCHES == (1, 2, 4, 8, 16)
+    assert validate.ENGINE_DECODE_CONTEXTS == (16, 128, 512)
+    assert spec.decode_contexts == (16, 128, 512, 1004)
+    assert spec.prefill_chunks == (32, 128, 256)
+    assert spec.passes == validate.ENGINE_GRID_PASSES == 3
+    assert workload_grid(requests, 100).prefill_chunks == (32, 100)  # one chunk at most
+    short = [SimRequest("s", 0.0, (1,) * 60, 40)]
+    assert workload_grid(short, 512).decode_contexts == (16, 100, 128, 512)
+
+
 def test_step_check_sets_each_model_step_against_its_prediction() -> None:
-    """benchmarks.routing.validate_steps: the hooks see the plan before execute, skip steps
-    that ran nothing, restore the engine, and log each kind of step against its prediction."""
+    """benchmarks.routing.validate_steps: the hooks read each plan's features before execute,
+    skip steps that ran nothing, restore the engine, and log each kind of step against the
+    prediction of the cost model the record holds when the block ends (the pair's own
+    profile, fitted after the run)."""
     from types import SimpleNamespace
 
     from benchmarks.routing.validate_steps import step_check
@@ -205,12 +238,19 @@ def test_step_check_sets_each_model_step_against_its_prediction() -> None:
             return [] if plan is None else [self.runner.execute(plan)]
 
     class Cost:
-        def plan_time_s(self, plan: SimpleNamespace) -> float:
-            return 1e-3 * sum(plan.num_new_tokens)  # 65 ms with the chunk, 2 ms decodes only
+        def __init__(self, s_per_token: float) -> None:
+            self.s_per_token = s_per_token
+
+        def plan_features(self, plan: SimpleNamespace) -> int:
+            return sum(plan.num_new_tokens)
+
+        def predict(self, num_tokens: int) -> float:
+            return self.s_per_token * num_tokens
 
     engine, lines = Engine(), []
-    with step_check(engine, Cost(), lines.append):
+    with step_check(engine, Cost(1.0), lines.append) as record:
         assert [engine.step() for _ in range(3)] == [["ran"], [], ["ran"]]
+        record.cost = Cost(1e-3)  # 65 ms with the chunk, 2 ms decodes only
     assert engine.step.__func__ is Engine.step and engine.runner.execute.__func__ is Runner.execute  # unhooked
     assert len(lines) == 2
     assert lines[0].startswith("    steps with a prefill chunk: 1, ") and "predicted 65.00 ms" in lines[0]
@@ -234,7 +274,9 @@ def test_the_real_engine_runs_on_the_validations_clock(tiny_llama) -> None:  # n
         cache=CacheConfig(block_size=16, num_blocks_override=32), scheduler=SchedulerConfig(max_model_len=256)))
     ticks = itertools.count()
     requests = [SimRequest("a", 0.0, (1, 2, 3, 4), 3), SimRequest("b", 5.0, (5, 6, 7), 2)]
-    figures = run_engine_on_clock(engine, requests, clock=lambda: 0.01 * next(ticks))
+    progress: list[float] = []  # between steps, off the clock: the share of requests added
+    figures = run_engine_on_clock(engine, requests, clock=lambda: 0.01 * next(ticks), between_steps=progress.append)
+    assert progress == [0.5, 0.5, 0.5, 1.0, 1.0]  # no step (and no call) while idle before b
     assert figures.ttft_p50_s == pytest.approx(0.01)
     assert figures.ttft_p99_s == pytest.approx(0.01)
     # 5 tokens from the first arrival (0 s) to the last finish (5 s + 2 steps).

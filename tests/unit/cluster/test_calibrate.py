@@ -104,3 +104,54 @@ def test_fit_recovers_attentions_own_efficiency() -> None:
     assert report.max_rel_error < 1e-3
     same, _ = fit_profile(load_profile("h100"), points(noise=0.0))
     assert same.attention_efficiency == pytest.approx(0.55, rel=1e-2)
+
+
+def test_a_measurement_runs_one_plan_at_a_time_alternating_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What validation 1 spreads over its real run: the grid's plans one per call, decode,
+    prefill and mixed in turn (every kind sampled across the whole stretch), then the rest;
+    the fit of a finished measurement is calibrate's."""
+    from cluster import calibrate
+
+    monkeypatch.setattr(calibrate, "NUM_REPEATS", 2)
+    spec = calibrate.GridSpec(decode_batches=(1, 3), decode_contexts=(8,), prefill_chunks=(8, 24),
+                              mixed=((24, 3, 8),))
+    measurement = calibrate.start_measurement(None, 1, 16, "process", spec)
+    assert (len(measurement.tasks), measurement.progress, measurement.done) == (5, 0.0, False)
+    for _ in range(3):
+        measurement.measure_next()
+    assert measurement.progress == pytest.approx(0.6)
+    assert [p.label for p in measurement.points] == [
+        "decode b=1 ctx=8", *(f"prefill chunk=8 ctx={8 * k}" for k in range(calibrate.PREFILL_CHUNKS_PER_PROMPT)),
+        "mixed chunk=24 + decode b=3 ctx=8"]
+    points = measurement.finish()
+    assert measurement.done and len(points) == 3 + 2 * calibrate.PREFILL_CHUNKS_PER_PROMPT
+    assert [p.label for p in points[-1 - calibrate.PREFILL_CHUNKS_PER_PROMPT:]][:2] == [
+        "decode b=3 ctx=8", "prefill chunk=24 ctx=0"]
+    profile, report, fitted_points = calibrate.fit_measurement(measurement, "cpu-beside")
+    assert fitted_points == points and report.num_points == len(points)
+    assert profile.calibrated and profile.name == "cpu-beside" and profile.fit["clock"] == "process"
+
+
+def test_passes_pool_each_points_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two passes: the grid's plans twice, each with half of every point's steps, one point
+    per label over both."""
+    from cluster import calibrate
+
+    monkeypatch.setattr(calibrate, "NUM_REPEATS", 2)
+    monkeypatch.setattr(calibrate, "NUM_DECODE_STEPS", 4)
+    spec = calibrate.GridSpec(decode_batches=(2,), decode_contexts=(8,), prefill_chunks=(8,), mixed=((8, 2, 8),),
+                              passes=2)
+    measurement = calibrate.start_measurement(None, 1, 16, "process", spec)
+    assert len(measurement.tasks) == 6
+    for _ in range(3):
+        measurement.measure_next()
+    assert {label: len(steps) for label, steps in measurement.grid.samples.items()} == {
+        "decode b=2 ctx=8": 2, **{f"prefill chunk=8 ctx={8 * k}": 1 for k in range(4)},
+        "mixed chunk=8 + decode b=2 ctx=8": 1}
+    points = measurement.finish()
+    assert {label: len(steps) for label, steps in measurement.grid.samples.items()} == {
+        "decode b=2 ctx=8": 4, **{f"prefill chunk=8 ctx={8 * k}": 2 for k in range(4)},
+        "mixed chunk=8 + decode b=2 ctx=8": 2}
+    decode = measurement.grid.samples["decode b=2 ctx=8"]
+    assert points[0].label == "decode b=2 ctx=8" and points[0].seconds == pytest.approx(
+        sum(t for _, t in decode) / 4)  # the mean of both passes' steps
