@@ -41,6 +41,7 @@ from itertools import groupby
 
 from kv.cache_manager import KVCacheManager
 from worker import bands
+from worker.band_prefill import BandPrefillLimit
 from worker.bands import KeyShares, enqueue
 from worker.config import SchedulerConfig
 from worker.lora.slots import LoRASlots
@@ -62,6 +63,9 @@ class Scheduler:
         self.step_budget: StepTimeBudget | None = None  # the engine's, when max_step_time_s is set
         self._timed_rows: list[tuple[int, int, bool]] | None = None  # this step's, under step_budget
         self._prefill_planned = False
+        # Worse bands' prompt tokens per step while a better band is in use (worker/band_prefill.py).
+        n = config.worse_band_prefill_tokens
+        self.band_limit = BandPrefillLimit(n) if n else None
         self.lora_slots: LoRASlots | None = None  # the engine's, when LoRA is enabled
         # Waiting sequences per (band, key), and each key's weight (worker/bands.py).
         self._waiting_keys: Counter[tuple[int, str]] = Counter()
@@ -106,6 +110,8 @@ class Scheduler:
         # no step-time budget, or no decode that a prefill could stall.
         self._timed_rows = self._decode_rows() if self.step_budget is not None else None
         self._prefill_planned = False
+        if self.band_limit is not None:
+            self.band_limit.start_step(self.running, self.waiting)
         shares = self._shares()
         self._preempt_for_priority(out, shares)
         first, deferred = bands.split_running(self.running, self.waiting)
@@ -161,6 +167,13 @@ class Scheduler:
         rows = [(1, s.num_computed_tokens, True) for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
         return rows or None
 
+    def _prefill_capped(self, seq: Sequence, num_new: int, context: int) -> int:
+        """A prompt chunk's tokens within the worse bands' share of the step and, beside
+        decodes, the step-time budget."""
+        if self.band_limit is not None:
+            num_new = self.band_limit.allowed(seq, num_new)
+        return self._time_capped(num_new, context) if num_new > 1 and self._timed_rows is not None else num_new
+
     def _time_capped(self, num_new: int, context: int) -> int:
         """A prefill row's tokens within the step-time budget (worker/step_budget.py), given
         the rows planned before it; the step's first prefill always advances."""
@@ -181,8 +194,8 @@ class Scheduler:
             if seq.status is not running:  # preempted earlier this step
                 continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if num_new > 1 and self._timed_rows is not None:  # a prompt chunk beside decodes
-                num_new = self._time_capped(num_new, seq.num_computed_tokens)
+            if num_new > 1:  # a prompt chunk
+                num_new = self._prefill_capped(seq, num_new, seq.num_computed_tokens)
                 if num_new == 0:
                     continue
             total = seq.num_computed_tokens + num_new
@@ -241,8 +254,8 @@ class Scheduler:
                         shares.admitted(seq)
                     continue
             num_new = min(seq.num_tokens - num_computed, budget)
-            if num_new > 1 and self._timed_rows is not None:  # a prompt beside decodes
-                num_new = self._time_capped(num_new, num_computed)
+            if num_new > 1:
+                num_new = self._prefill_capped(seq, num_new, num_computed)
                 if num_new == 0:
                     break
             if not self.kv.can_allocate(seq.request_id, num_computed + num_new, hits):
@@ -328,8 +341,9 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    @staticmethod
-    def _add_to_plan(out: SchedulerOutput, seq: Sequence, num_new: int, block_ids: list[int]) -> None:
+    def _add_to_plan(self, out: SchedulerOutput, seq: Sequence, num_new: int, block_ids: list[int]) -> None:
+        if self.band_limit is not None and len(seq.token_ids) - seq.num_computed_tokens > 1:  # prompt work
+            self.band_limit.spend(seq, num_new)
         out.seqs.append(seq)
         out.num_new_tokens.append(num_new)
         out.block_ids.append(block_ids)
