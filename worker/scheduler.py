@@ -24,10 +24,12 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
    which tier blocks go into which device blocks, the engine copies them, and
    `finish_load` moves the sequence to `running` with the loaded blocks computed and
    cached. It takes no token budget while it loads.
-The token budget is max_num_batched_tokens; with a step-time budget (`step_budget`, set by
-the engine when SchedulerConfig.max_step_time_s is) each prompt chunk of a step that
-carries decodes gets only the tokens that keep the step's predicted time within it
-(worker/step_budget.py).
+The token budget is max_num_batched_tokens. Within it (worker/prefill_caps.py): while a
+better band runs or waited here lately, worse bands' prompt chunks share
+worse_band_prefill_tokens a step (worker/band_prefill.py), so a better band's request never
+arrives behind a long step; with a step-time budget (`step_budget`, set by the engine when
+SchedulerConfig.max_step_time_s is) each prompt chunk of a step that carries decodes gets
+only the tokens that keep the step's predicted time within it (worker/step_budget.py).
 Before all, a waiting sequence that could not be admitted (no running slot or no blocks)
 preempts a running one of a worse band, or of its band's key furthest over its share when
 its own key is under (worker/bands.py); a preempted sequence resumes exactly.
@@ -48,7 +50,8 @@ from worker.lora.slots import LoRASlots
 from worker.scheduler_output import SchedulerOutput, TierIndex, TierLoad
 from worker.sequence import Sequence, SequenceStatus
 from worker.stop_check import check_stop
-from worker.step_budget import MIN_PREFILL_TOKENS, StepTimeBudget
+from worker.prefill_caps import PrefillCaps
+from worker.step_budget import StepTimeBudget
 
 
 class Scheduler:
@@ -61,11 +64,10 @@ class Scheduler:
         self.tiers: TierIndex | None = None  # the engine's, when it has KV tiers
         self.num_preemptions = 0
         self.step_budget: StepTimeBudget | None = None  # the engine's, when max_step_time_s is set
-        self._timed_rows: list[tuple[int, int, bool]] | None = None  # this step's, under step_budget
-        self._prefill_planned = False
         # Worse bands' prompt tokens per step while a better band is in use (worker/band_prefill.py).
         n = config.worse_band_prefill_tokens
         self.band_limit = BandPrefillLimit(n) if n else None
+        self._caps = PrefillCaps(self.band_limit)
         self.lora_slots: LoRASlots | None = None  # the engine's, when LoRA is enabled
         # Waiting sequences per (band, key), and each key's weight (worker/bands.py).
         self._waiting_keys: Counter[tuple[int, str]] = Counter()
@@ -105,13 +107,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        # Under a step-time budget: the rows planned so far this step, its decodes first;
-        # every prefill row is capped against them as it is planned (_time_capped). None:
-        # no step-time budget, or no decode that a prefill could stall.
-        self._timed_rows = self._decode_rows() if self.step_budget is not None else None
-        self._prefill_planned = False
-        if self.band_limit is not None:
-            self.band_limit.start_step(self.running, self.waiting)
+        self._caps.start_step(self.running, self.waiting, self.step_budget)
         shares = self._shares()
         self._preempt_for_priority(out, shares)
         first, deferred = bands.split_running(self.running, self.waiting)
@@ -162,29 +158,6 @@ class Scheduler:
         hits = [] if seq.kv_import is not None else self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root)
         return self.kv.can_allocate(seq.request_id, seq.num_tokens, hits)
 
-    def _decode_rows(self) -> list[tuple[int, int, bool]] | None:
-        """The running decodes as cost rows (new tokens, context, samples), or None if none."""
-        rows = [(1, s.num_computed_tokens, True) for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
-        return rows or None
-
-    def _prefill_capped(self, seq: Sequence, num_new: int, context: int) -> int:
-        """A prompt chunk's tokens within the worse bands' share of the step and, beside
-        decodes, the step-time budget."""
-        if self.band_limit is not None:
-            num_new = self.band_limit.allowed(seq, num_new)
-        return self._time_capped(num_new, context) if num_new > 1 and self._timed_rows is not None else num_new
-
-    def _time_capped(self, num_new: int, context: int) -> int:
-        """A prefill row's tokens within the step-time budget (worker/step_budget.py), given
-        the rows planned before it; the step's first prefill always advances."""
-        assert self.step_budget is not None and self._timed_rows is not None
-        floor = 0 if self._prefill_planned else MIN_PREFILL_TOKENS
-        n = self.step_budget.prefill_tokens(self._timed_rows, context, num_new, floor)
-        if n:
-            self._timed_rows.append((n, context, True))
-            self._prefill_planned = True
-        return n
-
     def _schedule_running(self, out: SchedulerOutput, budget: int, seqs: list[Sequence]) -> int:
         """Plan `seqs` (running, in order) within `budget`; returns what is left of it."""
         kv, running = self.kv, SequenceStatus.RUNNING
@@ -195,7 +168,7 @@ class Scheduler:
                 continue
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new > 1:  # a prompt chunk
-                num_new = self._prefill_capped(seq, num_new, seq.num_computed_tokens)
+                num_new = self._caps.cap(seq, num_new, seq.num_computed_tokens)
                 if num_new == 0:
                     continue
             total = seq.num_computed_tokens + num_new
@@ -255,7 +228,7 @@ class Scheduler:
                     continue
             num_new = min(seq.num_tokens - num_computed, budget)
             if num_new > 1:
-                num_new = self._prefill_capped(seq, num_new, num_computed)
+                num_new = self._caps.cap(seq, num_new, num_computed)
                 if num_new == 0:
                     break
             if not self.kv.can_allocate(seq.request_id, num_computed + num_new, hits):
@@ -342,8 +315,7 @@ class Scheduler:
         self.running.append(seq)
 
     def _add_to_plan(self, out: SchedulerOutput, seq: Sequence, num_new: int, block_ids: list[int]) -> None:
-        if self.band_limit is not None and len(seq.token_ids) - seq.num_computed_tokens > 1:  # prompt work
-            self.band_limit.spend(seq, num_new)
+        self._caps.planned(seq, num_new)
         out.seqs.append(seq)
         out.num_new_tokens.append(num_new)
         out.block_ids.append(block_ids)
