@@ -130,3 +130,32 @@ def test_bad_settings_are_refused() -> None:
         KVServeConfig.from_dict({"engine": {"worse_band_prefill_tokens": -1}})
     config = KVServeConfig.from_dict({"engine": {"worse_band_prefill_tokens": 256}})
     assert config.engine_config().scheduler.worse_band_prefill_tokens == 256
+
+
+@pytest.mark.parametrize("limit", [512, 0])
+def test_a_simulated_h200_engine_keeps_worse_band_steps_short(limit: int) -> None:
+    """The real engine on a sim:h200 device (llama-3-8b): beside a premium request, a batch
+    prompt of 2048 tokens goes 512 a step, each step about a quarter of the whole chunk's."""
+    from worker.api import SamplingParams
+    from worker.config import CacheConfig
+    from worker.sim.runner import build_sim_engine
+
+    config = SchedulerConfig(max_num_seqs=8, max_model_len=4096, worse_band_prefill_tokens=limit)
+    engine = build_sim_engine("llama-3-8b", "h200", config, CacheConfig(num_blocks_override=1024))
+    engine.add_request("premium", list(range(1, 17)), SamplingParams(max_tokens=8, ignore_eos=True, priority=0))
+    engine.add_request("batch", list(range(100, 2148)), SamplingParams(max_tokens=2, ignore_eos=True, priority=10))
+    plans, step_s = [], []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda plan: (plans.append(list(plan.num_new_tokens)), execute(plan))[1]
+    for _ in range(4):
+        engine.step()
+        step_s.append(engine.runner.last_step_s)
+    if limit:
+        assert plans == [[16, 512], [1, 512], [1, 512], [1, 512]]
+        assert max(step_s) < 0.016  # the cost model: about 14 ms a step
+    else:
+        assert plans[:2] == [[16, 2032], [1, 16]]
+        assert step_s[0] > 0.045  # about 52 ms: what a premium request would arrive behind
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
