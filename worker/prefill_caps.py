@@ -47,8 +47,10 @@ class PrefillCaps:
         return n
 
     def planned(self, seq: Sequence, num_new: int) -> None:
-        """`seq`'s row of `num_new` tokens went into the plan (before the step computes it)."""
-        if self.band_limit is not None and len(seq.token_ids) - seq.num_computed_tokens > 1:  # prompt work
+        """`seq`'s row of `num_new` tokens went into the plan (before the step computes it).
+        Prompt work: a row of a sequence with more than one token left to compute, however
+        few `cap` let it take; a decode, or a prompt's very last token alone, is not counted."""
+        if self.band_limit is not None and len(seq.token_ids) - seq.num_computed_tokens > 1:
             self.band_limit.spend(seq, num_new)
 
 

@@ -47,10 +47,10 @@ from worker.band_prefill import BandPrefillLimit
 from worker.bands import KeyShares, enqueue
 from worker.config import SchedulerConfig
 from worker.lora.slots import LoRASlots
+from worker.prefill_caps import PrefillCaps
 from worker.scheduler_output import SchedulerOutput, TierIndex, TierLoad
 from worker.sequence import Sequence, SequenceStatus
 from worker.stop_check import check_stop
-from worker.prefill_caps import PrefillCaps
 from worker.step_budget import StepTimeBudget
 
 
