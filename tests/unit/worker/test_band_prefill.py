@@ -111,6 +111,19 @@ def test_a_waiting_worse_prompt_admitted_past_the_limit_waits_for_the_next_step(
     assert not sched.has_unfinished() and all_free(sched)
 
 
+def test_a_one_token_grant_counts_against_the_share() -> None:
+    sched, _ = make(limit=9)
+    sched.add(make_seq("premium", 4, priority=0, max_tokens=20))
+    step(sched)
+    for rid in ("b1", "b2", "b3"):
+        sched.add(make_seq(rid, 8 if rid == "b1" else 12, priority=10))
+    plan, _ = step(sched)
+    # b1 whole (8), b2 the one token left of 9; b3 gets none and waits.
+    assert rids(plan.seqs) == ["premium", "b1", "b2"]
+    assert plan.num_new_tokens == [1, 8, 1]
+    assert [s.request_id for s in sched.waiting] == ["b3"]
+
+
 def test_zero_turns_the_limit_off() -> None:
     sched, _ = make(limit=0)
     assert sched.band_limit is None
