@@ -20,10 +20,11 @@ default) and 1024 tokens, and instead a step-time budget of 25 ms for every band
 - premium queue p99 (arrival to the start of its first step) and TTFT p99;
 - batch TTFT p50: the worse band's price;
 - tokens/s: prompt plus output tokens computed per modelled second (the engine is
-  saturated: its throughput).
+  saturated: its throughput); steps/s: steps per modelled second (each costs host work on
+  a real device: scheduling, outputs).
 
     RESULT worse_step_p99_ms=<default> worse_step_p99_unlimited_ms=<..> premium_ttft_p99_vs_unlimited=<..>
-           tokens_vs_unlimited=<..> batch_ttft_p50_vs_unlimited=<..>
+           tokens_vs_unlimited=<..> batch_ttft_p50_vs_unlimited=<..> steps_vs_unlimited=<..>
 
 Modelled time only: no wall clock enters, so the figures do not move with the box's load.
 """
@@ -50,6 +51,7 @@ class Figures:
     premium_ttft_p99_ms: float
     batch_ttft_p50_ms: float
     tokens_per_s: float
+    steps_per_s: float
 
 
 def workload(num_requests: int, rate: float, seed: int) -> list[tuple[float, str, int, object]]:
@@ -82,7 +84,7 @@ def run(requests: list, limit: int, max_step_time_s: float | None) -> Figures:
         limiter.clock = lambda: now[0]  # the rule's window in modelled time
     band, arrival, started, first = {}, {}, {}, {}
     worse_steps: list[tuple[float, float]] = []  # (start, duration)
-    num_tokens, i = 0, 0
+    num_tokens, num_steps, i = 0, 0, 0
     while i < len(requests) or engine.has_unfinished():
         while i < len(requests) and requests[i][0] <= now[0]:
             t, rid, b, r = requests[i]
@@ -105,6 +107,7 @@ def run(requests: list, limit: int, max_step_time_s: float | None) -> Figures:
             if prompt_bands and 0 not in prompt_bands:  # a step made long by worse bands' prompts alone
                 worse_steps.append((now[0], dt))
             num_tokens += sum(plan.num_new_tokens)
+            num_steps += 1
         now[0] += dt
         for o in outputs:
             if o.new_token_ids and o.request_id not in first:
@@ -118,7 +121,7 @@ def run(requests: list, limit: int, max_step_time_s: float | None) -> Figures:
         1e3 * percentile([started[r] - arrival[r] for r in premium], 0.99),
         1e3 * percentile([first[r] - arrival[r] for r in premium], 0.99),
         1e3 * percentile([first[r] - arrival[r] for r in first if band[r] == 10], 0.5),
-        num_tokens / now[0])
+        num_tokens / now[0], num_steps / now[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,19 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     alone = run([r for r in requests if r[2] == 0], 0, None)
     print(f"premium alone: queue p99 {alone.premium_queue_p99_ms:.1f} ms, TTFT p99 {alone.premium_ttft_p99_ms:.1f} ms")
     header = (f"{'run':<11} {'worse_step_p99_ms':>17} {'worse_step_max_ms':>17} {'premium_queue_p99':>17} "
-              f"{'premium_ttft_p99':>16} {'vs_alone':>8} {'batch_ttft_p50':>14} {'tokens_per_s':>12}")
+              f"{'premium_ttft_p99':>16} {'vs_alone':>8} {'batch_ttft_p50':>14} {'tokens_per_s':>12} {'steps_per_s':>11}")
     print(header)
     results = {}
     for name, limit, step_s in RUNS:
         f = results[name] = run(requests, limit, step_s)
         print(f"{name:<11} {f.worse_step_p99_ms:>17.1f} {f.worse_step_max_ms:>17.1f} {f.premium_queue_p99_ms:>17.1f} "
               f"{f.premium_ttft_p99_ms:>16.1f} {f.premium_ttft_p99_ms / alone.premium_ttft_p99_ms:>8.2f} "
-              f"{f.batch_ttft_p50_ms:>14.0f} {f.tokens_per_s:>12.0f}", flush=True)
+              f"{f.batch_ttft_p50_ms:>14.0f} {f.tokens_per_s:>12.0f} {f.steps_per_s:>11.1f}", flush=True)
     d, u = results[DEFAULT_RUN], results["unlimited"]
     print(f"RESULT worse_step_p99_ms={d.worse_step_p99_ms:.1f} worse_step_p99_unlimited_ms={u.worse_step_p99_ms:.1f} "
           f"premium_ttft_p99_vs_unlimited={d.premium_ttft_p99_ms / u.premium_ttft_p99_ms:.3f} "
           f"tokens_vs_unlimited={d.tokens_per_s / u.tokens_per_s:.3f} "
-          f"batch_ttft_p50_vs_unlimited={d.batch_ttft_p50_ms / u.batch_ttft_p50_ms:.3f}")
+          f"batch_ttft_p50_vs_unlimited={d.batch_ttft_p50_ms / u.batch_ttft_p50_ms:.3f} "
+          f"steps_vs_unlimited={d.steps_per_s / u.steps_per_s:.3f}")
     return 0
 
 
