@@ -51,7 +51,7 @@ class SchedulerConfig:
     # While a better priority band is in use on the replica, the prompt chunks of worse
     # bands get at most this many tokens per step together, so that a better band's
     # request never arrives behind a long step (worker/band_prefill.py). 0: no limit.
-    worse_band_prefill_tokens: int = 512
+    worse_band_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
