@@ -17,10 +17,11 @@ a small token limit per step:
 
 Single-band traffic (every request of one band, whatever it is) is never limited: nothing is
 better than the band it runs. The limit costs a worse band's prompt little throughput while
-decodes share its steps: every step reads the weights for the decodes anyway, and a chunk's
-time grows about linearly with its tokens above a few hundred (worker/sim/cost_model.py),
-so four chunks of a quarter cost about what one whole chunk does. Its price is the worse
-band's own TTFT: a long prompt takes more steps to prefill.
+decodes share its steps: every step reads the weights for the decodes anyway, and a chunk of
+a few hundred tokens rides mostly on those reads (worker/sim/cost_model.py), so several
+small chunks take no more device time than one whole chunk, and the decodes beside them
+advance once per step. Its price is the worse band's own TTFT: a long prompt takes more
+steps to prefill.
 """
 from __future__ import annotations
 
