@@ -17,15 +17,22 @@ Two phases on the same deployment:
 2. overload: every key at once, the offered rate 2x the cluster's capacity (the discrete-
    event simulator's burst capacity, the same engine code), batch-flood sending half of it;
    the premium keys replay exactly the requests of phase 1.
+Then, side by side (unless --no-baseline), the overload phase again on a redeployed app
+whose engines give worse bands' prompts the whole token budget
+(engine.worse_band_prefill_tokens 0, worker/band_prefill.py): the alone phase is one band,
+which that limit never touches, so it serves both.
 
 Figures (modelled time: real seconds / dilation):
 - premium_ttft_p99_ratio: p99 TTFT of the premium keys' requests under overload / alone
   (a request that failed or was shed counts as an infinite TTFT);
 - jain_index: Jain's index, over the two standard-band keys (equal demand, one band), of
   their goodput (requests finished within the SLO per second);
-- lost: requests with neither a completion nor a 429/503 answer.
+- lost: requests with neither a completion nor a 429/503 answer;
+- goodput_rps, tokens_per_s: all keys' requests finished within the SLO, and output tokens,
+  per modelled second of the overload phase; *_vs_unlimited: the same over the baseline's.
 
-    RESULT premium_ttft_p99_ratio=<..> jain_index=<..> lost=<n>
+    RESULT premium_ttft_p99_ratio=<..> jain_index=<..> lost=<n> goodput_rps=<..> tokens_per_s=<..>
+           [unlimited_premium_ttft_p99_ratio=<..> goodput_vs_unlimited=<..> tokens_vs_unlimited=<..>]
 
 Numbers from a shared 2-core box are noisy (the dispatch path is real and not dilated);
 this is a benchmark, not a test.
@@ -70,6 +77,9 @@ class BenchSpec:
     # engine.max_step_time_s in modelled ms (0: unset): bounds the steps a better band's
     # request may arrive behind (a worse band's 2048-token chunk beside decodes: ~52 ms).
     max_step_time_ms: float = 0.0
+    # engine.worse_band_prefill_tokens (-1: the engine's default).
+    worse_band_prefill_tokens: int = -1
+    baseline: bool = True  # the overload phase again with worse bands' prompts unlimited
     time_dilation: float = 10.0
     stats_period_s: float = 1.0
     slo_ttft_ms: float = 2000.0  # modelled
@@ -94,7 +104,9 @@ def app_config(spec: BenchSpec, otlp_endpoint: str | None = None) -> Any:
         "model": {"served_model_name": MODEL},
         "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "time_dilation": spec.time_dilation,
                    "max_model_len": 4096, "max_num_seqs": spec.max_num_seqs,
-                   **({"max_step_time_s": spec.max_step_time_ms / 1000} if spec.max_step_time_ms else {})},
+                   **({"max_step_time_s": spec.max_step_time_ms / 1000} if spec.max_step_time_ms else {}),
+                   **({"worse_band_prefill_tokens": spec.worse_band_prefill_tokens}
+                      if spec.worse_band_prefill_tokens >= 0 else {})},
         "workers": {"num_replicas": spec.num_replicas, "num_cpus": 0.1},
         "ingress": {"num_replicas": 1, "num_cpus": 0.5, "admission_queue_size": spec.admission_queue_size,
                     "admission_max_wait_s": spec.admission_max_wait_s,
@@ -138,7 +150,8 @@ class Outcome:
     status: int | None
     finished: bool
     end_s: float  # real, from the phase start
-    error: str | None = None  # why it failed (cluster/bench's short reason and the server's message)
+    error: str | None = None
+    output_tokens: int = 0  # why it failed (cluster/bench's short reason and the server's message)
 
 
 async def drive(url: str, workloads: dict[str, list[Any]], dilation: float, slo_s: tuple[float, float] = (2.0, 0.1),
@@ -182,7 +195,8 @@ def outcome(name: str, r: Any, dilation: float, slo_ttft_s: float = 2.0, slo_tpo
         return Outcome(name, math.inf, False, r.status, False, r.start_s + (r.e2e_s or 0.0),
                        f"{r.error}: {(r.error_detail or '')[:160]}")
     ttft, tpot = r.ttft_s / dilation, (r.tpot_s or 0.0) / dilation
-    return Outcome(name, ttft, ttft <= slo_ttft_s and tpot <= slo_tpot_s, r.status, True, r.start_s + (r.e2e_s or 0.0))
+    return Outcome(name, ttft, ttft <= slo_ttft_s and tpot <= slo_tpot_s, r.status, True, r.start_s + (r.e2e_s or 0.0),
+                   output_tokens=getattr(r, "output_tokens", 0))
 
 
 def jain(values: list[float]) -> float:
@@ -192,10 +206,36 @@ def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
 
-def report(alone: list[Outcome], overload: list[Outcome], dilation: float) -> list[str]:
+@dataclass(frozen=True)
+class Figures:
+    """One overload phase's figures against the alone phase."""
+
+    p99_alone: float
+    p99_over: float
+    ratio: float
+    standard_goodput: list[float]
+    lost: int
+    goodput_rps: float
+    tokens_per_s: float
+
+
+def figures(alone: list[Outcome], overload: list[Outcome], dilation: float) -> Figures:
+    p99_alone = percentile([o.ttft_s for o in alone], 0.99)
+    p99_over = percentile([o.ttft_s for o in overload if o.key in PREMIUM], 0.99)
+    duration = max(o.end_s for o in overload) / dilation
+    return Figures(
+        p99_alone, p99_over, p99_over / p99_alone if p99_alone > 0 else math.nan,
+        [sum(o.good for o in overload if o.key == name) / duration for name in SAME_BAND],
+        sum(1 for o in alone + overload if not o.finished and o.status not in (429, 503)),
+        sum(o.good for o in overload) / duration, sum(o.output_tokens for o in overload) / duration)
+
+
+def report(alone: list[Outcome], overload: list[Outcome], dilation: float,
+           baseline: list[Outcome] | None = None) -> list[str]:
     lines = [f"{'phase':<9} {'key':<12} {'sent':>4} {'done':>4} {'good':>4} {'429':>4} {'503':>4} {'other':>5} "
              f"{'ttft_p50_ms':>11} {'ttft_p99_ms':>11}"]
-    for phase, outcomes in (("alone", alone), ("overload", overload)):
+    phases = (("alone", alone), ("overload", overload), *((("unlimited", baseline),) if baseline else ()))
+    for phase, outcomes in phases:
         for name in KEYS:
             mine = [o for o in outcomes if o.key == name]
             if not mine:
@@ -206,19 +246,22 @@ def report(alone: list[Outcome], overload: list[Outcome], dilation: float) -> li
                          f"{sum(o.good for o in mine):>4} {sum(o.status == 429 for o in mine):>4} "
                          f"{sum(o.status == 503 for o in mine):>4} {other:>5} {1000 * percentile(ttft, 0.5):>11.1f} "
                          f"{1000 * percentile(ttft, 0.99):>11.1f}")
-    for o in alone + overload:
+    for o in alone + overload + (baseline or []):
         if not o.finished and o.status not in (429, 503):
             lines.append(f"lost: {o.key}: status {o.status}, {o.error}")
-    p99_alone = percentile([o.ttft_s for o in alone], 0.99)
-    p99_over = percentile([o.ttft_s for o in overload if o.key in PREMIUM], 0.99)
-    duration = (max(o.end_s for o in overload) - 0.0) / dilation
-    goodput = [sum(o.good for o in overload if o.key == name) / duration for name in SAME_BAND]
-    lost = sum(1 for o in alone + overload if not o.finished and o.status not in (429, 503))
-    ratio = p99_over / p99_alone if p99_alone > 0 else math.nan
-    lines.append(f"premium TTFT p99: alone {1000 * p99_alone:.1f} ms, under overload {1000 * p99_over:.1f} ms (modelled); "
-                 f"standard-band goodput {', '.join(f'{g:.2f}' for g in goodput)} req/s")
-    lines.append(f"RESULT premium_ttft_p99_ratio={ratio:.3f} jain_index={jain(goodput):.3f} lost={lost}")
-    return lines
+    f = figures(alone, overload, dilation)
+    lines.append(f"premium TTFT p99: alone {1000 * f.p99_alone:.1f} ms, under overload {1000 * f.p99_over:.1f} ms (modelled); "
+                 f"standard-band goodput {', '.join(f'{g:.2f}' for g in f.standard_goodput)} req/s; "
+                 f"all keys: goodput {f.goodput_rps:.2f} req/s, {f.tokens_per_s:.0f} output tokens/s")
+    result = (f"RESULT premium_ttft_p99_ratio={f.ratio:.3f} jain_index={jain(f.standard_goodput):.3f} lost={f.lost} "
+              f"goodput_rps={f.goodput_rps:.2f} tokens_per_s={f.tokens_per_s:.0f}")
+    if baseline:
+        b = figures(alone, baseline, dilation)
+        lines.append(f"unlimited worse-band prompts: premium TTFT p99 under overload {1000 * b.p99_over:.1f} ms; "
+                     f"all keys: goodput {b.goodput_rps:.2f} req/s, {b.tokens_per_s:.0f} output tokens/s")
+        result += (f" unlimited_premium_ttft_p99_ratio={b.ratio:.3f} goodput_vs_unlimited={f.goodput_rps / b.goodput_rps:.3f}"
+                   f" tokens_vs_unlimited={f.tokens_per_s / b.tokens_per_s:.3f}")
+    return lines + [result]
 
 
 PHASES = ("hold", "dispatch", "queue", "prefill", "traced")  # traced: the four together
@@ -268,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         if f.name == "trace":
             p.add_argument("--trace", action="store_true", help="per-band TTFT breakdown from the requests' spans")
             continue
+        if f.name == "baseline":
+            p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                           help="skip the overload phase with worse bands' prompts unlimited")
+            continue
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))
     args = p.parse_args(argv)
     spec = BenchSpec(**{f.name: getattr(args, f.name) for f in fields(BenchSpec)})
@@ -311,18 +358,30 @@ def main(argv: list[str] | None = None) -> int:
         t, overload_ns = time.perf_counter(), time.time_ns()
         overload = asyncio.run(drive(url, workloads, spec.time_dilation, slo, "overload"))
         print(f"overload: {time.perf_counter() - t:.0f} s real; load average {os.getloadavg()[0]:.1f}", flush=True)
+        overload_end_ns = time.time_ns()
         if receiver is not None:
             time.sleep(8.0)  # the replicas' span exporters send in batches, every few seconds
             spans = receiver.snapshot()
-            for phase, (a, b) in (("alone", (0, overload_ns)), ("overload", (overload_ns, time.time_ns()))):
+            for phase, (a, b) in (("alone", (0, overload_ns)), ("overload", (overload_ns, overload_end_ns))):
                 print(f"trace, {phase}:")
                 for line in trace_breakdown(spans, a, b, spec.time_dilation):
                     print("  " + line)
+        baseline = None
+        if spec.baseline:  # the same overload on engines that never limit worse bands' prompts
+            unlimited = replace(spec, worse_band_prefill_tokens=0)
+            serve.run(build_app(app_config(unlimited, receiver.endpoint if receiver else None)), name=APP_NAME,
+                      route_prefix=f"/{APP_NAME}")
+            asyncio.run(drive(url, warm, 1.0))
+            time.sleep(2 * spec.stats_period_s)
+            t = time.perf_counter()
+            baseline = asyncio.run(drive(url, workloads, spec.time_dilation, slo, "unlimited"))
+            print(f"overload, worse bands unlimited: {time.perf_counter() - t:.0f} s real; "
+                  f"load average {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         serve_cluster.stop()
         if receiver is not None:
             receiver.close()
-    for line in report(alone, overload, spec.time_dilation):
+    for line in report(alone, overload, spec.time_dilation, baseline):
         print(line)
     return 0
 

@@ -48,10 +48,16 @@ class SchedulerConfig:
     # An ITL target (worker/step_budget.py): a step that carries decodes takes no more
     # prefill tokens than keep its predicted time within this. None: the token budget only.
     max_step_time_s: float | None = None
+    # While a better priority band is in use on the replica, the prompt chunks of worse
+    # bands get at most this many tokens per step together, so that a better band's
+    # request never arrives behind a long step (worker/band_prefill.py). 0: no limit.
+    worse_band_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.worse_band_prefill_tokens < 0:
+            raise ValueError(f"worse_band_prefill_tokens must be >= 0, got {self.worse_band_prefill_tokens}")
         if self.max_step_time_s is not None and self.max_step_time_s <= 0:
             raise ValueError(f"max_step_time_s must be > 0, got {self.max_step_time_s}")
 

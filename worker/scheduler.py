@@ -24,10 +24,12 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
    which tier blocks go into which device blocks, the engine copies them, and
    `finish_load` moves the sequence to `running` with the loaded blocks computed and
    cached. It takes no token budget while it loads.
-The token budget is max_num_batched_tokens; with a step-time budget (`step_budget`, set by
-the engine when SchedulerConfig.max_step_time_s is) each prompt chunk of a step that
-carries decodes gets only the tokens that keep the step's predicted time within it
-(worker/step_budget.py).
+The token budget is max_num_batched_tokens. Within it (worker/prefill_caps.py): while a
+better band runs or waited here lately, worse bands' prompt chunks share
+worse_band_prefill_tokens a step (worker/band_prefill.py), so a better band's request never
+arrives behind a long step; with a step-time budget (`step_budget`, set by the engine when
+SchedulerConfig.max_step_time_s is) each prompt chunk of a step that carries decodes gets
+only the tokens that keep the step's predicted time within it (worker/step_budget.py).
 Before all, a waiting sequence that could not be admitted (no running slot or no blocks)
 preempts a running one of a worse band, or of its band's key furthest over its share when
 its own key is under (worker/bands.py); a preempted sequence resumes exactly.
@@ -41,13 +43,15 @@ from itertools import groupby
 
 from kv.cache_manager import KVCacheManager
 from worker import bands
+from worker.band_prefill import BandPrefillLimit
 from worker.bands import KeyShares, enqueue
 from worker.config import SchedulerConfig
 from worker.lora.slots import LoRASlots
+from worker.prefill_caps import PrefillCaps
 from worker.scheduler_output import SchedulerOutput, TierIndex, TierLoad
 from worker.sequence import Sequence, SequenceStatus
 from worker.stop_check import check_stop
-from worker.step_budget import MIN_PREFILL_TOKENS, StepTimeBudget
+from worker.step_budget import StepTimeBudget
 
 
 class Scheduler:
@@ -60,8 +64,10 @@ class Scheduler:
         self.tiers: TierIndex | None = None  # the engine's, when it has KV tiers
         self.num_preemptions = 0
         self.step_budget: StepTimeBudget | None = None  # the engine's, when max_step_time_s is set
-        self._timed_rows: list[tuple[int, int, bool]] | None = None  # this step's, under step_budget
-        self._prefill_planned = False
+        # Worse bands' prompt tokens per step while a better band is in use (worker/band_prefill.py).
+        n = config.worse_band_prefill_tokens
+        self.band_limit = BandPrefillLimit(n) if n else None
+        self._caps = PrefillCaps(self.band_limit)
         self.lora_slots: LoRASlots | None = None  # the engine's, when LoRA is enabled
         # Waiting sequences per (band, key), and each key's weight (worker/bands.py).
         self._waiting_keys: Counter[tuple[int, str]] = Counter()
@@ -101,11 +107,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        # Under a step-time budget: the rows planned so far this step, its decodes first;
-        # every prefill row is capped against them as it is planned (_time_capped). None:
-        # no step-time budget, or no decode that a prefill could stall.
-        self._timed_rows = self._decode_rows() if self.step_budget is not None else None
-        self._prefill_planned = False
+        self._caps.start_step(self.running, self.waiting, self.step_budget)
         shares = self._shares()
         self._preempt_for_priority(out, shares)
         first, deferred = bands.split_running(self.running, self.waiting)
@@ -156,25 +158,9 @@ class Scheduler:
         hits = [] if seq.kv_import is not None else self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root)
         return self.kv.can_allocate(seq.request_id, seq.num_tokens, hits)
 
-    def _decode_rows(self) -> list[tuple[int, int, bool]] | None:
-        """The running decodes as cost rows (new tokens, context, samples), or None if none."""
-        rows = [(1, s.num_computed_tokens, True) for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]
-        return rows or None
-
-    def _time_capped(self, num_new: int, context: int) -> int:
-        """A prefill row's tokens within the step-time budget (worker/step_budget.py), given
-        the rows planned before it; the step's first prefill always advances."""
-        assert self.step_budget is not None and self._timed_rows is not None
-        floor = 0 if self._prefill_planned else MIN_PREFILL_TOKENS
-        n = self.step_budget.prefill_tokens(self._timed_rows, context, num_new, floor)
-        if n:
-            self._timed_rows.append((n, context, True))
-            self._prefill_planned = True
-        return n
-
     def _schedule_running(self, out: SchedulerOutput, budget: int, seqs: list[Sequence]) -> int:
         """Plan `seqs` (running, in order) within `budget`; returns what is left of it."""
-        kv, running, timed = self.kv, SequenceStatus.RUNNING, self._timed_rows is not None
+        kv, running, caps = self.kv, SequenceStatus.RUNNING, self._caps
         held = kv.held_block_ids
         # The plan's lists, appended in place (this loop runs once per running sequence).
         plan_seqs, plan_new, plan_blocks = out.seqs, out.num_new_tokens, out.block_ids
@@ -184,11 +170,10 @@ class Scheduler:
             if seq.status is not running:  # preempted earlier this step
                 continue
             computed = seq.num_computed_tokens
-            num_new = len(seq.token_ids) - computed
-            if num_new > budget:
-                num_new = budget
-            if num_new > 1 and timed:  # a prompt chunk beside decodes
-                num_new = self._time_capped(num_new, computed)
+            left = len(seq.token_ids) - computed
+            num_new = left if left < budget else budget
+            if num_new > 1:  # a prompt chunk
+                num_new = caps.cap(seq, num_new, computed)
                 if num_new == 0:
                     continue
             total = computed + num_new
@@ -198,6 +183,8 @@ class Scheduler:
                 if not self._make_room(out, seq, total):  # preempts from the tail of `running`
                     break
                 block_ids = kv.allocate(seq.request_id, total)
+            if left > 1:  # prompt work (a decode has one token left): counted by the caps
+                caps.planned(seq, num_new)
             plan_seqs.append(seq)
             plan_new.append(num_new)
             plan_blocks.append(block_ids)
@@ -249,8 +236,8 @@ class Scheduler:
                         shares.admitted(seq)
                     continue
             num_new = min(seq.num_tokens - num_computed, budget)
-            if num_new > 1 and self._timed_rows is not None:  # a prompt beside decodes
-                num_new = self._time_capped(num_new, num_computed)
+            if num_new > 1:
+                num_new = self._caps.cap(seq, num_new, num_computed)
                 if num_new == 0:
                     break
             if not self.kv.can_allocate(seq.request_id, num_computed + num_new, hits):
@@ -336,8 +323,8 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    @staticmethod
-    def _add_to_plan(out: SchedulerOutput, seq: Sequence, num_new: int, block_ids: list[int]) -> None:
+    def _add_to_plan(self, out: SchedulerOutput, seq: Sequence, num_new: int, block_ids: list[int]) -> None:
+        self._caps.planned(seq, num_new)
         out.seqs.append(seq)
         out.num_new_tokens.append(num_new)
         out.block_ids.append(block_ids)

@@ -3,6 +3,7 @@ counted as shed and not lost, Jain's index, and the RESULT line."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 from benchmarks.tenants import KEYS, Outcome, jain, outcome, report
@@ -35,7 +36,15 @@ def test_the_result_line() -> None:
     overload = [o("premium-1", 0.2), o("premium-2", 0.2), o("standard-1", 0.3), o("standard-2", 0.3),
                 o("batch-flood", 0.0, 429), o("batch-flood", 0.0, 503), o("batch-1", 0.0, 500)]
     lines = report(alone, overload, dilation=1.0)
-    assert lines[-1] == "RESULT premium_ttft_p99_ratio=1.000 jain_index=1.000 lost=1"
+    # 4 requests within the SLO over the phase's 10 s; no output tokens counted.
+    assert lines[-1] == "RESULT premium_ttft_p99_ratio=1.000 jain_index=1.000 lost=1 goodput_rps=0.40 tokens_per_s=0"
+    # The baseline: the premium p99 doubled, half the goodput and the tokens.
+    baseline = [replace(x, ttft_s=0.4 if x.key in ("premium-1", "premium-2") else x.ttft_s, output_tokens=5)
+                for x in overload if x.key != "standard-2"]
+    overload = [replace(x, output_tokens=5) for x in overload]
+    assert report(alone, overload, 1.0, baseline)[-1] == (
+        "RESULT premium_ttft_p99_ratio=1.000 jain_index=1.000 lost=1 goodput_rps=0.40 tokens_per_s=4 "
+        "unlimited_premium_ttft_p99_ratio=2.000 goodput_vs_unlimited=1.333 tokens_vs_unlimited=1.167")
     assert set(KEYS) >= {"premium-1", "standard-1", "batch-flood"}
 
 
