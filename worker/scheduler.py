@@ -50,7 +50,7 @@ from worker.lora.slots import LoRASlots
 from worker.prefill_caps import PrefillCaps
 from worker.scheduler_output import SchedulerOutput, TierIndex, TierLoad
 from worker.sequence import Sequence, SequenceStatus
-from worker.stop_check import check_stop
+from worker.step_apply import advance_plan, append_sampled
 from worker.step_budget import StepTimeBudget
 
 
@@ -340,56 +340,23 @@ class Scheduler:
         seq.waiting_uncached_tokens = self._uncached_tokens(seq)  # its freed blocks are cached now
         self._enqueue(seq, front_of_band=True)
 
-    # -- applying a step's result --------------------------------------------------------
+    # -- applying a step's result (worker/step_apply.py) ---------------------------------
     def advance(self, out: SchedulerOutput) -> None:
-        """Move every planned sequence past its tokens and register the blocks they fill.
-
-        The half of applying a step that does not need its result: the tokens a step
-        computes are its inputs, known when it is planned. The overlapped loop runs it
-        while the step is on the device (worker/step_overlap.py), so that only `update`
-        waits for the device. Blocks registered here are not hit before the step ends:
-        only the next schedule, which follows the step's wait, admits against them.
-
-            before:  token_ids [ ... c-1 | c ... c+n-1 | ... ]   num_computed_tokens = c
-            after:   num_computed_tokens = c + n  (the step writes positions c .. c+n-1)
-        """
-        if out.advanced:
-            return
-        out.advanced = True
-        kv = self.kv
-        block_size = kv.block_size
-        running = SequenceStatus.RUNNING
-        for seq, num_new in zip(out.seqs, out.num_new_tokens):
-            if seq.status is not running:
-                continue
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens = after = before + num_new
-            if after // block_size > before // block_size:  # a block filled: register it
-                kv.cache_computed(seq.request_id, seq.token_ids, after, seq.hash_root)
+        """Move every planned sequence past its tokens and register the blocks they fill:
+        the half of applying a step that needs the plan alone, which the overlapped loop
+        runs while the step is on the device. Blocks registered here are not hit before the
+        step ends: only the next schedule, after the step's wait, admits against them."""
+        advance_plan(out, self.kv)
 
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
         """Apply a step's result (advancing the plan first if that has not been done):
         append sampled tokens; finish and free the sequences that stop. Returns the
         sequences that got a token (finished ones included)."""
-        self.advance(out)
-        changed: list[Sequence] = []
-        any_finished = False
-        kv = self.kv
-        running = SequenceStatus.RUNNING
-        max_model_len = self.config.max_model_len
-        for seq, token_id in zip(out.seqs, sampled_token_ids):
-            # None: a prompt chunk that did not reach the end of the prompt. Not running:
-            # aborted (or failed) while the step was on the device; its token is dropped.
-            if token_id is None or seq.status is not running:
-                continue
-            seq.token_ids.append(token_id)  # Sequence.append_token, inlined (once per token)
-            changed.append(seq)
-            if check_stop(seq, token_id, max_model_len):
-                any_finished = True
-                kv.free(seq.request_id)
-                if seq.lora_slot >= 0:
-                    self._release_lora(seq)
+        advance_plan(out, self.kv)
+        changed, any_finished = append_sampled(out, sampled_token_ids, self.kv, self.config.max_model_len,
+                                               self._release_lora)
         if any_finished:
+            running = SequenceStatus.RUNNING
             self.running = [s for s in self.running if s.status is running]
         return changed
 
