@@ -23,6 +23,7 @@ Pure Python: the router imports this module too.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass
 
 DEVICE = "device"
@@ -82,6 +83,15 @@ class KVEventLog:
 
     def cleared(self) -> None:
         self._records.append((CLEARED, "", "", None))
+
+    def evicted_to_host(self, evicted: list[tuple[int, int]], host: Container[int]) -> None:
+        """Device blocks (hash, block id) the pool handed out again: each moves down to the
+        host tier, or is only removed from the device where the host holds it already."""
+        for block_hash, _ in evicted:
+            if block_hash in host:
+                self.removed(block_hash, DEVICE)
+            else:
+                self.moved(block_hash, DEVICE, HOST)
 
     def drain(self) -> list[KVEvent]:
         """Everything recorded so far, runs of one kind and tier folded into one event."""

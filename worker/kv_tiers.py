@@ -37,7 +37,7 @@ import torch
 from kv.disk_tier import DiskTier, fingerprint_key, layout_fingerprint
 from kv.host_tier import HostTier
 from kv.tier_report import TierReport
-from kv.kv_events import DEVICE, HOST, KVEventLog
+from kv.kv_events import HOST, KVEventLog
 from kv.kv_cache import KVCacheSpec
 from worker.config import CacheConfig
 from worker.runner_protocols import KVTransferRunner
@@ -145,11 +145,7 @@ class TierManager(TierReport):
         fresh = [(h, b) for h, b in evicted if h not in self.host]
         events = self.events
         if events is not None:
-            for h, _ in evicted:
-                if h in self.host:
-                    events.removed(h, DEVICE)
-                else:
-                    events.moved(h, DEVICE, HOST)
+            events.evicted_to_host(evicted, self.host)
         evicted.clear()
         if not fresh:
             return

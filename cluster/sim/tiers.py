@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv.host_tier import HostTier
-from kv.kv_events import DEVICE, DISK, HOST, KVEventLog
+from kv.kv_events import DISK, HOST, KVEventLog
 from kv.tier_report import TierReport
 from worker.scheduler import TierLoad
 from worker.sequence import Sequence, SequenceStatus
@@ -221,11 +221,7 @@ class SimTierManager(TierReport):
         fresh = [(h, b) for h, b in evicted if h not in self.host]
         events = self.events
         if events is not None:
-            for h, _ in evicted:
-                if h in self.host:
-                    events.removed(h, DEVICE)
-                else:
-                    events.moved(h, DEVICE, HOST)
+            events.evicted_to_host(evicted, self.host)
         evicted.clear()
         if not fresh:
             return
