@@ -147,7 +147,7 @@ class FakeWorker:
         num_waiting = int(state.get("num_waiting", 0))
         self.last_stats = {
             "free_blocks": max(int(state.get("free_blocks", self.total_blocks)) - self.held_blocks, 0),
-            "total_blocks": self.total_blocks,
+            "total_blocks": int(state.get("total_blocks", self.total_blocks)),
             "block_size": self.block_size,
             "num_running": self.num_running,
             "num_waiting": num_waiting,

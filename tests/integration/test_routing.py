@@ -82,7 +82,7 @@ class Fleet:
         self.wait_idle()
         version = 0
         for ordinal in range(self.num_replicas):
-            version = self.set_state(ordinal, free_blocks=1000, prefix_hashes=[], num_waiting=0, freeze_stats=False)
+            version = self.set_state(ordinal, free_blocks=1000, total_blocks=1000, prefix_hashes=[], num_waiting=0, freeze_stats=False)
         wait_until(
             lambda: not ray.get(self.control.frozen.remote()), WAIT_S, POLL_S,
             message="replicas to unfreeze their stats",
@@ -184,10 +184,10 @@ def test_custom_router_runs_in_the_driver_handle(clean_fleet: Fleet) -> None:
 
 def test_burst_spreads_in_proportion_to_headroom(clean_fleet: Fleet) -> None:
     fleet = clean_fleet
-    headroom = {0: 100, 1: 200, 2: 300}
+    headroom = {0: 100, 1: 200, 2: 300}  # idle replicas of these sizes (a busy one's used blocks are its requests')
     version = 0
     for ordinal, free in headroom.items():
-        version = fleet.set_state(ordinal, free_blocks=free)
+        version = fleet.set_state(ordinal, free_blocks=free, total_blocks=free)
     fleet.wait_seen(version)
     # Freeze the reports: the whole burst is routed on this one report per replica, so
     # only the router's dispatch-time reservations can keep it from herding on replica 2.
