@@ -38,8 +38,10 @@ The LAST line is machine-readable:
     RESULT serve_us_per_token_stream=<us> serve_us_per_token=<us> delivered_ratio_b64=<x>
            delivered_ratio_b256=<x> engine_host_pct_b256=<p> engine_host_pct_b64=<p>
            engine_delivered_ratio_b64=<x> engine_delivered_ratio_b256=<x>
+           [direct_* with --direct-ingress] [floor_* with --serve-floor]
 (serve_* over every run's tokens, streamed or not; delivered_ratio_* through Serve, not
-streamed, medians; engine_* the engine alone, medians).
+streamed, medians; engine_* the engine alone, medians; floor_*: the same figures for a
+bare Serve app with the same hops and device, benchmarks/serve_floor.py).
 """
 from __future__ import annotations
 
@@ -267,16 +269,17 @@ def measure_engine_batch(num_requests: int, max_tokens: int, repeats: int, promp
 
 
 def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int, direct_ingress: bool = False,
-                  serve_defaults: bool = False) -> list[Any]:
+                  serve_defaults: bool = False, floor: bool = False) -> list[Any]:
     """Each batch streamed and not, `repeats` times, the order alternating per repeat, on one
     Serve app (benchmarks/hostpath_serve.py). `serve_defaults`: Serve's own default settings
-    instead of the throughput-optimized mode kvserve runs it in (cluster/serve_env.py)."""
+    instead of the throughput-optimized mode kvserve runs it in (cluster/serve_env.py).
+    `floor`: the bare Serve app with the same hops and device (benchmarks/serve_floor.py)."""
     from benchmarks import hostpath_serve as hs
     from cluster.serve_env import THROUGHPUT_OPTIMIZED_ENV
 
     if serve_defaults:
         os.environ[THROUGHPUT_OPTIMIZED_ENV] = "0"  # the new cluster's processes inherit it
-    url = hs.start(hs.free_port(), direct_ingress)
+    url = hs.start(hs.free_port(), direct_ingress, floor)
     runs = []
     try:
         hs.run_client(url, 8, 8, False, 999)  # warm: first-call imports, connections
@@ -313,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-defaults", action="store_true",
                    help="also run the Serve part with Serve's default settings (RAY_SERVE_THROUGHPUT_OPTIMIZED=0), "
                         "first, and print kvserve's figures against them")
+    p.add_argument("--serve-floor", action="store_true",
+                   help="also run the Serve part on a bare Serve app with the same hops and device and nothing "
+                        "else (benchmarks/serve_floor.py), after the default, and print kvserve's figures against it")
     p.add_argument("--write-serving-cost", metavar="PATH", nargs="?", const="cluster/sim/serving_cost.json",
                    help="write the Serve runs' CPU per token, per kind of process, for kvserve simulate's "
                         "serving-layer plan (default path: cluster/sim/serving_cost.json)")
@@ -345,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.direct_ingress:
         print("  as `kvserve serve --direct-ingress` runs Serve (HAProxy -> ingress replicas):", flush=True)
         direct = measure_serve(batches, repeats, direct_ingress=True)
+    floor = None
+    if args.serve_floor:
+        print("  the floor: a bare Serve app, same hops and device, nothing else (benchmarks/serve_floor.py):",
+              flush=True)
+        floor = measure_serve(batches, repeats, floor=True)
     print(f"load average after {os.getloadavg()}")
     plain, streamed = by_stream(serve_runs)
 
@@ -371,6 +382,20 @@ def main(argv: list[str] | None = None) -> int:
                          f"direct_delivered_ratio_b64={ratio(64, d_plain):.3f} "
                          f"direct_delivered_ratio_b256={ratio(256, d_plain):.3f}")
 
+    floor_result = ""
+    if floor is not None:
+        f_plain, f_streamed = by_stream(floor)
+        print(f"against the bare Serve floor: {per_token_us(plain):.0f} / {per_token_us(f_plain):.0f} us/token "
+              f"not streamed ({per_token_us(plain) / per_token_us(f_plain):.2f}x), "
+              f"{per_token_us(streamed):.0f} / {per_token_us(f_streamed):.0f} streamed "
+              f"({per_token_us(streamed) / per_token_us(f_streamed):.2f}x); delivered ratio b64 "
+              f"{ratio(64):.3f} / {ratio(64, f_plain):.3f}, b256 {ratio(256):.3f} / {ratio(256, f_plain):.3f}; "
+              f"errors {sum(r.errors for r in floor)}")
+        floor_result = (f" floor_us_per_token_stream={per_token_us(f_streamed):.0f} "
+                        f"floor_us_per_token={per_token_us(f_plain):.0f} "
+                        f"floor_delivered_ratio_b64={ratio(64, f_plain):.3f} "
+                        f"floor_delivered_ratio_b256={ratio(256, f_plain):.3f}")
+
     if args.write_serving_cost:
         from cluster.sim.serving_cost import from_runs
 
@@ -388,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         f"delivered_ratio_b64={ratio(64):.3f} delivered_ratio_b256={ratio(256):.3f} "
         f"engine_host_pct_b256={b256.median('host_pct'):.2f} engine_host_pct_b64={b64.median('host_pct'):.2f} "
         f"engine_delivered_ratio_b64={b64.median('delivered_ratio'):.3f} "
-        f"engine_delivered_ratio_b256={b256.median('delivered_ratio'):.3f}{direct_result}"
+        f"engine_delivered_ratio_b256={b256.median('delivered_ratio'):.3f}{direct_result}{floor_result}"
     )
     return 0
 

@@ -100,10 +100,11 @@ def app_config() -> Any:
     })
 
 
-def start(port: int, direct_ingress: bool = False) -> str:
+def start(port: int, direct_ingress: bool = False, floor: bool = False) -> str:
     """Ray, Serve and the app; the completions URL. `direct_ingress`: as `kvserve serve
     --direct-ingress` runs it (cluster/serve_env.py DirectIngress: HAProxy in front of the
-    ingress replicas, which serve HTTP themselves; no Serve proxy hop), on free ports."""
+    ingress replicas, which serve HTTP themselves; no Serve proxy hop), on free ports.
+    `floor`: the bare Serve app of benchmarks/serve_floor.py in place of kvserve's."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from ray import serve
     from ray.serve.config import HTTPOptions
@@ -118,7 +119,13 @@ def start(port: int, direct_ingress: bool = False) -> str:
                                                 direct_ingress=direct))
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port),
                 controller_options=controller_options(direct_ingress=direct))
-    serve.run(build_app(app_config()), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+    if floor:
+        from benchmarks.serve_floor import build_floor_app
+
+        app = build_floor_app()
+    else:
+        app = build_app(app_config())
+    serve.run(app, name=APP_NAME, route_prefix=f"/{APP_NAME}")
     return f"http://127.0.0.1:{port}/{APP_NAME}/v1/completions"
 
 
