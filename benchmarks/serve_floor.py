@@ -7,11 +7,11 @@ the same machine, in the same run:
     HTTP proxy -> ingress (FastAPI: read the JSON body, one streaming handle call, write
     the response) -> worker (one async generator per request)
 
-The worker has no engine: a shared loop stands in for the device, pricing each step with
-kvserve's own step-cost model (sim:h200, llama-3-8b: the device the hostpath app
-simulates) for the rows the step holds (each new request's prompt, then one decode per
-running request) and sleeping that long at time dilation 1, so the load's concurrency and
-pacing match kvserve's. Each request's call yields what Serve apps usually send, one item
+The worker has no engine: a shared loop stands in for the device, planning each step as
+kvserve's scheduler would at its defaults (a decode per running request, prompt chunks in
+the rest of the token budget), pricing it with kvserve's own step-cost model (sim:h200,
+llama-3-8b: the device the hostpath app simulates) and sleeping that long at time
+dilation 1, so the load's concurrency, pacing and device time match kvserve's. Each request's call yields what Serve apps usually send, one item
 per chunk on its own stream: a streamed request a chunk per `stream_interval_s` (its
 first token and its end at once, as kvserve paces them), a non-streamed one a single
 item at the end. No tokenizer, no scheduler, no KV cache, no routing policy, no
@@ -40,25 +40,31 @@ MAX_ONGOING = 1024
 
 @dataclass
 class _Active:
-    """One request on the stand-in device: the tokens it still wants, and how many it has."""
+    """One request on the stand-in device: its prompt, how much of it is computed, and the
+    tokens it has and still wants."""
 
     max_tokens: int
     prompt_len: int
+    computed: int = 0  # prompt tokens computed (chunked prefill)
     produced: int = 0
-    prefilled: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class _Device:
-    """A shared step loop: every step each request gets one token (its prompt's first step
-    prefills it), the step priced by kvserve's cost model for the rows it holds."""
+    """A shared step loop with kvserve's default budget (SchedulerConfig: max_num_seqs,
+    max_num_batched_tokens): every running request decodes one token, and the rest of the
+    budget takes prompt chunks in arrival order (a prompt's last chunk samples its first
+    token). Each step is priced by kvserve's cost model for the rows it holds."""
 
     def __init__(self) -> None:
+        from worker.config import SchedulerConfig
         from worker.sim.cost_model import StepCostModel
         from worker.sim.profiles import load_profile
         from worker.sim.shapes import load_shape
 
         self.cost = StepCostModel(load_shape("llama-3-8b"), load_profile("h200"))
+        limits = SchedulerConfig()
+        self.max_num_seqs, self.token_budget = limits.max_num_seqs, limits.max_num_batched_tokens
         self.active: list[_Active] = []
         self.modelled_s = 0.0
         self._loop_task: asyncio.Task[None] | None = None
@@ -68,21 +74,35 @@ class _Device:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
+    def _plan(self) -> list[tuple[_Active, int]]:
+        """(request, new tokens) for the next step: decodes first, then prompt chunks."""
+        running = [r for r in self.active if r.computed == r.prompt_len][: self.max_num_seqs]
+        plan = [(r, 1) for r in running]
+        budget = self.token_budget - len(plan)
+        for r in self.active:
+            if budget <= 0 or len(plan) >= self.max_num_seqs:
+                break
+            if r.computed < r.prompt_len:
+                n = min(r.prompt_len - r.computed, budget)
+                plan.append((r, n))
+                budget -= n
+        return plan
+
     async def _run(self) -> None:
         while self.active:
-            rows = [(1, r.prompt_len + r.produced, True) if r.prefilled else (r.prompt_len, 0, True)
-                    for r in self.active]
+            plan = self._plan()
+            rows = [(n, r.computed + r.produced, r.computed + n >= r.prompt_len) for r, n in plan]
             step_s = self.cost.predict_rows(rows)
             await asyncio.sleep(step_s)
             self.modelled_s += step_s
-            still = []
-            for r in self.active:
-                r.prefilled = True
+            for r, n in plan:
+                if r.computed < r.prompt_len:
+                    r.computed += n
+                    if r.computed < r.prompt_len:
+                        continue  # a chunk that does not end the prompt samples nothing
                 r.produced += 1
                 r.wake.set()
-                if r.produced < r.max_tokens:
-                    still.append(r)
-            self.active = still
+            self.active = [r for r in self.active if r.produced < r.max_tokens]
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=MAX_ONGOING)
