@@ -53,6 +53,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.hostpath_serve import APP_NAME as SERVE_APP
+from benchmarks.hostpath_serve import (FLOOR_APP_NAME, by_stream, delivered_ratio, measure_serve, per_token_us,
+                                       result_keys, versus)
 from worker.api import SamplingParams
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig, ModelConfig, SchedulerConfig
@@ -268,43 +271,6 @@ def measure_engine_batch(num_requests: int, max_tokens: int, repeats: int, promp
     return EngineSummary(num_requests, runs)
 
 
-def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int, direct_ingress: bool = False,
-                  serve_defaults: bool = False, floor: bool = False) -> list[Any]:
-    """Each batch streamed and not, `repeats` times, the order alternating per repeat, on one
-    Serve app (benchmarks/hostpath_serve.py). `serve_defaults`: Serve's own default settings
-    instead of the throughput-optimized mode kvserve runs it in (cluster/serve_env.py).
-    `floor`: the bare Serve app with the same hops and device (benchmarks/serve_floor.py)."""
-    from benchmarks import hostpath_serve as hs
-    from cluster.serve_env import THROUGHPUT_OPTIMIZED_ENV
-
-    if serve_defaults:
-        os.environ[THROUGHPUT_OPTIMIZED_ENV] = "0"  # the new cluster's processes inherit it
-    url = hs.start(hs.free_port(), direct_ingress, floor)
-    runs = []
-    try:
-        hs.run_client(url, 8, 8, False, 999)  # warm: first-call imports, connections
-        for repeat in range(repeats):
-            for num_requests, max_tokens in batches:
-                for stream in ((False, True) if repeat % 2 == 0 else (True, False)):
-                    run = hs.measure(url, num_requests, max_tokens, stream, seed=repeat)
-                    runs.append(run)
-                    print(f"  repeat {repeat + 1}/{repeats} {run.line()}", flush=True)
-    finally:
-        hs.stop()
-        os.environ.pop(THROUGHPUT_OPTIMIZED_ENV, None)
-    return runs
-
-
-def by_stream(runs: list[Any]) -> tuple[list[Any], list[Any]]:
-    """(not streamed, streamed) runs."""
-    return [r for r in runs if not r.stream], [r for r in runs if r.stream]
-
-
-def per_token_us(runs: list[Any]) -> float:
-    """Serving CPU over all the runs' tokens (a ratio of sums)."""
-    return 1e6 * sum(r.serving_cpu_s for r in runs) / max(sum(r.tokens for r in runs), 1)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer output tokens, one repeat")
@@ -318,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                         "first, and print kvserve's figures against them")
     p.add_argument("--serve-floor", action="store_true",
                    help="also run the Serve part on a bare Serve app with the same hops and device and nothing "
-                        "else (benchmarks/serve_floor.py), after the default, and print kvserve's figures against it")
+                        "else (benchmarks/serve_floor.py), in turns with kvserve's app, and print kvserve's figures "
+                        "against it")
     p.add_argument("--write-serving-cost", metavar="PATH", nargs="?", const="cluster/sim/serving_cost.json",
                    help="write the Serve runs' CPU per token, per kind of process, for kvserve simulate's "
                         "serving-layer plan (default path: cluster/sim/serving_cost.json)")
@@ -344,57 +311,29 @@ def main(argv: list[str] | None = None) -> int:
     baseline = None
     if args.serve_defaults:
         print("  with Serve's default settings (RAY_SERVE_THROUGHPUT_OPTIMIZED=0):", flush=True)
-        baseline = measure_serve(batches, repeats, serve_defaults=True)
+        baseline = measure_serve(batches, repeats, serve_defaults=True)[SERVE_APP]
         print("  as kvserve runs Serve (throughput-optimized, cluster/serve_env.py):", flush=True)
-    serve_runs = measure_serve(batches, repeats)
+    if args.serve_floor:
+        print("    beside the floor, in turns: a bare Serve app, same hops and device, nothing else "
+              "(benchmarks/serve_floor.py)", flush=True)
+    measured = measure_serve(batches, repeats, floor=args.serve_floor)
+    serve_runs, floor = measured[SERVE_APP], measured.get(FLOOR_APP_NAME)
     direct = None
     if args.direct_ingress:
         print("  as `kvserve serve --direct-ingress` runs Serve (HAProxy -> ingress replicas):", flush=True)
-        direct = measure_serve(batches, repeats, direct_ingress=True)
-    floor = None
-    if args.serve_floor:
-        print("  the floor: a bare Serve app, same hops and device, nothing else (benchmarks/serve_floor.py):",
-              flush=True)
-        floor = measure_serve(batches, repeats, floor=True)
+        direct = measure_serve(batches, repeats, direct_ingress=True)[SERVE_APP]
     print(f"load average after {os.getloadavg()}")
     plain, streamed = by_stream(serve_runs)
 
-    def ratio(b: int, runs: list[Any] = plain) -> float:
-        return statistics.median(r.delivered_ratio for r in runs if r.num_requests == b)
-
     if baseline is not None:
-        base_plain, base_streamed = by_stream(baseline)
-        print(f"against Serve's defaults: {per_token_us(plain):.0f} / {per_token_us(base_plain):.0f} us/token "
-              f"not streamed ({per_token_us(plain) / per_token_us(base_plain):.2f}x), "
-              f"{per_token_us(streamed):.0f} / {per_token_us(base_streamed):.0f} streamed "
-              f"({per_token_us(streamed) / per_token_us(base_streamed):.2f}x); delivered ratio b64 "
-              f"{ratio(64):.3f} / {ratio(64, base_plain):.3f}, b256 {ratio(256):.3f} / {ratio(256, base_plain):.3f}")
-
-    direct_result = ""
+        print(versus("against Serve's defaults", serve_runs, baseline))
+    direct_result = floor_result = ""
     if direct is not None:
-        d_plain, d_streamed = by_stream(direct)
-        print(f"direct ingress against the default: {per_token_us(d_plain):.0f} / {per_token_us(plain):.0f} us/token "
-              f"not streamed, {per_token_us(d_streamed):.0f} / {per_token_us(streamed):.0f} streamed; delivered "
-              f"ratio b64 {ratio(64, d_plain):.3f} / {ratio(64):.3f}, b256 {ratio(256, d_plain):.3f} / {ratio(256):.3f}; "
-              f"errors {sum(r.errors for r in direct)}")
-        direct_result = (f" direct_us_per_token_stream={per_token_us(d_streamed):.0f} "
-                         f"direct_us_per_token={per_token_us(d_plain):.0f} "
-                         f"direct_delivered_ratio_b64={ratio(64, d_plain):.3f} "
-                         f"direct_delivered_ratio_b256={ratio(256, d_plain):.3f}")
-
-    floor_result = ""
+        print(versus("direct ingress against the default", direct, serve_runs))
+        direct_result = result_keys("direct", direct)
     if floor is not None:
-        f_plain, f_streamed = by_stream(floor)
-        print(f"against the bare Serve floor: {per_token_us(plain):.0f} / {per_token_us(f_plain):.0f} us/token "
-              f"not streamed ({per_token_us(plain) / per_token_us(f_plain):.2f}x), "
-              f"{per_token_us(streamed):.0f} / {per_token_us(f_streamed):.0f} streamed "
-              f"({per_token_us(streamed) / per_token_us(f_streamed):.2f}x); delivered ratio b64 "
-              f"{ratio(64):.3f} / {ratio(64, f_plain):.3f}, b256 {ratio(256):.3f} / {ratio(256, f_plain):.3f}; "
-              f"errors {sum(r.errors for r in floor)}")
-        floor_result = (f" floor_us_per_token_stream={per_token_us(f_streamed):.0f} "
-                        f"floor_us_per_token={per_token_us(f_plain):.0f} "
-                        f"floor_delivered_ratio_b64={ratio(64, f_plain):.3f} "
-                        f"floor_delivered_ratio_b256={ratio(256, f_plain):.3f}")
+        print(versus("against the bare Serve floor", serve_runs, floor))
+        floor_result = result_keys("floor", floor)
 
     if args.write_serving_cost:
         from cluster.sim.serving_cost import from_runs
@@ -406,11 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.write_serving_cost}")
     b64, b256 = summaries[64], summaries[256]
     print(f"serve: {per_token_us(plain):.0f} us/token not streamed, {per_token_us(streamed):.0f} us/token streamed; "
-          f"delivered ratio b64 {ratio(64):.3f}, b256 {ratio(256):.3f} (medians); "
+          f"delivered ratio b64 {delivered_ratio(serve_runs, 64):.3f}, b256 {delivered_ratio(serve_runs, 256):.3f} (medians); "
           f"errors {sum(r.errors for r in serve_runs)}")
     print(
         f"RESULT serve_us_per_token_stream={per_token_us(streamed):.0f} serve_us_per_token={per_token_us(plain):.0f} "
-        f"delivered_ratio_b64={ratio(64):.3f} delivered_ratio_b256={ratio(256):.3f} "
+        f"delivered_ratio_b64={delivered_ratio(serve_runs, 64):.3f} delivered_ratio_b256={delivered_ratio(serve_runs, 256):.3f} "
         f"engine_host_pct_b256={b256.median('host_pct'):.2f} engine_host_pct_b64={b64.median('host_pct'):.2f} "
         f"engine_delivered_ratio_b64={b64.median('delivered_ratio'):.3f} "
         f"engine_delivered_ratio_b256={b256.median('delivered_ratio'):.3f}{direct_result}{floor_result}"

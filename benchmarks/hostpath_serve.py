@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -34,9 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.serve_env import controller_options, job_runtime_env
+from cluster.serve_env import THROUGHPUT_OPTIMIZED_ENV, controller_options, job_runtime_env
 
 APP_NAME = "hostpath"
+FLOOR_APP_NAME = "floor"  # benchmarks/serve_floor.py, beside kvserve's app when asked for
 MODEL = "hostpath-sim"
 PROMPT_LEN = 128
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -100,11 +102,13 @@ def app_config() -> Any:
     })
 
 
-def start(port: int, direct_ingress: bool = False, floor: bool = False) -> str:
-    """Ray, Serve and the app; the completions URL. `direct_ingress`: as `kvserve serve
-    --direct-ingress` runs it (cluster/serve_env.py DirectIngress: HAProxy in front of the
-    ingress replicas, which serve HTTP themselves; no Serve proxy hop), on free ports.
-    `floor`: the bare Serve app of benchmarks/serve_floor.py in place of kvserve's."""
+def start(port: int, direct_ingress: bool = False, floor: bool = False) -> dict[str, str]:
+    """Ray, Serve and the app; app name -> its completions URL. `direct_ingress`: as
+    `kvserve serve --direct-ingress` runs it (cluster/serve_env.py DirectIngress: HAProxy in
+    front of the ingress replicas, which serve HTTP themselves; no Serve proxy hop), on free
+    ports. `floor`: the bare Serve app of benchmarks/serve_floor.py too, as a second app of
+    the same Serve instance (its own replicas behind the same proxy), so that runs of the
+    two can alternate."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from ray import serve
     from ray.serve.config import HTTPOptions
@@ -119,14 +123,14 @@ def start(port: int, direct_ingress: bool = False, floor: bool = False) -> str:
                                                 direct_ingress=direct))
     serve.start(http_options=HTTPOptions(host="127.0.0.1", port=port),
                 controller_options=controller_options(direct_ingress=direct))
+    serve.run(build_app(app_config()), name=APP_NAME, route_prefix=f"/{APP_NAME}")
+    apps = [APP_NAME]
     if floor:
         from benchmarks.serve_floor import build_floor_app
 
-        app = build_floor_app()
-    else:
-        app = build_app(app_config())
-    serve.run(app, name=APP_NAME, route_prefix=f"/{APP_NAME}")
-    return f"http://127.0.0.1:{port}/{APP_NAME}/v1/completions"
+        serve.run(build_floor_app(), name=FLOOR_APP_NAME, route_prefix=f"/{FLOOR_APP_NAME}")
+        apps.append(FLOOR_APP_NAME)
+    return {app: f"http://127.0.0.1:{port}/{app}/v1/completions" for app in apps}
 
 
 def stop() -> None:
@@ -137,19 +141,20 @@ def stop() -> None:
     ray.shutdown()
 
 
-def modelled_device_s() -> float:
+def modelled_device_s(app: str = APP_NAME) -> float:
     from ray import serve
 
-    handle = serve.get_deployment_handle("worker", APP_NAME)
+    handle = serve.get_deployment_handle("worker", app)
     stats = handle.broadcast("stats").results(timeout_s=30)
     return sum(float(s.get("modelled_device_s", 0.0)) for s in stats)
 
 
 # -- CPU of the Serve processes -------------------------------------------------------------------
-def process_kinds() -> dict[int, str]:
-    """pid -> "proxy" | "ingress" | "worker" for the processes that carry requests, "daemon"
-    for Ray's own (gcs_server, raylet, the Serve controller). Only this driver's own
-    cluster (its descendants): other Ray clusters on the machine are not measured."""
+def process_kinds(app: str = APP_NAME) -> dict[int, str]:
+    """pid -> "proxy" | "ingress" | "worker" for the processes that carry `app`'s requests,
+    "daemon" for Ray's own (gcs_server, raylet, the Serve controller). Only this driver's
+    own cluster (its descendants): other Ray clusters on the machine are not measured, nor
+    another app's replicas."""
     import psutil
 
     kinds = {}
@@ -159,9 +164,9 @@ def process_kinds() -> dict[int, str]:
             name = proc.name()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if f"ServeReplica:{APP_NAME}:ingress" in cmdline:
+        if f"ServeReplica:{app}:ingress" in cmdline:
             kinds[proc.pid] = "ingress"
-        elif f"ServeReplica:{APP_NAME}:worker" in cmdline:
+        elif f"ServeReplica:{app}:worker" in cmdline:
             kinds[proc.pid] = "worker"
         elif "ProxyActor" in cmdline or "haproxy" in name:
             kinds[proc.pid] = "proxy"
@@ -239,13 +244,13 @@ async def _client(url: str, num_requests: int, max_tokens: int, stream: bool, se
 
 
 # -- one measured run ---------------------------------------------------------------------------------
-def measure(url: str, num_requests: int, max_tokens: int, stream: bool, seed: int) -> ServeRun:
-    kinds = process_kinds()
-    device_before = modelled_device_s()
+def measure(url: str, num_requests: int, max_tokens: int, stream: bool, seed: int, app: str = APP_NAME) -> ServeRun:
+    kinds = process_kinds(app)
+    device_before = modelled_device_s(app)
     cpu_before = cpu_seconds(kinds)
     result = run_client(url, num_requests, max_tokens, stream, seed)
     cpu_after = cpu_seconds(kinds)
-    device_after = modelled_device_s()
+    device_after = modelled_device_s(app)
     spent = cpu_spent(kinds, cpu_before, cpu_after)
     daemon = spent.pop("daemon", 0.0)
     if result["errors"]:
@@ -258,6 +263,75 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# -- the runs, and what they add up to ----------------------------------------------------------
+def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int, direct_ingress: bool = False,
+                  serve_defaults: bool = False, floor: bool = False) -> dict[str, list[Any]]:
+    """Each batch streamed and not, `repeats` times, the order alternating per repeat, on one
+    Serve instance; app name -> its runs. `serve_defaults`:
+    Serve's own default settings instead of the throughput-optimized mode kvserve runs it in
+    (cluster/serve_env.py). `floor`: the bare Serve app with the same hops and device
+    (benchmarks/serve_floor.py) beside kvserve's, each of its runs next to kvserve's run of
+    the same load, which of the two goes first alternating, so that drift over the minutes
+    of the run moves both sides alike."""
+    if serve_defaults:
+        os.environ[THROUGHPUT_OPTIMIZED_ENV] = "0"  # the new cluster's processes inherit it
+    urls = start(free_port(), direct_ingress, floor)
+    runs: dict[str, list[Any]] = {app: [] for app in urls}
+    turn = 0
+    try:
+        for url in urls.values():
+            run_client(url, 8, 8, False, 999)  # warm: first-call imports, connections
+        for repeat in range(repeats):
+            for num_requests, max_tokens in batches:
+                for stream in ((False, True) if repeat % 2 == 0 else (True, False)):
+                    apps = list(urls) if turn % 2 == 0 else list(reversed(urls))
+                    for app in apps:
+                        # Prompts of their own per load (the seed): no run reads another's
+                        # prompts from the prefix cache.
+                        run = measure(urls[app], num_requests, max_tokens, stream, seed=turn, app=app)
+                        runs[app].append(run)
+                        side = f" {app}" if len(urls) > 1 else ""
+                        print(f"  repeat {repeat + 1}/{repeats}{side} {run.line()}", flush=True)
+                    turn += 1
+    finally:
+        stop()
+        os.environ.pop(THROUGHPUT_OPTIMIZED_ENV, None)
+    return runs
+
+
+def by_stream(runs: list[Any]) -> tuple[list[Any], list[Any]]:
+    """(not streamed, streamed) runs."""
+    return [r for r in runs if not r.stream], [r for r in runs if r.stream]
+
+
+def per_token_us(runs: list[Any]) -> float:
+    """Serving CPU over all the runs' tokens (a ratio of sums)."""
+    return 1e6 * sum(r.serving_cpu_s for r in runs) / max(sum(r.tokens for r in runs), 1)
+
+
+def delivered_ratio(runs: list[Any], num_requests: int) -> float:
+    """The median delivered ratio of the not-streamed runs of one batch."""
+    return statistics.median(r.delivered_ratio for r in runs if r.num_requests == num_requests and not r.stream)
+
+
+def versus(label: str, runs: list[Any], other: list[Any]) -> str:
+    """`runs` against `other`: CPU per token (and their ratio), delivered ratios, errors."""
+    (plain, streamed), (o_plain, o_streamed) = by_stream(runs), by_stream(other)
+    return (f"{label}: {per_token_us(plain):.0f} / {per_token_us(o_plain):.0f} us/token not streamed "
+            f"({per_token_us(plain) / per_token_us(o_plain):.2f}x), {per_token_us(streamed):.0f} / "
+            f"{per_token_us(o_streamed):.0f} streamed ({per_token_us(streamed) / per_token_us(o_streamed):.2f}x); "
+            f"delivered ratio b64 {delivered_ratio(runs, 64):.3f} / {delivered_ratio(other, 64):.3f}, "
+            f"b256 {delivered_ratio(runs, 256):.3f} / {delivered_ratio(other, 256):.3f}; "
+            f"errors {sum(r.errors for r in runs)} / {sum(r.errors for r in other)}")
+
+
+def result_keys(prefix: str, runs: list[Any]) -> str:
+    plain, streamed = by_stream(runs)
+    return (f" {prefix}_us_per_token_stream={per_token_us(streamed):.0f} {prefix}_us_per_token={per_token_us(plain):.0f} "
+            f"{prefix}_delivered_ratio_b64={delivered_ratio(runs, 64):.3f} "
+            f"{prefix}_delivered_ratio_b256={delivered_ratio(runs, 256):.3f}")
 
 
 if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--client":

@@ -40,15 +40,26 @@ def test_quick_run_prints_the_result_line(capsys: pytest.CaptureFixture[str], mo
         ServeRun(256, 2, False, 512, 0.5, 0.45, {"proxy": 0.002, "ingress": 0.002, "worker": 0.004}, 0.01, 0),
         ServeRun(256, 2, True, 512, 0.5, 0.45, {"proxy": 0.020, "ingress": 0.020, "worker": 0.010}, 0.01, 0),
     ]
-    monkeypatch.setattr(hostpath, "measure_serve", lambda batches, repeats, direct=False: given)
+    # The floor's runs: twice the CPU, the same wall and device time.
+    floor_given = [ServeRun(r.num_requests, r.max_tokens, r.stream, r.tokens, r.wall_s, r.device_s,
+                            {k: 2 * v for k, v in r.cpu_s.items()}, r.daemon_cpu_s, 0) for r in given]
+
+    def measure_serve(batches: object, repeats: int, floor: bool = False, **_: object) -> dict[str, list[ServeRun]]:
+        return {"hostpath": given, **({"floor": floor_given} if floor else {})}
+
+    monkeypatch.setattr(hostpath, "measure_serve", measure_serve)
+    number = r"[0-9.]+"
+    result = (rf"RESULT serve_us_per_token_stream=117 serve_us_per_token=18 delivered_ratio_b64=0.800 "
+              rf"delivered_ratio_b256=0.900 engine_host_pct_b256={number} engine_host_pct_b64={number} "
+              rf"engine_delivered_ratio_b64={number} engine_delivered_ratio_b256={number}")
     assert hostpath.main(["--quick"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    number = r"[0-9.]+"
-    assert re.fullmatch(
-        rf"RESULT serve_us_per_token_stream=117 serve_us_per_token=18 delivered_ratio_b64=0.800 "
-        rf"delivered_ratio_b256=0.900 engine_host_pct_b256={number} engine_host_pct_b64={number} "
-        rf"engine_delivered_ratio_b64={number} engine_delivered_ratio_b256={number}", last
-    ), last
+    assert re.fullmatch(result, last), last
+    assert hostpath.main(["--quick", "--serve-floor"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(result + " floor_us_per_token_stream=234 floor_us_per_token=36 floor_delivered_ratio_b64=0.800 "
+                        "floor_delivered_ratio_b256=0.900", out[-1]), out[-1]
+    assert "against the bare Serve floor: 18 / 36 us/token not streamed (0.50x), 117 / 234 streamed (0.50x)" in "\n".join(out)
 
 
 def test_a_serve_run_reports_cpu_per_token_and_the_delivered_share() -> None:
