@@ -147,9 +147,11 @@ def test_a_sleeping_dilated_device_reports_device_time_not_wall_time() -> None:
     for _ in range(steps):
         engine.step()
         modelled += engine.runner.last_step_s
-    # Wall time is ~3x the modelled time; the figure is within the sleep's jitter of the
-    # modelled rate, far from a third of it.
-    assert engine.prefill_meter.tokens_per_s == pytest.approx(steps * 64 / modelled, rel=0.2)
+    # Wall time is ~3x the modelled time; the figure is the modelled rate, far from a third
+    # of it. A sleep only ever runs long (and a loaded machine stretches it), so the bound
+    # below the rate is loose and the one above it tight.
+    rate, modelled_rate = engine.prefill_meter.tokens_per_s, steps * 64 / modelled
+    assert 0.6 * modelled_rate < rate <= 1.05 * modelled_rate
 
 
 # ---------------------------------------------------------------- the report
