@@ -102,6 +102,15 @@ def _model_name(lora: tuple[str, str] | None, settings: IngressSettings) -> str:
     return lora[0] if lora is not None else settings.served_model_name
 
 
+def flush_replica_log() -> None:
+    """Write this replica's buffered log lines to its file now. In Serve's throughput mode
+    (cluster/serve_env.py) a replica's `ray.serve` logger, where kvserve's own lines arrive
+    through the replica's redirected stderr, keeps lines below ERROR in a buffer of
+    RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE records."""
+    for handler in logging.getLogger("ray.serve").handlers:
+        handler.flush()
+
+
 # Serve snapshots what the class refers to when `serve.ingress` runs: everything the
 # class uses must be defined above this line.
 @serve.ingress(app)
@@ -134,6 +143,7 @@ class Ingress(GrpcMethods):
         metrics.router.source = lambda: initialized_request_router_of(worker)
         self.pipeline = RequestPipeline(settings, workers, tokenizer, metrics, api_keys, key_limits, routing_source)
         self.grpc = GrpcServicer(self.pipeline)
+        flush_replica_log()  # the start-up lines (the API-key warning among them) in the file now
 
     # -- OpenAI endpoints ------------------------------------------------------------------
     @app.post("/v1/completions")

@@ -55,8 +55,11 @@ def serve_cluster() -> Iterator[ServeCluster]:
         # tests/integration/test_helm_serveconfig.py deploys the chart's rendered config as it is.
         resources={"kvserve_pool_mixed": 4, "kvserve_ingress": 4},
         include_dashboard=False,
-        # Serve's processes run as `kvserve serve` runs them (cluster/serve_env.py).
-        runtime_env=job_runtime_env({"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled"}),
+        # Serve's processes run as `kvserve serve` runs them (cluster/serve_env.py), but for
+        # one thing: each replica writes every log line at once, not in batches of Serve's
+        # throughput mode, so that a test that reads the logs sees what was logged.
+        runtime_env=job_runtime_env({"PYTHONPATH": repo_root, "RAY_AUTH_MODE": "disabled",
+                                     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1"}),
         log_to_driver=False,
     )
     # The gRPC servicer function `kvserve serve` registers.
