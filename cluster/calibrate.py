@@ -12,8 +12,9 @@
    arrives, and what its TTFT is made of). Each step's time is what one turn
    of the engine loop costs (Engine.step plus the stats snapshot AsyncEngine takes after
    it), so the fitted overheads cover the engine's host work too; each plan's features
-   come from the cost model reading the plan the runner executes. A point's time is the
-   mean of its steps; the plans run in turns of decode, prefill and mixed, and a caller
+   come from the cost model reading the plan the runner executes. Decode and mixed points
+   are timed once their batch has decoded a few untimed steps past its prefill (the state
+   a live engine's steps run in: after decode steps). A point's time is the mean of its steps; the plans run in turns of decode, prefill and mixed, and a caller
    can run them one at a time (Measurement) and in several passes (GridSpec.passes).
 3. Fits the profile's efficiencies and overheads (worker/sim/fit.py), prints the fit
    error (mean and max relative error over the grid), writes the profile JSON.
@@ -55,6 +56,13 @@ PREFILL_CHUNKS_PER_PROMPT = 4  # chunk contexts 0, P, 2P, 3P
 # engine ends with one, so the simulated TTFT would run under the real one.
 MIXED = ((32, 4, 128), (128, 16, 128), (512, 4, 128))
 NUM_DECODE_STEPS = 12  # per decode point (mean taken)
+# Untimed decode steps between a batch's prefill and the steps a decode or mixed point
+# times. The first decode steps after a prefill run with the caches and allocator state the
+# prefill's activations left (they settle within about this many steps), while a live
+# engine's decode and mixed steps mostly follow decode steps: timed right after the
+# prefill, decode points priced a live run's decode-only steps well above what they took
+# (benchmarks/routing/calibration_state.py measures the settling).
+WARMUP_DECODE_STEPS = 6
 NUM_REPEATS = 7  # per prefill point (mean taken)
 CLOCKS = {"process": time.process_time, "wall": time.perf_counter}
 
@@ -156,11 +164,11 @@ class _Grid:
         from worker.api import SamplingParams
 
         engine = self.engine(batch, max(2048, batch * context))  # every prompt in one step
-        params = SamplingParams(max_tokens=num_steps + 1, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=WARMUP_DECODE_STEPS + num_steps + 1, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"d{i}", self.prompt(context), params)
         steps = [s for s in self.steps(engine) if s[0].num_tokens == batch == s[0].num_seqs]
-        return self.point(f"decode b={batch} ctx={context}", steps)
+        return self.point(f"decode b={batch} ctx={context}", steps[WARMUP_DECODE_STEPS:])
 
     def prefill(self, chunk: int, repeats: int = NUM_REPEATS) -> list[Point]:
         from worker.api import SamplingParams
@@ -180,10 +188,12 @@ class _Grid:
         from worker.api import SamplingParams
 
         engine = self.engine(batch + 1, max(2048, batch * context, batch + chunk))
-        decode = SamplingParams(max_tokens=2 * repeats + 4, temperature=0.0, ignore_eos=True)
+        decode = SamplingParams(max_tokens=WARMUP_DECODE_STEPS + 2 * repeats + 4, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"d{i}", self.prompt(context), decode)
         engine.step()  # the decodes' prompts (a prefill point of its own, not this one)
+        for _ in range(WARMUP_DECODE_STEPS):  # a live engine's fresh prompt joins decodes past their prefill
+            self.one_step(engine)
         mixed = []
         for k in range(repeats):
             engine.add_request(f"p{k}", self.prompt(chunk), SamplingParams(max_tokens=1, temperature=0.0))
@@ -283,8 +293,9 @@ def start_measurement(model: str | None, num_threads: int | None, block_size: in
 
     spec = spec or GridSpec(DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_CHUNKS, MIXED)  # read now: tests shrink the grid
     path = resolve_model_path(model or default_model_path())
-    max_context = max(spec.decode_contexts) + NUM_DECODE_STEPS + 1
-    kv_tokens = max([max(spec.decode_batches) * max_context, *(b * (c + 2 * NUM_REPEATS + 4) for _, b, c in spec.mixed)])
+    max_context = max(spec.decode_contexts) + WARMUP_DECODE_STEPS + NUM_DECODE_STEPS + 1
+    mixed_growth = WARMUP_DECODE_STEPS + 2 * NUM_REPEATS + 4  # a mixed point's decodes' tokens past their prompt
+    kv_tokens = max([max(spec.decode_batches) * max_context, *(b * (c + mixed_growth) for _, b, c in spec.mixed)])
     kv_tokens += max(spec.prefill_chunks + tuple(p for p, _, _ in spec.mixed)) * PREFILL_CHUNKS_PER_PROMPT
     shape = load_shape(str(path), dtype_bytes=4)  # the engine runs FP32 on CPU
     config = EngineConfig(
@@ -293,7 +304,7 @@ def start_measurement(model: str | None, num_threads: int | None, block_size: in
                           enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_model_len=max(
             max_context, max(spec.prefill_chunks) * PREFILL_CHUNKS_PER_PROMPT + 2,
-            *(c + 2 * NUM_REPEATS + 6 for _, _, c in spec.mixed))),
+            *(c + mixed_growth + 2 for _, _, c in spec.mixed))),
     )
     hf_config = load_hf_config(path)
     runner = ModelRunner(config, hf_config, config.scheduler.max_model_len)
@@ -378,7 +389,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
           f"flops_efficiency={profile.flops_efficiency:.3f} attention_efficiency={profile.attention_efficiency:.3f} "
           f"bandwidth_efficiency={profile.bandwidth_efficiency:.3f} "
           f"step_overhead={profile.step_overhead_s * 1e3:.3f} ms per_seq={profile.per_seq_overhead_s * 1e6:.1f} us "
-          f"per_token={profile.per_token_overhead_s * 1e6:.2f} us")
+          f"per_token={profile.per_token_overhead_s * 1e6:.2f} us "
+          f"per_prompt_seq={profile.per_prompt_seq_overhead_s * 1e6:.1f} us")
     out = Path(args.out) if args.out else PROFILES_DIR / f"{args.name}.json"
     profile.save(out)
     print(f"wrote {out} ({time.perf_counter() - started:.0f} s)")

@@ -172,6 +172,12 @@ ENGINE_PREFILL_CHUNKS = (32, 128, 256)
 ENGINE_MIXED_BATCHES = (2, 4, 8)  # the decodes beside a fresh prompt, at half load
 ENGINE_PROMPT_QUANTILES = (0.25, 0.5, 0.75, 0.9)  # the prompt lengths the mixed points take
 ENGINE_GRID_PASSES = 3  # each point's steps taken at this many moments of the run (GridSpec.passes)
+# The moments of a run at which calibrate_beside measures grid plans, each a run of plans
+# until the grid has caught up with the run. A real step right after grid plans runs with
+# the caches they left (slower than its prediction, like a decode right after a prefill),
+# so the fewer moments the fewer such steps; enough of them still spread every kind's
+# passes over the run's stretch.
+ENGINE_GRID_MOMENTS = 8
 # The clock of both sides: the calibration's steps and the real run's (cluster/calibrate.py).
 ENGINE_CLOCK = "process"
 
@@ -226,11 +232,17 @@ def _fit_summary(report) -> str:  # noqa: ANN001 (worker.sim.fit.FitReport)
     return f"fit error mean {100 * report.mean_rel_error:.1f}%, max {100 * report.max_rel_error:.1f}%"
 
 
+def grid_moment(run_progress: float, grid_progress: float) -> bool:
+    """Whether calibrate_beside measures grid plans now: the grid lags the run by a moment's share."""
+    return run_progress - grid_progress >= 1.0 / ENGINE_GRID_MOMENTS
+
+
 def calibrate_beside(engine, requests: Sequence[SimRequest], spec,  # noqa: ANN001 (Engine, GridSpec)
                      log: Log):  # noqa: ANN201 (Figures, DeviceProfile)
     """The real run, with a calibration's grid measured between its steps (off the run's
-    clock): one grid plan whenever the grid's share done falls behind the share of the
-    run's requests added, the rest after the last step. Both then sample the machine over
+    clock): whenever the grid's share done falls behind the share of the run's requests
+    added by 1 / ENGINE_GRID_MOMENTS, grid plans until it no longer lags; the rest after
+    the last step. Both then sample the machine over
     the same stretch of time, so a load that comes or goes mid-run moves both alike.
     Returns the run's figures and the profile fitted to the grid."""
     from cluster.calibrate import fit_measurement, start_measurement
@@ -239,8 +251,9 @@ def calibrate_beside(engine, requests: Sequence[SimRequest], spec,  # noqa: ANN0
     measurement = start_measurement(None, ENGINE_NUM_THREADS, 16, ENGINE_CLOCK, spec)
 
     def between_steps(progress: float) -> None:
-        while not measurement.done and measurement.progress < progress:
-            measurement.measure_next()
+        if grid_moment(progress, measurement.progress):
+            while not measurement.done and measurement.progress < progress:
+                measurement.measure_next()
 
     real = run_engine_on_clock(engine, requests, CLOCKS[ENGINE_CLOCK], between_steps)
     num_after = len(measurement.tasks) - measurement.num_done

@@ -15,6 +15,7 @@ validation runs without them.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from benchmarks.routing.validate import ENGINE_CLOCK, Log, validate_engine
 from cluster.calibrate import CLOCKS
 
 KINDS = (("with a prefill chunk", True), ("decodes only", False))
+GAP_S = 2e-3  # wall time between two steps beyond the loop's own (adding requests): something else ran
 
 
 @dataclass
@@ -35,7 +37,7 @@ class StepRecord:
     calibration measured beside the run)."""
 
     cost: Any  # StepCostModel
-    rows: list[tuple[float, float, Any, bool]] = field(default_factory=list)
+    rows: list[tuple[float, float, Any, bool, bool]] = field(default_factory=list)  # + after a gap
 
 
 @contextmanager
@@ -48,6 +50,7 @@ def step_check(engine: Any, cost: Any, log: Log) -> Iterator[StepRecord]:  # wor
     record = StepRecord(cost)
     current: dict[str, Any] = {}
     clock = CLOCKS[ENGINE_CLOCK]
+    ended = [time.perf_counter()]  # wall time at the end of the last step
 
     def execute(plan: Any) -> Any:
         current["features"] = cost.plan_features(plan)
@@ -59,10 +62,13 @@ def step_check(engine: Any, cost: Any, log: Log) -> Iterator[StepRecord]:  # wor
 
     def step() -> Any:
         current.clear()
+        gap = time.perf_counter() - ended[0]
         t0 = clock()
         out = real_step()
+        ended[0] = time.perf_counter()
         if current:  # a step that ran the model
-            record.rows.append((clock() - t0, current["execute"], current["features"], current["prefill"]))
+            record.rows.append((clock() - t0, current["execute"], current["features"], current["prefill"],
+                                gap > GAP_S))
         return out
 
     runner.execute, engine.step = execute, step
@@ -70,12 +76,15 @@ def step_check(engine: Any, cost: Any, log: Log) -> Iterator[StepRecord]:  # wor
         yield record
     finally:
         runner.execute, engine.step = real_execute, real_step
-        log_steps([(t, e, record.cost.predict(f), p) for t, e, f, p in record.rows], log)
+        log_steps([(t, e, record.cost.predict(f), p, g) for t, e, f, p, g in record.rows], log)
 
 
-def log_steps(rows: list[tuple[float, float, float, bool]], log: Log) -> None:
+def log_steps(rows: list[tuple[float, float, float, bool, bool]], log: Log) -> None:
+    """Each kind's steps against their predictions; then decode-only steps by the step
+    before them, and the steps that followed a gap in the loop against the rest."""
     table = np.array([r[:3] for r in rows]).reshape(-1, 3)
     prefill = np.array([r[3] for r in rows], dtype=bool)
+    after_gap = np.array([r[4] for r in rows], dtype=bool)
     for name, kind in KINDS:
         t = table[prefill == kind]
         if not len(t):
@@ -83,6 +92,19 @@ def log_steps(rows: list[tuple[float, float, float, bool]], log: Log) -> None:
         log(f"    steps {name}: {len(t)}, median step {1e3 * np.median(t[:, 0]):.2f} ms, execute "
             f"{1e3 * np.median(t[:, 1]):.2f} ms, predicted {1e3 * np.median(t[:, 2]):.2f} ms; sums: step/predicted "
             f"{t[:, 0].sum() / t[:, 2].sum():.3f}, execute/predicted {t[:, 1].sum() / t[:, 2].sum():.3f}")
+    # Decode-only steps by the step before them: a live engine's decode steps mostly follow
+    # decode steps; a calibration point's first ones follow its batch's prefill.
+    after_chunk = np.concatenate([[False], prefill[:-1]]) & ~prefill
+    parts = [(name, table[mask]) for name, mask in (("after a step with a prefill chunk", after_chunk),
+                                                      ("after a decode-only step", ~prefill & ~after_chunk))]
+    log("    decodes only, " + "; ".join(f"{name}: {len(t)}, step/predicted {t[:, 0].sum() / t[:, 2].sum():.3f}"
+                                        for name, t in parts if len(t)))
+    # A step after a gap of wall time in the loop: a calibration plan ran between it and the
+    # step before (calibrate_beside), or the machine took the core away.
+    parts = [(name, table[mask]) for name, mask in ((f"after a gap of over {GAP_S * 1e3:g} ms", after_gap),
+                                                      ("the rest", ~after_gap))]
+    log("    all steps, " + "; ".join(f"{name}: {len(t)}, step/predicted {t[:, 0].sum() / t[:, 2].sum():.3f}"
+                                     for name, t in parts if len(t)))
 
 
 def main() -> int:

@@ -7,6 +7,7 @@ A roofline per component, summed, plus host overheads:
     (flops_eff_c: the profile's flops_efficiency for the GEMMs, its attention efficiency,
     by default the same, for the two attention components)
            + step_overhead + per_seq_overhead * num_seqs + per_token_overhead * num_tokens
+           + per_prompt_seq_overhead * num_prompt_seqs (rows of more than one new token)
 
 Components are the kernels a step runs one after another (so their times add, while
 inside one kernel compute and memory traffic overlap, so each takes the max):
@@ -65,6 +66,7 @@ class StepFeatures:
     bytes: tuple[float, ...]
     num_seqs: int
     num_tokens: int
+    num_prompt_seqs: int = 0  # rows of more than one new token (prompt chunks)
 
     def roofline_s(self, effective_flops: float, effective_bandwidth: float,
                    effective_attention_flops: float | None = None) -> float:
@@ -85,6 +87,7 @@ def predict(features: StepFeatures, profile: DeviceProfile) -> float:
         + profile.step_overhead_s
         + profile.per_seq_overhead_s * features.num_seqs
         + profile.per_token_overhead_s * features.num_tokens
+        + profile.per_prompt_seq_overhead_s * features.num_prompt_seqs
     )
 
 
@@ -102,6 +105,7 @@ class RowSums:
     prefill_pairs: int
     prefill_kv_tokens: int
     prefill_new: int
+    num_prompt_seqs: int
     decode_contexts: list[int] | None
 
     def plus(self, n: int, c: int, samples: bool) -> RowSums:
@@ -114,7 +118,8 @@ class RowSums:
                            decode_kv_tokens=self.decode_kv_tokens + c + 1, decode_contexts=contexts)
         return replace(self, num_tokens=self.num_tokens + n, num_seqs=self.num_seqs + 1,
                        num_sampled=self.num_sampled + samples, prefill_pairs=self.prefill_pairs + pairs,
-                       prefill_kv_tokens=self.prefill_kv_tokens + c + n, prefill_new=self.prefill_new + n)
+                       prefill_kv_tokens=self.prefill_kv_tokens + c + n, prefill_new=self.prefill_new + n,
+                       num_prompt_seqs=self.num_prompt_seqs + 1)
 
 
 class StepCostModel:
@@ -149,7 +154,7 @@ class StepCostModel:
         # The simulator's hot path (every simulated step): plain locals, one object at the end.
         num_tokens = num_seqs = num_sampled = 0
         decode_pairs = decode_kv_tokens = 0
-        prefill_pairs = prefill_kv_tokens = prefill_new = 0
+        prefill_pairs = prefill_kv_tokens = prefill_new = num_prompt_seqs = 0
         decode_contexts: list[int] | None = [] if self._padded_decodes else None
         for n, c, samples in rows:
             num_seqs += 1
@@ -165,8 +170,9 @@ class StepCostModel:
                 prefill_pairs += pairs
                 prefill_kv_tokens += c + n
                 prefill_new += n
+                num_prompt_seqs += 1
         return RowSums(num_tokens, num_seqs, num_sampled, decode_pairs, decode_kv_tokens, prefill_pairs,
-                       prefill_kv_tokens, prefill_new, decode_contexts)
+                       prefill_kv_tokens, prefill_new, num_prompt_seqs, decode_contexts)
 
     def _features(self, sums: RowSums) -> StepFeatures:
         num_tokens, num_sampled, prefill_new = sums.num_tokens, sums.num_sampled, sums.prefill_new
@@ -195,7 +201,7 @@ class StepCostModel:
         parts = (dense, head, decode, prefill)
         return StepFeatures(
             flops=tuple(p[0] for p in parts), bytes=tuple(p[1] for p in parts),
-            num_seqs=sums.num_seqs, num_tokens=num_tokens,
+            num_seqs=sums.num_seqs, num_tokens=num_tokens, num_prompt_seqs=sums.num_prompt_seqs,
         )
 
     def predict_beside(self, planned: Sequence[tuple[int, int, bool]]) -> Callable[[tuple[int, int, bool]], float]:
@@ -217,7 +223,9 @@ class StepCostModel:
         if features.num_seqs == 0:
             return 0.0
         p = self.profile
-        return p.step_overhead_s + p.per_seq_overhead_s * features.num_seqs + p.per_token_overhead_s * features.num_tokens
+        return (p.step_overhead_s + p.per_seq_overhead_s * features.num_seqs
+                + p.per_token_overhead_s * features.num_tokens
+                + p.per_prompt_seq_overhead_s * features.num_prompt_seqs)
 
     def step_time_s(self, work: Sequence[SeqWork]) -> float:
         return predict(self.features(work), self.profile)

@@ -1,8 +1,8 @@
 """Fitting a device profile's free parameters to measured step times.
 
 The free parameters are the ones a spec sheet does not give: the efficiencies (GEMM
-FLOPs, attention FLOPs, bandwidth) and the three host overheads (per step, per
-sequence, per token). The peaks stay as given
+FLOPs, attention FLOPs, bandwidth) and the four host overheads (per step, per
+sequence, per token, per prompt-chunk sequence beyond the per-sequence one). The peaks stay as given
 (spec sheet, or measured on the machine), so a fitted efficiency reads as "the share of
 the peak this engine reaches". The fit minimises relative errors (a 2 ms decode step
 and a 200 ms prefill count alike) through the cost model's own `predict`, so the fitted
@@ -32,7 +32,7 @@ class FitReport:
                 "max_rel_error": self.max_rel_error}
 
 
-# x = [s/FLOP of the GEMMs, s/byte, step s, per-seq s, per-token s, s/FLOP of attention]
+# x = [s/FLOP of the GEMMs, s/byte, step s, per-seq s, per-token s, s/FLOP of attention, per-prompt-seq s]
 _ATTENTION = np.array([False, False, True, True])  # aligned with cost_model.COMPONENTS
 
 
@@ -42,7 +42,7 @@ def _with(base: DeviceProfile, x: np.ndarray, fit_attention: bool) -> DeviceProf
     return replace(base, flops_efficiency=float(min(1.0, 1.0 / (x[0] * base.peak_flops))),
                    bandwidth_efficiency=float(min(1.0, 1.0 / (x[1] * base.hbm_bandwidth))),
                    step_overhead_s=float(x[2]), per_seq_overhead_s=float(x[3]), per_token_overhead_s=float(x[4]),
-                   attention_flops_efficiency=attention)
+                   attention_flops_efficiency=attention, per_prompt_seq_overhead_s=float(x[6]))
 
 
 def relative_errors(profile: DeviceProfile, points: Sequence[tuple[StepFeatures, float]]) -> np.ndarray:
@@ -75,39 +75,45 @@ def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-12) -> np.ndarray:
     return x / norms
 
 
-def _arrays(points: Sequence[tuple[StepFeatures, float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _arrays(points: Sequence[tuple[StepFeatures, float]]) -> tuple[np.ndarray, ...]:
     flops = np.array([f.flops for f, _ in points], dtype=float)  # (points, components)
     nbytes = np.array([f.bytes for f, _ in points], dtype=float)
     counts = np.array([[1.0, f.num_seqs, f.num_tokens] for f, _ in points])
+    prompt_seqs = np.array([f.num_prompt_seqs for f, _ in points], dtype=float)
     times = np.array([t for _, t in points], dtype=float)
-    return flops, nbytes, counts, times
+    return flops, nbytes, counts, prompt_seqs, times
 
 
 def fit_profile(
-    base: DeviceProfile, points: Sequence[tuple[StepFeatures, float]], fit_per_token: bool = True
+    base: DeviceProfile, points: Sequence[tuple[StepFeatures, float]], fit_per_token: bool = True,
+    fit_per_prompt_seq: bool = True,
 ) -> tuple[DeviceProfile, FitReport]:
     """`base`'s peaks with the efficiencies and overheads that best explain `points`
     (features of a step, its measured seconds). `fit_per_token=False` keeps the
-    per-token overhead at 0 (a GPU, where host work does not grow with tokens).
+    per-token overhead at 0 (a GPU, where host work does not grow with tokens), and
+    `fit_per_prompt_seq=False` the per-prompt-sequence one (a backend that attends prompt
+    rows and decode rows alike). That one is fitted only when some points carry prompt
+    rows and some do not (else it is the step overhead under another name).
     Attention gets its own efficiency when the points compute attention at all.
 
     With each component's regime fixed (compute- or memory-bound), the predicted time is
     linear in x = [s/FLOP, s/byte, overheads, attention s/FLOP]: a bounded linear least
     squares (NNLS on x - its lower bound, the peaks). So: fix the regimes from the current
     x, solve, repeat until they settle; from several starting efficiencies; keep the best."""
-    if len(points) < 6:
-        raise ValueError(f"a fit of 6 parameters needs at least 6 measured steps, got {len(points)}")
-    flops, nbytes, counts, times = _arrays(points)
+    if len(points) < 7:
+        raise ValueError(f"a fit of up to 7 parameters needs at least 7 measured steps, got {len(points)}")
+    flops, nbytes, counts, prompt_seqs, times = _arrays(points)
     if (times <= 0).any():
         raise ValueError("measured step times must be > 0")
     fit_attention = bool(flops[:, _ATTENTION].any())
-    lower = np.array([1.0 / base.peak_flops, 1.0 / base.hbm_bandwidth, 0.0, 0.0, 0.0, 1.0 / base.peak_flops])
-    used = np.array([True, True, True, True, fit_per_token, fit_attention])
+    fit_prompt = fit_per_prompt_seq and bool(prompt_seqs.any()) and not prompt_seqs.all()
+    lower = np.array([1.0 / base.peak_flops, 1.0 / base.hbm_bandwidth, 0.0, 0.0, 0.0, 1.0 / base.peak_flops, 0.0])
+    used = np.array([True, True, True, True, fit_per_token, fit_attention, fit_prompt])
     best_x, best_cost = None, np.inf
     for eff_flops in (0.02, 0.2, 0.9):
         for eff_bw in (0.02, 0.2, 0.9):
             for eff_attention in ((0.02, 0.2, 0.9) if fit_attention else (eff_flops,)):
-                x = np.array([lower[0] / eff_flops, lower[1] / eff_bw, 0.0, 0.0, 0.0, lower[5] / eff_attention])
+                x = np.array([lower[0] / eff_flops, lower[1] / eff_bw, 0.0, 0.0, 0.0, lower[5] / eff_attention, 0.0])
                 seen: set[bytes] = set()
                 for _ in range(50):
                     per_flop = np.where(_ATTENTION, x[5] if fit_attention else x[0], x[0])
@@ -119,7 +125,7 @@ def fit_profile(
                     gemm = compute_bound & ~_ATTENTION if fit_attention else compute_bound
                     attention = compute_bound & _ATTENTION
                     design = np.column_stack([(flops * gemm).sum(1), (nbytes * ~compute_bound).sum(1), counts,
-                                              (flops * attention).sum(1)])[:, used]
+                                              (flops * attention).sum(1), prompt_seqs])[:, used]
                     weighted = design / times[:, None]  # relative errors
                     y = nnls(weighted, 1.0 - weighted @ lower[used])
                     x = lower.copy()

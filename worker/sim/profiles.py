@@ -63,6 +63,13 @@ class DeviceProfile:
     # Host work per token of the step (building inputs, elementwise ops a roofline of the
     # matmuls and attention does not see). 0 on a GPU; a CPU fit finds it.
     per_token_overhead_s: float = 0.0
+    # Host work per prompt-chunk row (a row of more than one new token) beyond
+    # per_seq_overhead_s. 0 on a GPU (varlen kernels take every row in one call); the CPU
+    # backend runs one attention call per prompt row per layer (mask built, context
+    # gathered) but one per decode group, so its prompt rows cost more than its decode
+    # rows, and one per-row overhead fitted over both overprices decode-only steps while it
+    # underprices steps that carry a prompt. A CPU fit finds it.
+    per_prompt_seq_overhead_s: float = 0.0
     # Attention's own share of the FLOP peak (None: flops_efficiency). A GPU's fused
     # attention kernels run near the GEMMs' rate; the CPU backend's unfused attention
     # (scores materialised, a mask, paged KV gathered) runs far below it, so one shared
@@ -88,7 +95,8 @@ class DeviceProfile:
         if not (0 < self.flops_efficiency <= 1 and 0 < self.bandwidth_efficiency <= 1
                 and 0 < self.attention_efficiency <= 1):
             raise ValueError(f"device profile {self.name!r}: efficiencies must be in (0, 1]")
-        if min(self.step_overhead_s, self.per_seq_overhead_s, self.per_token_overhead_s) < 0:
+        if min(self.step_overhead_s, self.per_seq_overhead_s, self.per_token_overhead_s,
+               self.per_prompt_seq_overhead_s) < 0:
             raise ValueError(f"device profile {self.name!r}: overheads must be >= 0")
         if self.host_link_bandwidth <= 0 or self.disk_read_bandwidth < 0 or not 0 < self.link_efficiency <= 1:
             raise ValueError(f"device profile {self.name!r}: host_link_bandwidth must be > 0, "

@@ -223,7 +223,8 @@ def test_step_check_sets_each_model_step_against_its_prediction() -> None:
 
     from benchmarks.routing.validate_steps import step_check
 
-    plans = [SimpleNamespace(num_new_tokens=[64, 1]), None, SimpleNamespace(num_new_tokens=[1, 1])]
+    plans = [SimpleNamespace(num_new_tokens=[64, 1]), None, SimpleNamespace(num_new_tokens=[1, 1]),
+             SimpleNamespace(num_new_tokens=[1, 1, 1])]
 
     class Runner:
         def execute(self, plan: SimpleNamespace) -> str:
@@ -249,12 +250,16 @@ def test_step_check_sets_each_model_step_against_its_prediction() -> None:
 
     engine, lines = Engine(), []
     with step_check(engine, Cost(1.0), lines.append) as record:
-        assert [engine.step() for _ in range(3)] == [["ran"], [], ["ran"]]
-        record.cost = Cost(1e-3)  # 65 ms with the chunk, 2 ms decodes only
+        assert [engine.step() for _ in range(4)] == [["ran"], [], ["ran"], ["ran"]]
+        record.cost = Cost(1e-3)  # 65 ms with the chunk, 2 and 3 ms decodes only
     assert engine.step.__func__ is Engine.step and engine.runner.execute.__func__ is Runner.execute  # unhooked
-    assert len(lines) == 2
+    assert len(lines) == 4
     assert lines[0].startswith("    steps with a prefill chunk: 1, ") and "predicted 65.00 ms" in lines[0]
-    assert lines[1].startswith("    steps decodes only: 1, ") and "predicted 2.00 ms" in lines[1]
+    assert lines[1].startswith("    steps decodes only: 2, ") and "predicted 2.50 ms" in lines[1]
+    # The decode right after the chunk's step (the idle step between ran no model) apart from the one after it.
+    assert lines[2].startswith("    decodes only, after a step with a prefill chunk: 1, step/predicted ")
+    assert "; after a decode-only step: 1, step/predicted " in lines[2]
+    assert lines[3].startswith("    all steps, the rest: 3, step/predicted ")  # no gap between the steps
 
 
 def test_the_real_engine_runs_on_the_validations_clock(tiny_llama) -> None:  # noqa: ANN001 (Path)
@@ -309,3 +314,25 @@ def test_quick_trace_cells_skip_the_80_percent_runs(monkeypatch: pytest.MonkeyPa
     assert table.router_cell("trace", 4, 0, QUICK, {}, "headroom").at_80 is None and runs == []
     assert table.router_cell("b2b", 4, 0, QUICK, {}, "headroom").at_80 is found and runs == [4.0]
     assert table.router_cell("trace", 4, 0, FULL, {}, "headroom").at_80 is found and runs == [4.0, 4.0]
+
+
+def test_the_calibration_beside_a_run_measures_at_a_few_moments() -> None:
+    """calibrate_beside runs grid plans only once the grid lags the run by a moment's share
+    (then until it has caught up): a real step right after grid plans runs with the caches
+    they left, so they come in ENGINE_GRID_MOMENTS runs, not one plan between every few steps."""
+    from benchmarks.routing import validate
+
+    assert validate.ENGINE_GRID_MOMENTS == 8
+    assert not validate.grid_moment(0.1, 0.0)
+    assert validate.grid_moment(0.125, 0.0)
+    assert not validate.grid_moment(0.3, 0.2)
+    assert validate.grid_moment(1.0, 0.875)
+    # A run of 100 requests added one per step, a grid of 80 plans: its plans run at 7
+    # moments of the run, each catching up with it; the 5 left run after the last step.
+    grid_done, moments = 0, []
+    for added in range(1, 101):
+        if validate.grid_moment(added / 100, grid_done / 80):
+            moments.append(added)
+            while grid_done < 80 and grid_done / 80 < added / 100:
+                grid_done += 1
+    assert moments == [13, 27, 40, 53, 67, 80, 93] and grid_done == 75

@@ -50,8 +50,32 @@ def test_fit_error_reflects_measurement_noise() -> None:
     assert fitted.flops_efficiency == pytest.approx(0.55, rel=0.05)
 
 
+def test_fit_recovers_a_prompt_rows_own_overhead() -> None:
+    """A backend whose prompt rows cost more host work than its decode rows (the CPU one:
+    an attention call per prompt row per layer, one per decode group): with decode points
+    (no prompt row) beside prefill and mixed ones (one each), the fit tells that overhead
+    from the step's and the per-sequence one, and prices a step of two prompt rows with
+    both. A grid whose every point carries a prompt row cannot tell it from the step
+    overhead: it stays 0 there, as it does for a GPU fit that is told not to fit it."""
+    true = replace(TRUE, per_prompt_seq_overhead_s=400e-6)
+    model = StepCostModel(load_shape("llama-3-8b"), true)
+    mixed = [[SeqWork(p, 0)] + [SeqWork(1, 2048)] * b for p in (256, 1024) for b in (8, 64)]
+    pts = [(f, predict(f, true)) for f in map(model.features, grid() + mixed)]
+    fitted, report = fit_profile(load_profile("h100"), pts)
+    assert fitted.per_prompt_seq_overhead_s == pytest.approx(400e-6, rel=1e-2)
+    assert fitted.per_seq_overhead_s == pytest.approx(30e-6, rel=1e-2)
+    assert fitted.step_overhead_s == pytest.approx(1.5e-3, rel=1e-2)
+    assert report.max_rel_error < 1e-3
+    two_prompts = model.features([SeqWork(256, 0), SeqWork(512, 0), SeqWork(1, 2048)])
+    assert two_prompts.num_prompt_seqs == 2
+    assert predict(two_prompts, fitted) == pytest.approx(predict(two_prompts, true), rel=1e-3)
+    prompts_only = [(f, t) for f, t in pts if f.num_prompt_seqs]
+    assert fit_profile(load_profile("h100"), prompts_only)[0].per_prompt_seq_overhead_s == 0.0
+    assert fit_profile(load_profile("h100"), pts, fit_per_prompt_seq=False)[0].per_prompt_seq_overhead_s == 0.0
+
+
 def test_fit_needs_enough_positive_points() -> None:
-    with pytest.raises(ValueError, match="at least 6"):
+    with pytest.raises(ValueError, match="at least 7"):
         fit_profile(TRUE, points(0.0)[:3])
     bad = points(0.0)
     bad[0] = (bad[0][0], 0.0)
@@ -155,3 +179,26 @@ def test_passes_pool_each_points_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     decode = measurement.grid.samples["decode b=2 ctx=8"]
     assert points[0].label == "decode b=2 ctx=8" and points[0].seconds == pytest.approx(
         sum(t for _, t in decode) / 4)  # the mean of both passes' steps
+
+
+def test_decode_and_mixed_points_are_timed_past_the_batchs_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live engine's decode and mixed steps follow decode steps, not a fresh batch's
+    prefill: a decode point times its batch's steps from the (WARMUP_DECODE_STEPS + 1)th
+    decode on, and a mixed point's first fresh prompt joins decodes that are that many
+    steps past their prefill (each later one after a mixed step and a decode step). The
+    timed steps' features say which steps they were: a decode's context is its prompt plus
+    the tokens decoded before it."""
+    from cluster import calibrate
+
+    monkeypatch.setattr(calibrate, "NUM_REPEATS", 2)
+    monkeypatch.setattr(calibrate, "NUM_DECODE_STEPS", 4)
+    warm = calibrate.WARMUP_DECODE_STEPS
+    assert warm > 0
+    spec = calibrate.GridSpec(decode_batches=(1,), decode_contexts=(8,), prefill_chunks=(8,), mixed=((8, 2, 8),))
+    measurement = calibrate.start_measurement(None, 1, 16, "process", spec)
+    measurement.finish()
+    samples, cost = measurement.grid.samples, measurement.grid.recorder.cost
+    assert [f for f, _ in samples["decode b=1 ctx=8"]] == [cost.rows_features([(1, 8 + warm + k, True)])
+                                                           for k in range(4)]
+    mixed = [f for f, _ in samples["mixed chunk=8 + decode b=2 ctx=8"]]
+    assert mixed == [cost.rows_features([(1, c, True), (1, c, True), (8, 0, True)]) for c in (8 + warm, 8 + warm + 2)]

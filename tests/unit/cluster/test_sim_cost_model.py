@@ -157,6 +157,25 @@ def test_overheads_add_per_step_sequence_and_token() -> None:
     assert StepCostModel(shape, with_overheads).step_time_s([]) == 0.0
 
 
+def test_prompt_rows_carry_their_own_overhead_zero_on_every_shipped_profile() -> None:
+    """per_prompt_seq_overhead_s adds per row of more than one new token (a prompt chunk),
+    on top of the per-sequence overhead; every built-in and shipped JSON profile leaves it
+    at 0, so their step times are what they were."""
+    from worker.sim.profiles import profile_names
+
+    base = ideal("h100")
+    shape = load_shape("llama-3-8b")
+    work = [SeqWork(1, 100)] * 10 + [SeqWork(300, 0), SeqWork(2, 50, False)]
+    with_prompt = replace(base, per_prompt_seq_overhead_s=1e-4)
+    model = StepCostModel(shape, with_prompt)
+    assert model.features(work).num_prompt_seqs == 2
+    assert model.step_time_s(work) - StepCostModel(shape, base).step_time_s(work) == pytest.approx(2e-4)
+    assert model.overhead_s(model.features(work)) == pytest.approx(2e-4)
+    assert model.predict_beside([(1, 100, True)] * 10)((300, 0, True)) == pytest.approx(
+        model.step_time_s([SeqWork(1, 100)] * 10 + [SeqWork(300, 0)]))
+    assert all(load_profile(name).per_prompt_seq_overhead_s == 0.0 for name in profile_names())
+
+
 def test_plan_work_reads_a_real_scheduler_plan() -> None:
     sched = make_scheduler(max_num_batched_tokens=10, block_size=4)
     sched.add(make_seq("a", 6))
