@@ -318,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
               "(benchmarks/serve_floor.py)", flush=True)
     measured = measure_serve(batches, repeats, floor=args.serve_floor)
     serve_runs, floor = measured[SERVE_APP], measured.get(FLOOR_APP_NAME)
-    direct = None
+    direct = direct_floor = None
     if args.direct_ingress:
-        print("  as `kvserve serve --direct-ingress` runs Serve (HAProxy -> ingress replicas):", flush=True)
-        direct = measure_serve(batches, repeats, direct_ingress=True)[SERVE_APP]
+        print("  as `kvserve serve --direct-ingress` runs Serve (HAProxy -> ingress replicas)"
+              + (", beside the floor in turns:" if args.serve_floor else ":"), flush=True)
+        measured = measure_serve(batches, repeats, direct_ingress=True, floor=args.serve_floor)
+        direct, direct_floor = measured[SERVE_APP], measured.get(FLOOR_APP_NAME)
     print(f"load average after {os.getloadavg()}")
     plain, streamed = by_stream(serve_runs)
 
@@ -334,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     if floor is not None:
         print(versus("against the bare Serve floor", serve_runs, floor))
         floor_result = result_keys("floor", floor)
+    if direct is not None and direct_floor is not None:
+        print(versus("direct ingress against the bare Serve floor through it", direct, direct_floor))
+        floor_result += result_keys("direct_floor", direct_floor)
 
     if args.write_serving_cost:
         from cluster.sim.serving_cost import from_runs

@@ -60,6 +60,10 @@ def test_quick_run_prints_the_result_line(capsys: pytest.CaptureFixture[str], mo
     assert re.fullmatch(result + " floor_us_per_token_stream=234 floor_us_per_token=36 floor_delivered_ratio_b64=0.800 "
                         "floor_delivered_ratio_b256=0.900", out[-1]), out[-1]
     assert "against the bare Serve floor: 18 / 36 us/token not streamed (0.50x), 117 / 234 streamed (0.50x)" in "\n".join(out)
+    assert hostpath.main(["--quick", "--serve-floor", "--direct-ingress"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith(" direct_floor_us_per_token_stream=234 direct_floor_us_per_token=36 "
+                         "direct_floor_delivered_ratio_b64=0.800 direct_floor_delivered_ratio_b256=0.900"), last
 
 
 def test_a_serve_run_reports_cpu_per_token_and_the_delivered_share() -> None:
