@@ -65,7 +65,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,6 +87,8 @@ logger = logging.getLogger("ray.serve")
 # Requests chosen but never routed nor completed (cancelled before Serve sent them) are
 # forgotten beyond this many.
 _MAX_PENDING = 10_000
+# Completions seen before their routed hook, kept for it (a rejected call's never comes).
+_MAX_COMPLETED_FIRST = 10_000
 # Warm start: how long the first decision waits for the replicas' stats at most.
 WARM_START_TIMEOUT_S = 2.0
 
@@ -162,6 +164,11 @@ class PolicyRouter(RequestRouter):
         self.kv_index = KVIndex()  # what each replica caches, from its KV events
         self._pending: dict[str, RoutingRequest] = {}  # chosen, not yet routed
         self._sent: dict[str, ReplicaID] = {}  # routed, not yet completed
+        # Completed before routed: Serve registers a call's completion callback before its
+        # `on_request_routed` (which waits for the replica's accept), so a call that ends
+        # at once can complete first. Kept, oldest first and bounded (a rejected call
+        # completes on a replica it is never routed to), until its routed hook comes.
+        self._completed_first: OrderedDict[tuple[str, ReplicaID], None] = OrderedDict()
         self._outstanding: Counter[ReplicaID] = Counter()
         # Decisions by the policy's mode (its `last_mode`, or its name) and "pow2" for calls
         # without token ids; lifecycle hook calls. For metrics and tests.
@@ -290,8 +297,12 @@ class PolicyRouter(RequestRouter):
         previous = self._sent.pop(request_id, None)
         if previous is not None:
             self._outstanding[previous] -= 1
-        self._sent[request_id] = replica_id
-        self._outstanding[replica_id] += 1
+        key = (request_id, replica_id)
+        if key in self._completed_first:  # it ended before this hook: nothing outstanding
+            del self._completed_first[key]
+        else:
+            self._sent[request_id] = replica_id
+            self._outstanding[replica_id] += 1
         if self._uses_view and self.view.replica_of(request_id) not in (None, replica_id):
             self.num_hook_calls["moved"] += 1  # Serve sent it to a lower rank than the reservation's
         request = self._pending.pop(request_id, None)
@@ -304,6 +315,10 @@ class PolicyRouter(RequestRouter):
         if self._sent.get(internal_request_id) == replica_id:
             del self._sent[internal_request_id]
             self._outstanding[replica_id] -= 1
+        else:  # not routed yet: its routed hook must not count it
+            self._completed_first[(internal_request_id, replica_id)] = None
+            while len(self._completed_first) > _MAX_COMPLETED_FIRST:
+                self._completed_first.popitem(last=False)
         self._pending.pop(internal_request_id, None)
         self.policy.on_complete(internal_request_id, replica_id, router_now_s(self))
 

@@ -175,3 +175,36 @@ async def test_a_router_without_a_view_gives_no_view() -> None:
     router._uses_view = False  # a baseline policy keeps its own state
     snap = RouterSnapshotSource(handle_of(router)).snapshot()
     assert snap is not None and snap.unreflected == () and snap.routed_total is None
+
+
+def test_a_call_that_completes_before_its_routed_hook_is_not_left_outstanding() -> None:
+    """Serve registers a call's completion callback before it runs `on_request_routed`
+    (which waits for the replica to accept): a call that ends at once can complete first.
+    It must not stay counted on its replica; a rejected call, completed on one replica and
+    routed to another, counts on the second until it completes there."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from router.routing.serve_router import PolicyRouter
+
+    deployment = DeploymentID(name="worker", app_name="test")
+    router = PolicyRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(expected_output_tokens=32, report_lag_s=0.05, warm_start=False, seed=0)
+    r1, r2 = ReplicaID(unique_id="r1", deployment_id=deployment), ReplicaID(unique_id="r2", deployment_id=deployment)
+
+    fast = call("fast")
+    router.on_request_completed(r1, "fast")  # the completion first
+    router.on_request_routed(fast, r1, None)
+    assert router._outstanding[r1] == 0 and "fast" not in router._sent
+
+    normal = call("normal")
+    router.on_request_routed(normal, r1, None)
+    assert router._outstanding[r1] == 1
+    router.on_request_completed(r1, "normal")
+    assert router._outstanding[r1] == 0
+
+    rejected = call("rejected")
+    router.on_request_completed(r1, "rejected")  # cancelled on r1 after its rejection
+    router.on_request_routed(rejected, r2, None)  # then sent to r2
+    assert (router._outstanding[r1], router._outstanding[r2]) == (0, 1)
+    router.on_request_completed(r2, "rejected")
+    assert (router._outstanding[r1], router._outstanding[r2]) == (0, 0)
