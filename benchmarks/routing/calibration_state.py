@@ -29,7 +29,8 @@ import math
 import statistics
 import sys
 
-from benchmarks.routing.validate import ENGINE_CLOCK, ENGINE_NUM_THREADS, ENGINE_REQUESTS, ENGINE_WORKLOAD, workload_grid
+from benchmarks.routing.engine_grid import ENGINE_CLOCK, ENGINE_NUM_THREADS, workload_grid
+from benchmarks.routing.validate import ENGINE_REQUESTS, ENGINE_WORKLOAD
 from cluster.calibrate import NUM_DECODE_STEPS, NUM_REPEATS, WARMUP_DECODE_STEPS, start_measurement
 from cluster.sim.workloads import make_workload
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.routing.validate import ENGINE_CLOCK, Log, validate_engine
+from benchmarks.routing.engine_grid import ENGINE_CLOCK
+from benchmarks.routing.validate import Log, validate_engine
 from cluster.calibrate import CLOCKS
 
 KINDS = (("with a prefill chunk", True), ("decodes only", False))

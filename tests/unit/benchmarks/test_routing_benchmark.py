@@ -7,8 +7,8 @@ import math
 import pytest
 
 from benchmarks.routing.search import RunFigures, Search, Window, goodput_at_slo
-from benchmarks.routing.validate import (Figures, into_vocab, median_pair_errors, pair_error_spread, relative_errors,
-                                         workload_grid)
+from benchmarks.routing.engine_grid import workload_grid
+from benchmarks.routing.validate import Figures, into_vocab, median_pair_errors, pair_error_spread, relative_errors
 from cluster.sim.workloads import SimRequest
 
 
@@ -196,19 +196,19 @@ def test_pair_error_spread_is_each_figures_lowest_and_highest_pair_error() -> No
 def test_validation_grid_takes_the_workloads_prompt_and_sequence_lengths() -> None:
     """Mixed points at the prompt-length quantiles (one chunk at most), beside a few decodes
     at the 90th-percentile sequence length; decodes up to the longest sequence."""
-    from benchmarks.routing import validate
+    from benchmarks.routing import engine_grid
 
     requests = [SimRequest(f"r{i}", 0.0, (1,) * (10 * (i + 1)), 4) for i in range(100)]  # prompts 10..1000
     spec = workload_grid(requests, 512)
     # prompt quantile indices round(q * 99): 25, 50, 74, 89 -> 260, 510, 750 -> 512, 900 -> 512;
     # sequences 14..1004, the 90th percentile index 89 -> 904
-    assert validate.ENGINE_MIXED_BATCHES == (2, 4, 8)
+    assert engine_grid.ENGINE_MIXED_BATCHES == (2, 4, 8)
     assert spec.mixed == tuple((c, b, 904) for c in (260, 510, 512) for b in (2, 4, 8))
-    assert spec.decode_batches == validate.ENGINE_DECODE_BATCHES == (1, 2, 4, 8, 16)
-    assert validate.ENGINE_DECODE_CONTEXTS == (16, 128, 512)
+    assert spec.decode_batches == engine_grid.ENGINE_DECODE_BATCHES == (1, 2, 4, 8, 16)
+    assert engine_grid.ENGINE_DECODE_CONTEXTS == (16, 128, 512)
     assert spec.decode_contexts == (16, 128, 512, 1004)
     assert spec.prefill_chunks == (32, 128, 256)
-    assert spec.passes == validate.ENGINE_GRID_PASSES == 3
+    assert spec.passes == engine_grid.ENGINE_GRID_PASSES == 3
     assert workload_grid(requests, 100).prefill_chunks == (32, 100)  # one chunk at most
     short = [SimRequest("s", 0.0, (1,) * 60, 40)]
     assert workload_grid(short, 512).decode_contexts == (16, 100, 128, 512)
@@ -320,18 +320,18 @@ def test_the_calibration_beside_a_run_measures_at_a_few_moments() -> None:
     """calibrate_beside runs grid plans only once the grid lags the run by a moment's share
     (then until it has caught up): a real step right after grid plans runs with the caches
     they left, so they come in ENGINE_GRID_MOMENTS runs, not one plan between every few steps."""
-    from benchmarks.routing import validate
+    from benchmarks.routing import engine_grid
 
-    assert validate.ENGINE_GRID_MOMENTS == 8
-    assert not validate.grid_moment(0.1, 0.0)
-    assert validate.grid_moment(0.125, 0.0)
-    assert not validate.grid_moment(0.3, 0.2)
-    assert validate.grid_moment(1.0, 0.875)
+    assert engine_grid.ENGINE_GRID_MOMENTS == 8
+    assert not engine_grid.grid_moment(0.1, 0.0)
+    assert engine_grid.grid_moment(0.125, 0.0)
+    assert not engine_grid.grid_moment(0.3, 0.2)
+    assert engine_grid.grid_moment(1.0, 0.875)
     # A run of 100 requests added one per step, a grid of 80 plans: its plans run at 7
     # moments of the run, each catching up with it; the 5 left run after the last step.
     grid_done, moments = 0, []
     for added in range(1, 101):
-        if validate.grid_moment(added / 100, grid_done / 80):
+        if engine_grid.grid_moment(added / 100, grid_done / 80):
             moments.append(added)
             while grid_done < 80 and grid_done / 80 < added / 100:
                 grid_done += 1
