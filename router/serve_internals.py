@@ -81,6 +81,33 @@ async def fetch_routing_stats(replica: Any) -> dict[str, Any]:
     return dict(await replica._actor_handle.record_routing_stats.remote() or {})
 
 
+# -- a handle's transport ----------------------------------------------------------------------
+def process_transport(handle: Any, by_reference: bool | None = None) -> Any:
+    """`handle` with this process's Serve transport between deployments, and plain pickle
+    for what crosses it.
+
+    Why: a handle carries its transport (`_by_reference`) in its options, fixed where it
+    was made. kvserve makes the worker handles in the driver, which keeps Serve's defaults
+    (cluster/serve_env.py), so without this every call from an ingress replica took Ray's
+    actor-call path even where the replica runs Serve's throughput-optimized mode, whose
+    default is gRPC straight between replicas. `by_reference=True` keeps the actor path
+    for calls whose arguments or results hold Ray ObjectRefs (a disaggregated request's KV
+    handle): only that path tracks their ownership. Plain pickle instead of cloudpickle:
+    every type kvserve sends is importable, and the C pickler is the faster one.
+
+    Public API it stands in for: `DeploymentHandle.options(_by_reference=...)` is public in
+    its signature; Serve's per-process default is not. Private:
+    `ray.serve._private.constants.RAY_SERVE_USE_GRPC_BY_DEFAULT`.
+    """
+    from ray.serve._private import constants
+
+    if by_reference is None:
+        by_reference = not constants.RAY_SERVE_USE_GRPC_BY_DEFAULT
+    if by_reference:
+        return handle.options(_by_reference=True)
+    return handle.options(_by_reference=False, request_serialization="pickle", response_serialization="pickle")
+
+
 # -- a handle's request router ----------------------------------------------------------------
 def request_router_of(handle: Any) -> Any:
     """The RequestRouter instance behind a DeploymentHandle in this process (None until the
@@ -237,6 +264,12 @@ def _controller_grpc_config() -> bool:
     )
 
 
+def _grpc_default() -> bool:
+    from ray.serve._private import constants
+
+    return isinstance(getattr(constants, "RAY_SERVE_USE_GRPC_BY_DEFAULT", None), bool)
+
+
 def _serve_details() -> bool:
     from ray.serve import context as serve_context
     from ray.serve._private.client import ServeControllerClient
@@ -262,6 +295,8 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                "serve_internals.initialized_request_router_of", _handle_router_no_init),
     PrivateApi("RunningReplica._actor_handle.record_routing_stats", "serve_internals.fetch_routing_stats",
                _replica_stats_on_demand),
+    PrivateApi("ray.serve._private.constants.RAY_SERVE_USE_GRPC_BY_DEFAULT", "serve_internals.process_transport",
+               _grpc_default),
     PrivateApi("gRPCGenericServer.service_handler_factory", "router/frontend/grpc_proxy.py", _grpc_handler_factory),
     PrivateApi("ray.serve.context._get_global_client()._controller.get_grpc_config",
                "serve_internals.grpc_servicer_functions, serve_internals.grpc_proxy_port", _controller_grpc_config),

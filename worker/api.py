@@ -320,6 +320,10 @@ class LoRANotFoundError(RequestError):
         super().__init__(f"the LoRA adapter {name!r} does not exist; known adapters: {listed}")
         self.name, self.known = name, sorted(known)
 
+    def __reduce__(self) -> tuple[type, tuple[str, list[str]]]:
+        # Crosses from the worker to the ingress pickled: rebuilt from its own arguments.
+        return type(self), (self.name, self.known)
+
 
 class LoRAAdapterError(RequestError):
     """An adapter that cannot be loaded (missing or malformed files, wrong shapes, rank

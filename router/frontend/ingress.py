@@ -55,7 +55,7 @@ from router.frontend.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapt
 from router.frontend.metrics import CONTENT_TYPE, IngressMetrics
 from router.frontend.output_hub import OutputHub
 from router.frontend.pipeline import RequestPipeline, off_loop_if_large
-from router.serve_internals import initialized_request_router_of
+from router.serve_internals import initialized_request_router_of, process_transport
 from router.routing import SESSION_HEADER, client_session_id
 from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.frontend.workers import Workers
@@ -124,9 +124,13 @@ class Ingress(GrpcMethods):
         self.settings = settings
         # Outputs come back in batches, one list per engine step for all of this replica's
         # requests on a worker (router/frontend/output_hub.py); disaggregated, the decode
-        # pool's do (router/frontend/disagg.py).
-        generate: Any = (OutputHub(worker) if prefill_worker is None
-                         else DisaggregatedGenerate(prefill_worker, worker, max_waiting_for_decode))
+        # pool's do (router/frontend/disagg.py). Engine requests take this process's Serve
+        # transport (gRPC between replicas in Serve's throughput mode), except a
+        # disaggregated request's, whose KV handle holds an ObjectRef (serve_internals).
+        generate: Any = (OutputHub(process_transport(worker)) if prefill_worker is None
+                         else DisaggregatedGenerate(process_transport(prefill_worker, by_reference=True),
+                                                    process_transport(worker, by_reference=True),
+                                                    max_waiting_for_decode))
         workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill_worker)
         # Digests only (router/frontend/auth.py); a malformed entry fails the replica's start.
         api_keys = ApiKeys.from_env(settings.api_keys_env)
