@@ -54,7 +54,7 @@ from router.frontend.grpc_convert import (
     Clock, echo_text, engine_inputs, num_choices, prompt_logprobs, replica_stats, set_finish, set_stop, status_code_of,
     token_logprobs, tokenize,
 )
-from router.frontend.pipeline import RequestPipeline, off_loop_if_large
+from router.frontend.pipeline import RequestPipeline
 from router.routing import SESSION_HEADER, client_session_id
 
 if TYPE_CHECKING:
@@ -196,10 +196,10 @@ class GrpcServicer:
 
     async def _tokenize(self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext | None) -> pb.TokenizeResponse:
         pipeline = self.pipeline
-        self._authenticate(grpc_context)
+        principal = self._authenticate(grpc_context)
         model = self._model(request.model)
         _check_size(request, pipeline.settings.max_body_bytes)
-        ids = await off_loop_if_large(request.ByteSize(), tokenize, request, model, pipeline.tokenizer)
+        ids = await pipeline.tokenizer_work(principal, request.ByteSize(), tokenize, request, model, pipeline.tokenizer)
         info = await pipeline.workers.model_info()
         response = pb.TokenizeResponse(token_ids=ids, count=len(ids), max_model_len=info["max_model_len"])
         if request.return_token_strings:

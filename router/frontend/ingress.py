@@ -29,7 +29,6 @@ class, and FastAPI must then resolve the handlers' annotations (`Request`) at ru
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Any, TypeVar
@@ -54,7 +53,7 @@ from router.frontend.key_limits import KeyLimits
 from router.frontend.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.frontend.metrics import CONTENT_TYPE, IngressMetrics
 from router.frontend.output_hub import OutputHub
-from router.frontend.pipeline import RequestPipeline, off_loop_if_large
+from router.frontend.pipeline import RequestPipeline
 from router.serve_internals import initialized_request_router_of, process_transport
 from router.routing import SESSION_HEADER, client_session_id
 from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
@@ -67,7 +66,6 @@ from router.tracing import ClientTraceContext
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
-T = TypeVar("T")
 
 try:
     KVSERVE_VERSION = package_version("kvserve")
@@ -236,7 +234,7 @@ class Ingress(GrpcMethods):
         """vLLM's /tokenize: the ids generation would see, with the context length."""
         principal, req, num_bytes = await self._read(request, tk.TokenizeRequest)
         tokenizer = self.pipeline.tokenizer
-        ids = await self._tokenizer_work(principal, num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
+        ids = await self.pipeline.tokenizer_work(principal, num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
         info = await self.pipeline.workers.model_info()
         strs = [self.pipeline.texts(t) for t in ids] if req.return_token_strs else None
         out = tk.TokenizeResponse(count=len(ids), max_model_len=int(info["max_model_len"]), tokens=ids, token_strs=strs)
@@ -247,7 +245,7 @@ class Ingress(GrpcMethods):
         """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM)."""
         principal, req, num_bytes = await self._read(request, tk.DetokenizeRequest)
         tokenizer = self.pipeline.tokenizer
-        text = await self._tokenizer_work(principal, num_bytes, lambda: tk.detokenize_text(req, tokenizer))
+        text = await self.pipeline.tokenizer_work(principal, num_bytes, lambda: tk.detokenize_text(req, tokenizer))
         return JSONResponse(tk.DetokenizeResponse(prompt=text).model_dump())
 
     @app.get("/version")
@@ -287,15 +285,6 @@ class Ingress(GrpcMethods):
     # -- plumbing ----------------------------------------------------------------------------
     def _authenticate(self, request: Request) -> Principal:
         return self.pipeline.authenticate(request.headers.get("authorization"))
-
-    async def _tokenizer_work(self, principal: Principal, num_bytes: int, work: Callable[[], T]) -> T:
-        """`work` inside the limits like a generation (the key's slot and this replica's
-        share), off the event loop for a large body (as the pipeline does)."""
-        permit = await self.pipeline.admit(principal, 1)
-        try:
-            return await off_loop_if_large(num_bytes, work)
-        finally:
-            permit.release()
 
     async def _read(self, request: Request, model: type[M]) -> tuple[Principal, M, int]:
         """Authenticate, read the JSON body (bounded), validate it and check its `model`

@@ -100,6 +100,16 @@ class RequestPipeline:
             raise
         return JointPermit(permit, lease)
 
+    async def tokenizer_work(self, principal: Principal, num_bytes: int, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` (tokenizer work outside a generation: /tokenize, /detokenize, gRPC
+        Tokenize) inside the limits a generation has (the key's slot, this replica's share),
+        off the event loop for a large body: HTTP and gRPC alike."""
+        permit = await self.admit(principal, 1)
+        try:
+            return await off_loop_if_large(num_bytes, work, *args)
+        finally:
+            permit.release()
+
     async def start(
         self,
         principal: Principal,

@@ -1,6 +1,7 @@
 """Per-tenant limits (issue 30, "Exposure and limits"): a key's token charge is refunded
 whenever a request ends before the engine ran, its concurrency is counted in engine
-requests, a request's prompts are capped, and /tokenize sits inside the limits."""
+requests, a request's prompts are capped, and tokenizing (/tokenize, gRPC Tokenize) sits
+inside the limits."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,8 @@ from router.frontend.auth import ApiKeys, Principal, hash_key, key_id_of
 from router.frontend.ingress import Ingress
 from router.frontend.key_limits import KeyLimits
 from router.routing.admission import shed_error
-from tests.unit.router.frontend.test_grpc_servicer import FakeIngress
+from protos.kvserve.v1 import kvserve_pb2 as pb
+from tests.unit.router.frontend.test_grpc_servicer import FakeContext, FakeIngress
 from tests.unit.router.frontend.test_pipeline import inputs
 
 KEY = Principal(key_id_of(hash_key("k1")))
@@ -102,4 +104,19 @@ async def test_tokenize_is_inside_the_keys_limits() -> None:
     [e async for e in held]
     ok = await ingress.tokenize(Body({"model": "tiny", "prompt": "hello"}))
     assert ok.status_code == 200 and json.loads(ok.body)["count"] > 0
+    assert limits.store.in_flight(KEY.key_id) == 0 and fake.pipeline.limiter.in_flight == 0  # type: ignore[attr-defined]
+
+
+async def test_grpc_tokenize_is_inside_the_keys_limits() -> None:
+    # Finding: gRPC Tokenize skipped the limits HTTP /tokenize sits inside.
+    import grpc
+
+    fake, limits = limited(max_concurrent=1)
+    held = await fake.pipeline.start(KEY, 1, 10, inputs(4, 1), "held", 0.0)  # the key's one slot
+    context = FakeContext([("authorization", "Bearer k1")])
+    refused = await fake.Tokenize(pb.TokenizeRequest(prompt="hello"), grpc_context=context)
+    assert context.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and refused.count == 0
+    [e async for e in held]
+    ok = await fake.Tokenize(pb.TokenizeRequest(prompt="hello"), grpc_context=FakeContext([("authorization", "Bearer k1")]))
+    assert ok.count > 0
     assert limits.store.in_flight(KEY.key_id) == 0 and fake.pipeline.limiter.in_flight == 0  # type: ignore[attr-defined]
