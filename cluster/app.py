@@ -82,7 +82,7 @@ def pool_options(config: KVServeConfig) -> dict[str, tuple[KVServeConfig, dict[s
     out = {}
     for name, section in ((PREFILL_DEPLOYMENT, config.disaggregation.prefill), (DECODE_DEPLOYMENT, config.disaggregation.decode)):
         pool_config = config.model_copy(update={"workers": section})
-        options = worker_options(pool_config)
+        options = worker_options(pool_config, output_streams=name == DECODE_DEPLOYMENT)
         if name == PREFILL_DEPLOYMENT and config.routing.router not in ("headroom", "pow2"):
             raise ValueError(f"disaggregation needs routing 'headroom' or 'pow2', got {config.routing.router!r}")
         out[name] = (pool_config, options)
@@ -161,10 +161,17 @@ def ingress_autoscaling(config: KVServeConfig) -> dict[str, Any]:
     }
 
 
-def worker_options(config: KVServeConfig) -> dict[str, Any]:
+def worker_options(config: KVServeConfig, output_streams: bool = True) -> dict[str, Any]:
+    """A worker pool's Serve options. `output_streams`: the pool's replicas each hold one
+    batched output stream per ingress replica (worker/output_streams.py), a Serve request
+    like any other; Serve's limit is the pool's engine requests plus those streams, or a
+    replica full of engine requests refuses its own output stream, or the stream takes an
+    engine request's place and that request waits at the router for a whole batch to end.
+    The prefill pool of a disaggregated app answers unary calls only (False)."""
     w = config.workers
+    stream_room = config.ingress.max_num_replicas() if output_streams else 0
     options: dict[str, Any] = {
-        "max_ongoing_requests": w.max_ongoing_requests,
+        "max_ongoing_requests": w.max_ongoing_requests + stream_room,
         "ray_actor_options": worker_resources(config),
         "health_check_period_s": w.health_check_period_s,
         "health_check_timeout_s": w.health_check_timeout_s,

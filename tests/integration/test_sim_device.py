@@ -111,3 +111,64 @@ def test_sessions_named_by_header_or_user_reach_the_router(url: str) -> None:
         second = decisions()
     assert first["spread"] - before["spread"] == 4  # a stale report would have made one pow2
     assert second["affinity"] - first["affinity"] == 4 and second["spread"] == first["spread"]
+
+
+FULL_APP = "sim-device-full"
+FULL_SLOTS = 8
+FULL_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def full_url(serve_cluster: Any) -> Iterator[str]:
+    """One replica whose Serve request slots equal its engine's running slots."""
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.config import KVServeConfig
+
+    config = KVServeConfig.from_dict({
+        "app_name": FULL_APP,
+        "route_prefix": f"/{FULL_APP}",
+        "model": {"served_model_name": MODEL},
+        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "max_model_len": 4096,
+                   "max_num_seqs": FULL_SLOTS},
+        "workers": {"num_replicas": 1, "num_cpus": 0.5, "max_ongoing_requests": FULL_SLOTS},
+        "ingress": {"num_cpus": 0.5, "api_keys_env": None},
+    })
+    serve.run(build_app(config), name=FULL_APP, route_prefix=config.route_prefix)
+    try:
+        yield f"{serve_cluster.http_url}/{FULL_APP}/v1"
+    finally:
+        serve.delete(FULL_APP)
+
+
+def test_a_full_replica_runs_its_whole_burst_in_one_batch(full_url: str) -> None:
+    """max_ongoing_requests engine requests at once all run together: the ingress's output
+    stream to the replica does not take one of their slots (cluster/app.py
+    worker_options), which would leave one request waiting at the router until the others
+    finished, and the burst taking twice the steps."""
+    import asyncio
+
+    from ray import serve
+
+    handle = serve.get_deployment_handle("worker", FULL_APP)
+
+    def num_steps() -> int:
+        return sum(int(s["num_steps"]) for s in handle.broadcast("stats").results(timeout_s=30))
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            answers = await asyncio.gather(*(
+                client.post(f"{full_url}/completions", json={"model": MODEL, "prompt": f"burst {i}",
+                                                               "max_tokens": FULL_TOKENS})
+                for i in range(FULL_SLOTS)))
+        return [a.status_code for a in answers]
+
+    warm = httpx.post(f"{full_url}/completions", json={"model": MODEL, "prompt": "warm", "max_tokens": 2}, timeout=60)
+    assert warm.status_code == 200  # the ingress's output stream to the replica is open
+    before = num_steps()
+    assert asyncio.run(burst()) == [200] * FULL_SLOTS
+    steps = num_steps() - before
+    # Together: one prefill step plus FULL_TOKENS - 1 decode steps, a few more while the
+    # burst arrives; a straggler alone afterwards would add FULL_TOKENS - 1 more.
+    assert steps < FULL_TOKENS * 3 // 2, steps

@@ -8,7 +8,16 @@ import pytest
 from ray.serve import Application
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from cluster.app import POLICY_ROUTER, app_builder, ingress_options, ingress_settings, worker_options
+from cluster.app import (
+    DECODE_DEPLOYMENT,
+    POLICY_ROUTER,
+    PREFILL_DEPLOYMENT,
+    app_builder,
+    ingress_options,
+    ingress_settings,
+    pool_options,
+    worker_options,
+)
 from cluster.config import ConfigError, KVServeConfig
 
 
@@ -24,10 +33,28 @@ def test_app_builder_validates_and_builds() -> None:
 
 def test_worker_options() -> None:
     options = worker_options(config(engine={"device": "cpu"}, workers={"num_replicas": 3, "num_cpus": 0.5}))
-    assert options["num_replicas"] == 3 and options["max_ongoing_requests"] == 256
+    # 256 engine requests, and the one ingress replica's output stream.
+    assert options["num_replicas"] == 3 and options["max_ongoing_requests"] == 256 + 1
     assert options["ray_actor_options"] == {"num_cpus": 0.5}
     gpu = worker_options(config(engine={"device": "cuda"}))
     assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+
+
+def test_serves_limit_leaves_room_for_one_output_stream_per_ingress_replica() -> None:
+    # A replica full of engine requests must still take each ingress's output stream.
+    fixed = worker_options(config(workers={"max_ongoing_requests": 64}, ingress={"num_replicas": 3}))
+    assert fixed["max_ongoing_requests"] == 64 + 3
+    scaling = worker_options(config(workers={"max_ongoing_requests": 64},
+                                    ingress={"autoscaling": {"min_replicas": 1, "max_replicas": 5}}))
+    assert scaling["max_ongoing_requests"] == 64 + 5  # the most ingress replicas at once
+    assert worker_options(config(workers={"max_ongoing_requests": 64}), output_streams=False)["max_ongoing_requests"] == 64
+
+
+def test_only_the_decode_pool_holds_output_streams() -> None:
+    pools = pool_options(config(ingress={"num_replicas": 2}, disaggregation={
+        "prefill": {"max_ongoing_requests": 8}, "decode": {"max_ongoing_requests": 8}}))
+    assert pools[PREFILL_DEPLOYMENT][1]["max_ongoing_requests"] == 8  # unary calls only
+    assert pools[DECODE_DEPLOYMENT][1]["max_ongoing_requests"] == 8 + 2
 
 
 def test_tensor_parallel_replica_gets_one_bundle_per_rank_on_one_node() -> None:
