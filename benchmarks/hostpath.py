@@ -38,10 +38,14 @@ The LAST line is machine-readable:
     RESULT serve_us_per_token_stream=<us> serve_us_per_token=<us> delivered_ratio_b64=<x>
            delivered_ratio_b256=<x> engine_host_pct_b256=<p> engine_host_pct_b64=<p>
            engine_delivered_ratio_b64=<x> engine_delivered_ratio_b256=<x>
+           delivered_vs_engine_b64=<x> delivered_vs_engine_b256=<x>
            [direct_* with --direct-ingress] [floor_* with --serve-floor]
 (serve_* over every run's tokens, streamed or not; delivered_ratio_* through Serve, not
-streamed, medians; engine_* the engine alone, medians; floor_*: the same figures for a
-bare Serve app with the same hops and device, benchmarks/serve_floor.py).
+streamed, medians, against the device rate of the run's own steps; delivered_vs_engine_*
+the same delivered rates against the engine alone's modelled rate for the batch, which
+also counts a batch the Serve path spread over more steps; engine_* the engine alone,
+medians; floor_*: the same figures for a bare Serve app with the same hops and device,
+benchmarks/serve_floor.py).
 """
 from __future__ import annotations
 
@@ -54,8 +58,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.hostpath_serve import APP_NAME as SERVE_APP
-from benchmarks.hostpath_serve import (FLOOR_APP_NAME, by_stream, delivered_ratio, measure_serve, per_token_us,
-                                       result_keys, versus)
+from benchmarks.hostpath_serve import (FLOOR_APP_NAME, by_stream, delivered_ratio, delivered_vs_engine, measure_serve,
+                                       per_token_us, result_keys, versus)
 from worker.api import SamplingParams
 from worker.async_engine import AsyncEngine
 from worker.config import EngineConfig, ModelConfig, SchedulerConfig
@@ -327,18 +331,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average after {os.getloadavg()}")
     plain, streamed = by_stream(serve_runs)
 
+    engine_rates = {b: s.median("modelled_tokens_per_s") for b, s in summaries.items()}
     if baseline is not None:
         print(versus("against Serve's defaults", serve_runs, baseline))
     direct_result = floor_result = ""
     if direct is not None:
         print(versus("direct ingress against the default", direct, serve_runs))
-        direct_result = result_keys("direct", direct)
+        direct_result = result_keys("direct", direct, engine_rates)
     if floor is not None:
         print(versus("against the bare Serve floor", serve_runs, floor))
-        floor_result = result_keys("floor", floor)
+        floor_result = result_keys("floor", floor, engine_rates)
     if direct is not None and direct_floor is not None:
         print(versus("direct ingress against the bare Serve floor through it", direct, direct_floor))
-        floor_result += result_keys("direct_floor", direct_floor)
+        floor_result += result_keys("direct_floor", direct_floor, engine_rates)
 
     if args.write_serving_cost:
         from cluster.sim.serving_cost import from_runs
@@ -349,15 +354,19 @@ def main(argv: list[str] | None = None) -> int:
             f.write(cost.to_json())
         print(f"wrote {args.write_serving_cost}")
     b64, b256 = summaries[64], summaries[256]
+    vs_engine = {b: delivered_vs_engine(serve_runs, b, engine_rates[b]) for b in (64, 256)}
     print(f"serve: {per_token_us(plain):.0f} us/token not streamed, {per_token_us(streamed):.0f} us/token streamed; "
           f"delivered ratio b64 {delivered_ratio(serve_runs, 64):.3f}, b256 {delivered_ratio(serve_runs, 256):.3f} (medians); "
+          f"delivered over the engine alone's rate b64 {vs_engine[64]:.3f}, b256 {vs_engine[256]:.3f}; "
           f"errors {sum(r.errors for r in serve_runs)}")
     print(
         f"RESULT serve_us_per_token_stream={per_token_us(streamed):.0f} serve_us_per_token={per_token_us(plain):.0f} "
         f"delivered_ratio_b64={delivered_ratio(serve_runs, 64):.3f} delivered_ratio_b256={delivered_ratio(serve_runs, 256):.3f} "
         f"engine_host_pct_b256={b256.median('host_pct'):.2f} engine_host_pct_b64={b64.median('host_pct'):.2f} "
         f"engine_delivered_ratio_b64={b64.median('delivered_ratio'):.3f} "
-        f"engine_delivered_ratio_b256={b256.median('delivered_ratio'):.3f}{direct_result}{floor_result}"
+        f"engine_delivered_ratio_b256={b256.median('delivered_ratio'):.3f} "
+        f"delivered_vs_engine_b64={vs_engine[64]:.3f} delivered_vs_engine_b256={vs_engine[256]:.3f}"
+        f"{direct_result}{floor_result}"
     )
     return 0
 

@@ -316,6 +316,16 @@ def delivered_ratio(runs: list[Any], num_requests: int) -> float:
     return statistics.median(r.delivered_ratio for r in runs if r.num_requests == num_requests and not r.stream)
 
 
+def delivered_vs_engine(runs: list[Any], num_requests: int, engine_rate: float) -> float:
+    """The median delivered token rate of one batch's not-streamed runs over the engine
+    alone's modelled rate for that batch (all its requests from the first step). Unlike
+    the delivered ratio, whose device rate comes from the run's own steps, this also counts
+    what the Serve path did to the batch: requests that arrived over several steps, or one
+    that waited for the others and then ran alone, make the run's steps more and smaller."""
+    return statistics.median(r.tokens / r.wall_s for r in runs
+                             if r.num_requests == num_requests and not r.stream) / engine_rate
+
+
 def versus(label: str, runs: list[Any], other: list[Any]) -> str:
     """`runs` against `other`: CPU per token (and their ratio), delivered ratios, errors."""
     (plain, streamed), (o_plain, o_streamed) = by_stream(runs), by_stream(other)
@@ -327,11 +337,14 @@ def versus(label: str, runs: list[Any], other: list[Any]) -> str:
             f"errors {sum(r.errors for r in runs)} / {sum(r.errors for r in other)}")
 
 
-def result_keys(prefix: str, runs: list[Any]) -> str:
+def result_keys(prefix: str, runs: list[Any], engine_rates: dict[int, float]) -> str:
+    """`prefix`'s RESULT keys; `engine_rates`: batch -> the engine alone's modelled rate."""
     plain, streamed = by_stream(runs)
     return (f" {prefix}_us_per_token_stream={per_token_us(streamed):.0f} {prefix}_us_per_token={per_token_us(plain):.0f} "
             f"{prefix}_delivered_ratio_b64={delivered_ratio(runs, 64):.3f} "
-            f"{prefix}_delivered_ratio_b256={delivered_ratio(runs, 256):.3f}")
+            f"{prefix}_delivered_ratio_b256={delivered_ratio(runs, 256):.3f} "
+            f"{prefix}_delivered_vs_engine_b64={delivered_vs_engine(runs, 64, engine_rates[64]):.3f} "
+            f"{prefix}_delivered_vs_engine_b256={delivered_vs_engine(runs, 256, engine_rates[256]):.3f}")
 
 
 if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--client":

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks import hostpath
 from benchmarks.hostpath import DeviceStep, DeviceTimeline
-from benchmarks.hostpath_serve import ServeRun
+from benchmarks.hostpath_serve import ServeRun, delivered_vs_engine
 
 
 def step(start_cpu: float, window_cpu: float, end_cpu: float, modelled_s: float) -> DeviceStep:
@@ -51,22 +51,29 @@ def test_quick_run_prints_the_result_line(capsys: pytest.CaptureFixture[str], mo
     number = r"[0-9.]+"
     result = (rf"RESULT serve_us_per_token_stream=117 serve_us_per_token=18 delivered_ratio_b64=0.800 "
               rf"delivered_ratio_b256=0.900 engine_host_pct_b256={number} engine_host_pct_b64={number} "
-              rf"engine_delivered_ratio_b64={number} engine_delivered_ratio_b256={number}")
+              rf"engine_delivered_ratio_b64={number} engine_delivered_ratio_b256={number} "
+              rf"delivered_vs_engine_b64={number} delivered_vs_engine_b256={number}")
     assert hostpath.main(["--quick"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(result, last), last
     assert hostpath.main(["--quick", "--serve-floor"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert re.fullmatch(result + " floor_us_per_token_stream=234 floor_us_per_token=36 floor_delivered_ratio_b64=0.800 "
-                        "floor_delivered_ratio_b256=0.900", out[-1]), out[-1]
+                        rf"floor_delivered_ratio_b256=0.900 floor_delivered_vs_engine_b64={number} "
+                        rf"floor_delivered_vs_engine_b256={number}", out[-1]), out[-1]
     assert "against the bare Serve floor: 18 / 36 us/token not streamed (0.50x), 117 / 234 streamed (0.50x)" in "\n".join(out)
     assert hostpath.main(["--quick", "--serve-floor", "--direct-ingress"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.endswith(" direct_floor_us_per_token_stream=234 direct_floor_us_per_token=36 "
-                         "direct_floor_delivered_ratio_b64=0.800 direct_floor_delivered_ratio_b256=0.900"), last
+    assert re.search(r" direct_floor_us_per_token_stream=234 direct_floor_us_per_token=36 "
+                     r"direct_floor_delivered_ratio_b64=0.800 direct_floor_delivered_ratio_b256=0.900 "
+                     rf"direct_floor_delivered_vs_engine_b64={number} direct_floor_delivered_vs_engine_b256={number}$",
+                     last), last
 
 
 def test_a_serve_run_reports_cpu_per_token_and_the_delivered_share() -> None:
     run = ServeRun(64, 256, True, 16_384, 4.0, 2.0, {"proxy": 0.5, "ingress": 1.0, "worker": 0.138}, 0.3, 0)
     assert run.us_per_token == pytest.approx(1e6 * 1.638 / 16_384)
     assert run.device_rate == 8192.0 and run.delivered_rate == 4096.0 and run.delivered_ratio == 0.5
+    # Not streamed, against an engine that alone makes 16384 tok/s on this batch: a quarter of it.
+    plain = ServeRun(64, 256, False, 16_384, 4.0, 2.0, {"worker": 0.1}, 0.3, 0)
+    assert delivered_vs_engine([run, plain], 64, 16384.0) == 0.25
