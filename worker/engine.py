@@ -24,7 +24,7 @@ from kv.kv_events import KVEventLog
 from kv.transfer import KVExport, KVTransferError
 from worker.api import KVImportError, LoRAAdapterError, LoRANotFoundError, RequestError
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
-from worker.engine_stats import EngineStats
+from worker.engine_stats import EngineStats, engine_stats
 from worker.kv_connector import KVConnector, SavedKV, make_connector
 from worker.lora.engine_lora import EngineLoRA
 from worker.api import RequestOutput, RunnerOutput
@@ -32,7 +32,7 @@ from worker.runner_protocols import Runner
 from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.request_checks import RequestLimits, check_import_root, check_request
-from worker.request_output import request_output
+from worker.request_output import request_output, sampled_output
 from worker.sequence import Sequence, SequenceStatus
 from worker.step_budget import StepPredictor, engine_step_budget
 from worker.step_meters import OutputLengthTracker, PrefillRateMeter, StepCounters
@@ -394,13 +394,7 @@ class Engine:
                 del self.seqs[seq.request_id]
                 if seq.lora_name is not None:
                     self.lora.done(seq)
-            lp = logprobs_of.get(seq.request_id) if logprobs_of is not None else None
-            out = request_output(seq, [seq.token_ids[-1]], [lp] if lp is not None else None)
-            # On the first output, when complete (a decode-side import computed no prompt:
-            # its prefill replica's first output carried them).
-            entries = seq.prompt_logprobs
-            if entries is not None and seq.num_output_tokens == 1 and len(entries) == seq.num_prompt_tokens - 1:
-                out.prompt_logprobs = [None, *entries]
+            out = sampled_output(seq, logprobs_of.get(seq.request_id) if logprobs_of is not None else None)
             kv = saved.get(seq.request_id) if saved else None
             if isinstance(kv, str):  # its KV export failed: an error, not a clean finish
                 out = self._fail_one(seq, kv)
@@ -434,17 +428,4 @@ class Engine:
         kv = self.kv.stats()
         if self.tiers is not None:
             kv = replace(kv, **self.tiers.stats())
-        counters = self.counters
-        return EngineStats(
-            kv=kv,
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            # Uncached only (Scheduler.waiting_uncached_tokens): the router's prefill backlog.
-            num_waiting_prompt_tokens=self.scheduler.waiting_uncached_tokens(),
-            num_preemptions=self.scheduler.num_preemptions,
-            num_generated_tokens=counters.num_generated_tokens,
-            num_steps=counters.num_steps,
-            tokens_per_s=counters.tokens_per_s,
-            forward_share=counters.forward_share,
-            scheduler_share=counters.scheduler_share,
-        )
+        return engine_stats(kv, self.scheduler, self.counters)

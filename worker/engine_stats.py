@@ -3,8 +3,13 @@ step counters (the router's, the autoscaler's and the metrics' source)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kv.stats import KVStats
+
+if TYPE_CHECKING:
+    from worker.scheduler import Scheduler
+    from worker.step_meters import StepCounters
 
 
 @dataclass(frozen=True)
@@ -24,3 +29,20 @@ class EngineStats:
         d = {k: v for k, v in self.__dict__.items() if k != "kv"}
         d.update(self.kv.to_dict())
         return d
+
+
+def engine_stats(kv: KVStats, scheduler: Scheduler, counters: StepCounters) -> EngineStats:
+    """The report of an engine whose KV cache (with its tiers) stands at `kv`."""
+    return EngineStats(
+        kv=kv,
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        # Uncached only (Scheduler.waiting_uncached_tokens): the router's prefill backlog.
+        num_waiting_prompt_tokens=scheduler.waiting_uncached_tokens(),
+        num_preemptions=scheduler.num_preemptions,
+        num_generated_tokens=counters.num_generated_tokens,
+        num_steps=counters.num_steps,
+        tokens_per_s=counters.tokens_per_s,
+        forward_share=counters.forward_share,
+        scheduler_share=counters.scheduler_share,
+    )

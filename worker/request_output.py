@@ -28,3 +28,15 @@ def request_output(seq: Sequence, new_token_ids: list[int], logprobs: list | Non
         seq.scheduled_time,
         seq.num_preemptions,
     )
+
+
+def sampled_output(seq: Sequence, logprob: object | None) -> RequestOutput:
+    """The output of a step that sampled `seq` a token (and its logprob entry, if asked).
+    A request's first output also carries its prompt logprobs, when they are complete: a
+    decode-side import computed no prompt, and its prefill replica's first output carried
+    them."""
+    out = request_output(seq, [seq.token_ids[-1]], [logprob] if logprob is not None else None)
+    entries = seq.prompt_logprobs
+    if entries is not None and seq.num_output_tokens == 1 and len(entries) == seq.num_prompt_tokens - 1:
+        out.prompt_logprobs = [None, *entries]
+    return out
