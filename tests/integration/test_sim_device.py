@@ -6,6 +6,7 @@ its KV pool from the H200's memory, and the same request streams the same tokens
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -20,27 +21,36 @@ MODEL = "sim-llama-3-8b"
 H200_LLAMA3_8B_BLOCKS = 52_852  # (0.9 * 141 GB - 16.06 GB of weights) / (16 tokens * 128 KiB)
 
 
-@pytest.fixture(scope="module")
-def url(serve_cluster: Any) -> Iterator[str]:
+@contextmanager
+def sim_app(serve_cluster: Any, name: str, engine: dict[str, Any], workers: dict[str, Any],
+            **sections: Any) -> Iterator[str]:
+    """An app of simulated H200 replicas (the llama-3-8b shape) as the app builder deploys
+    it; its OpenAI base URL while the block runs."""
     from ray import serve
 
     from cluster.app import build_app
     from cluster.config import KVServeConfig
 
     config = KVServeConfig.from_dict({
-        "app_name": APP_NAME,
-        "route_prefix": f"/{APP_NAME}",
+        "app_name": name,
+        "route_prefix": f"/{name}",
         "model": {"served_model_name": MODEL},  # the embedded model's directory: its tokenizer only
-        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "max_model_len": 4096},
-        "workers": {"num_replicas": 2, "num_cpus": 0.5},
+        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "max_model_len": 4096, **engine},
+        "workers": {"num_cpus": 0.5, **workers},
         "ingress": {"num_cpus": 0.5, "api_keys_env": None},
-        "routing": {"stats_period_s": 0.5},
+        **sections,
     })
-    serve.run(build_app(config), name=APP_NAME, route_prefix=config.route_prefix)
+    serve.run(build_app(config), name=name, route_prefix=config.route_prefix)
     try:
-        yield f"{serve_cluster.http_url}/{APP_NAME}/v1"
+        yield f"{serve_cluster.http_url}/{name}/v1"
     finally:
-        serve.delete(APP_NAME)
+        serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def url(serve_cluster: Any) -> Iterator[str]:
+    with sim_app(serve_cluster, APP_NAME, {}, {"num_replicas": 2}, routing={"stats_period_s": 0.5}) as base:
+        yield base
 
 
 def test_completion_runs_to_max_tokens_on_simulated_h200s(url: str) -> None:
@@ -121,25 +131,9 @@ FULL_TOKENS = 32
 @pytest.fixture(scope="module")
 def full_url(serve_cluster: Any) -> Iterator[str]:
     """One replica whose Serve request slots equal its engine's running slots."""
-    from ray import serve
-
-    from cluster.app import build_app
-    from cluster.config import KVServeConfig
-
-    config = KVServeConfig.from_dict({
-        "app_name": FULL_APP,
-        "route_prefix": f"/{FULL_APP}",
-        "model": {"served_model_name": MODEL},
-        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "max_model_len": 4096,
-                   "max_num_seqs": FULL_SLOTS},
-        "workers": {"num_replicas": 1, "num_cpus": 0.5, "max_ongoing_requests": FULL_SLOTS},
-        "ingress": {"num_cpus": 0.5, "api_keys_env": None},
-    })
-    serve.run(build_app(config), name=FULL_APP, route_prefix=config.route_prefix)
-    try:
-        yield f"{serve_cluster.http_url}/{FULL_APP}/v1"
-    finally:
-        serve.delete(FULL_APP)
+    with sim_app(serve_cluster, FULL_APP, {"max_num_seqs": FULL_SLOTS},
+                 {"num_replicas": 1, "max_ongoing_requests": FULL_SLOTS}) as base:
+        yield base
 
 
 def test_a_full_replica_runs_its_whole_burst_in_one_batch(full_url: str) -> None:
