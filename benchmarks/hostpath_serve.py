@@ -18,8 +18,9 @@ cluster/app.py builds (HTTP proxy -> ingress -> worker). N requests at once to
   Serve controller) are printed beside it, not counted.
 
 The load client runs in its own process at a lower priority (nice 5): its CPU is not in
-any Serve process, and the server it measures comes first. It parses only what it
-needs to count tokens (the usage of each response).
+any Serve process, and the server it measures comes first. It is aiohttp, whose parser is
+C, and parses only what it needs to count tokens (the usage of each response); its own
+CPU seconds are printed beside each run, not counted.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ class ServeRun:
     cpu_s: dict[str, float]  # per Serve process kind, over the run
     daemon_cpu_s: float  # Ray's daemons over the run (not counted)
     errors: int
+    client_cpu_s: float = 0.0  # the load client's own (not counted)
 
     @property
     def serving_cpu_s(self) -> float:
@@ -85,7 +87,7 @@ class ServeRun:
                 f"{self.tokens} tokens in {self.wall_s:.2f} s = {self.delivered_rate:.0f} tok/s delivered, device "
                 f"{self.device_rate:.0f} tok/s ({self.device_s:.2f} s modelled): ratio {self.delivered_ratio:.3f}; "
                 f"serving CPU {self.serving_cpu_s:.2f} s = {self.us_per_token:.0f} us/token ({where}); "
-                f"Ray daemons {self.daemon_cpu_s:.2f} s; errors {self.errors}")
+                f"Ray daemons {self.daemon_cpu_s:.2f} s, load client {self.client_cpu_s:.2f} s; errors {self.errors}")
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -212,35 +214,38 @@ def run_client(url: str, num_requests: int, max_tokens: int, stream: bool, seed:
 
 
 async def _client(url: str, num_requests: int, max_tokens: int, stream: bool, seed: int) -> dict[str, Any]:
-    import httpx
+    """aiohttp (its HTTP parser is C): at 256 requests at once httpx's client spent more
+    CPU than the whole server, and on a 2-core box that CPU and its late reads stretched
+    the wall time measured here."""
+    import aiohttp
 
-    async def one(client: httpx.AsyncClient, i: int) -> int:
+    async def one(session: aiohttp.ClientSession, i: int) -> int:
         base = (seed * 100_003 + i * PROMPT_LEN) % 30_000 + 100
         body: dict[str, Any] = {"model": MODEL, "prompt": list(range(base, base + PROMPT_LEN)), "max_tokens": max_tokens,
                                 "temperature": 0.0, "ignore_eos": True, "stream": stream}
         if not stream:
-            response = await client.post(url, json=body)
-            response.raise_for_status()
-            return int(response.json()["usage"]["completion_tokens"])
+            async with session.post(url, json=body) as response:
+                response.raise_for_status()
+                return int((await response.json())["usage"]["completion_tokens"])
         body["stream_options"] = {"include_usage": True}
         tokens = 0
-        async with client.stream("POST", url, json=body) as response:
+        async with session.post(url, json=body) as response:
             response.raise_for_status()
-            async for line in response.aiter_lines():
-                if line.startswith("data: {") and '"usage"' in line:
-                    usage = json.loads(line[6:]).get("usage")
+            async for raw in response.content:  # one SSE line per item
+                if raw.startswith(b"data: {") and b'"usage"' in raw:
+                    usage = json.loads(raw[6:]).get("usage")
                     if usage:
                         tokens = int(usage["completion_tokens"])
         return tokens
 
-    limits = httpx.Limits(max_connections=num_requests + 8, max_keepalive_connections=num_requests + 8)
-    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(client, i) for i in range(num_requests)), return_exceptions=True)
-        wall = time.perf_counter() - start
+    connector = aiohttp.TCPConnector(limit=num_requests + 8)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600.0)) as session:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        results = await asyncio.gather(*(one(session, i) for i in range(num_requests)), return_exceptions=True)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     errors = [r for r in results if isinstance(r, BaseException)]
-    return {"tokens": sum(r for r in results if isinstance(r, int)), "wall_s": wall, "errors": len(errors),
-            "error_sample": repr(errors[0])[:300] if errors else ""}
+    return {"tokens": sum(r for r in results if isinstance(r, int)), "wall_s": wall, "client_cpu_s": cpu,
+            "errors": len(errors), "error_sample": repr(errors[0])[:300] if errors else ""}
 
 
 # -- one measured run ---------------------------------------------------------------------------------
@@ -256,7 +261,7 @@ def measure(url: str, num_requests: int, max_tokens: int, stream: bool, seed: in
     if result["errors"]:
         print(f"  {result['errors']} errors, e.g. {result['error_sample']}", flush=True)
     return ServeRun(num_requests, max_tokens, stream, int(result["tokens"]), float(result["wall_s"]),
-                    device_after - device_before, spent, daemon, int(result["errors"]))
+                    device_after - device_before, spent, daemon, int(result["errors"]), float(result["client_cpu_s"]))
 
 
 def free_port() -> int:
