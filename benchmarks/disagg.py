@@ -54,7 +54,7 @@ from benchmarks.disagg_workload import (
     round_seed,
 )
 from cluster.bench.probe import calibrate_prompt_tokens, fetch_models
-from cluster.bench.run import make_client
+from cluster.bench.client import CLIENT_ERRORS, make_client
 from cluster.bench.stream import RequestResult, completions_url, request_body, send_request
 from cluster.bench.workload import BenchRequest, PromptCalibration
 from cluster.serve_env import controller_options, job_runtime_env
@@ -201,8 +201,6 @@ async def warm_up(client: Any, base_url: str, model: str, spec: DisaggSpec, cali
 async def wait_until_serving(client: Any, base_url: str, timeout_s: float = 120.0) -> str:
     """The served model name, once the app answers /v1/models (bounded poll: the proxy
     learns new routes a little after serve.run returns)."""
-    import httpx  # the bench client's dependency, imported where used as cluster/bench does
-
     deadline = time.monotonic() + timeout_s
     last_error: str = "no model listed"
     while True:
@@ -210,7 +208,7 @@ async def wait_until_serving(client: Any, base_url: str, timeout_s: float = 120.
             models = await fetch_models(client, base_url)
             if models:
                 return str(models[0]["id"])
-        except (httpx.HTTPError, ValueError) as e:
+        except (*CLIENT_ERRORS, ValueError) as e:
             last_error = f"{type(e).__name__}: {e}"
         if time.monotonic() > deadline:
             raise RuntimeError(f"{base_url} not serving after {timeout_s:.0f} s ({last_error})")
@@ -235,7 +233,7 @@ async def run_all(spec: DisaggSpec, base_urls: dict[str, str], log: Callable[[st
                 await run_round(client, base_urls[side], models[side], spec, round_seed(spec, r), calibration, results[side])
         return results
     finally:
-        await client.aclose()
+        await client.close()
 
 
 # -- the report ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 async def replay(url: str, model: str, requests: Sequence[Any], dilation: float, timeout_s: float) -> list[Any]:
     """cluster/bench's RequestResult per request, in the order of `requests` (each has
     prompt_token_ids, max_tokens and arrival_s in modelled seconds)."""
-    from cluster.bench.run import make_client
+    from cluster.bench.client import make_client
     from cluster.bench.stream import send_request
     from cluster.bench.workload import BenchRequest
 
@@ -38,4 +38,4 @@ async def replay(url: str, model: str, requests: Sequence[Any], dilation: float,
             tasks.append(asyncio.create_task(one(i, r)))
         return list(await asyncio.gather(*tasks))
     finally:
-        await client.aclose()
+        await client.close()

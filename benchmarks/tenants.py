@@ -159,7 +159,7 @@ async def drive(url: str, workloads: dict[str, list[Any]], dilation: float, slo_
     """Every key's requests at arrival x dilation, each with its key; one Outcome each.
     `cache_salt`: the phase's own prefix-cache partition, so that a phase replaying another's
     prompts does not find their KV cached (each phase prefills as if first)."""
-    from cluster.bench.run import make_client
+    from cluster.bench.client import make_client
     from cluster.bench.stream import send_request
     from cluster.bench.workload import BenchRequest
 
@@ -186,7 +186,7 @@ async def drive(url: str, workloads: dict[str, list[Any]], dilation: float, slo_
             tasks.append(asyncio.create_task(one(i, name, r)))
         done = await asyncio.gather(*tasks)
     finally:
-        await client.aclose()
+        await client.close()
     return [outcome(name, r, dilation, *slo_s) for name, r in done]
 
 

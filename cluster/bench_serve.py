@@ -25,9 +25,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, TextIO
 
-from cluster.bench.probe import calibrate_prompt_tokens, fetch_models
 from cluster.bench.report import DEFAULT_PERCENTILES, format_summary, jsonable
-from cluster.bench.run import Progress, make_client, run_benchmark
 from cluster.bench.stream import ENDPOINTS
 from cluster.bench.workload import DATASETS, PromptCalibration, generate_workload
 from cluster.config import HTTPSection
@@ -118,7 +116,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 async def bench_serve(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     out = stdout or sys.stdout
     err = stderr or sys.stderr
-    import httpx  # a required dependency; imported here to keep `kvserve --help` quick
+    # aiohttp, imported here to keep `kvserve --help` quick
+    from cluster.bench.client import CLIENT_ERRORS, make_client
+    from cluster.bench.probe import calibrate_prompt_tokens, fetch_models
+    from cluster.bench.run import Progress, run_benchmark
     if args.max_concurrency is not None and args.max_concurrency < 1:
         print("kvserve bench: --max-concurrency must be >= 1", file=err)
         return 2
@@ -132,7 +133,7 @@ async def bench_serve(args: argparse.Namespace, stdout: TextIO | None = None, st
         max_model_len = None
         try:
             models = await fetch_models(client, args.base_url, args.api_key)
-        except (httpx.HTTPError, ValueError) as e:
+        except (*CLIENT_ERRORS, ValueError) as e:
             if model is None:
                 note(f"kvserve bench: cannot list models at {args.base_url}: {type(e).__name__}: {e}")
                 return 1
@@ -154,7 +155,7 @@ async def bench_serve(args: argparse.Namespace, stdout: TextIO | None = None, st
                     f"kvserve bench: calibrated prompts on the server: {calibration.tokens_per_word:.2f} tokens/word"
                     f" + {calibration.overhead_tokens:.0f} tokens overhead"
                 )
-            except (httpx.HTTPError, ValueError, KeyError) as e:
+            except (*CLIENT_ERRORS, ValueError, KeyError) as e:
                 reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
                 note(f"kvserve bench: calibration failed ({reason}); assuming 1 token per word")
 
@@ -195,7 +196,7 @@ async def bench_serve(args: argparse.Namespace, stdout: TextIO | None = None, st
             client=client,
         )
     finally:
-        await client.aclose()
+        await client.close()
 
     summary = result.summary(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, percentiles=args.percentiles)
     summary["dataset"] = args.dataset

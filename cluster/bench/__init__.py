@@ -4,7 +4,8 @@ the CLI (benchmarks/ reuse it):
 - workload.py: seeded synthetic prompts (BenchRequest, generate_workload) and Poisson
   arrival times;
 - stream.py: one streamed request and its timings (RequestResult, send_request);
-- run.py: a whole run over one httpx client (run_benchmark, BenchResult, make_client);
+- client.py: the HTTP client (aiohttp; make_client) and how its failures are named;
+- run.py: a whole run over one client (run_benchmark, BenchResult);
 - probe.py: what is asked of the server first (fetch_models, calibrate_prompt_tokens);
 - report.py: percentiles, summarize and the text table (format_summary).
 

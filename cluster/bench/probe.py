@@ -2,9 +2,11 @@
 tokenizer counts the words prompts are made of (the server has no /tokenize)."""
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
+from cluster.bench.client import get_json, post_json
 from cluster.bench.stream import auth_headers, completions_url, error_of, request_body
 from cluster.bench.workload import WORDS, BenchRequest, PromptCalibration
 
@@ -13,9 +15,7 @@ async def fetch_models(client: Any, base_url: str, api_key: str | None = None) -
     base = base_url.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"
-    response = await client.get(base + "/models", headers=auth_headers(api_key))
-    response.raise_for_status()
-    return list(response.json().get("data") or [])
+    return list((await get_json(client, base + "/models", auth_headers(api_key))).get("data") or [])
 
 
 async def calibrate_prompt_tokens(
@@ -37,14 +37,14 @@ async def calibrate_prompt_tokens(
     async def prompt_tokens(words: Sequence[str]) -> int:
         body = request_body(BenchRequest(-1, " ".join(words), len(words), 1), model, endpoint)
         del body["stream"], body["stream_options"]
-        response = await client.post(url, json=body, headers=headers)
-        if response.status_code != 200:
+        status, raw = await post_json(client, url, body, headers)
+        if status != 200:
             try:
-                code, message = error_of(response.json())
+                code, message = error_of(json.loads(raw))
             except ValueError:
                 code, message = None, None
-            raise ValueError(f"HTTP {response.status_code}" + (f" ({code}: {message})" if code or message else ""))
-        return int(response.json()["usage"]["prompt_tokens"])
+            raise ValueError(f"HTTP {status}" + (f" ({code}: {message})" if code or message else ""))
+        return int(json.loads(raw)["usage"]["prompt_tokens"])
 
     chunks = [WORDS[i : i + chunk_words] for i in range(0, len(WORDS), chunk_words)]
     counts = [await prompt_tokens(chunk) for chunk in chunks]

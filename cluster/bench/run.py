@@ -1,5 +1,6 @@
 """A whole benchmark run: every request of a workload sent at its arrival time (at most
-`max_concurrency` in flight) over one httpx.AsyncClient, with an optional progress bar.
+`max_concurrency` in flight) over one HTTP client (cluster/bench/client.py), with an
+optional progress bar.
 One asyncio event loop, no threads."""
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from cluster.bench.client import make_client
 from cluster.bench.report import summarize
 from cluster.bench.stream import RequestResult, auth_headers, completions_url, request_body, send_request
 from cluster.bench.workload import BenchRequest, arrival_times
@@ -81,18 +83,6 @@ class Progress:
         return f"[{bar}] {self.done}/{self.total} requests{failed}, {now - self.start:.1f} s"
 
 
-def make_client(max_concurrency: int | None = None, timeout_s: float = 600.0) -> Any:
-    """An httpx.AsyncClient for the benchmark: enough connections for every request in
-    flight (a pool wait would count as TTFT), no proxies from the environment."""
-    import httpx
-
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)),
-        limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
-        trust_env=False,
-    )
-
-
 async def run_benchmark(
     requests: Sequence[BenchRequest],
     *,
@@ -114,7 +104,7 @@ async def run_benchmark(
     """Sends `requests` in order, request i at `arrival_times(...)[i]` (Poisson at
     `request_rate`; inf = all at once), at most `max_concurrency` in flight (a request
     that arrives while C are in flight waits, and its TTFT starts when it is sent).
-    `client`: an httpx.AsyncClient to use (default: one made and closed here)."""
+    `client`: a client from make_client to use (default: one made and closed here)."""
     url = completions_url(base_url, endpoint)
     headers = auth_headers(api_key)
     times = arrival_times(len(requests), request_rate, seed, burstiness)
@@ -155,5 +145,5 @@ async def run_benchmark(
         duration = time.perf_counter() - start
     finally:
         if own_client:
-            await client.aclose()
+            await client.close()
     return BenchResult(results, duration, model, endpoint, request_rate, max_concurrency, peak)

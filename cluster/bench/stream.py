@@ -112,8 +112,9 @@ async def send_request(
     bench_start: float,
     headers: dict[str, str] | None = None,
 ) -> RequestResult:
-    """Streams one request; never raises for a failed request (the result says why)."""
-    import httpx
+    """Streams one request over `client` (cluster/bench/client.py's make_client); never
+    raises for a failed request (the result says why)."""
+    from cluster.bench.client import CLIENT_ERRORS, error_name, lines  # aiohttp: not at `kvserve --help`
 
     result = RequestResult(index=request.index, prompt_len=request.prompt_len, max_tokens=request.max_tokens)
     sent = time.perf_counter()
@@ -124,11 +125,11 @@ async def send_request(
     done = False
     done_at = 0.0
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            result.status = response.status_code
-            if response.status_code != 200:
-                raw = await response.aread()
-                result.error = f"HTTP {response.status_code}"
+        async with client.post(url, json=body, headers=headers) as response:
+            result.status = response.status
+            if response.status != 200:
+                raw = await response.read()
+                result.error = f"HTTP {response.status}"
                 try:
                     code, message = error_of(json.loads(raw))
                 except ValueError:
@@ -165,7 +166,7 @@ async def send_request(
 
             # Read to the end of the body (the server closes it right after [DONE]), so that
             # the connection goes back to the pool instead of being dropped.
-            async for line in response.aiter_lines():
+            async for line in lines(response):
                 now = time.perf_counter()
                 if done or result.error:
                     continue
@@ -182,8 +183,8 @@ async def send_request(
                 elif line == "" and data_lines:
                     done = dispatch("\n".join(data_lines), event_time)
                     data_lines = []
-    except httpx.HTTPError as e:
-        result.error = type(e).__name__
+    except CLIENT_ERRORS as e:
+        result.error = error_name(e)
         result.error_detail = str(e) or None
         return result
     except ValueError as e:  # undecodable JSON in an event

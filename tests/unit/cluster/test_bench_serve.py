@@ -18,6 +18,7 @@ import pytest
 
 from cluster import bench_serve
 from cluster.bench import report, run, stream, workload
+from cluster.bench.client import lines, make_client
 
 import uvicorn
 from starlette.applications import Starlette
@@ -413,6 +414,52 @@ async def test_connection_refused_is_a_failure_with_a_reason() -> None:
         result = await run.run_benchmark(requests, base_url=f"http://127.0.0.1:{port}", model="m")
     assert [r.error for r in result.requests] == ["ConnectError", "ConnectError"]
     assert report.summarize(result.requests, result.duration_s)["errors"] == {"ConnectError": 2}
+
+
+@contextlib.asynccontextmanager
+async def raw_server(reply: bytes | None) -> AsyncIterator[str]:
+    """A TCP server that reads a request's head and answers `reply` as is (None: never
+    answers), on a port of its own."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if reply is None:
+            await asyncio.sleep(30)
+        else:
+            writer.write(reply)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def test_a_server_that_never_answers_is_a_read_timeout() -> None:
+    request = workload.BenchRequest(index=0, prompt="a b", prompt_len=2, max_tokens=2)
+    async with raw_server(None) as url:
+        client = make_client(timeout_s=0.2)
+        try:
+            result = await stream.send_request(client, url + "/v1/completions", {"model": "m"}, request,
+                                               "completions", 0.0)
+        finally:
+            await client.close()
+    assert result.error == "ReadTimeout" and not result.success
+
+
+async def test_lines_longer_than_the_readers_buffer_arrive_whole() -> None:
+    long_event = b"data: {" + b"x" * 300_000 + b"}"
+    body = long_event + b"\r\n\r\ndata: [DONE]\n\n"
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(body)
+    async with raw_server(head + body) as url:
+        client = make_client(timeout_s=5.0)
+        try:
+            async with client.get(url) as response:
+                got = [line async for line in lines(response)]
+        finally:
+            await client.close()
+    assert got == [long_event.decode(), "", "data: [DONE]", ""]
 
 
 async def test_cli_end_to_end_with_calibration_and_json(tmp_path: Any) -> None:
