@@ -181,6 +181,10 @@ def worker_options(config: KVServeConfig, output_streams: bool = True) -> dict[s
         # anyway once timeout_s has passed.
         "graceful_shutdown_timeout_s": w.drain_timeout_s,
         "graceful_shutdown_wait_loop_s": _DRAIN_POLL_S,
+        # No access line per call: every engine request is an internal call the ingress
+        # already counts and traces, and the line is written on the event loop that feeds
+        # the engine's step thread, holding the GIL the step needs.
+        "logging_config": {"enable_access_log": False},
     }
     if w.autoscaling is not None:
         options["autoscaling_config"] = autoscaling_config(w.autoscaling)

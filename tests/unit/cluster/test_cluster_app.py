@@ -36,6 +36,8 @@ def test_worker_options() -> None:
     # 256 engine requests, and the one ingress replica's output stream.
     assert options["num_replicas"] == 3 and options["max_ongoing_requests"] == 256 + 1
     assert options["ray_actor_options"] == {"num_cpus": 0.5}
+    # The engine requests are internal calls: no access line each (the ingress counts them).
+    assert options["logging_config"] == {"enable_access_log": False}
     gpu = worker_options(config(engine={"device": "cuda"}))
     assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
 
