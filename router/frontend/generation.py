@@ -114,6 +114,9 @@ def api_error_of(error: BaseException) -> errors.APIError:
     return errors.internal(f"The request failed: {name}.")
 
 
+_DEADLINE = object()  # queued when the request's time is up
+
+
 @dataclass
 class ChoiceEvent:
     index: int
@@ -161,8 +164,11 @@ class GenerationStream:
         self._permit = permit
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
+        # The deadline is one timer per request that queues _DEADLINE, not a timeout
+        # around every wait for an output (that costs more than the wait itself).
+        self._deadline_timer: asyncio.TimerHandle | None = None
         self._metrics = metrics
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | object]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._unfinished = {inp.index for inp in inputs}
         self._first: ChoiceEvent | None = None
@@ -184,6 +190,8 @@ class GenerationStream:
         return (self._prompt_tokens if self._started else 0) + sum(self._output_tokens.values())
 
     async def start(self) -> None:
+        self._deadline_timer = asyncio.get_running_loop().call_later(
+            max(self._deadline - time.monotonic(), 0.0), self._queue.put_nowait, (-1, _DEADLINE))
         for inp in self.inputs:
             request = GenerateRequest(f"{self.request_id}-{inp.index}", inp.prompt_token_ids, inp.params,
                                       session_id=self._session_id, stream=self._stream,
@@ -248,12 +256,10 @@ class GenerationStream:
                     response.cancel()  # the worker's generator is cancelled -> engine abort
 
     async def _next(self) -> ChoiceEvent:
-        try:
-            async with asyncio.timeout(max(self._deadline - time.monotonic(), 0.0)):
-                index, item = await self._queue.get()
-        except TimeoutError:
+        index, item = await self._queue.get()
+        if item is _DEADLINE:
             self._error = errors.timed_out(self._timeout_s)
-            raise self._error from None
+            raise self._error
         if isinstance(item, BaseException):
             self._error = api_error_of(item)
             raise self._error
@@ -297,6 +303,8 @@ class GenerationStream:
         if self._closed:
             return
         self._closed = True
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
         for task in self._tasks:
             if not task.done():
                 task.cancel()

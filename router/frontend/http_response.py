@@ -67,11 +67,15 @@ async def _sse_events(
             yield convert.sse(chunk)
         async for event in stream:
             states[event.index].add(event.output)
-            chunk = formatter.delta_chunk(event.index, event.output)
-            if chunk is not None:
-                if include_usage and continuous_usage:
+            if include_usage and continuous_usage:
+                chunk = formatter.delta_chunk(event.index, event.output)
+                if chunk is not None:
                     chunk.usage = convert.usage_of(list(states.values()), prompt_lengths)
-                yield convert.sse(chunk)
+                    yield convert.sse(chunk)
+                continue
+            text = formatter.delta_event(event.index, event.output)
+            if text is not None:
+                yield text
         if include_usage:
             yield convert.sse(formatter.usage_chunk(convert.usage_of(list(states.values()), prompt_lengths)))
     except errors.APIError as e:

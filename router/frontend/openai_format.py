@@ -168,6 +168,20 @@ class _Formatter:
         self.want_logprobs = want_logprobs
         self.prompt_logprobs = prompt_logprobs  # vLLM's k, None when not asked
 
+    def _plain_event(self, obj: str, choice: dict[str, Any], out: RequestOutput) -> str:
+        """sse() of a chunk with one choice and no logprobs, built as the dict sse() would
+        make of it (same keys, same order): a stream's every chunk, without building and
+        dumping its models."""
+        if out.finished:
+            if out.finish_reason is not None:
+                choice["finish_reason"] = out.finish_reason
+            if out.stop_reason is not None:
+                choice["stop_reason"] = out.stop_reason
+        choice.setdefault("logprobs", None)
+        choice.setdefault("finish_reason", None)
+        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
 
 class CompletionFormatter(_Formatter):
     """Builds /v1/completions bodies and chunks."""
@@ -200,6 +214,15 @@ class CompletionFormatter(_Formatter):
     def _echoed(self, index: int, entries: list[TokenLogprob | None] | None) -> p.CompletionLogprobs:
         ids = self.echo_token_ids[index]
         return echo_logprobs(ids, entries or [None] * len(ids), self.texts, self.echo_k)
+
+    def delta_event(self, index: int, out: RequestOutput) -> str | None:
+        """sse(delta_chunk(index, out)), or None when there is no chunk."""
+        if self.want_logprobs:
+            chunk = self.delta_chunk(index, out)
+            return None if chunk is None else sse(chunk)
+        if not out.text_delta and not out.finished:
+            return None
+        return self._plain_event("text_completion", {"index": index, "text": out.text_delta}, out)
 
     def delta_chunk(self, index: int, out: RequestOutput) -> p.CompletionChunk | None:
         if not out.text_delta and not out.finished and not (self.want_logprobs and out.logprobs):
@@ -270,6 +293,16 @@ class ChatFormatter(_Formatter):
     def start_chunks(self, indices: list[int]) -> list[p.BaseModel]:
         """OpenAI opens each choice with a delta that carries only the role."""
         return [self._chunk([p.ChatChunkChoice(index=i, delta=p.ChatDelta(role="assistant", content=""))]) for i in indices]
+
+    def delta_event(self, index: int, out: RequestOutput) -> str | None:
+        """sse(delta_chunk(index, out)), or None when there is no chunk."""
+        if self.want_logprobs or self.tool_mode is not None:
+            chunk = self.delta_chunk(index, out)
+            return None if chunk is None else sse(chunk)
+        if not out.text_delta and not out.finished:
+            return None
+        delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
+        return self._plain_event("chat.completion.chunk", {"index": index, "delta": delta}, out)
 
     def delta_chunk(self, index: int, out: RequestOutput) -> p.ChatCompletionChunk | None:
         if self.tool_mode is not None:

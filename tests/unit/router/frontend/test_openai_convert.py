@@ -218,3 +218,18 @@ def test_metrics_text_has_vllm_names() -> None:
     assert 'kvserve:prompt_tokens_total{model_name="m"} 10.0' in text
     assert 'kvserve:inter_token_latency_seconds_count{model_name="m"} 2.0' in text
     assert "kvserve:time_to_first_token_seconds_bucket" in text and "kvserve:e2e_request_latency_seconds_bucket" in text
+
+
+@pytest.mark.parametrize("text, finished, reason, stop_reason", [
+    ("Hel", False, None, None), ("lo é✓ \"q\"\n", False, None, None), ("!", True, "length", None),
+    ("", True, "stop", None), ("", True, "stop", "END"), ("x", True, "stop", 7), ("", True, "abort", None),
+    ("", False, None, None),
+])
+def test_plain_stream_events_are_the_models_bytes(text: str, finished: bool, reason: str | None,
+                                                  stop_reason: str | int | None) -> None:
+    # The fast path (a dict, no models) writes exactly what the models would.
+    o = RequestOutput(request_id="r-0", new_token_ids=[5] if text else [], text_delta=text, finished=finished,
+                      finish_reason=reason, stop_reason=stop_reason)
+    for formatter in (convert.CompletionFormatter("cmpl-1", "m", None, False), convert.ChatFormatter("chat-1", "m", None, False)):
+        chunk = formatter.delta_chunk(2, o)
+        assert formatter.delta_event(2, o) == (None if chunk is None else convert.sse(chunk))
