@@ -273,6 +273,10 @@ class Engine:
         if step.plan.is_empty:
             return AppliedStep(step.plan)
         if step.error is None:
+            # Still under the device: the next plan, if it can only be decodes. Not while
+            # an export is due: its pin would hold the block grown ahead too.
+            if not self.connector.exporting:
+                self.counters.timed(self.scheduler.plan_ahead)
             try:
                 result = self.runner.wait(step.handle)
             except Exception as e:

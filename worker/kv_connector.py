@@ -69,6 +69,11 @@ class KVConnector(Protocol):
     @property
     def num_pinned_blocks(self) -> int: ...
 
+    @property
+    def exporting(self) -> bool:
+        """Does a request wait for its first token to export its KV?"""
+        ...
+
 
 class NullConnector:
     """For a runner without KV transfer: no request may export or import."""
@@ -103,6 +108,10 @@ class NullConnector:
         return None
 
     @property
+    def exporting(self) -> bool:
+        return False
+
+    @property
     def num_pinned_blocks(self) -> int:
         return 0
 
@@ -123,6 +132,11 @@ class KVTransferConnector:
         self._exporting: set[str] = set()  # export when their first token is sampled
         self._pinned: dict[str, tuple[list[Block], float]] = {}  # request id -> (blocks, deadline)
         self._next_deadline = float("inf")  # earliest pin deadline (inf: none)
+
+    @property
+    def exporting(self) -> bool:
+        """Does a request wait for its first token to export its KV (its table pinned then)?"""
+        return bool(self._exporting)
 
     # -- admission ----------------------------------------------------------------------------
     def check_request(

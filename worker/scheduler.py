@@ -46,6 +46,7 @@ from worker import bands
 from worker.band_prefill import BandPrefillLimit
 from worker.bands import KeyShares, enqueue
 from worker.config import SchedulerConfig
+from worker.decode_ahead import DecodeAhead
 from worker.lora.slots import LoRASlots
 from worker.prefill_caps import PrefillCaps
 from worker.scheduler_output import SchedulerOutput, TierIndex, TierLoad
@@ -72,6 +73,8 @@ class Scheduler:
         # Waiting sequences per (band, key), and each key's weight (worker/bands.py).
         self._waiting_keys: Counter[tuple[int, str]] = Counter()
         self._weights: dict[str, int] = {}
+        self._ahead: DecodeAhead | None = None  # the next plan, made under the device
+        self.num_plans_ahead = 0  # plans taken from DecodeAhead (tests, profiling)
 
     @property
     def num_waiting(self) -> int:
@@ -105,6 +108,13 @@ class Scheduler:
 
     # -- planning ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            out = ahead.take(self.running, self.waiting, self.loading)
+            if out is not None:  # decodes only: no prompt chunk for the caps to time
+                self._caps.start_step(self.running, self.waiting, None)
+                self.num_plans_ahead += 1
+                return out
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._caps.start_step(self.running, self.waiting, self.step_budget)
@@ -121,6 +131,13 @@ class Scheduler:
         if not stopped and self._may_admit(out):
             self._schedule_waiting(out, budget, shares)
         return out
+
+    def plan_ahead(self) -> None:
+        """While an advanced plan's step is on the device: make the next plan now if it
+        can only be decodes; the next `schedule` takes it if it still holds
+        (worker/decode_ahead.py)."""
+        self._ahead = DecodeAhead.make(self.running, self.waiting, self.loading, self.kv,
+                                       self.config.max_num_batched_tokens)
 
     @staticmethod
     def _may_admit(out: SchedulerOutput) -> bool:

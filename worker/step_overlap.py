@@ -6,23 +6,29 @@ A runner that overlaps (`overlaps()` below) splits `execute(plan)` into `launch(
 which returns as soon as the step is on the device, and `wait(handle)`, which returns its
 RunnerOutput once the device is done. The async engine's step thread then runs:
 
-    host    ..| wait N-1 | update N-1 | schedule N | launch N | advance N, outputs N-1, publish, stats, inbox | wait N |...
-    device  ..== N-1 ===|          (idle)                     |================ step N ================|
+    host    ..| wait N-1 | update N-1 | schedule N | launch N | advance N, outputs N-1, publish, stats, inbox, plan N+1 | wait N |...
+    device  ..== N-1 ===|          (idle)                     |=================== step N ===================|
 
     exposed host time per step: update (the sampled tokens: append, stop checks, frees) +
-            schedule + launch's host part (the device waits)
+            schedule (taking the plan made ahead, when there is one) + launch's host part
     hidden: advancing step N's sequences past its tokens and registering the blocks they
             fill (Scheduler.advance: the plan alone decides it), building step N-1's
             RequestOutputs, publishing them, the stats and prefix-hash snapshots, draining
-            the inbox (adds, aborts, KV releases); beyond the device step they become
+            the inbox (adds, aborts, KV releases), and, when step N+1 can only be decodes,
+            its plan (worker/decode_ahead.py); beyond the device step they become
             exposed too (wait then finds the device already done)
 
 The rules, and why:
-- update N-1 and schedule N stay on the critical path: step N's decodes take as input the
-  tokens step N-1 sampled, and which sequences still run depends on N-1's stop checks.
-  Full async scheduling would plan N with placeholders for those tokens and drop tokens
-  of sequences that stopped a step late; it needs the plan, not the update, to own
-  num_computed_tokens everywhere (runners, KV export, tiers), and is not done here.
+- update N-1 stays on the critical path, and so does schedule N unless it was made ahead:
+  step N's decodes take as input the tokens step N-1 sampled, and which sequences still
+  run depends on N-1's stop checks. When nothing waits or loads and every running
+  sequence decodes next, the plan is known but for those stops: it is made under step
+  N-1, and schedule N only leaves out the sequences that stopped (worker/decode_ahead.py;
+  not while a KV export is due, whose pin would hold the block grown ahead). Full async
+  scheduling would also launch N before N-1's tokens are back, with placeholders for
+  them, dropping tokens of sequences that stopped a step late; it needs the plan, not
+  the update, to own num_computed_tokens everywhere (runners, KV export, tiers), and is
+  not done here.
 - advance N runs right after launch N: the runner has taken the plan's inputs by then,
   and nothing before wait N reads a planned sequence's num_computed_tokens (outputs and
   stats read tokens and counts). Blocks it registers in the prefix cache are still being

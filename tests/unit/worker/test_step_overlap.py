@@ -199,6 +199,7 @@ async def test_overlapped_loop_gives_the_serial_loops_tokens(clock: FakeClock, e
         lp = [o.logprobs for o in outs if o.logprobs]
         assert (len(lp) == len(outs)) == (reqs[rid][1].logprobs is not None)
     assert core.kv.num_free_blocks == core.kv.num_total_blocks
+    assert core.scheduler.num_plans_ahead > 0  # decode steps planned under the device
 
 
 # -- an abort while the step that holds the request is on the device ----------------------------
@@ -259,3 +260,23 @@ async def test_real_runner_split_at_the_device_keeps_greedy_tokens(
     engines.append(ae)
     got = await stream_tokens(ae, reqs)
     assert {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in got.items()} == expected
+    assert core.scheduler.num_plans_ahead > 0
+
+
+def test_no_plan_ahead_while_an_export_is_due(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill-side request pins its blocks when its first token is sampled; a table grown
+    ahead then would pin a block the export never needed."""
+    monkeypatch.setattr(ModelRunner, "overlaps_device", property(lambda self: True))
+    core = make_engine(tiny_llama)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
+    core.add_request("x", list(range(3, 19)), params, export_kv=True)  # 16 tokens: one full block
+    core.add_request("y", list(range(40, 50)), params)
+    applied = core.complete_step(core.launch_step())
+    assert core.scheduler._ahead is None
+    assert core.num_pinned_blocks == 1  # the prompt's one block, nothing grown ahead
+    exported = [o for o in core.step_outputs(applied) if o.request_id == "x"]
+    assert exported and "kv_export" in exported[0].extra
+    # Exported: the next decode step is planned ahead again.
+    core.complete_step(core.launch_step())
+    assert core.scheduler._ahead is not None
+    assert core.release_kv("x")
