@@ -210,10 +210,14 @@ async def _consume(engine: AsyncEngine, num_requests: int, max_tokens: int, prom
     return sum(counts)
 
 
-def measure_engine(num_requests: int, max_tokens: int, prompt_len: int = 128) -> EngineRun:
-    """One run of the engine alone at time dilation 1 (see the module docstring)."""
+def measure_engine(num_requests: int, max_tokens: int, prompt_len: int = 128, plan_ahead: bool = True) -> EngineRun:
+    """One run of the engine alone at time dilation 1 (see the module docstring).
+    `plan_ahead=False`: every plan made after the previous step's tokens are back
+    (worker/decode_ahead.py off; benchmarks/decode_ahead.py compares the two)."""
     config = engine_config()
     core = Engine.from_config(config)
+    if not plan_ahead:
+        core.scheduler.plan_ahead = lambda: None  # type: ignore[method-assign]
     timeline = DeviceTimeline(config.model.time_dilation)
     timeline.attach(core.runner)
     engine = AsyncEngine(core)  # no tokenizer: the consumer counts token ids
