@@ -352,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_serving_cost:
         from cluster.sim.serving_cost import from_runs
 
-        cost = from_runs(serve_runs, f"python -m benchmarks.hostpath{' --quick' if args.quick else ''}, "
-                                     f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}")
+        flags = (" --quick" if args.quick else "") + (" --direct-ingress" if direct is not None else "")
+        cost = from_runs(serve_runs, f"python -m benchmarks.hostpath{flags}, {os.cpu_count()} CPUs, "
+                                     f"{time.strftime('%Y-%m-%d')}", direct)
         with open(args.write_serving_cost, "w") as f:
             f.write(cost.to_json())
         print(f"wrote {args.write_serving_cost}")

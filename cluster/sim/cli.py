@@ -83,6 +83,8 @@ def register(subparsers: Any) -> None:
                    help="the shared store's bandwidth, Gbit/s, reads and writes together")
     p.add_argument("--tier-blind-routing", action="store_true",
                    help="routers ignore the reports' tier fields (credit device-resident blocks only)")
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="plan the serving layer's cores as `kvserve serve --direct-ingress` runs it")
     p.add_argument("--autoscale", action="store_true", help="scale each pool with the real policy")
     p.add_argument("--min-replicas", type=int, default=_AUTOSCALE.min_replicas)
     p.add_argument("--max-replicas", type=int, default=_AUTOSCALE.max_replicas)
@@ -126,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         kw = {"path": args.trace} if args.workload == "trace" else {}
         requests = make_workload(args.workload, args.requests, args.rate, args.seed, **kw)
+        serving_cost = ServingCost.load().path(args.direct_ingress)
     except ValueError as e:
         print(f"kvserve simulate: {e}", file=sys.stderr)
         return 2
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(result.to_json(timelines=args.timelines))
     else:
-        _print_report(result.summary(), args, wall_s)
+        _print_report(result.summary(), args, wall_s, serving_cost)
     return 0
 
 
@@ -154,7 +157,7 @@ def _check_matplotlib() -> None:
         raise SystemExit("kvserve simulate --plot needs matplotlib: pip install matplotlib") from None
 
 
-def _print_report(s: dict[str, Any], args: argparse.Namespace, wall_s: float) -> None:
+def _print_report(s: dict[str, Any], args: argparse.Namespace, wall_s: float, serving_cost: ServingCost) -> None:
     def pct(key: str) -> str:
         v = s[key]
         return f"p50 {v['p50'] * 1000:.1f}  p90 {v['p90'] * 1000:.1f}  p99 {v['p99'] * 1000:.1f} ms"
@@ -167,8 +170,8 @@ def _print_report(s: dict[str, Any], args: argparse.Namespace, wall_s: float) ->
     print(f"  output {s['output_tokens_per_s']:.0f} tok/s   goodput {s['goodput_rps']:.2f} req/s "
           f"({s['goodput_fraction']:.1%} within TTFT {s['slo_ttft_ms']:g} ms, ITL {s['slo_itl_ms']:g} ms)")
     for streamed in (True, False):
-        plan = ServingCost.load().plan(s["output_tokens_per_s"], s["num_replicas_created"], streamed)
-        print(f"  {describe(plan, streamed)}")
+        plan = serving_cost.plan(s["output_tokens_per_s"], s["num_replicas_created"], streamed)
+        print(f"  {describe(plan, streamed, args.direct_ingress)}")
     print(f"  prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}   preemptions {s['num_preemptions']}   "
           f"load imbalance {s['load_imbalance']:.2f}   rejected {s['num_rejected']}")
     if args.host_kv_cache_gib:

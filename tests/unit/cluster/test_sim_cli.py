@@ -63,3 +63,13 @@ def test_simulate_kv_tier_flags(capsys) -> None:
     assert main(["simulate", "--requests", "5", "--profile", "cpu-calibrated", "--host-kv-cache-gib", "1",
                  "--disk-kv-cache-gib", "1"]) == 2
     assert "(and disk) bandwidth" in capsys.readouterr().err
+
+
+def test_simulate_plans_the_serving_layer_for_either_front_door(capsys) -> None:
+    args = ["simulate", "--replicas", "1", "--requests", "10", "--rate", "5", "--num-blocks", "4000"]
+    assert main(args) == 0
+    default = capsys.readouterr().out
+    assert main(args + ["--direct-ingress"]) == 0
+    direct = capsys.readouterr().out
+    assert "HTTP proxies" in default and "direct ingress" not in default
+    assert "serving layer (streamed, direct ingress" in direct and "HAProxy" in direct
