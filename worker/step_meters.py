@@ -47,6 +47,9 @@ class StepCounters:
         self.forward_time_s = 0.0
         self.schedule_time_s = 0.0  # in Scheduler.schedule + Scheduler.update (CPU work)
         self._recent: deque[tuple[float, int]] = deque()  # (time.monotonic(), tokens)
+        # The tokens in `_recent`, kept as steps enter and leave: the engine reports its
+        # stats every step, and the window holds hundreds of steps.
+        self._recent_tokens = 0
 
     def timed(self, fn: Callable[..., T], *args: object) -> T:
         """Scheduler work, counted in scheduler_share."""
@@ -63,9 +66,11 @@ class StepCounters:
         self.step_time_s += step_s
         self.forward_time_s += forward_s
         now = time.monotonic()
-        self._recent.append((now, num_tokens))
-        while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
-            self._recent.popleft()
+        recent = self._recent
+        recent.append((now, num_tokens))
+        self._recent_tokens += num_tokens
+        while now - recent[0][0] > RATE_WINDOW_S:
+            self._recent_tokens -= recent.popleft()[1]
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,7 +78,7 @@ class StepCounters:
         window opens it: its tokens came before)."""
         recent = self._recent
         span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
-        return sum(n for _, n in list(recent)[1:]) / span if span > 0 else 0.0
+        return (self._recent_tokens - recent[0][1]) / span if span > 0 else 0.0
 
     @property
     def forward_share(self) -> float:
