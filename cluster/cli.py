@@ -20,10 +20,12 @@ import argparse
 import importlib
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -265,10 +267,16 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from cluster.app import build_app, grpc_servicer
-    from cluster.serve_env import controller_options, job_runtime_env
+    from cluster.serve_env import controller_options, job_runtime_env, private_haproxy_dir
     from router.frontend.grpc_health import APP_NAME_ENV
 
     direct = direct_ingress(config)
+    haproxy_dir = None
+    if direct is not None and args.address is None:
+        # The cluster starts here, so HAProxy runs on this machine: its files in a
+        # directory only this user can enter (cluster/serve_env.py DirectIngress).
+        haproxy_dir = private_haproxy_dir()
+        direct = replace(direct, files_dir=haproxy_dir)
 
     # Serve's gRPC proxy reads its TLS settings from the node's environment
     # (router/frontend/grpc_tls.py): a local cluster inherits this process's.
@@ -327,6 +335,8 @@ def run_serve(args: argparse.Namespace) -> int:
         finally:
             ray.shutdown()
             forget_local_cluster(record)
+            if haproxy_dir is not None:
+                shutil.rmtree(haproxy_dir, ignore_errors=True)
     return 0
 
 

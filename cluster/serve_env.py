@@ -24,6 +24,7 @@ example RAY_SERVE_LOG_TO_STDERR=1), since Serve reads an explicit value first.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -56,16 +57,24 @@ class DirectIngress:
     HAProxy also listens on a stats and a Prometheus port, on every interface, and the head
     keeps a fallback Serve proxy (HAProxy's backup route while no ingress replica is up)
     on two more: each Serve instance on a machine needs ports of its own, or the second
-    one cannot start. (HAProxy's files already sit in a directory per node.)
+    one cannot start.
+
+    HAProxy's files (its config, an admin socket Serve creates with mode 666, its server
+    state) default to /tmp/haproxy-serve/<node id>/, a directory every local user can
+    enter: any of them could then drive HAProxy's admin socket (take backends down, point
+    one at another address). `files_dir`, when set, puts them in that directory instead,
+    which must be private to the user running Ray (`kvserve serve` creates one,
+    `private_haproxy_dir`, for the cluster it starts; Serve adds the node's subdirectory).
     """
 
     stats_port: int = 8404
     metrics_port: int = 9101
     fallback_http_port: int = 8500
     fallback_grpc_port: int = 9500
+    files_dir: str | None = None
 
     def env(self) -> dict[str, str]:
-        return {
+        env = {
             THROUGHPUT_OPTIMIZED_ENV: "1",  # direct ingress is part of Serve's throughput mode
             DIRECT_INGRESS_ENV: "1",
             HAPROXY_ENV: "1",
@@ -74,6 +83,31 @@ class DirectIngress:
             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(self.fallback_http_port),
             "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(self.fallback_grpc_port),
         }
+        if self.files_dir is not None:
+            d = self.files_dir
+            env.update({
+                "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(d, "haproxy.cfg"),
+                "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(d, "admin.sock"),
+                "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(d, "metrics.sock"),
+                "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": d,
+                "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(d, "server-state"),
+            })
+        return env
+
+
+# HAProxy refuses a unix socket path over 97 characters, and Serve puts each node's
+# sockets in a subdirectory named by the node's 56-character id: "/<id>/metrics.sock"
+# leaves a directory of HAProxy's files 27 characters.
+_HAPROXY_DIR_MAX_LEN = 97 - len("/" + "0" * 56 + "/metrics.sock")
+
+
+def private_haproxy_dir() -> str:
+    """A new directory for HAProxy's files that only this user can enter (mode 700), under
+    the temporary directory, or /tmp where that path would be too long for its sockets."""
+    for base in (tempfile.gettempdir(), "/tmp"):
+        if len(os.path.join(base, "kvh-12345678")) <= _HAPROXY_DIR_MAX_LEN:
+            return tempfile.mkdtemp(prefix="kvh-", dir=base)
+    raise RuntimeError("no temporary directory short enough for HAProxy's socket paths")
 
 
 def serve_process_env(environ: Mapping[str, str] = os.environ,

@@ -84,3 +84,13 @@ def test_http_and_grpc_through_haproxy_to_the_ingress_replicas(tmp_path: Path) -
             assert "haproxy" in listeners.get(p, "").split(" ")[0], (p, listeners)
         for p in (fallback_port, fallback_grpc_port):
             assert "ray::ProxyActor" in listeners.get(p, ""), (p, listeners)
+
+        # HAProxy's files, its mode-666 admin socket among them, sit in a directory of
+        # kvserve's that only this user can enter, not in /tmp/haproxy-serve.
+        commands = [cmd.split(" ") for cmd, _ in _processes(psutil.Process(served.proc.pid))]
+        configs = {Path(arg) for cmd in commands if "haproxy" in cmd[0] for arg in cmd if arg.endswith("haproxy.cfg")}
+        assert len(configs) == 1, commands
+        private = next(iter(configs)).parent.parent  # Serve adds the node's subdirectory
+        assert private.name.startswith("kvh-") and private.stat().st_mode & 0o777 == 0o700
+        assert list(private.glob("*/admin.sock")), sorted(private.rglob("*"))
+    assert not private.exists()  # removed when kvserve serve stopped

@@ -36,6 +36,20 @@ def test_direct_ingress_gives_haproxy_its_ports() -> None:
     assert job_runtime_env({"PYTHONPATH": "/src"}, {}, DirectIngress())["env_vars"]["PYTHONPATH"] == "/src"
 
 
+def test_direct_ingress_puts_haproxys_files_in_the_directory_given() -> None:
+    from cluster.serve_env import DirectIngress
+
+    env = DirectIngress(files_dir="/run/kv").env()
+    assert {k: v for k, v in env.items() if "HAPROXY" in k and "PORT" not in k and k != "RAY_SERVE_ENABLE_HA_PROXY"} == {
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "/run/kv/haproxy.cfg",
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": "/run/kv/admin.sock",
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "/run/kv/metrics.sock",
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": "/run/kv",
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "/run/kv/server-state",
+    }
+    assert not any("SOCKET" in k for k in DirectIngress().env())  # Serve's defaults: a cluster kvserve did not start
+
+
 def test_serve_direct_ingress_flag_and_config() -> None:
     import argparse
 
@@ -56,3 +70,26 @@ def test_serve_direct_ingress_flag_and_config() -> None:
         KVServeConfig.from_dict({"http": {"direct_ingress": True},
                                  "grpc": {"tls_port": 9443, "tls_cert_file": "c.pem", "tls_key_file": "k.pem"}})
 
+
+
+def test_the_private_haproxy_directory_is_ours_alone_and_short_enough(tmp_path, monkeypatch) -> None:
+    import os
+    import tempfile
+
+    from cluster.serve_env import private_haproxy_dir
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / ("t" * 40)))  # too long: /tmp instead
+    d = private_haproxy_dir()
+    try:
+        assert os.path.dirname(d) == "/tmp" and os.stat(d).st_mode & 0o777 == 0o700
+        assert len(os.path.join(d, "0" * 56, "metrics.sock")) <= 97  # HAProxy's socket path limit
+    finally:
+        os.rmdir(d)
+    short = tempfile.mkdtemp(prefix="k", dir="/tmp")  # 14 characters: short enough, used as given
+    monkeypatch.setattr("tempfile.tempdir", short)
+    try:
+        d = private_haproxy_dir()
+        assert os.path.dirname(d) == short and os.stat(d).st_mode & 0o777 == 0o700
+        os.rmdir(d)
+    finally:
+        os.rmdir(short)
