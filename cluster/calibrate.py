@@ -14,8 +14,12 @@
    it), so the fitted overheads cover the engine's host work too; each plan's features
    come from the cost model reading the plan the runner executes. Decode and mixed points
    are timed once their batch has decoded a few untimed steps past its prefill (the state
-   a live engine's steps run in: after decode steps). A point's time is the mean of its steps; the plans run in turns of decode, prefill and mixed, and a caller
-   can run them one at a time (Measurement) and in several passes (GridSpec.passes).
+   a live engine's steps run in: after decode steps), and each plan's KV blocks come from
+   an aged pool (`age_pool`: in no order, as a pool that has served a while hands them
+   out; a fresh pool's blocks in id order make the CPU backend's paged-KV gathers
+   cheaper than a live engine's). A point's time is the mean of its steps; the plans
+   run in turns of decode, prefill and mixed, and a caller can run them one at a time
+   (Measurement) and in several passes (GridSpec.passes).
 3. Fits the profile's efficiencies and overheads (worker/sim/fit.py), prints the fit
    error (mean and max relative error over the grid), writes the profile JSON.
 Prefix caching is off so each plan is exactly what was asked for.
@@ -36,6 +40,7 @@ import itertools
 import math
 import os
 import platform
+import random
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -106,8 +111,19 @@ def measure_peaks(clock: Callable[[], float] = time.perf_counter, repeats: int =
 
 
 # -- running the engine over the grid ------------------------------------------------------
+def age_pool(pool: Any, seed: int = 0) -> None:  # kv.block_pool.BlockPool
+    """Put every free block of `pool` in its free queue in a seeded random order: the state
+    of a pool that has served a while (requests end in any order, and free their blocks
+    as they end), not a fresh one's id order, whose consecutive blocks a CPU's paged-KV
+    gathers read faster than a live engine's."""
+    blocks = pool.allocate(pool.num_free_blocks)
+    random.Random(seed).shuffle(blocks)
+    pool.free(blocks)
+
+
 class _RecordingRunner:
-    """The real runner; remembers the features of the plan it last executed."""
+    """The real runner; remembers the features of the plan it last executed (and whether
+    the plan before it had prompt rows: the grid's engines share this one runner)."""
 
     def __init__(self, runner: Any, cost: StepCostModel) -> None:
         self.runner = runner
@@ -116,7 +132,8 @@ class _RecordingRunner:
         self.last: StepFeatures | None = None
 
     def execute(self, plan: Any) -> Any:
-        self.last = self.cost.plan_features(plan)  # before the update advances the plan
+        follows_prompt = self.last is not None and self.last.num_prompt_seqs > 0
+        self.last = self.cost.plan_features(plan, follows_prompt)  # before the update advances the plan
         return self.runner.execute(plan)
 
 
@@ -131,12 +148,16 @@ class _Grid:
         # in several passes pools its passes' steps.
         self.samples: dict[str, list[tuple[StepFeatures, float]]] = {}
 
-    def engine(self, max_num_seqs: int, max_num_batched_tokens: int) -> Any:
-        """A fresh engine (scheduler, KV bookkeeping) on the one loaded runner."""
+    def engine(self, max_num_seqs: int, max_num_batched_tokens: int, aged: bool = True) -> Any:
+        """A fresh engine (scheduler, KV bookkeeping) on the one loaded runner, its block
+        pool aged (`age_pool`) unless `aged` is False."""
         from worker.engine import Engine
 
         scheduler = replace(self.config.scheduler, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-        return Engine(scheduler, self.config.cache, self.recorder, self.vocab_size)
+        engine = Engine(scheduler, self.config.cache, self.recorder, self.vocab_size)
+        if aged:
+            age_pool(engine.kv.pool, self.num_prompts)
+        return engine
 
     def prompt(self, length: int) -> list[int]:
         self.num_prompts += 1  # distinct prompts (prefix caching is off anyway)
@@ -181,10 +202,12 @@ class _Grid:
         return [self.point(f"prefill chunk={chunk} ctx={k * chunk}", [run[k] for run in runs])
                 for k in range(PREFILL_CHUNKS_PER_PROMPT)]
 
-    def mixed(self, chunk: int, batch: int, context: int, repeats: int = NUM_REPEATS) -> Point:
+    def mixed(self, chunk: int, batch: int, context: int, repeats: int = NUM_REPEATS) -> list[Point]:
         """A fresh prompt of `chunk` tokens joining `batch` running decodes of `context`
         tokens, `repeats` times (each prompt answers in one token and leaves; a decode
-        step between them keeps the decodes' contexts within a few tokens)."""
+        step between them keeps the decodes' contexts within a few tokens): the mixed
+        point, and the point of the decode steps right after it (the caches the prompt
+        took are refilled there: DeviceProfile.after_prompt_overhead_s)."""
         from worker.api import SamplingParams
 
         engine = self.engine(batch + 1, max(2048, batch * context, batch + chunk))
@@ -194,13 +217,15 @@ class _Grid:
         engine.step()  # the decodes' prompts (a prefill point of its own, not this one)
         for _ in range(WARMUP_DECODE_STEPS):  # a live engine's fresh prompt joins decodes past their prefill
             self.one_step(engine)
-        mixed = []
+        mixed, after = [], []
         for k in range(repeats):
             engine.add_request(f"p{k}", self.prompt(chunk), SamplingParams(max_tokens=1, temperature=0.0))
             mixed.append(self.one_step(engine))
-            self.one_step(engine)
+            after.append(self.one_step(engine))
         steps = [s for s in mixed if s[0].num_seqs == batch + 1 and s[0].num_tokens == batch + chunk]
-        return self.point(f"mixed chunk={chunk} + decode b={batch} ctx={context}", steps)
+        decodes = [s for s in after if s[0].follows_prompt and s[0].num_seqs == batch == s[0].num_tokens]
+        return [self.point(f"mixed chunk={chunk} + decode b={batch} ctx={context}", steps),
+                self.point(f"decode b={batch} ctx={context} after chunk={chunk}", decodes)]
 
 
 def _mean_point(label: str, steps: list[tuple[StepFeatures, float]]) -> Point:
@@ -321,7 +346,7 @@ def start_measurement(model: str | None, num_threads: int | None, block_size: in
         [functools.partial(_one, grid.decode, b, c, num_steps) for b in spec.decode_batches
          for c in spec.decode_contexts],
         [functools.partial(grid.prefill, chunk, repeats) for chunk in spec.prefill_chunks],
-        [functools.partial(_one, grid.mixed, *m, repeats) for m in spec.mixed],
+        [functools.partial(grid.mixed, *m, repeats) for m in spec.mixed],
     )
     context = {
         "model": model or DEFAULT_MODEL_NAME, "dtype_bytes": shape.dtype_bytes, "block_size": block_size,

@@ -33,7 +33,7 @@ import numpy as np
 
 from benchmarks.routing.engine_grid import (ENGINE_CLOCK, ENGINE_NUM_THREADS, engine_profile, fit_summary,
                                            grid_moment, workload_grid)
-from cluster.calibrate import CLOCKS
+from cluster.calibrate import CLOCKS, age_pool
 from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.workloads import SimRequest, make_workload
 
@@ -242,6 +242,7 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log,
         f"{ENGINE_LOAD_FRACTION:.0%} of the modelled saturation rate {capacity:.2f} req/s; engine "
         f"{ENGINE_NUM_THREADS} torch thread, max_num_seqs {scheduler.max_num_seqs}, max_num_batched_tokens "
         f"{scheduler.max_num_batched_tokens}, {num_blocks} KV blocks; load average {os.getloadavg()[0]:.1f} at start")
+    age_pool(engine.kv.pool)  # a live engine's pool, as the calibration's plans run on (cluster/calibrate.py)
     engine.step()  # warm-up (first-step allocations), before the clock starts
     reals, sims = [], []
     for i in range(ENGINE_REPEATS):

@@ -8,6 +8,7 @@ A roofline per component, summed, plus host overheads:
     by default the same, for the two attention components)
            + step_overhead + per_seq_overhead * num_seqs + per_token_overhead * num_tokens
            + per_prompt_seq_overhead * num_prompt_seqs (rows of more than one new token)
+           + after_prompt_overhead, on a decode-only step right after a step with prompt rows
 
 Components are the kernels a step runs one after another (so their times add, while
 inside one kernel compute and memory traffic overlap, so each takes the max):
@@ -27,7 +28,10 @@ inside one kernel compute and memory traffic overlap, so each takes the max):
   torch backend does; varlen kernels split the work by the same line), so each half
   gets its own max instead of one max hiding the other.
 The overheads are host work (scheduling, input building, the sampled-ids sync, output
-handling) that a serial step loop adds to every step. The simulated device counts them in
+handling) that a serial step loop adds to every step, except after_prompt_overhead: the
+device's own, the caches a prompt chunk's activations took, refilled by the decode step
+after it (a CPU's weights fit its caches between decode steps, not beside a prompt). Only
+a runner that sees consecutive steps knows it is due (StepFeatures.follows_prompt). The simulated device counts them in
 its step time either way; under the async engine's overlapped loop (worker/step_overlap.py)
 the engine's own output handling runs beside that time instead of inside it.
 """
@@ -67,6 +71,7 @@ class StepFeatures:
     num_seqs: int
     num_tokens: int
     num_prompt_seqs: int = 0  # rows of more than one new token (prompt chunks)
+    follows_prompt: bool = False  # the step before this one, on the same device, had prompt rows
 
     def roofline_s(self, effective_flops: float, effective_bandwidth: float,
                    effective_attention_flops: float | None = None) -> float:
@@ -88,6 +93,7 @@ def predict(features: StepFeatures, profile: DeviceProfile) -> float:
         + profile.per_seq_overhead_s * features.num_seqs
         + profile.per_token_overhead_s * features.num_tokens
         + profile.per_prompt_seq_overhead_s * features.num_prompt_seqs
+        + (profile.after_prompt_overhead_s if features.follows_prompt and not features.num_prompt_seqs else 0.0)
     )
 
 
@@ -145,10 +151,11 @@ class StepCostModel:
     def features(self, work: Iterable[SeqWork]) -> StepFeatures:
         return self.rows_features((w.num_new_tokens, w.context_len, w.samples) for w in work)
 
-    def rows_features(self, rows: Iterable[tuple[int, int, bool]]) -> StepFeatures:
+    def rows_features(self, rows: Iterable[tuple[int, int, bool]], follows_prompt: bool = False) -> StepFeatures:
         """Features of (new tokens, context length, samples) rows (a runner that walks its
-        plan anyway passes the rows it built)."""
-        return self._features(self._sums(rows))
+        plan anyway passes the rows it built); `follows_prompt`: the device's previous step
+        had prompt rows."""
+        return self._features(self._sums(rows), follows_prompt)
 
     def _sums(self, rows: Iterable[tuple[int, int, bool]]) -> RowSums:
         # The simulator's hot path (every simulated step): plain locals, one object at the end.
@@ -174,7 +181,7 @@ class StepCostModel:
         return RowSums(num_tokens, num_seqs, num_sampled, decode_pairs, decode_kv_tokens, prefill_pairs,
                        prefill_kv_tokens, prefill_new, num_prompt_seqs, decode_contexts)
 
-    def _features(self, sums: RowSums) -> StepFeatures:
+    def _features(self, sums: RowSums, follows_prompt: bool = False) -> StepFeatures:
         num_tokens, num_sampled, prefill_new = sums.num_tokens, sums.num_sampled, sums.prefill_new
         decode_pairs, decode_kv_tokens = sums.decode_pairs, sums.decode_kv_tokens
         decode_new = num_tokens - prefill_new
@@ -202,6 +209,7 @@ class StepCostModel:
         return StepFeatures(
             flops=tuple(p[0] for p in parts), bytes=tuple(p[1] for p in parts),
             num_seqs=sums.num_seqs, num_tokens=num_tokens, num_prompt_seqs=sums.num_prompt_seqs,
+            follows_prompt=follows_prompt,
         )
 
     def predict_beside(self, planned: Sequence[tuple[int, int, bool]]) -> Callable[[tuple[int, int, bool]], float]:
@@ -238,10 +246,11 @@ class StepCostModel:
         return [SeqWork(n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens)
                 for seq, n in zip(plan.seqs, plan.num_new_tokens)]
 
-    def plan_features(self, plan: SchedulerOutput) -> StepFeatures:
+    def plan_features(self, plan: SchedulerOutput, follows_prompt: bool = False) -> StepFeatures:
         return self.rows_features(
-            (n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens)
-            for seq, n in zip(plan.seqs, plan.num_new_tokens)
+            ((n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens)
+             for seq, n in zip(plan.seqs, plan.num_new_tokens)),
+            follows_prompt,
         )
 
     def plan_time_s(self, plan: SchedulerOutput) -> float:

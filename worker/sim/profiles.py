@@ -70,6 +70,11 @@ class DeviceProfile:
     # rows, and one per-row overhead fitted over both overprices decode-only steps while it
     # underprices steps that carry a prompt. A CPU fit finds it.
     per_prompt_seq_overhead_s: float = 0.0
+    # What a decode-only step right after a step with prompt rows takes beyond its own
+    # cost: a prompt chunk's activations push the weights out of a CPU's caches, and the
+    # decode after it reads them from memory again. 0 on a GPU (weights never sit in its
+    # caches between steps); a CPU fit finds it from the decode after each mixed point.
+    after_prompt_overhead_s: float = 0.0
     # Attention's own share of the FLOP peak (None: flops_efficiency). A GPU's fused
     # attention kernels run near the GEMMs' rate; the CPU backend's unfused attention
     # (scores materialised, a mask, paged KV gathered) runs far below it, so one shared
@@ -96,7 +101,7 @@ class DeviceProfile:
                 and 0 < self.attention_efficiency <= 1):
             raise ValueError(f"device profile {self.name!r}: efficiencies must be in (0, 1]")
         if min(self.step_overhead_s, self.per_seq_overhead_s, self.per_token_overhead_s,
-               self.per_prompt_seq_overhead_s) < 0:
+               self.per_prompt_seq_overhead_s, self.after_prompt_overhead_s) < 0:
             raise ValueError(f"device profile {self.name!r}: overheads must be >= 0")
         if self.host_link_bandwidth <= 0 or self.disk_read_bandwidth < 0 or not 0 < self.link_efficiency <= 1:
             raise ValueError(f"device profile {self.name!r}: host_link_bandwidth must be > 0, "

@@ -136,6 +136,7 @@ class SimRunner:
         self.total_step_s = 0.0
         self.num_steps = 0
         self._last_return: float | None = None  # perf_counter when execute last returned
+        self._last_had_prompt = False  # the latest step carried prompt rows (StepFeatures.follows_prompt)
         # Multi-LoRA (worker/sim/lora.py): the engine's registry reads adapters with
         # lora_loader and sets lora_adapters (name -> the host copy) to price slot writes.
         self.lora = lora
@@ -207,7 +208,8 @@ class SimRunner:
                 token_ids[i] = token = next_token(seq)
                 if seq.params.logprobs is not None:
                     logprobs[i] = self._logprob(token, seq.params.logprobs)
-        features = self.cost.rows_features(rows)
+        features = self.cost.rows_features(rows, self._last_had_prompt)
+        self._last_had_prompt = features.num_prompt_seqs > 0
         modelled = self.cost.predict(features)
         if self.lora is not None and self.lora_adapters is not None:
             modelled += self.lora.step_seconds(plan, features.num_tokens, self.lora_adapters)

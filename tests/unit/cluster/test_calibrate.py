@@ -74,8 +74,49 @@ def test_fit_recovers_a_prompt_rows_own_overhead() -> None:
     assert fit_profile(load_profile("h100"), pts, fit_per_prompt_seq=False)[0].per_prompt_seq_overhead_s == 0.0
 
 
+def test_fit_recovers_what_a_decode_after_a_prompt_pays() -> None:
+    """A CPU's decode step right after a prompt chunk refills the caches the chunk took:
+    with the decode steps after each mixed point beside the plain decode points, the fit
+    finds that overhead (and only for decode-only steps that follow a prompt); without
+    such points it stays 0, and a GPU profile prices consecutive steps alike."""
+    true = replace(TRUE, after_prompt_overhead_s=700e-6)
+    model = StepCostModel(load_shape("llama-3-8b"), true)
+    after = [model.rows_features([(1, 2048, True)] * b, follows_prompt=True) for b in (8, 64, 256)]
+    pts = [(f, predict(f, true)) for f in [*map(model.features, grid()), *after]]
+    fitted, report = fit_profile(load_profile("h100"), pts)
+    assert fitted.after_prompt_overhead_s == pytest.approx(700e-6, rel=1e-2)
+    assert fitted.step_overhead_s == pytest.approx(1.5e-3, rel=1e-2)
+    assert report.max_rel_error < 1e-3
+    decode = model.rows_features([(1, 2048, True)] * 8)
+    assert predict(after[0], true) - predict(decode, true) == pytest.approx(700e-6)
+    prompt = model.rows_features([(256, 0, True)], follows_prompt=True)  # a prompt after a prompt: no refill
+    assert predict(prompt, true) == predict(model.rows_features([(256, 0, True)]), true)
+    assert fit_profile(load_profile("h100"), points(0.0))[0].after_prompt_overhead_s == 0.0
+    assert predict(after[0], load_profile("h200")) == predict(decode, load_profile("h200"))
+
+
+def test_the_simulated_device_prices_a_decode_after_a_prompt_step() -> None:
+    """SimRunner knows the step before: a decode-only step after one with prompt rows pays
+    the profile's after-prompt overhead, the next decode does not."""
+    from types import SimpleNamespace
+
+    from worker.sim.runner import SimRunner
+
+    true = replace(TRUE, after_prompt_overhead_s=700e-6)
+    runner = SimRunner(StepCostModel(load_shape("llama-3-8b"), true), 64, 16, 1000, sleep=False)
+
+    def plan(*rows: tuple[int, int]) -> SimpleNamespace:
+        seqs = [SimpleNamespace(num_computed_tokens=c, token_ids=list(range(c + n)), params=SimpleNamespace(
+            logprobs=None, seed=None), sampler_state=None) for n, c in rows]
+        return SimpleNamespace(seqs=seqs, num_new_tokens=[n for n, _ in rows])
+
+    times = [runner.execute(p).forward_s for p in (plan((1, 100)), plan((64, 0), (1, 100)), plan((1, 64), (1, 101)),
+                                                    plan((1, 65), (1, 102)))]
+    assert times[2] - times[3] == pytest.approx(700e-6, rel=1e-3)
+
+
 def test_fit_needs_enough_positive_points() -> None:
-    with pytest.raises(ValueError, match="at least 7"):
+    with pytest.raises(ValueError, match="at least 8"):
         fit_profile(TRUE, points(0.0)[:3])
     bad = points(0.0)
     bad[0] = (bad[0][0], 0.0)
@@ -90,8 +131,8 @@ def test_calibrate_is_a_kvserve_command() -> None:
 
 def test_calibrate_runs_the_real_engine_over_a_small_grid(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     """The embedded model on this CPU, a 2x2 decode grid, two chunk sizes and one mixed
-    step: every point is a real engine step of the asked shape, and the fitted profile is
-    marked calibrated with what it was fitted on."""
+    step (and the decode after it): every point is a real engine step of the asked shape,
+    and the fitted profile is marked calibrated with what it was fitted on."""
     from cluster import calibrate
 
     monkeypatch.setattr(calibrate, "DECODE_BATCHES", (1, 3))
@@ -100,9 +141,11 @@ def test_calibrate_runs_the_real_engine_over_a_small_grid(monkeypatch: pytest.Mo
     monkeypatch.setattr(calibrate, "MIXED", ((24, 3, 40),))
     monkeypatch.setattr(calibrate, "NUM_REPEATS", 2)
     profile, report, points = calibrate.calibrate(None, "cpu-test", 1, 16)
-    assert report.num_points == len(points) == 4 + 2 * calibrate.PREFILL_CHUNKS_PER_PROMPT + 1
+    assert report.num_points == len(points) == 4 + 2 * calibrate.PREFILL_CHUNKS_PER_PROMPT + 2
     mixed = next(p for p in points if p.label == "mixed chunk=24 + decode b=3 ctx=40")
     assert (mixed.features.num_seqs, mixed.features.num_tokens) == (4, 27) and mixed.seconds > 0
+    after = next(p for p in points if p.label == "decode b=3 ctx=40 after chunk=24")
+    assert (after.features.num_seqs, after.features.num_tokens, after.features.follows_prompt) == (3, 3, True)
     decode = next(p for p in points if p.label == "decode b=3 ctx=40")
     assert (decode.features.num_seqs, decode.features.num_tokens) == (3, 3) and decode.seconds > 0
     chunk = next(p for p in points if p.label == "prefill chunk=24 ctx=48")
@@ -146,9 +189,9 @@ def test_a_measurement_runs_one_plan_at_a_time_alternating_kinds(monkeypatch: py
     assert measurement.progress == pytest.approx(0.6)
     assert [p.label for p in measurement.points] == [
         "decode b=1 ctx=8", *(f"prefill chunk=8 ctx={8 * k}" for k in range(calibrate.PREFILL_CHUNKS_PER_PROMPT)),
-        "mixed chunk=24 + decode b=3 ctx=8"]
+        "mixed chunk=24 + decode b=3 ctx=8", "decode b=3 ctx=8 after chunk=24"]
     points = measurement.finish()
-    assert measurement.done and len(points) == 3 + 2 * calibrate.PREFILL_CHUNKS_PER_PROMPT
+    assert measurement.done and len(points) == 4 + 2 * calibrate.PREFILL_CHUNKS_PER_PROMPT
     assert [p.label for p in points[-1 - calibrate.PREFILL_CHUNKS_PER_PROMPT:]][:2] == [
         "decode b=3 ctx=8", "prefill chunk=24 ctx=0"]
     profile, report, fitted_points = calibrate.fit_measurement(measurement, "cpu-beside")
@@ -171,11 +214,11 @@ def test_passes_pool_each_points_steps(monkeypatch: pytest.MonkeyPatch) -> None:
         measurement.measure_next()
     assert {label: len(steps) for label, steps in measurement.grid.samples.items()} == {
         "decode b=2 ctx=8": 2, **{f"prefill chunk=8 ctx={8 * k}": 1 for k in range(4)},
-        "mixed chunk=8 + decode b=2 ctx=8": 1}
+        "mixed chunk=8 + decode b=2 ctx=8": 1, "decode b=2 ctx=8 after chunk=8": 1}
     points = measurement.finish()
     assert {label: len(steps) for label, steps in measurement.grid.samples.items()} == {
         "decode b=2 ctx=8": 4, **{f"prefill chunk=8 ctx={8 * k}": 2 for k in range(4)},
-        "mixed chunk=8 + decode b=2 ctx=8": 2}
+        "mixed chunk=8 + decode b=2 ctx=8": 2, "decode b=2 ctx=8 after chunk=8": 2}
     decode = measurement.grid.samples["decode b=2 ctx=8"]
     assert points[0].label == "decode b=2 ctx=8" and points[0].seconds == pytest.approx(
         sum(t for _, t in decode) / 4)  # the mean of both passes' steps
@@ -202,3 +245,25 @@ def test_decode_and_mixed_points_are_timed_past_the_batchs_warm_up(monkeypatch: 
                                                            for k in range(4)]
     mixed = [f for f, _ in samples["mixed chunk=8 + decode b=2 ctx=8"]]
     assert mixed == [cost.rows_features([(1, c, True), (1, c, True), (8, 0, True)]) for c in (8 + warm, 8 + warm + 2)]
+    # The decode right after each mixed step, one token further, priced as following a prompt.
+    after = [f for f, _ in samples["decode b=2 ctx=8 after chunk=8"]]
+    assert after == [cost.rows_features([(1, c + 1, True), (1, c + 1, True)], follows_prompt=True)
+                     for c in (8 + warm, 8 + warm + 2)]
+    assert not any(f.follows_prompt for f in mixed) and not any(f.follows_prompt for f, _ in samples["decode b=1 ctx=8"])
+
+
+def test_an_aged_pool_hands_out_every_block_in_a_seeded_order() -> None:
+    """`age_pool`: the calibration's plans (and validation 1's real engine) take their KV
+    blocks as a pool that has served a while hands them out, in no order, not a fresh
+    pool's id order; every block stays free and the order is the seed's."""
+    import random as stdlib_random
+
+    from cluster.calibrate import age_pool
+    from kv.block_pool import BlockPool
+
+    pool = BlockPool(8)
+    age_pool(pool, seed=3)
+    assert pool.num_free_blocks == 8
+    expected = list(range(8))
+    stdlib_random.Random(3).shuffle(expected)
+    assert [b.block_id for b in pool.allocate(8)] == expected != list(range(8))
