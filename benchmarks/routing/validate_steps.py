@@ -33,12 +33,16 @@ GAP_S = 2e-3  # wall time between two steps beyond the loop's own (adding reques
 
 @dataclass
 class StepRecord:
-    """The real steps of one run: (step s, execute s, the plan's features, has a prefill
-    chunk) each; `cost` prices them when the run is over (the pair's profile, fitted by a
+    """The real steps of one run, and where each request joined and got its first token;
+    `cost` prices the steps when the run is over (the pair's profile, fitted by a
     calibration measured beside the run)."""
 
     cost: Any  # StepCostModel
-    rows: list[tuple[float, float, Any, bool, bool]] = field(default_factory=list)  # + after a gap
+    # (step s, execute s, the plan's (new tokens, context, samples) rows, has a prefill
+    # chunk, after a gap)
+    rows: list[tuple[float, float, Any, bool, bool]] = field(default_factory=list)
+    added: dict[str, int] = field(default_factory=dict)  # request id -> index of the first row after it joined
+    first: dict[str, int] = field(default_factory=dict)  # request id -> index of the row of its first token
 
 
 @contextmanager
@@ -47,15 +51,16 @@ def step_check(engine: Any, cost: Any, log: Log) -> Iterator[StepRecord]:  # wor
     them against the prediction for each plan's features (read before execute: the plan's
     sequences still hold this step's starting positions), by the `cost` the record holds
     at the block's end."""
-    runner, real_execute, real_step = engine.runner, engine.runner.execute, engine.step
+    runner, real_execute, real_step, real_add = engine.runner, engine.runner.execute, engine.step, engine.add_request
     record = StepRecord(cost)
     current: dict[str, Any] = {}
     clock = CLOCKS[ENGINE_CLOCK]
     ended = [time.perf_counter()]  # wall time at the end of the last step
 
     def execute(plan: Any) -> Any:
-        current["features"] = cost.plan_features(plan)
         current["prefill"] = any(n > 1 for n in plan.num_new_tokens)
+        current["rows"] = [(n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens)
+                           for seq, n in zip(plan.seqs, plan.num_new_tokens)]
         t0 = clock()
         out = real_execute(plan)
         current["execute"] = clock() - t0
@@ -68,16 +73,28 @@ def step_check(engine: Any, cost: Any, log: Log) -> Iterator[StepRecord]:  # wor
         out = real_step()
         ended[0] = time.perf_counter()
         if current:  # a step that ran the model
-            record.rows.append((clock() - t0, current["execute"], current["features"], current["prefill"],
+            for o in out:
+                if o.new_token_ids and o.request_id not in record.first:
+                    record.first[o.request_id] = len(record.rows)
+            record.rows.append((clock() - t0, current["execute"], current["rows"], current["prefill"],
                                 gap > GAP_S))
         return out
 
-    runner.execute, engine.step = execute, step
+    def add_request(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        record.added[request_id] = len(record.rows)
+        return real_add(request_id, *args, **kwargs)
+
+    runner.execute, engine.step, engine.add_request = execute, step, add_request
     try:
         yield record
     finally:
-        runner.execute, engine.step = real_execute, real_step
-        log_steps([(t, e, record.cost.predict(f), p, g) for t, e, f, p, g in record.rows], log)
+        runner.execute, engine.step, engine.add_request = real_execute, real_step, real_add
+        # Priced once the pair's profile is known, each step after its predecessor's kind.
+        after = [False] + [r[3] for r in record.rows[:-1]]
+        rows = [(t, e, record.cost.predict(record.cost.rows_features(r, a)), p, g)
+                for (t, e, r, p, g), a in zip(record.rows, after)]
+        log_steps(rows, log)
+        log_ttft_windows(rows, record.added, record.first, log)
 
 
 def log_steps(rows: list[tuple[float, float, float, bool, bool]], log: Log) -> None:
@@ -106,6 +123,48 @@ def log_steps(rows: list[tuple[float, float, float, bool, bool]], log: Log) -> N
                                                       ("the rest", ~after_gap))]
     log("    all steps, " + "; ".join(f"{name}: {len(t)}, step/predicted {t[:, 0].sum() / t[:, 2].sum():.3f}"
                                      for name, t in parts if len(t)))
+
+
+def log_ttft_windows(rows: list[tuple[float, float, float, bool, bool]], added: dict[str, int],
+                     first: dict[str, int], log: Log) -> None:
+    """Each request's TTFT window (the steps from the one after it joined to the one that
+    gave its first token), real against predicted, and where the difference lies: by the
+    kind of step and the step before it."""
+    real = np.array([r[0] for r in rows])
+    pred = np.array([r[2] for r in rows])
+    prefill = np.array([r[3] for r in rows], dtype=bool)
+    after_gap = np.array([r[4] for r in rows], dtype=bool)
+    after_chunk = np.concatenate([[False], prefill[:-1]])
+    kinds = {
+        "prefill after decodes": prefill & ~after_chunk,
+        "prefill after prefill": prefill & after_chunk,
+        "decodes after prefill": ~prefill & after_chunk,
+        "decodes after decodes": ~prefill & ~after_chunk,
+    }
+    excess = {k: 0.0 for k in kinds}
+    last = {k: 0.0 for k in kinds}
+    ratios, gaps, n = [], 0.0, 0
+    for request_id, a in added.items():
+        f = first.get(request_id)
+        if f is None or f < a:
+            continue
+        window = slice(a, f + 1)
+        ratios.append(real[window].sum() / pred[window].sum())
+        gaps += float((real[window] - pred[window])[after_gap[window]].sum())
+        for k, mask in kinds.items():
+            excess[k] += float((real[window] - pred[window])[mask[window]].sum())
+        for k, mask in kinds.items():
+            if mask[f]:
+                last[k] += 1
+        n += 1
+    if not n:
+        return
+    log(f"    TTFT windows ({n} requests): real/predicted median {np.median(ratios):.3f}, "
+        f"mean window {1e3 * float(np.mean([real[a:first[r] + 1].sum() for r, a in added.items() if r in first])):.2f} ms; "
+        f"excess per request by step kind (ms): "
+        + ", ".join(f"{k} {1e3 * v / n:+.2f}" for k, v in excess.items())
+        + f"; of it after gaps {1e3 * gaps / n:+.2f}; first-token steps: "
+        + ", ".join(f"{k} {int(v)}" for k, v in last.items()))
 
 
 def main() -> int:

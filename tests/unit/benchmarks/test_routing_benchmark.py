@@ -215,16 +215,21 @@ def test_validation_grid_takes_the_workloads_prompt_and_sequence_lengths() -> No
 
 
 def test_step_check_sets_each_model_step_against_its_prediction() -> None:
-    """benchmarks.routing.validate_steps: the hooks read each plan's features before execute,
+    """benchmarks.routing.validate_steps: the hooks read each plan's rows before execute,
     skip steps that ran nothing, restore the engine, and log each kind of step against the
     prediction of the cost model the record holds when the block ends (the pair's own
-    profile, fitted after the run)."""
+    profile, fitted after the run), each step priced as following its predecessor's kind;
+    then each request's TTFT window (from the step after it joined to its first token)."""
     from types import SimpleNamespace
 
     from benchmarks.routing.validate_steps import step_check
 
-    plans = [SimpleNamespace(num_new_tokens=[64, 1]), None, SimpleNamespace(num_new_tokens=[1, 1]),
-             SimpleNamespace(num_new_tokens=[1, 1, 1])]
+    def seq(request_id: str, done: int, total: int) -> SimpleNamespace:
+        return SimpleNamespace(request_id=request_id, num_computed_tokens=done, num_tokens=total)
+
+    plans = [SimpleNamespace(seqs=[seq("a", 0, 64), seq("b", 10, 11)], num_new_tokens=[64, 1]), None,
+             SimpleNamespace(seqs=[seq("a", 64, 65), seq("b", 11, 12)], num_new_tokens=[1, 1]),
+             SimpleNamespace(seqs=[seq("a", 65, 66), seq("b", 12, 13), seq("c", 0, 1)], num_new_tokens=[1, 1, 1])]
 
     class Runner:
         def execute(self, plan: SimpleNamespace) -> str:
@@ -233,33 +238,53 @@ def test_step_check_sets_each_model_step_against_its_prediction() -> None:
     class Engine:  # the wrapper is under test, not the engine: steps that call the runner or not
         def __init__(self) -> None:
             self.runner = Runner()
+            self.added: list[str] = []
 
-        def step(self) -> list[str]:
+        def add_request(self, request_id: str) -> None:
+            self.added.append(request_id)
+
+        def step(self) -> list[SimpleNamespace]:
             plan = plans.pop(0)
-            return [] if plan is None else [self.runner.execute(plan)]
+            if plan is None:
+                return []
+            self.runner.execute(plan)
+            return [SimpleNamespace(request_id=s.request_id, new_token_ids=[1]) for s in plan.seqs]
+
+    follows: list[bool] = []
 
     class Cost:
         def __init__(self, s_per_token: float) -> None:
             self.s_per_token = s_per_token
 
-        def plan_features(self, plan: SimpleNamespace) -> int:
-            return sum(plan.num_new_tokens)
+        def rows_features(self, rows: list[tuple[int, int, bool]], follows_prompt: bool) -> int:
+            follows.append(follows_prompt)
+            return sum(n for n, _, _ in rows)
 
         def predict(self, num_tokens: int) -> float:
             return self.s_per_token * num_tokens
 
     engine, lines = Engine(), []
     with step_check(engine, Cost(1.0), lines.append) as record:
-        assert [engine.step() for _ in range(4)] == [["ran"], [], ["ran"], ["ran"]]
+        engine.add_request("a")
+        engine.add_request("b")
+        assert [len(engine.step()) for _ in range(2)] == [2, 0]
+        engine.add_request("c")
+        assert [len(engine.step()) for _ in range(2)] == [2, 3]
         record.cost = Cost(1e-3)  # 65 ms with the chunk, 2 and 3 ms decodes only
+    assert engine.added == ["a", "b", "c"]
     assert engine.step.__func__ is Engine.step and engine.runner.execute.__func__ is Runner.execute  # unhooked
-    assert len(lines) == 4
+    assert follows == [False, True, False]  # the step after the chunk's step (the idle step ran no model)
+    assert len(lines) == 5
     assert lines[0].startswith("    steps with a prefill chunk: 1, ") and "predicted 65.00 ms" in lines[0]
     assert lines[1].startswith("    steps decodes only: 2, ") and "predicted 2.50 ms" in lines[1]
-    # The decode right after the chunk's step (the idle step between ran no model) apart from the one after it.
+    # The decode right after the chunk's step apart from the one after it.
     assert lines[2].startswith("    decodes only, after a step with a prefill chunk: 1, step/predicted ")
     assert "; after a decode-only step: 1, step/predicted " in lines[2]
     assert lines[3].startswith("    all steps, the rest: 3, step/predicted ")  # no gap between the steps
+    # a and b: the chunk's step; c joined before the second decode step and got its token there.
+    assert lines[4].startswith("    TTFT windows (3 requests): ")
+    assert "first-token steps: prefill after decodes 2, prefill after prefill 0, decodes after prefill 0, " \
+           "decodes after decodes 1" in lines[4]
 
 
 def test_the_real_engine_runs_on_the_validations_clock(tiny_llama) -> None:  # noqa: ANN001 (Path)
