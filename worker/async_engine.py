@@ -52,6 +52,7 @@ class _Add:
     export_kv: bool = False  # disaggregation, prefill side (Engine.add_request)
     kv_import: Any = None  # disaggregation, decode side: a kv.transfer.KVExport
     lora: tuple[str, str | None] | None = None  # (adapter name, its PEFT directory)
+    quiet: bool = False  # outputs at the first token and the end only (Engine.add_request)
 
 
 @dataclass
@@ -218,7 +219,9 @@ class AsyncEngine:
         delivers their step: no task wakes per output, unlike iterating `generate` (the
         batched output streams' path, worker/output_streams.py). Returns once the request
         finished; raises what failed it; cancelling it aborts the request. `text_at_end`:
-        the caller reads the text only at the end (worker/output_processor.py)."""
+        the caller reads the text only at the end (worker/output_processor.py); unless a
+        stop string must be watched for or logprobs were asked, the engine then makes no
+        output between the first and the finished one (Engine.add_request's `quiet`)."""
         self._ensure_started()
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -227,7 +230,7 @@ class AsyncEngine:
         assert self._loop is not None
         sink = _Sink(processor, on_output, self._loop.create_future(), lambda: self._inbox.put(_Abort(request_id, notify=False)))
         self._streams[request_id] = sink
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, False, None, lora))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, False, None, lora, processor.text_at_end))
         try:
             await sink.done
         finally:
@@ -354,7 +357,7 @@ class AsyncEngine:
                 try:
                     self.engine.add_request(
                         item.request_id, item.prompt_token_ids, item.params,
-                        export_kv=item.export_kv, kv_import=item.kv_import,
+                        export_kv=item.export_kv, kv_import=item.kv_import, quiet=item.quiet,
                         **({"lora_name": item.lora[0], "lora_path": item.lora[1]} if item.lora else {}),
                     )
                 except RequestError as e:

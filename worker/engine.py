@@ -152,8 +152,12 @@ class Engine:
         prompt_block_hashes: list[int] | None = None,
         lora_name: str | None = None,
         lora_path: str | None = None,
+        quiet: bool = False,
     ) -> None:
-        """`export_kv`: when the first token is sampled, attach a KVExport of the prompt to
+        """`quiet`: the caller reads the first output and the finished one only (a
+        non-streamed response with nothing to watch per token): the steps between make no
+        output, and each output carries every token since the one before.
+        `export_kv`: when the first token is sampled, attach a KVExport of the prompt to
         that output (`extra["kv_export"]`) and pin its blocks until `release_kv`.
         `kv_import`: the prompt's KV computed elsewhere; the request continues after the
         export's first token (prompt + that token, the prompt already computed).
@@ -180,6 +184,8 @@ class Engine:
         if kv_import is not None:
             check_import_root(kv_import, lora_root if lora_root is not None else root_hash(params.cache_keys))
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
+        if quiet and params.logprobs is None:  # per-token logprobs leave with each token's output
+            seq.quiet_from = seq.num_prompt_tokens
         self.connector.add_request(seq, export_kv, kv_import)
         self.seqs[request_id] = seq
         if lora_name is not None:
@@ -224,7 +230,8 @@ class Engine:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
             self.lora.done(seq)
         self.scheduler.finish(seq, "abort")
-        return request_output(seq, [], None)
+        # A quiet request's tokens since its last output leave with this one.
+        return request_output(seq, seq.token_ids[seq.quiet_from:] if seq.quiet_from is not None else [], None)
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self.compiles.seqs)
@@ -394,12 +401,18 @@ class Engine:
         for seq in changed:
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            kv = saved.get(seq.request_id) if saved else None
+            if seq.quiet_from is not None and seq.quiet_from > seq.num_prompt_tokens and kv is None \
+                    and seq.status is not finished:
+                continue  # a quiet request between its first output and its last
             if seq.status is finished:
                 del self.seqs[seq.request_id]
                 if seq.lora_name is not None:
                     self.lora.done(seq)
             out = sampled_output(seq, logprobs_of.get(seq.request_id) if logprobs_of is not None else None)
-            kv = saved.get(seq.request_id) if saved else None
+            if seq.quiet_from is not None:
+                out.new_token_ids = seq.token_ids[seq.quiet_from:]
+                seq.quiet_from = len(seq.token_ids)
             if isinstance(kv, str):  # its KV export failed: an error, not a clean finish
                 out = self._fail_one(seq, kv)
             elif kv is not None:

@@ -70,5 +70,11 @@ class RequestOutputProcessor:
         return out
 
     @property
+    def text_at_end(self) -> bool:
+        """Only the first output's text and the finished one's are read (no stop string
+        to watch): the outputs between need not exist at all (Engine.add_request's quiet)."""
+        return self._defer
+
+    @property
     def text(self) -> str:
         return self.detokenizer.text if self.detokenizer is not None else ""

@@ -57,6 +57,7 @@ class Sequence:
         "waiting_uncached_tokens",
         "lora_name",
         "lora_slot",
+        "quiet_from",
     )
 
     def __init__(
@@ -103,6 +104,9 @@ class Sequence:
         # device slot holding that adapter (worker/lora/slots.py; -1 otherwise).
         self.lora_name: str | None = None
         self.lora_slot = -1
+        # A quiet request (Engine.add_request): the index in token_ids after the tokens its
+        # outputs carried so far; None for one that gets an output every step.
+        self.quiet_from: int | None = None
 
     @property
     def num_tokens(self) -> int:
