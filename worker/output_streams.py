@@ -49,6 +49,7 @@ class Outbox:
     # Requests whose caller reads only the final text (a non-streamed response): after
     # their first output (time to first token), what comes is folded here and leaves with
     # the finished one. None of it is lost to the client; migration resumes from the first.
+    # (Most make no output in between at all: the engine runs them quiet, Engine.add_request.)
     holding: set[str] = field(default_factory=set)
     held: dict[str, RequestOutput] = field(default_factory=dict)
     started: set[str] = field(default_factory=set)  # requests whose first output was queued
