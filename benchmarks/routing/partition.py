@@ -8,10 +8,9 @@ a group's questions, always meet their cache) and even shares, with no routing a
 Not an upper bound: a router may also even out bursts between replicas, and a dealt share
 can be unlucky (long sessions piling up on one replica), as a real static partition can.
 
-Until 2026-12-01 22:10 the partition was ONE replica at 1/N of the rate on a workload
-generated for one replica, its goodput times N: a sample of ~12 agentic sessions, whose
-luck decided the row. At 14.70 req/s (58.79 for the cluster) seed 0 met the SLO with ITL
-p99 72 ms, and seeds 1-5 gave 107, 156, 94, 97 and 120 ms (three misses of five).
+The shares are dealt over the whole cluster's workload, not taken as one replica's sample
+at 1/N of the rate times N: a single replica's sample holds a dozen sessions or so, and
+which dozen decides its goodput (seeds of the same rate meet and miss the SLO).
 """
 from __future__ import annotations
 

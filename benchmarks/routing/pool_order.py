@@ -5,9 +5,9 @@
 A fresh block pool hands out blocks in id order, so a sequence's KV sits in consecutive
 blocks; a pool that has served a while hands them out in no order (requests end in any
 order and free their blocks as they end). The CPU backend gathers each decode's paged KV
-block by block, and reads consecutive blocks faster. The calibration used to time its
-decode points on fresh pools while validation 1's real engine ran on one that had served
-its earlier pairs; both now run on aged pools (cluster/calibrate.py's `age_pool`).
+block by block, and reads consecutive blocks faster; so a calibration timed on fresh pools
+would underprice a live engine's decodes, and validation 1 runs both its calibration and
+its real engine on aged pools (cluster/calibrate.py's `age_pool`).
 
 Per round, each of validation 1's decode plans (the grid's batches x contexts) runs twice
 on its clock and thread count, on a fresh pool and on an aged one, in alternating order;

@@ -77,7 +77,7 @@ TRACE_ATTAINMENT = 0.8
 TRACE_MIN_REQUESTS = 300
 # A run offers rate x window requests, never clamped from above: a cap would shrink a high
 # rate's arrival window into one burst that the replicas' batch slots absorb, so the run
-# would never queue and the search would never see the SLO flip (the 2026-12-01 06:21 log).
+# would never queue and the search would never see the SLO flip.
 # Below this many requests a run says too little about a p99: the window grows instead.
 MIN_REQUESTS = 40
 MAX_REQUESTS = 10**7
@@ -115,13 +115,12 @@ class Plan:
 # router's search tries round robin's first missing rate, then (if that misses) round
 # robin's goodput, so two routers as good as each other land on the same rate. Sized so
 # that every router's search crosses the SLO (a cell without a flip prints ">=", a lower
-# bound) and the whole run stays within 10 minutes on the 2-core box (519 and 533 s on
-# 2026-12-01 23:12/23:29 in a slow spell, validation 2 beside the table): sharegpt and bursty,
-# where no router has a cache to win, offer 6 and 8 s of arrivals at ~280 req/s
-# (1,700-2,200 requests a run). The trace cells cost more CPU than the synthetic table (710
-# against 480 s with 40 s of arrivals, the 2026-12-03 06:50 logs; a run's cost grows with its
-# requests): 25 s of arrivals (300 to ~700 requests: the x4 and x8 cells sit at
-# TRACE_MIN_REQUESTS) and no 80%-rate runs keep --quick within its 10 minutes.
+# bound) and the whole run stays within 10 minutes on the 2-core box, validation 2 beside
+# the table: sharegpt and bursty, where no router has a cache to win, offer 6 and 8 s of
+# arrivals at ~280 req/s (1,700-2,200 requests a run). The trace cells cost more CPU per
+# second of arrivals than the synthetic table (a run's cost grows with its requests): 25 s
+# of arrivals (300 to ~700 requests: the x4 and x8 cells sit at TRACE_MIN_REQUESTS) and no
+# 80%-rate runs keep --quick within its 10 minutes.
 QUICK = Plan(replicas=(4,), seeds=(0,), bisect_steps=2, max_steps_out=4,
              window_s=(("sharegpt", 6.0), ("b2b", 10.0), ("agentic", 10.0), ("code", 60.0), ("bursty", 8.0),
                        ("trace", 25.0)), trace_at_80=False)

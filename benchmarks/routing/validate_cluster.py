@@ -45,9 +45,8 @@ PROBE_PROMPT_LEN = 16
 # The validated run's seed, and the calibration run's (the dispatch path under load).
 VALIDATION_SEED, CALIBRATION_SEED = 11, 13
 CLUSTER_RATE = 30.0  # requests/s modelled
-# (calibration, validated run): --quick, full. --quick's calibration run was 64 requests until
-# 2026-12-01 21:40: 40 still give the dispatch path's p10-p90 (its draws), and save ~16 s of
-# the 10 minutes --quick has.
+# (calibration, validated run): --quick, full. --quick's 40 calibration requests give the
+# dispatch path's p10-p90 (its draws) within the 10 minutes --quick has.
 CLUSTER_REQUESTS = {True: (40, 96), False: (160, 240)}
 
 
