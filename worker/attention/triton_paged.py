@@ -73,6 +73,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
         q_tile = tl.program_id(1)
@@ -115,7 +116,7 @@ if triton is not None:
                 off = n % BLOCK_SIZE
                 k_offs = block[None, :] * stride_k_block + off[None, :] * stride_k_off + kv_head * stride_k_head
                 k = tl.load(key_cache_ptr + k_offs + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-                s = tl.dot(q, k) * scale_log2  # (M, N) fp32, in log2 units
+                s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # (M, N) fp32, in log2 units
                 visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
                 if SLIDING_WINDOW > 0:
                     visible = visible & (n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
@@ -130,7 +131,7 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v_offs = block[:, None] * stride_v_block + off[:, None] * stride_v_off + kv_head * stride_v_head
                 v = tl.load(value_cache_ptr + v_offs + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                 m_i = m_new
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
             out = acc / l_safe[:, None]
@@ -188,6 +189,9 @@ def paged_attention(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=max(16, min(64, 4 * block_size)) if block_size < 64 else block_size,
         SLIDING_WINDOW=sliding_window or 0,
+        # fp32 models multiply in full fp32: Triton's default for fp32 dots on NVIDIA is
+        # TF32 (10-bit mantissa), enough to flip a greedy argmax against transformers.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **kwargs,
     )
     return out

@@ -63,7 +63,7 @@ def _build_batch(
         if new == 1:
             decode_rows.append((table, ctx))
         else:
-            prefills.append(PrefillInfo(start, new, ctx, torch.tensor(table)))
+            prefills.append(PrefillInfo(start, new, ctx, torch.tensor(table, device=device)))
         start += new
     max_blocks = max((len(t) for t, _ in decode_rows), default=1)
     # Two decode groups when there are several decodes: groups must be independent.
@@ -74,8 +74,8 @@ def _build_batch(
         if rows:
             groups.append(DecodeGroup(
                 lo, hi,
-                torch.tensor([t + [0] * (max_blocks - len(t)) for t, _ in rows]),
-                torch.tensor([c for _, c in rows]),
+                torch.tensor([t + [0] * (max_blocks - len(t)) for t, _ in rows], device=device),
+                torch.tensor([c for _, c in rows], device=device),
                 max(c for _, c in rows),
             ))
     meta = AttentionMetadata(

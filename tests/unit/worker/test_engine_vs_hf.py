@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
 
 from kv.cache_manager import cdiv
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -60,10 +61,12 @@ def _engine(
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 64,
     enable_prefix_caching: bool = True,
+    device: str = "cpu",
+    attention_backend: str = "auto",
 ) -> Engine:
     return Engine.from_config(
         EngineConfig(
-            ModelConfig(str(model_dir), dtype="float32", device="cpu"),
+            ModelConfig(str(model_dir), dtype="float32", device=device, attention_backend=attention_backend),
             CacheConfig(
                 block_size=BLOCK,
                 num_blocks_override=num_blocks,
@@ -239,4 +242,24 @@ def test_chunked_prefill_preemption_and_prefix_cache_together(
     assert _run(run_engine, engine, ALL) == _expected(hf_reference, "llama", ALL)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.kv.prefix_cache_hits > 0
+    _assert_free(engine)
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_on_cuda_batched_chunked_and_cached(
+    family: str, backend: str, tiny_model: TinyModels, hf_reference: HFReference, run_engine: Callable
+) -> None:
+    """The CUDA runner (its decode steps replayed as CUDA graphs, each attention backend)
+    against the same CPU reference: the whole set at once (mixed lengths, shared
+    prefixes), then the long prompts under a small token budget (prompt chunks)."""
+    engine = _engine(tiny_model(family), device="cuda", attention_backend=backend)
+    assert _run(run_engine, engine, ALL) == _expected(hf_reference, family, ALL)
+    _assert_free(engine)
+    engine = _engine(tiny_model(family), device="cuda", attention_backend=backend, max_num_batched_tokens=24)
+    assert _run(run_engine, engine, CHUNKED, prefix="c") == _expected(hf_reference, family, CHUNKED)
     _assert_free(engine)
