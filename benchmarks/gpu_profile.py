@@ -127,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = settings(tiny, None, 256, 0)
     tmp = tempfile.TemporaryDirectory(prefix="kvserve-gpu-profile-")
     model_dir = Path(tmp.name) / "model"
-    del_model = build_checkpoint(cfg, model_dir)
-    vocab = del_model.config.vocab_size
-    del del_model
+    build_checkpoint(cfg, model_dir)  # its transformers copy is dropped: only the saved weights are used
+    vocab = cfg.shape["vocab_size"]
     gc.collect()
     torch.cuda.empty_cache()
     engine = make_engine(cfg, model_dir, "auto", CONTEXT + 4 * args.steps + 128)

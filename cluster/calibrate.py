@@ -181,15 +181,17 @@ class _Grid:
         self.samples.setdefault(label, []).extend(steps)
         return _mean_point(label, steps)
 
-    def decode(self, batch: int, context: int, num_steps: int = NUM_DECODE_STEPS) -> Point:
+    def decode(self, batch: int, context: int, num_steps: int = NUM_DECODE_STEPS, aged: bool = True) -> Point:
+        """`aged` False: on a fresh pool (benchmarks.routing.pool_order's comparison)."""
         from worker.api import SamplingParams
 
-        engine = self.engine(batch, max(2048, batch * context))  # every prompt in one step
+        engine = self.engine(batch, max(2048, batch * context), aged)  # every prompt in one step
         params = SamplingParams(max_tokens=WARMUP_DECODE_STEPS + num_steps + 1, temperature=0.0, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"d{i}", self.prompt(context), params)
         steps = [s for s in self.steps(engine) if s[0].num_tokens == batch == s[0].num_seqs]
-        return self.point(f"decode b={batch} ctx={context}", steps[WARMUP_DECODE_STEPS:])
+        label = f"decode b={batch} ctx={context}" + ("" if aged else " fresh pool")
+        return self.point(label, steps[WARMUP_DECODE_STEPS:])
 
     def prefill(self, chunk: int, repeats: int = NUM_REPEATS) -> list[Point]:
         from worker.api import SamplingParams

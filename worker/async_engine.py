@@ -230,7 +230,7 @@ class AsyncEngine:
         assert self._loop is not None
         sink = _Sink(processor, on_output, self._loop.create_future(), lambda: self._inbox.put(_Abort(request_id, notify=False)))
         self._streams[request_id] = sink
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, False, None, lora, processor.text_at_end))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, False, None, lora, processor.defers_text))
         try:
             await sink.done
         finally:

@@ -70,7 +70,7 @@ class RequestOutputProcessor:
         return out
 
     @property
-    def text_at_end(self) -> bool:
+    def defers_text(self) -> bool:
         """Only the first output's text and the finished one's are read (no stop string
         to watch): the outputs between need not exist at all (Engine.add_request's quiet)."""
         return self._defer

@@ -24,20 +24,8 @@ import sys
 
 from benchmarks.routing.engine_grid import ENGINE_CLOCK, ENGINE_NUM_THREADS, workload_grid
 from benchmarks.routing.validate import ENGINE_REQUESTS, ENGINE_WORKLOAD
-from cluster.calibrate import NUM_DECODE_STEPS, WARMUP_DECODE_STEPS, start_measurement
+from cluster.calibrate import start_measurement
 from cluster.sim.workloads import make_workload
-
-
-def decode_mean(grid, batch: int, context: int, aged: bool) -> float:  # noqa: ANN001 (cluster.calibrate._Grid)
-    """Mean seconds of a decode batch's steps past the warm-up, on a fresh or aged pool."""
-    from worker.api import SamplingParams
-
-    engine = grid.engine(batch, max(2048, batch * context), aged=aged)
-    params = SamplingParams(max_tokens=WARMUP_DECODE_STEPS + NUM_DECODE_STEPS + 1, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"d{i}", grid.prompt(context), params)
-    steps = [t for f, t in grid.steps(engine) if f.num_tokens == batch == f.num_seqs]
-    return statistics.fmean(steps[WARMUP_DECODE_STEPS:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             first_aged = (r + b + c) % 2 == 0  # sides alternate
             times = {aged: 0.0 for aged in (first_aged, not first_aged)}
             for aged in times:
-                times[aged] = decode_mean(grid, b, c, aged)
+                times[aged] = grid.decode(b, c, aged=aged).seconds
             ratios[(b, c)].append(times[True] / times[False])
             print(f"  round {r + 1}: decode b={b} ctx={c}: fresh {1e3 * times[False]:.2f} ms, aged "
                   f"{1e3 * times[True]:.2f} ms, ratio {times[True] / times[False]:.3f}", flush=True)
