@@ -25,14 +25,14 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from cluster.config import ConfigError, GRPCSection, HTTPSection, KVServeConfig
 from cluster.lora_config import parse_lora_modules
 from cluster.deps import MissingDependencyError, missing
-from cluster.serve_exposure import direct_ingress, endpoint_lines, grpc_proxy_env, listen_warnings
+from cluster.serve_exposure import (direct_ingress, direct_ingress_off_reason, endpoint_lines, grpc_proxy_env,
+                                    listen_warnings)
 from worker.model_config import UnsupportedModelError, check_local_model
 
 # name -> "module:register_function"; register(subparsers) adds the parser, sets func.
@@ -101,9 +101,13 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help=f"HTTP host (default {HTTPSection().host})")
     parser.add_argument("--port", type=int, help=f"HTTP port (default {HTTPSection().port})")
     parser.add_argument("--grpc-port", type=int, help=f"gRPC port (default {GRPCSection().port})")
-    parser.add_argument("--direct-ingress", action="store_true",
-                        help="HAProxy straight to the ingress replicas instead of Serve's proxies "
-                             "(http.direct_ingress; docs/architecture.md)")
+    front = parser.add_mutually_exclusive_group()
+    front.add_argument("--direct-ingress", action="store_true",
+                       help="insist on HAProxy straight to the ingress replicas (the default wherever it can "
+                            "run; an error where it cannot) (http.direct_ingress; docs/architecture.md)")
+    front.add_argument("--serve-proxy", action="store_true",
+                       help="Serve's HTTP and gRPC proxies in front instead of direct ingress "
+                            "(http.direct_ingress: false)")
     parser.add_argument("--tensor-parallel-size", type=int, metavar="N",
                         help="ranks (devices) per worker replica; every pool when disaggregated")
     parser.add_argument("--disaggregate", action="store_true",
@@ -146,6 +150,8 @@ def config_from_args(args: argparse.Namespace) -> KVServeConfig:
         overrides["grpc.public"] = True
     if getattr(args, "direct_ingress", False):
         overrides["http.direct_ingress"] = True
+    if getattr(args, "serve_proxy", False):
+        overrides["http.direct_ingress"] = False
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         config = config.with_overrides(overrides)
@@ -267,16 +273,21 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray.serve.config import HTTPOptions, gRPCOptions
 
     from cluster.app import build_app, grpc_servicer
-    from cluster.serve_env import controller_options, job_runtime_env, private_haproxy_dir
+    from cluster.serve_env import controller_options, haproxy_binary, job_runtime_env, private_direct_ingress
     from router.frontend.grpc_health import APP_NAME_ENV
 
-    direct = direct_ingress(config)
+    starts_cluster = args.address is None
+    direct = direct_ingress(config, starts_cluster=starts_cluster)
+    off_reason = direct_ingress_off_reason(config, starts_cluster=starts_cluster) if direct is None else None
     haproxy_dir = None
-    if direct is not None and args.address is None:
+    if direct is not None and starts_cluster:
         # The cluster starts here, so HAProxy runs on this machine: its files in a
-        # directory only this user can enter (cluster/serve_env.py DirectIngress).
-        haproxy_dir = private_haproxy_dir()
-        direct = replace(direct, files_dir=haproxy_dir)
+        # directory only this user can enter, its side listeners on the HTTP host
+        # (cluster/serve_env.py private_direct_ingress).
+        binary = haproxy_binary()
+        assert binary is not None  # direct_ingress found one
+        direct = private_direct_ingress(direct, config.http.host, binary)
+        haproxy_dir = direct.files_dir
 
     # Serve's gRPC proxy reads its TLS settings from the node's environment
     # (router/frontend/grpc_tls.py): a local cluster inherits this process's.
@@ -320,9 +331,9 @@ def run_serve(args: argparse.Namespace) -> int:
         serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False)
         name = config.model.resolved_name()
         print(f"kvserve: serving model {name!r}", flush=True)
-        for line in endpoint_lines(config, direct):
+        for line in endpoint_lines(config, direct, off_reason):
             print(f"kvserve: {line}", flush=True)
-        for line in listen_warnings(config):
+        for line in listen_warnings(config, direct):
             print(f"kvserve: WARNING: {line}", file=sys.stderr, flush=True)
         print("kvserve: Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):

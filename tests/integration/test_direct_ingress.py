@@ -1,12 +1,12 @@
-"""`kvserve serve --direct-ingress` (http.direct_ingress): Serve's HAProxy on the HTTP and
-gRPC ports, forwarding to the ingress replicas, which serve both themselves; no Serve
-proxy in the path.
+"""Direct ingress, `kvserve serve`'s default front door (http.direct_ingress, here insisted
+on): Serve's HAProxy on the HTTP and gRPC ports, forwarding to the ingress replicas, which
+serve both themselves; no Serve proxy in the path.
 
 A whole `kvserve serve` process of its own (the session cluster runs Serve's proxies, and
 the mode is read by every Serve process at start). The official openai client and a grpcio
 client both go through HAProxy: greedy text is the same streamed, not streamed and over
-gRPC; HAProxy's stats and Prometheus listeners take the configured ports (a second
-instance on the machine would otherwise collide with the first on HAProxy's defaults).
+gRPC; HAProxy's stats and Prometheus listeners take the configured ports, on the HTTP
+host (loopback) like every HAProxy listener.
 """
 from __future__ import annotations
 
@@ -78,7 +78,9 @@ def test_http_and_grpc_through_haproxy_to_the_ingress_replicas(tmp_path: Path) -
             wait_until(generated, 60, interval_s=0.5, message="HAProxy to route gRPC to the ingress replica")
         assert replies[0].text == whole.choices[0].text
 
-        listeners = {p: cmd for cmd, ports in _processes(psutil.Process(served.proc.pid)) for _, p in ports}
+        processes = _processes(psutil.Process(served.proc.pid))
+        listeners = {p: cmd for cmd, ports in processes for _, p in ports}
+        assert {ip for cmd, ports in processes if "haproxy" in cmd.split(" ")[0] for ip, _ in ports} == {"127.0.0.1"}
         # HAProxy holds the client-facing ports; Serve's proxy only the head's fallback.
         for p in (port, grpc_port, stats_port, metrics_port):
             assert "haproxy" in listeners.get(p, "").split(" ")[0], (p, listeners)

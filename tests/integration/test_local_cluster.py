@@ -4,15 +4,18 @@ Ray's `ray_current_cluster` file names the last cluster started on the machine (
 `ray start`, a test cluster, ...). Here it names a dead one, in a Ray temp directory of
 this test's own ($RAY_TMPDIR, so that no other Ray user of the machine is disturbed), and
 $RAY_ADDRESS is unset: serve must ignore the file and come up. Then every TCP socket that
-serve's process tree listens on is on loopback, except Serve's gRPC proxy and each Serve
-replica's inter-deployment gRPC server, which bind every interface (Serve 2.60 has no
-host option for either; docs/security.md "Listening addresses and ports").
+serve's process tree listens on is on loopback, HAProxy's stats and Prometheus listeners
+included (direct ingress, the default), except Serve's gRPC proxy (the fallback proxy's
+gRPC port behind HAProxy) and each Serve replica's inter-deployment gRPC server, which bind
+every interface (Serve 2.60 has no host option for either; docs/security.md "Listening
+addresses and ports").
 
 Does not use the session cluster: serve runs as its own process.
 """
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 
 import httpx
@@ -61,10 +64,15 @@ def test_serve_ignores_a_stale_cluster_file_and_listens_on_loopback(tmp_path: Pa
                        json={"model": "kvserve-tiny", "prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text
         sockets = _listening(psutil.Process(served.proc.pid))
-        assert any(p == port for _, p, _ in sockets), sockets  # the HTTP proxy is in the tree
+        assert any(p == port and name == "haproxy" for _, p, name in sockets), sockets  # direct ingress
+        side_ports = re.search(r"stats on 127\.0\.0\.1:(\d+), Prometheus on 127\.0\.0\.1:(\d+), "
+                               r"fallback proxy on (\d+) and (\d+)", served.log())
+        assert side_ports, served.log()
+        stats, metrics, _, fallback_grpc = (int(p) for p in side_ports.groups())
+        assert {stats, metrics} <= {p for _, p, name in sockets if name == "haproxy"}, sockets
         # Serve's own exceptions, which no Ray setting moves: its gRPC proxy, and each
         # replica's inter-deployment gRPC server (replica.py binds "[::]:0").
-        exposed = [s for s in sockets if not _is_loopback(s[0]) and s[1] != grpc_port
+        exposed = [s for s in sockets if not _is_loopback(s[0]) and s[1] != fallback_grpc
                    and not s[2].startswith("ray::ServeReplica")]
         assert not exposed, f"listening beyond loopback: {exposed}"
         assert "127.0.0.1:1" not in served.log()

