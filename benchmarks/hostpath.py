@@ -1,10 +1,13 @@
 """The host path at device speed: how much of the time a step takes is host work the
 device waits for, and what rate reaches the caller against the rate the device models.
 
-    python -m benchmarks.hostpath [--quick] [--repeats N] [--prompt-len N]
+    python -m benchmarks.hostpath [--quick] [--repeats N] [--prompt-len N] [--serve-proxy]
 
 Two parts. The ENGINE alone, here; then the whole Serve path (benchmarks/hostpath_serve.py:
-serving CPU per token, delivered / device rate through HTTP, streamed and not). One simulated worker engine, built from the config `kvserve serve --device sim:h200
+serving CPU per token, delivered / device rate through HTTP, streamed and not) as
+`kvserve serve` runs it by default, through Serve's direct ingress (HAProxy -> ingress
+replicas), and with --serve-proxy through Serve's HTTP proxies too (`kvserve serve
+--serve-proxy`). One simulated worker engine, built from the config `kvserve serve --device sim:h200
 --model-shape llama-3-8b` builds (max_num_seqs 256, time dilation 1: every modelled second
 is a wall second), behind its async API (worker/async_engine.py: the step thread, the
 inbox, one publication per step to an asyncio loop), with an in-process consumer that only
@@ -39,13 +42,16 @@ The LAST line is machine-readable:
            delivered_ratio_b256=<x> engine_host_pct_b256=<p> engine_host_pct_b64=<p>
            engine_delivered_ratio_b64=<x> engine_delivered_ratio_b256=<x>
            delivered_vs_engine_b64=<x> delivered_vs_engine_b256=<x>
-           [direct_* with --direct-ingress] [floor_* with --serve-floor]
-(serve_* over every run's tokens, streamed or not; delivered_ratio_* through Serve, not
-streamed, medians, against the device rate of the run's own steps; delivered_vs_engine_*
-the same delivered rates against the engine alone's modelled rate for the batch, which
-also counts a batch the Serve path spread over more steps; engine_* the engine alone,
-medians; floor_*: the same figures for a bare Serve app with the same hops and device,
-benchmarks/serve_floor.py).
+           [proxy_* with --serve-proxy] [floor_* with --serve-floor]
+           [proxy_floor_* with both]
+(serve_* over every run's tokens, streamed or not, through the default path (direct
+ingress); delivered_ratio_* through it, not streamed, medians, against the device rate of
+the run's own steps; delivered_vs_engine_* the same delivered rates against the engine
+alone's modelled rate for the batch, which also counts a batch the Serve path spread over
+more steps; engine_* the engine alone, medians; proxy_*: the same figures through Serve's
+HTTP proxies; floor_*: for a bare Serve app with the same hops and device beside kvserve's,
+benchmarks/serve_floor.py, through the default path; proxy_floor_* that floor through
+Serve's proxies).
 """
 from __future__ import annotations
 
@@ -284,19 +290,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer output tokens, one repeat")
     p.add_argument("--repeats", type=int, default=None, help="runs per batch (default 3; --quick 1)")
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--direct-ingress", action="store_true",
-                   help="also run the Serve part as `kvserve serve --direct-ingress` runs it (HAProxy straight "
-                        "to the ingress replicas, no Serve proxy), after the default, and print both")
+    p.add_argument("--serve-proxy", action="store_true",
+                   help="also run the Serve part as `kvserve serve --serve-proxy` runs it (Serve's HTTP proxies "
+                        "in front of the ingress replicas, no HAProxy), after the default, and print both")
     p.add_argument("--serve-defaults", action="store_true",
-                   help="also run the Serve part with Serve's default settings (RAY_SERVE_THROUGHPUT_OPTIMIZED=0), "
-                        "first, and print kvserve's figures against them")
+                   help="also run the Serve part with Serve's default settings (RAY_SERVE_THROUGHPUT_OPTIMIZED=0, "
+                        "which leaves out direct ingress: Serve's proxies), first, and print kvserve's figures "
+                        "against them")
     p.add_argument("--serve-floor", action="store_true",
                    help="also run the Serve part on a bare Serve app with the same hops and device and nothing "
-                        "else (benchmarks/serve_floor.py), in turns with kvserve's app, and print kvserve's figures "
-                        "against it")
+                        "else (benchmarks/serve_floor.py), in turns with kvserve's app on each path measured, and "
+                        "print kvserve's figures against it")
     p.add_argument("--write-serving-cost", metavar="PATH", nargs="?", const="cluster/sim/serving_cost.json",
                    help="write the Serve runs' CPU per token, per kind of process, for kvserve simulate's "
-                        "serving-layer plan (default path: cluster/sim/serving_cost.json)")
+                        "serving-layer plan: the default path's, and Serve's proxies' with --serve-proxy "
+                        "(default path: cluster/sim/serving_cost.json)")
     args = p.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
     batches = QUICK_BATCHES if args.quick else BATCHES
@@ -314,47 +322,51 @@ def main(argv: list[str] | None = None) -> int:
             f"exposed engine host time {s.median('host_pct'):.2f}% of the modelled step "
             f"(wall clock: {s.median('wall_excess_pct'):.2f}%)"
         )
-    print("the whole Serve path (HTTP proxy -> ingress -> worker), load client in its own process at a lower priority:",
+    print("the whole Serve path (front door -> ingress -> worker), load client in its own process at a lower priority:",
           flush=True)
     baseline = None
     if args.serve_defaults:
-        print("  with Serve's default settings (RAY_SERVE_THROUGHPUT_OPTIMIZED=0):", flush=True)
-        baseline = measure_serve(batches, repeats, serve_defaults=True)[SERVE_APP]
-        print("  as kvserve runs Serve (throughput-optimized, cluster/serve_env.py):", flush=True)
-    if args.serve_floor:
-        print("    beside the floor, in turns: a bare Serve app, same hops and device, nothing else "
-              "(benchmarks/serve_floor.py)", flush=True)
-    measured = measure_serve(batches, repeats, floor=args.serve_floor)
+        # Direct ingress is part of Serve's throughput-optimized mode: its defaults serve
+        # through Serve's proxies.
+        print("  with Serve's default settings (RAY_SERVE_THROUGHPUT_OPTIMIZED=0: Serve's proxies):", flush=True)
+        baseline = measure_serve(batches, repeats, direct_ingress=False, serve_defaults=True)[SERVE_APP]
+    beside = (", beside the floor in turns: a bare Serve app, same hops and device, nothing else "
+              "(benchmarks/serve_floor.py):" if args.serve_floor else ":")
+    print("  as `kvserve serve` runs Serve (throughput-optimized, direct ingress: HAProxy -> ingress replicas, "
+          "cluster/serve_env.py)" + beside, flush=True)
+    measured = measure_serve(batches, repeats, direct_ingress=True, floor=args.serve_floor)
     serve_runs, floor = measured[SERVE_APP], measured.get(FLOOR_APP_NAME)
-    direct = direct_floor = None
-    if args.direct_ingress:
-        print("  as `kvserve serve --direct-ingress` runs Serve (HAProxy -> ingress replicas)"
+    proxy = proxy_floor = None
+    if args.serve_proxy:
+        print("  as `kvserve serve --serve-proxy` runs Serve (Serve's HTTP proxy -> ingress replicas)"
               + (", beside the floor in turns:" if args.serve_floor else ":"), flush=True)
-        measured = measure_serve(batches, repeats, direct_ingress=True, floor=args.serve_floor)
-        direct, direct_floor = measured[SERVE_APP], measured.get(FLOOR_APP_NAME)
+        measured = measure_serve(batches, repeats, direct_ingress=False, floor=args.serve_floor)
+        proxy, proxy_floor = measured[SERVE_APP], measured.get(FLOOR_APP_NAME)
     print(f"load average after {os.getloadavg()}")
     plain, streamed = by_stream(serve_runs)
 
     engine_rates = {b: s.median("modelled_tokens_per_s") for b, s in summaries.items()}
     if baseline is not None:
         print(versus("against Serve's defaults", serve_runs, baseline))
-    direct_result = floor_result = ""
-    if direct is not None:
-        print(versus("direct ingress against the default", direct, serve_runs))
-        direct_result = result_keys("direct", direct, engine_rates)
+    proxy_result = floor_result = ""
+    if proxy is not None:
+        if baseline is not None:  # the same front door: what Serve's throughput-optimized mode alone changes
+            print(versus("Serve's proxies against Serve's defaults", proxy, baseline))
+        print(versus("Serve's proxies against the default", proxy, serve_runs))
+        proxy_result = result_keys("proxy", proxy, engine_rates)
     if floor is not None:
         print(versus("against the bare Serve floor", serve_runs, floor))
         floor_result = result_keys("floor", floor, engine_rates)
-    if direct is not None and direct_floor is not None:
-        print(versus("direct ingress against the bare Serve floor through it", direct, direct_floor))
-        floor_result += result_keys("direct_floor", direct_floor, engine_rates)
+    if proxy is not None and proxy_floor is not None:
+        print(versus("Serve's proxies against the bare Serve floor through them", proxy, proxy_floor))
+        floor_result += result_keys("proxy_floor", proxy_floor, engine_rates)
 
     if args.write_serving_cost:
         from cluster.sim.serving_cost import from_runs
 
-        flags = (" --quick" if args.quick else "") + (" --direct-ingress" if direct is not None else "")
+        flags = (" --quick" if args.quick else "") + (" --serve-proxy" if proxy is not None else "")
         cost = from_runs(serve_runs, f"python -m benchmarks.hostpath{flags}, {os.cpu_count()} CPUs, "
-                                     f"{time.strftime('%Y-%m-%d')}", direct)
+                                     f"{time.strftime('%Y-%m-%d')}", proxy)
         with open(args.write_serving_cost, "w") as f:
             f.write(cost.to_json())
         print(f"wrote {args.write_serving_cost}")
@@ -371,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         f"engine_delivered_ratio_b64={b64.median('delivered_ratio'):.3f} "
         f"engine_delivered_ratio_b256={b256.median('delivered_ratio'):.3f} "
         f"delivered_vs_engine_b64={vs_engine[64]:.3f} delivered_vs_engine_b256={vs_engine[256]:.3f}"
-        f"{direct_result}{floor_result}"
+        f"{proxy_result}{floor_result}"
     )
     return 0
 

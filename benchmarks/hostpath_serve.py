@@ -3,7 +3,9 @@ of the device's token rate reaches HTTP clients (benchmarks/hostpath.py runs it)
 
 One worker replica on `sim:h200` (llama-3-8b shape, time dilation 1: every modelled second
 is a wall second, so host cost is not hidden), max_num_seqs 256, behind the real Serve app
-cluster/app.py builds (HTTP proxy -> ingress -> worker). N requests at once to
+cluster/app.py builds, served as `kvserve serve` serves it by default: Serve's direct
+ingress (HAProxy -> ingress -> worker), or with `direct_ingress=False` as `kvserve serve
+--serve-proxy` does (Serve's HTTP proxy -> ingress -> worker). N requests at once to
 /v1/completions, token-id prompts of 128 distinct tokens, ignore_eos, streamed (SSE) or not.
 
 - delivered rate = output tokens / wall seconds from the first request sent to the last
@@ -12,8 +14,9 @@ cluster/app.py builds (HTTP proxy -> ingress -> worker). N requests at once to
   delivered ratio = delivered / device rate (1.0: the serving layer never held the device
   back).
 - serving CPU per token = CPU seconds (user + system, psutil) of the Serve processes that
-  carry requests (HTTP proxy, ingress replica, worker replica: the engine's own host work
-  included) over the run / output tokens. CPU time, not wall time: other load on the box
+  carry requests (the front door: HAProxy or Serve's HTTP proxy, counted as "proxy"; the
+  ingress replica; the worker replica, the engine's own host work included) over the run /
+  output tokens. CPU time, not wall time: other load on the box
   stretches wall time but not the CPU the same work needs. Ray's own daemons (GCS, raylet,
   Serve controller) are printed beside it, not counted.
 
@@ -104,12 +107,13 @@ def app_config() -> Any:
     })
 
 
-def start(port: int, direct_ingress: bool = False, floor: bool = False) -> dict[str, str]:
+def start(port: int, direct_ingress: bool = True, floor: bool = False) -> dict[str, str]:
     """Ray, Serve and the app; app name -> its completions URL. `direct_ingress`: as
-    `kvserve serve --direct-ingress` runs it (cluster/serve_env.py DirectIngress: HAProxy in
-    front of the ingress replicas, which serve HTTP themselves; no Serve proxy hop), on free
-    ports. `floor`: the bare Serve app of benchmarks/serve_floor.py too, as a second app of
-    the same Serve instance (its own replicas behind the same proxy), so that runs of the
+    `kvserve serve` runs it by default (cluster/serve_env.py DirectIngress: HAProxy in front
+    of the ingress replicas, which serve HTTP themselves; no Serve proxy hop), on free
+    ports; False: as `kvserve serve --serve-proxy` runs it, through Serve's HTTP proxy.
+    `floor`: the bare Serve app of benchmarks/serve_floor.py too, as a second app of the
+    same Serve instance (its own replicas behind the same front door), so that runs of the
     two can alternate."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from ray import serve
@@ -271,15 +275,19 @@ def free_port() -> int:
 
 
 # -- the runs, and what they add up to ----------------------------------------------------------
-def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int, direct_ingress: bool = False,
+def measure_serve(batches: tuple[tuple[int, int], ...], repeats: int, direct_ingress: bool = True,
                   serve_defaults: bool = False, floor: bool = False) -> dict[str, list[Any]]:
     """Each batch streamed and not, `repeats` times, the order alternating per repeat, on one
-    Serve instance; app name -> its runs. `serve_defaults`:
-    Serve's own default settings instead of the throughput-optimized mode kvserve runs it in
-    (cluster/serve_env.py). `floor`: the bare Serve app with the same hops and device
+    Serve instance; app name -> its runs. `direct_ingress`: the front door (`start`).
+    `serve_defaults`: Serve's own default settings instead of the throughput-optimized mode
+    kvserve runs it in (cluster/serve_env.py); direct ingress is part of that mode, so Serve's
+    defaults go with Serve's proxies. `floor`: the bare Serve app with the same hops and device
     (benchmarks/serve_floor.py) beside kvserve's, each of its runs next to kvserve's run of
     the same load, which of the two goes first alternating, so that drift over the minutes
     of the run moves both sides alike."""
+    if serve_defaults and direct_ingress:
+        raise ValueError("Serve's defaults have no direct ingress (it is part of the throughput-optimized mode): "
+                         "measure them with direct_ingress=False")
     if serve_defaults:
         os.environ[THROUGHPUT_OPTIMIZED_ENV] = "0"  # the new cluster's processes inherit it
     urls = start(free_port(), direct_ingress, floor)

@@ -4,8 +4,9 @@ and nothing else (benchmarks/hostpath.py --serve-floor runs it beside kvserve's 
 What any engine served on Ray Serve pays at least, per request and per streamed chunk, on
 the same machine, in the same run:
 
-    HTTP proxy -> ingress (FastAPI: read the JSON body, one streaming handle call, write
-    the response) -> worker (one async generator per request)
+    front door (HAProxy, or Serve's HTTP proxy) -> ingress (FastAPI: read the JSON body,
+    one streaming handle call, write the response) -> worker (one async generator per
+    request)
 
 The worker has no engine: a shared loop stands in for the device, planning each step as
 kvserve's scheduler would at its defaults (a decode per running request, prompt chunks in

@@ -83,8 +83,9 @@ def register(subparsers: Any) -> None:
                    help="the shared store's bandwidth, Gbit/s, reads and writes together")
     p.add_argument("--tier-blind-routing", action="store_true",
                    help="routers ignore the reports' tier fields (credit device-resident blocks only)")
-    p.add_argument("--direct-ingress", action="store_true",
-                   help="plan the serving layer's cores as `kvserve serve --direct-ingress` runs it")
+    p.add_argument("--serve-proxy", action="store_true",
+                   help="plan the serving layer's cores as `kvserve serve --serve-proxy` runs it (Serve's proxies); "
+                        "default: as `kvserve serve` runs it, through direct ingress (HAProxy)")
     p.add_argument("--autoscale", action="store_true", help="scale each pool with the real policy")
     p.add_argument("--min-replicas", type=int, default=_AUTOSCALE.min_replicas)
     p.add_argument("--max-replicas", type=int, default=_AUTOSCALE.max_replicas)
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         kw = {"path": args.trace} if args.workload == "trace" else {}
         requests = make_workload(args.workload, args.requests, args.rate, args.seed, **kw)
-        serving_cost = ServingCost.load().path(args.direct_ingress)
+        serving_cost = ServingCost.load().path(args.serve_proxy)
     except ValueError as e:
         print(f"kvserve simulate: {e}", file=sys.stderr)
         return 2
@@ -171,7 +172,7 @@ def _print_report(s: dict[str, Any], args: argparse.Namespace, wall_s: float, se
           f"({s['goodput_fraction']:.1%} within TTFT {s['slo_ttft_ms']:g} ms, ITL {s['slo_itl_ms']:g} ms)")
     for streamed in (True, False):
         plan = serving_cost.plan(s["output_tokens_per_s"], s["num_replicas_created"], streamed)
-        print(f"  {describe(plan, streamed, args.direct_ingress)}")
+        print(f"  {describe(plan, streamed, args.serve_proxy)}")
     print(f"  prefix-cache hit rate {s['prefix_cache_hit_rate']:.1%}   preemptions {s['num_preemptions']}   "
           f"load imbalance {s['load_imbalance']:.2f}   rejected {s['num_rejected']}")
     if args.host_kv_cache_gib:

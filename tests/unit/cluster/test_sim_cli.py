@@ -66,10 +66,18 @@ def test_simulate_kv_tier_flags(capsys) -> None:
 
 
 def test_simulate_plans_the_serving_layer_for_either_front_door(capsys) -> None:
+    """Direct ingress by default, Serve's proxies with --serve-proxy, each with its own
+    committed CPU per token (cluster/sim/serving_cost.json: 75 / 39 us streamed / not through
+    HAProxy, 178 / 65 through Serve's proxies)."""
     args = ["simulate", "--replicas", "1", "--requests", "10", "--rate", "5", "--num-blocks", "4000"]
     assert main(args) == 0
-    default = capsys.readouterr().out
-    assert main(args + ["--direct-ingress"]) == 0
-    direct = capsys.readouterr().out
-    assert "HTTP proxies" in default and "direct ingress" not in default
-    assert "serving layer (streamed, direct ingress" in direct and "HAProxy" in direct
+    default = [line for line in capsys.readouterr().out.splitlines() if "serving layer" in line]
+    assert main(args + ["--serve-proxy"]) == 0
+    proxy = [line for line in capsys.readouterr().out.splitlines() if "serving layer" in line]
+    assert len(default) == len(proxy) == 2
+    assert default[0].startswith("  serving layer (streamed, measured 75 us of CPU per output token)")
+    assert default[1].startswith("  serving layer (not streamed, measured 39 us of CPU per output token)")
+    assert all("HAProxy (direct ingress)" in line and "Serve's HTTP proxies" not in line for line in default)
+    assert proxy[0].startswith("  serving layer (streamed, measured 178 us of CPU per output token)")
+    assert proxy[1].startswith("  serving layer (not streamed, measured 65 us of CPU per output token)")
+    assert all("Serve's HTTP proxies" in line and "HAProxy" not in line for line in proxy)
