@@ -67,8 +67,8 @@ def test_simulate_kv_tier_flags(capsys) -> None:
 
 def test_simulate_plans_the_serving_layer_for_either_front_door(capsys) -> None:
     """Direct ingress by default, Serve's proxies with --serve-proxy, each with its own
-    committed CPU per token (cluster/sim/serving_cost.json: 75 / 39 us streamed / not through
-    HAProxy, 178 / 65 through Serve's proxies)."""
+    committed CPU per token (cluster/sim/serving_cost.json: 75 / 36 us streamed / not through
+    HAProxy, 190 / 78 through Serve's proxies)."""
     args = ["simulate", "--replicas", "1", "--requests", "10", "--rate", "5", "--num-blocks", "4000"]
     assert main(args) == 0
     default = [line for line in capsys.readouterr().out.splitlines() if "serving layer" in line]
@@ -76,8 +76,8 @@ def test_simulate_plans_the_serving_layer_for_either_front_door(capsys) -> None:
     proxy = [line for line in capsys.readouterr().out.splitlines() if "serving layer" in line]
     assert len(default) == len(proxy) == 2
     assert default[0].startswith("  serving layer (streamed, measured 75 us of CPU per output token)")
-    assert default[1].startswith("  serving layer (not streamed, measured 39 us of CPU per output token)")
+    assert default[1].startswith("  serving layer (not streamed, measured 36 us of CPU per output token)")
     assert all("HAProxy (direct ingress)" in line and "Serve's HTTP proxies" not in line for line in default)
-    assert proxy[0].startswith("  serving layer (streamed, measured 178 us of CPU per output token)")
-    assert proxy[1].startswith("  serving layer (not streamed, measured 65 us of CPU per output token)")
+    assert proxy[0].startswith("  serving layer (streamed, measured 190 us of CPU per output token)")
+    assert proxy[1].startswith("  serving layer (not streamed, measured 78 us of CPU per output token)")
     assert all("Serve's HTTP proxies" in line and "HAProxy" not in line for line in proxy)
