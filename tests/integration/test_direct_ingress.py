@@ -38,6 +38,46 @@ def _processes(root: psutil.Process) -> list[tuple[str, list[tuple[str, int]]]]:
     return found
 
 
+def _cluster_metrics(root: str) -> dict[str, float]:
+    """kvserve's unlabelled-by-replica series (cluster sums, counters) from /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{root}/metrics", timeout=30).text
+    return {sample.name: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if "replica" not in sample.labels}
+
+
+def _disconnect_aborts_through_haproxy(root: str) -> None:
+    """A client that leaves mid-stream: HAProxy closes its connection to the ingress
+    replica, which aborts the engine request and frees its blocks; the server goes on."""
+    import httpx
+
+    max_tokens = 480
+    before = _cluster_metrics(root)
+    body = {"model": MODEL, "prompt": "Hello world", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{root}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        received = 0
+        for line in r.iter_lines():
+            received += bool(line)
+            if received == 3:
+                break  # leaving the block closes the connection mid-stream
+    settled: list[dict[str, float]] = []
+
+    def idle() -> bool:
+        m = _cluster_metrics(root)
+        settled[:] = [m]
+        return (m["kvserve:cluster_num_requests_running"] == 0 and m["kvserve:cluster_num_requests_waiting"] == 0
+                and m["kvserve:cluster_kv_cache_free_blocks"] == m["kvserve:cluster_kv_cache_total_blocks"])
+
+    wait_until(idle, 30, interval_s=0.2, message="the disconnected request's blocks to be freed")
+    generated = settled[0].get("kvserve:generation_tokens_total", 0) - before.get("kvserve:generation_tokens_total", 0)
+    assert generated < max_tokens  # aborted, not run to its end
+    r = httpx.post(f"{root}/v1/completions", json={"model": MODEL, "prompt": "Still there?", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
 def test_http_and_grpc_through_haproxy_to_the_ingress_replicas(tmp_path: Path) -> None:
     import grpc
     from openai import OpenAI
@@ -77,6 +117,7 @@ def test_http_and_grpc_through_haproxy_to_the_ingress_replicas(tmp_path: Path) -
             stub = pb_grpc.KVServeStub(channel)
             wait_until(generated, 60, interval_s=0.5, message="HAProxy to route gRPC to the ingress replica")
         assert replies[0].text == whole.choices[0].text
+        _disconnect_aborts_through_haproxy(f"http://127.0.0.1:{port}")
 
         processes = _processes(psutil.Process(served.proc.pid))
         listeners = {p: cmd for cmd, ports in processes for _, p in ports}

@@ -24,6 +24,7 @@ import pytest
 
 from tests.integration.conftest import free_port
 from tests.support.serve_process import kvserve_serve, short_ray_tmp
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -65,10 +66,12 @@ def test_serve_ignores_a_stale_cluster_file_and_listens_on_loopback(tmp_path: Pa
         assert r.status_code == 200, r.text
         sockets = _listening(psutil.Process(served.proc.pid))
         assert any(p == port and name == "haproxy" for _, p, name in sockets), sockets  # direct ingress
-        side_ports = re.search(r"stats on 127\.0\.0\.1:(\d+), Prometheus on 127\.0\.0\.1:(\d+), "
-                               r"fallback proxy on (\d+) and (\d+)", served.log())
-        assert side_ports, served.log()
-        stats, metrics, _, fallback_grpc = (int(p) for p in side_ports.groups())
+        banner = re.compile(r"stats on 127\.0\.0\.1:(\d+), Prometheus on 127\.0\.0\.1:(\d+), "
+                            r"fallback proxy on (\d+) and (\d+)")
+        # HAProxy may answer before `serve.run` returns in serve's process and it prints the banner.
+        wait_until(lambda: banner.search(served.log()) is not None, 60, interval_s=0.2,
+                   message="serve's banner naming HAProxy's ports")
+        stats, metrics, _, fallback_grpc = (int(p) for p in banner.search(served.log()).groups())
         assert {stats, metrics} <= {p for _, p, name in sockets if name == "haproxy"}, sockets
         # Serve's own exceptions, which no Ray setting moves: its gRPC proxy, and each
         # replica's inter-deployment gRPC server (replica.py binds "[::]:0").
