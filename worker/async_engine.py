@@ -2,10 +2,12 @@
 stream of outputs; abort; stats.
 
 Threads: the step loop runs on its own thread and owns the engine core. Callers on the
-asyncio loop talk to it through a thread-safe inbox (add / abort) and receive outputs
-through one `call_soon_threadsafe` per step; neither side ever blocks the other. On a
-device that works beside the host, the loop publishes each step's outputs, takes the stats
-and drains the inbox while the next step is on the device (worker/step_overlap.py).
+asyncio loop talk to it through a thread-safe inbox (add / abort; worker/engine_inbox.py)
+and receive outputs through one `call_soon_threadsafe` per step, into a queue per
+`generate` stream or a `run_into` sink (worker/output_sink.py); neither side ever blocks
+the other. On a device that works beside the host, the loop publishes each step's
+outputs, takes the stats and drains the inbox while the next step is on the device
+(worker/step_overlap.py).
 """
 from __future__ import annotations
 
@@ -17,15 +19,16 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from worker.config import EngineConfig
 from worker.kv_event_stream import KVEventStream
 from worker.engine import Engine
+from worker.engine_inbox import STOP, AbortRequest, AddRequest, ReleaseKV, ResetPrefixCache
 from worker.engine_stats import EngineStats
 from worker.api import RequestError
 from worker.output_processor import RequestOutputProcessor
+from worker.output_sink import OutputSink
 from worker.api import RequestOutput
 from worker.api import SamplingParams
 from worker.step_overlap import AppliedStep
@@ -44,67 +47,9 @@ class EngineDeadError(RuntimeError):
     """The step loop has stopped; no request can be served by this engine."""
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    export_kv: bool = False  # disaggregation, prefill side (Engine.add_request)
-    kv_import: Any = None  # disaggregation, decode side: a kv.transfer.KVExport
-    lora: tuple[str, str | None] | None = None  # (adapter name, its PEFT directory)
-    quiet: bool = False  # outputs at the first token and the end only (Engine.add_request)
-
-
-@dataclass
-class _ReleaseKV:
-    request_id: str
-
-
-@dataclass
-class _ResetPrefixCache:
-    done: asyncio.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_id: str
-    notify: bool  # send the caller a final "abort" output (False when the caller left)
-
-
-_STOP = object()
-
 # How many cached block hashes are kept for prefix-aware routing. Chained hashes make a
 # prefix match of depth d need all d hashes; the most recently cached are the likeliest.
 MAX_PREFIX_HASHES = 4096
-
-
-class _Sink:
-    """A `run_into` request's outputs, handled where they are delivered: detokenized, handed
-    on, and its end noted (a stop string ends it in the core too)."""
-
-    def __init__(self, processor: RequestOutputProcessor, on_output: Callable[[RequestOutput], None],
-                 done: asyncio.Future[None], abort: Callable[[], None]) -> None:
-        self.processor, self.on_output, self.done, self._abort = processor, on_output, done, abort
-        self.finished = False
-
-    def put_nowait(self, item: RequestOutput | BaseException) -> None:
-        if self.done.done():
-            return
-        if isinstance(item, BaseException):
-            self.done.set_exception(item)
-            return
-        out = self.processor.process(item)
-        if out.finished:
-            self.finished = True
-            if self.processor.stopped:
-                self._abort()
-        try:
-            self.on_output(out)
-        except BaseException as e:  # the consumer refused it: fail the request there
-            self.done.set_exception(e)
-            return
-        if out.finished:
-            self.done.set_result(None)
 
 
 class AsyncEngine:
@@ -114,7 +59,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         # Per request, where the step loop's outputs go (on the event loop): a queue its
         # `generate` iterator reads, or a `run_into` sink that handles them in place.
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException] | _Sink] = {}
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException] | OutputSink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats: EngineStats = engine.stats()
@@ -173,7 +118,7 @@ class AsyncEngine:
             processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, num_resumed_tokens)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, export_kv, kv_import, lora))
+        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, export_kv, kv_import, lora))
         finished = False
         try:
             while True:
@@ -196,14 +141,14 @@ class AsyncEngine:
                     finished = True
                     if processor.stopped:
                         # The core does not know about stop strings: end it there too.
-                        self._inbox.put(_Abort(request_id, notify=False))
+                        self._inbox.put(AbortRequest(request_id, notify=False))
                 yield out
                 if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._inbox.put(_Abort(request_id, notify=False))
+                self._inbox.put(AbortRequest(request_id, notify=False))
 
     async def run_into(
         self,
@@ -228,23 +173,25 @@ class AsyncEngine:
         self.engine.validate(prompt_token_ids, params)
         processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, num_resumed_tokens, text_at_end)
         assert self._loop is not None
-        sink = _Sink(processor, on_output, self._loop.create_future(), lambda: self._inbox.put(_Abort(request_id, notify=False)))
+        sink = OutputSink(processor, on_output, self._loop.create_future(),
+                          lambda: self._inbox.put(AbortRequest(request_id, notify=False)))
         self._streams[request_id] = sink
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, False, None, lora, processor.defers_text))
+        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, False, None, lora,
+                                   processor.defers_text))
         try:
             await sink.done
         finally:
             self._streams.pop(request_id, None)
             if not sink.finished:
-                self._inbox.put(_Abort(request_id, notify=False))
+                self._inbox.put(AbortRequest(request_id, notify=False))
 
     def release_kv(self, request_id: str) -> None:
         """The decode side has this request's exported KV (or gave up): unpin its blocks."""
-        self._inbox.put(_ReleaseKV(request_id))
+        self._inbox.put(ReleaseKV(request_id))
 
     def abort(self, request_id: str) -> None:
         """Abort from outside the stream; the stream then ends with finish_reason 'abort'."""
-        self._inbox.put(_Abort(request_id, notify=True))
+        self._inbox.put(AbortRequest(request_id, notify=True))
 
     def stats(self) -> EngineStats:
         """A snapshot taken after the latest step (never blocks on the loop)."""
@@ -264,7 +211,7 @@ class AsyncEngine:
         self._ensure_started()
         assert self._loop is not None
         done = self._loop.create_future()
-        self._inbox.put(_ResetPrefixCache(done))
+        self._inbox.put(ResetPrefixCache(done))
         await done
 
     def _snapshot_prefix_hashes(self, period_s: float = 0.5) -> None:
@@ -285,7 +232,7 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         if self._thread is not None:
-            self._inbox.put(_STOP)
+            self._inbox.put(STOP)
             self._thread.join(timeout=30)
             self._thread = None
 
@@ -351,9 +298,9 @@ class AsyncEngine:
             except queue.Empty:
                 return True
             block = False
-            if item is _STOP:
+            if item is STOP:
                 return False
-            if isinstance(item, _Add):
+            if isinstance(item, AddRequest):
                 try:
                     self.engine.add_request(
                         item.request_id, item.prompt_token_ids, item.params,
@@ -362,15 +309,15 @@ class AsyncEngine:
                     )
                 except RequestError as e:
                     self._publish([e], request_ids=[item.request_id])
-            elif isinstance(item, _ResetPrefixCache):
+            elif isinstance(item, ResetPrefixCache):
                 self.engine.reset_prefix_cache()
                 self.kv_events.cleared()
                 self._snapshot_prefix_hashes(0.0)  # the next report carries the clear
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(_resolve, item.done)
-            elif isinstance(item, _ReleaseKV):
+            elif isinstance(item, ReleaseKV):
                 self.engine.release_kv(item.request_id)
-            elif isinstance(item, _Abort):
+            elif isinstance(item, AbortRequest):
                 out = self.engine.abort_request(item.request_id)
                 if out is not None and item.notify:
                     self._publish([out])

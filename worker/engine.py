@@ -7,13 +7,14 @@ in three calls instead, so that the previous step's outputs are built under the 
 time: launch_step (plan, launch, advance past the plan), step_outputs (of the step
 before), complete_step (wait, update).
 Disaggregation (KV export and import) is not in the step: the KV connector
-(worker/kv_connector.py) is called at fixed points of it.
+(worker/kv_connector.py) is called at fixed points of it. The requests that wait on
+something before they can run are admitted by worker/request_waits.py as a plan starts;
+a step's result becomes its outputs in worker/step_results.py.
 """
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,28 +26,27 @@ from kv.transfer import KVExport, KVTransferError
 from worker.api import KVImportError, LoRAAdapterError, LoRANotFoundError, RequestError
 from worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from worker.engine_stats import EngineStats, engine_stats
-from worker.kv_connector import KVConnector, SavedKV, make_connector
+from worker.kv_connector import KVConnector, make_connector
 from worker.lora.engine_lora import EngineLoRA
 from worker.api import RequestOutput, RunnerOutput
 from worker.runner_protocols import Runner
 from worker.api import SamplingParams
 from worker.scheduler import Scheduler, SchedulerOutput
 from worker.request_checks import RequestLimits, check_import_root, check_request
-from worker.request_output import request_output, sampled_output
+from worker.request_output import request_output
+from worker.request_waits import (admit_compiled, admit_lora_loaded, admit_or_compile, finish_tier_loads, load_kv,
+                                  wait_for_any)
 from worker.sequence import Sequence, SequenceStatus
 from worker.step_budget import StepPredictor, engine_step_budget
 from worker.step_meters import OutputLengthTracker, PrefillRateMeter, StepCounters
 from worker.step_overlap import AppliedStep, LaunchedStep, overlaps
+from worker.step_results import fail_step, sampled_outputs
 from worker.structured.compile_waits import CompileWaits
 
 if TYPE_CHECKING:  # torch: a simulated-device engine never imports it
     from worker.kv_tiers import TierManager
 
 logger = logging.getLogger(__name__)
-
-# How long an otherwise idle step waits for a grammar compile (new requests wait at most
-# this long in the inbox meanwhile).
-GRAMMAR_POLL_S = 0.005
 
 
 class Engine:
@@ -194,8 +194,8 @@ class Engine:
         elif prompt_block_hashes is not None:  # the manager copies them (it extends its list in place)
             self.kv.adopt_block_hashes(request_id, prompt_block_hashes)
         if lora_name is not None and not self.lora.add(seq):
-            return  # waits for its adapter's host load (_admit_lora_loaded)
-        self._enter(seq)
+            return  # waits for its adapter's host load (worker/request_waits.py)
+        admit_or_compile(self, seq)
 
     def check_lora(self, name: str, path: str) -> None:
         """Read an adapter as a request would (any thread: nothing shared is touched);
@@ -298,38 +298,28 @@ class Engine:
         """The RequestOutputs of an applied step (one per sequence that got a token)."""
         if applied.failed is not None:
             return applied.failed
-        return self._postprocess(applied.plan, applied.logprobs, applied.changed, applied.saved)
+        return sampled_outputs(self, applied.plan, applied.logprobs, applied.changed, applied.saved)
 
     def wait_for_compiles(self) -> None:
         """Nothing to run but grammar compiles, adapter loads or tier reads: wait for one, briefly."""
-        futures = self.compiles.futures()
-        if self.lora is not None:
-            futures += self.lora.futures()
-        if self.tiers is not None:
-            futures += self.tiers.pending_futures()
-        if futures:
-            wait(futures, GRAMMAR_POLL_S, FIRST_COMPLETED)
+        wait_for_any(self)
 
     def _plan_step(self) -> LaunchedStep:
         start = time.perf_counter()
         self.connector.expire_pins()
-        outputs = self._admit_compiled() if self.compiles.seqs else []
+        outputs = admit_compiled(self) if self.compiles.seqs else []
         if self.lora is not None and self.lora.num_loading:
-            outputs += self._admit_lora_loaded()
+            outputs += admit_lora_loaded(self)
         tiers = self.tiers
         if tiers is not None and tiers.has_pending:  # disk reads done: those sequences run now
-            self._finish_loads(tiers.poll())
+            finish_tier_loads(self, tiers.poll())
         plan = self.counters.timed(self.scheduler.schedule)
         if tiers is not None:  # evicted blocks down before this step overwrites them, then loads
             tiers.offload(self.kv.pool.evicted)
             if plan.kv_loads:
-                self._finish_loads(tiers.start_loads(plan.kv_loads))
-        outputs += self._load_kv(plan)  # imports admitted this step: their KV into their blocks
+                finish_tier_loads(self, tiers.start_loads(plan.kv_loads))
+        outputs += load_kv(self, plan)  # imports admitted this step: their KV into their blocks
         return LaunchedStep(plan, outputs, start_s=start)
-
-    def _finish_loads(self, done: list[tuple[Sequence, int]]) -> None:
-        for seq, num_blocks in done:
-            self.scheduler.finish_load(seq, num_blocks)
 
     def _apply(self, step: LaunchedStep, result: RunnerOutput) -> AppliedStep:
         plan = step.plan
@@ -345,101 +335,7 @@ class Engine:
 
     def _failed_step(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         logger.error("engine step failed; failing %d requests", len(plan.seqs), exc_info=error)
-        return self._fail(plan, error)
-
-    def _enter(self, seq: Sequence) -> None:
-        """A request with all it needs but its grammar goes to the scheduler, or waits for
-        the grammar's compile (at most the compiler's timeout)."""
-        if not self.compiles.submit(seq):
-            self.scheduler.add(seq)
-
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Requests whose grammar has compiled enter the scheduler (in arrival order); a
-        failed compile fails its request."""
-        ready, failed = self.compiles.take_compiled()
-        for seq in ready:
-            self.scheduler.add(seq)
-        outputs = []
-        for seq, error in failed:
-            seq.status = SequenceStatus.FINISHED
-            outputs.append(self._fail_one(seq, error))
-        return outputs
-
-    def _admit_lora_loaded(self) -> list[RequestOutput]:
-        """Requests whose adapter reached host memory go on (to the grammar compile or the
-        scheduler); a failed adapter load fails its requests."""
-        assert self.lora is not None
-        ready, failed = self.lora.take_loaded()
-        outputs = []
-        for seq in ready:
-            self._enter(seq)
-        for seq, message in failed:
-            seq.status = SequenceStatus.FINISHED
-            outputs.append(self._fail_one(seq, f"LoRA adapter {seq.lora_name!r}: {message}"))
-        return outputs
-
-    def _load_kv(self, plan: SchedulerOutput) -> list[RequestOutput]:
-        """Let the connector write imported KV; a failed import leaves the plan and fails."""
-        if not plan.kv_imports:
-            return []
-        outputs = []
-        for seq, message in self.connector.load_kv(plan):
-            plan.remove(seq)
-            outputs.append(self._fail_one(seq, message))
-        return outputs
-
-    def _postprocess(
-        self, plan: SchedulerOutput, logprobs: list, changed: list[Sequence], saved: SavedKV
-    ) -> list[RequestOutput]:
-        """One output per sequence that got a token; an export rides on its first one."""
-        # Most steps sample no logprobs: skip the lookup table then (count runs in C).
-        logprobs_of = (None if logprobs.count(None) == len(logprobs)
-                       else {seq.request_id: lp for seq, lp in zip(plan.seqs, logprobs)})
-        outputs = []
-        now = time.monotonic()
-        finished = SequenceStatus.FINISHED
-        for seq in changed:
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            kv = saved.get(seq.request_id) if saved else None
-            if seq.quiet_from is not None and seq.quiet_from > seq.num_prompt_tokens and kv is None \
-                    and seq.status is not finished:
-                continue  # a quiet request between its first output and its last
-            if seq.status is finished:
-                del self.seqs[seq.request_id]
-                if seq.lora_name is not None:
-                    self.lora.done(seq)
-            out = sampled_output(seq, logprobs_of.get(seq.request_id) if logprobs_of is not None else None)
-            if seq.quiet_from is not None:
-                out.new_token_ids = seq.token_ids[seq.quiet_from:]
-                seq.quiet_from = len(seq.token_ids)
-            if isinstance(kv, str):  # its KV export failed: an error, not a clean finish
-                out = self._fail_one(seq, kv)
-            elif kv is not None:
-                out.extra["kv_export"] = kv
-            if seq.status is finished:  # after the export check: a failed export is no answer length
-                self.output_lengths.observe(seq)
-            outputs.append(out)
-        return outputs
-
-    def _fail(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
-        message = f"engine step failed: {type(error).__name__}: {error}"
-        return [self._fail_one(seq, message) for seq in plan.seqs if seq.status is not SequenceStatus.FINISHED]
-
-    def _fail_one(self, seq: Sequence, message: str) -> RequestOutput:
-        """End one request with an error; its blocks are free when this returns."""
-        self.connector.request_finished(seq.request_id)
-        if seq.status is not SequenceStatus.FINISHED:
-            self.scheduler.finish(seq, "error")
-        # A request can fail after it finished normally this step (a failed KV export of a
-        # max_tokens=1 prefill): the error must win, or the caller sees a clean "length".
-        seq.finish_reason = "error"
-        self.seqs.pop(seq.request_id, None)
-        if seq.lora_name is not None and self.lora is not None:
-            self.lora.done(seq)
-        out = request_output(seq, [], None)
-        out.error = message
-        return out
+        return fail_step(self, plan, error)
 
     def stats(self) -> EngineStats:
         kv = self.kv.stats()
