@@ -6,7 +6,8 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
 1. running sequences first, in admission order: each gets what it still lacks (1 token
    for a decode, the rest of the prompt for a chunked prefill) within the token budget;
    when one cannot get a block, the worst band's most recently admitted running sequence
-   is preempted (blocks freed, requeued at the front of its band, recomputed later);
+   is preempted (worker/preemption.py: blocks freed, requeued at the front of its band,
+   recomputed later);
 2. then waiting sequences in band order (worker/bands.py: SamplingParams.priority, lower
    first, FIFO within a band, a key over its share of the band's slots passed over) fill
    what is left of the token budget with prompt chunks (chunked prefill), up to
@@ -20,10 +21,8 @@ sequence's `num_computed_tokens` catches up with its `num_tokens`):
    waits a step for the budget behind a worse band's.
 3. with KV tiers below the device (`tiers`, worker/kv_tiers.py), a waiting sequence whose
    prefix continues past the device's cache in a lower tier is admitted into `loading`
-   instead: blocks for the whole found prefix are allocated, the plan's `kv_loads` says
-   which tier blocks go into which device blocks, the engine copies them, and
-   `finish_load` moves the sequence to `running` with the loaded blocks computed and
-   cached. It takes no token budget while it loads.
+   instead, and `finish_load` moves it to `running` once the engine has copied the tier
+   blocks in (worker/tier_admission.py). It takes no token budget while it loads.
 The token budget is max_num_batched_tokens. Within it (worker/prefill_caps.py): while a
 better band runs or waited here lately, worse bands' prompt chunks share
 worse_band_prefill_tokens a step (worker/band_prefill.py), so a better band's request never
@@ -32,7 +31,8 @@ SchedulerConfig.max_step_time_s is) each prompt chunk of a step that carries dec
 only the tokens that keep the step's predicted time within it (worker/step_budget.py).
 Before all, a waiting sequence that could not be admitted (no running slot or no blocks)
 preempts a running one of a worse band, or of its band's key furthest over its share when
-its own key is under (worker/bands.py); a preempted sequence resumes exactly.
+its own key is under (worker/preemption.py, worker/bands.py); a preempted sequence resumes
+exactly.
 Torch-free on purpose: it is unit-tested on its own.
 """
 from __future__ import annotations
@@ -49,10 +49,13 @@ from worker.config import SchedulerConfig
 from worker.decode_ahead import DecodeAhead
 from worker.lora.slots import LoRASlots
 from worker.prefill_caps import PrefillCaps
-from worker.scheduler_output import SchedulerOutput, TierIndex, TierLoad
+from worker.preemption import make_room, may_admit, preempt_for_priority, reset_for_recompute
+# TierLoad is re-exported: the tier code (worker/kv_tiers.py, cluster/sim/tiers.py) imports it from here.
+from worker.scheduler_output import SchedulerOutput, TierIndex, TierLoad  # noqa: F401
 from worker.sequence import Sequence, SequenceStatus
 from worker.step_apply import advance_plan, append_sampled
 from worker.step_budget import StepTimeBudget
+from worker.tier_admission import apply_load, num_tier_blocks, start_load
 
 
 class Scheduler:
@@ -119,16 +122,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self._caps.start_step(self.running, self.waiting, self.step_budget)
         shares = self._shares()
-        self._preempt_for_priority(out, shares)
+        preempt_for_priority(out, self.waiting, self.running, shares, self.config.max_num_seqs, self.kv,
+                             self._preempt)
         first, deferred = bands.split_running(self.running, self.waiting)
         budget = self._schedule_running(out, budget, first)
         stopped = False
         for band, chunks in groupby(deferred, key=lambda s: s.params.priority):
             # A worse band's prompt chunks take what the better waiting prompts leave.
-            if not stopped and self._may_admit(out):
+            if not stopped and may_admit(out):
                 budget, stopped = self._schedule_waiting(out, budget, shares, band)
             budget = self._schedule_running(out, budget, list(chunks))
-        if not stopped and self._may_admit(out):
+        if not stopped and may_admit(out):
             self._schedule_waiting(out, budget, shares)
         return out
 
@@ -139,41 +143,12 @@ class Scheduler:
         self._ahead = DecodeAhead.make(self.running, self.waiting, self.loading, self.kv,
                                        self.config.max_num_batched_tokens)
 
-    @staticmethod
-    def _may_admit(out: SchedulerOutput) -> bool:
-        """No admission in a step that preempted for want of memory."""
-        return len(out.preempted) == out.preempted_for_priority
-
     def _shares(self) -> KeyShares | None:
         """Who holds the running slots, per band and key: while sequences wait and two keys
         or more have been seen (worker/bands.py)."""
         if not self.waiting or len(self._weights) < 2:
             return None
         return KeyShares(self.running, self._waiting_keys, self._weights, self.config.max_num_seqs)
-
-    def _preempt_for_priority(self, out: SchedulerOutput, shares: KeyShares | None) -> None:
-        """The next waiting sequence takes a running one's place when it could not be
-        admitted otherwise (no running slot, or its blocks do not fit) and it is of a better
-        band (the worst band's most recently admitted goes), or of a key under its share of
-        its band whose slots another key holds over its own (worker/bands.py). A preempted
-        sequence is recomputed later, so it resumes exactly where it was."""
-        while self.waiting and self.running:
-            head = self.waiting[shares.pick(self.waiting) if shares is not None else 0]
-            victim = bands.victim_for_waiting(head, self.running, shares)
-            if victim is None or (len(self.running) < self.config.max_num_seqs and self._fits(head)):
-                return
-            self.running.remove(victim)
-            if shares is not None:
-                shares.preempted(victim)
-            self._preempt(victim)
-            out.preempted.append(victim)
-            # For a better band or a fair share, not for want of memory: admission goes on.
-            out.preempted_for_priority += 1
-
-    def _fits(self, seq: Sequence) -> bool:
-        """Could `seq`'s whole uncomputed prompt get its blocks now (cache hits counted)?"""
-        hits = [] if seq.kv_import is not None else self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root)
-        return self.kv.can_allocate(seq.request_id, seq.num_tokens, hits)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, seqs: list[Sequence]) -> int:
         """Plan `seqs` (running, in order) within `budget`; returns what is left of it."""
@@ -197,7 +172,8 @@ class Scheduler:
             # Most decode steps need no new block: no check, no allocation.
             block_ids = held(seq.request_id, total)
             if block_ids is None:
-                if not self._make_room(out, seq, total):  # preempts from the tail of `running`
+                # Preempts from the tail of `running` until `seq`'s blocks fit.
+                if not make_room(out, kv, self.running, seq, total, self._preempt):
                     break
                 block_ids = kv.allocate(seq.request_id, total)
             if left > 1:  # prompt work (a decode has one token left): counted by the caps
@@ -207,20 +183,6 @@ class Scheduler:
             plan_blocks.append(block_ids)
             budget -= num_new
         return budget
-
-    def _make_room(self, out: SchedulerOutput, seq: Sequence, num_tokens: int) -> bool:
-        """Preempt the most recently admitted running sequences until `seq` can hold
-        `num_tokens`; False when `seq` itself had to go."""
-        while not self.kv.can_allocate(seq.request_id, num_tokens):
-            victim = bands.victim(self.running)  # the worst band's most recently admitted
-            self.running.remove(victim)
-            if victim in out.seqs:  # planned earlier this step: out of the plan
-                out.remove(victim)
-            self._preempt(victim)
-            out.preempted.append(victim)
-            if victim is seq:
-                return False
-        return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, shares: KeyShares | None,
                           below_band: int | None = None) -> tuple[int, bool]:
@@ -245,10 +207,12 @@ class Scheduler:
             else:
                 hits = self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root)
                 num_computed = len(hits) * self.kv.block_size
-                num_tier = self._num_tier_blocks(seq, len(hits))
+                num_tier = num_tier_blocks(self.kv, self.tiers, seq, len(hits))
                 if num_tier:
-                    if not self._admit_loading(out, i, hits, num_tier):
+                    if not start_load(out, self.kv, seq, hits, num_tier):
                         break
+                    self._take_waiting(i)
+                    self.loading.append(seq)
                     if shares is not None:
                         shares.admitted(seq)
                     continue
@@ -296,48 +260,13 @@ class Scheduler:
                 return j
         return None
 
-    def _num_tier_blocks(self, seq: Sequence, num_hits: int) -> int:
-        """Blocks right after the device hits that a lower tier holds (one token is always
-        left to compute)."""
-        if self.tiers is None:
-            return 0
-        max_blocks = (seq.num_tokens - 1) // self.kv.block_size
-        hashes = self.kv.block_hashes(seq.request_id)[num_hits:max_blocks]
-        return self.tiers.num_available(hashes) if hashes else 0
-
-    def _admit_loading(self, out: SchedulerOutput, i: int, hits: list, num_tier: int) -> bool:
-        """Admit waiting[i] into `loading` with blocks for its device hits and `num_tier`
-        tier blocks after them; False when they do not fit (it stays where it waits)."""
-        seq = self.waiting[i]
-        num_hits, block_size = len(hits), self.kv.block_size
-        num_tokens = (num_hits + num_tier) * block_size
-        if not self.kv.can_allocate(seq.request_id, num_tokens, hits):
-            return False
-        block_ids = self.kv.allocate(seq.request_id, num_tokens, hits)
-        hashes = self.kv.block_hashes(seq.request_id)
-        out.kv_loads.append(TierLoad(seq, hashes[num_hits : num_hits + num_tier],
-                                     block_ids[num_hits : num_hits + num_tier]))
-        seq.num_computed_tokens = num_hits * block_size
-        seq.status = SequenceStatus.LOADING
-        if seq.scheduled_time is None:
-            seq.scheduled_time = time.monotonic()
-        self._take_waiting(i)
-        self.loading.append(seq)
-        return True
-
     def finish_load(self, seq: Sequence, num_loaded_blocks: int) -> None:
         """Apply a tier load: its first `num_loaded_blocks` blocks hold their KV now (a short
         count: the rest failed a check or vanished, and is computed instead)."""
         if seq.status is not SequenceStatus.LOADING:
             return  # aborted while it loaded
         self.loading.remove(seq)
-        num_computed = seq.num_computed_tokens + num_loaded_blocks * self.kv.block_size
-        self.kv.cache_computed(seq.request_id, seq.token_ids, num_computed, seq.hash_root)
-        if seq.num_preemptions == 0:
-            self.kv.record_admission(seq.num_prompt_tokens, num_computed)
-            seq.num_cached_tokens = num_computed
-        seq.num_computed_tokens = num_computed
-        seq.status = SequenceStatus.RUNNING
+        apply_load(self.kv, seq, num_loaded_blocks)
         self.running.append(seq)
 
     def _add_to_plan(self, out: SchedulerOutput, seq: Sequence, num_new: int, block_ids: list[int]) -> None:
@@ -347,12 +276,8 @@ class Scheduler:
         out.block_ids.append(block_ids)
 
     def _preempt(self, seq: Sequence) -> None:
-        # Recompute, not swap: the KV is rebuilt from token_ids (prefix cache permitting).
-        self.kv.free(seq.request_id, keep_hashes=True)
-        self._release_lora(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
+        """Requeue a sequence just taken out of `running` (worker/preemption.py)."""
+        reset_for_recompute(self.kv, seq, self._release_lora)
         self.num_preemptions += 1
         seq.waiting_uncached_tokens = self._uncached_tokens(seq)  # its freed blocks are cached now
         self._enqueue(seq, front_of_band=True)
@@ -394,7 +319,7 @@ class Scheduler:
         if seq.kv_import is not None or seq.params.prompt_logprobs is not None:
             return seq.num_uncomputed_tokens
         num_hits = len(self.kv.get_computed_blocks(seq.request_id, seq.token_ids, seq.hash_root))
-        cached = (num_hits + self._num_tier_blocks(seq, num_hits)) * self.kv.block_size
+        cached = (num_hits + num_tier_blocks(self.kv, self.tiers, seq, num_hits)) * self.kv.block_size
         return max(seq.num_tokens - cached, 0)
 
     # -- removal from outside the step (abort, failed step) ---------------------------------

@@ -38,7 +38,7 @@ WARM_STEPS = 12  # decode steps after the prefill before the steady stretch
 STEADY_STEPS = 24
 
 
-def decode_run(grid, batch: int, context: int) -> list[float]:  # noqa: ANN001 (cluster.calibrate._Grid)
+def decode_run(grid, batch: int, context: int) -> list[float]:  # noqa: ANN001 (cluster.calibration_grid.Grid)
     """Seconds of each decode step of one batch run long after its prefill."""
     from worker.api import SamplingParams
 
