@@ -40,6 +40,13 @@ THROUGHPUT_OPTIMIZED_ENV = "RAY_SERVE_THROUGHPUT_OPTIMIZED"
 DIRECT_INGRESS_ENV = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+# A stopping ingress replica stays reachable this long (Serve's default is long enough for
+# an external load balancer to deregister it) and then refuses new connections, which
+# HAProxy retries on another replica or the fallback proxy. With HAProxy on the same
+# machine, updated by the controller as the replica leaves, a short window is enough; Serve's
+# default would hold every `kvserve serve` shutdown that long.
+LOCAL_DRAINING_PERIOD_S = 2.0
 # The variables of the mode an operator may set explicitly; passed on when set.
 _MODE_OVERRIDES = (
     HAPROXY_ENV,
@@ -91,6 +98,9 @@ class DirectIngress:
     fallback_grpc_port: int | None = None
     files_dir: str | None = None
     launcher: str | None = None  # what Serve runs as HAProxy (`private_direct_ingress`)
+    # How long a stopping ingress replica stays reachable before it refuses connections;
+    # None: Serve's default, sized for external load balancers (`private_direct_ingress`).
+    min_draining_period_s: float | None = None
 
     def port(self, name: str) -> int:
         """The port `name` (a field above) listens on, Serve's default where unset."""
@@ -115,6 +125,8 @@ class DirectIngress:
             })
         if self.launcher is not None:
             env[HAPROXY_BINARY_ENV] = self.launcher
+        if self.min_draining_period_s is not None:
+            env[DRAINING_PERIOD_ENV] = str(self.min_draining_period_s)
         return env
 
 
@@ -176,15 +188,16 @@ def _free_port(host: str) -> int:
 
 def private_direct_ingress(direct: DirectIngress, host: str, binary: str) -> DirectIngress:
     """`direct` for a cluster this process starts, on this machine: a free port for each
-    side port left unset, HAProxy's files in a new private directory and, unless HTTP
-    listens on every interface anyway, HAProxy's stats and Prometheus listeners on `host`
-    only, through a launcher in that directory that runs `binary`."""
+    side port left unset, the local draining period, HAProxy's files in a new private
+    directory and, unless HTTP listens on every interface anyway, HAProxy's stats and
+    Prometheus listeners on `host` only, through a launcher in that directory that runs
+    `binary`."""
     wildcard = host in _WILDCARD_HOSTS
     if not wildcard and not _HOST_PATTERN.fullmatch(host):
         raise ValueError(f"HTTP host {host!r} is not an address or host name HAProxy can bind")
     bind_host = "" if wildcard or host == "localhost" else host
-    direct = replace(direct, **{name: _free_port(bind_host) for name in SERVE_DEFAULT_PORTS
-                                if getattr(direct, name) is None})
+    direct = replace(direct, min_draining_period_s=LOCAL_DRAINING_PERIOD_S,
+                     **{name: _free_port(bind_host) for name in SERVE_DEFAULT_PORTS if getattr(direct, name) is None})
     files_dir = private_haproxy_dir()
     if wildcard:
         return replace(direct, files_dir=files_dir)

@@ -115,6 +115,10 @@ def test_the_launcher_moves_haproxys_side_listeners_onto_the_http_host(tmp_path)
         assert direct.launcher == os.path.join(direct.files_dir, "haproxy")
         assert os.stat(direct.launcher).st_mode & 0o777 == 0o700
         assert direct.env()[HAPROXY_BINARY_ENV] == direct.launcher
+        # HAProxy on this machine: a stopping ingress replica need not wait for a remote
+        # load balancer (Serve's default window would hold every shutdown that long).
+        assert direct.env()["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "2.0"
+        assert "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" not in DirectIngress().env()
         cfg, ran = _run_launcher(direct, tmp_path, _TEMPLATE)
         assert cfg == _TEMPLATE.replace("bind :9101", "bind 127.0.0.1:9101").replace("bind *:8404\n",
                                                                                     "bind 127.0.0.1:8404\n")
