@@ -278,7 +278,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     starts_cluster = args.address is None
     direct = direct_ingress(config, starts_cluster=starts_cluster)
-    off_reason = direct_ingress_off_reason(config, starts_cluster=starts_cluster) if direct is None else None
+    # Why Serve's proxies serve, when that was left to kvserve (the banner says it).
+    off_reason = (direct_ingress_off_reason(config, starts_cluster=starts_cluster)
+                  if direct is None and config.http.direct_ingress is None else None)
     haproxy_dir = None
     if direct is not None and starts_cluster:
         # The cluster starts here, so HAProxy runs on this machine: its files in a
