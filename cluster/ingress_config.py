@@ -42,6 +42,11 @@ class IngressSection(Section):
     # Requests (weighted by `n`) one ingress replica holds at once, streaming or
     # waiting for a worker; one more is answered 429 at once instead of piling up.
     max_queued_requests: int = Field(default_of(IngressSettings, "max_queued_requests"), ge=1)
+    # Requests one ingress replica takes in at once, from arrival until their engine call
+    # is sent; a burst beyond it waits its turn in arrival order, so that the first
+    # requests reach the workers while the rest are still being read (router/frontend/intake.py).
+    # 0: no window.
+    intake_window: int = Field(default_of(IngressSettings, "intake_window"), ge=0)
     max_body_bytes: ByteSize = Field(default_of(IngressSettings, "max_body_bytes"), gt=0)  # larger bodies: 413
     # The whole request body must arrive within this long (408 otherwise: slow clients).
     body_read_timeout_s: float = Field(default_of(IngressSettings, "body_read_timeout_s"), gt=0)

@@ -12,6 +12,7 @@ factory of Serve's gRPC server (`gRPCGenericServer.service_handler_factory`); it
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import uuid
@@ -106,6 +107,28 @@ def process_transport(handle: Any, by_reference: bool | None = None) -> Any:
     if by_reference:
         return handle.options(_by_reference=True)
     return handle.options(_by_reference=False, request_serialization="pickle", response_serialization="pickle")
+
+
+# -- a handle call's progress ----------------------------------------------------------------
+def when_sent(response: Any, callback: Callable[[], None]) -> None:
+    """Call `callback` (on the caller's event loop) once Serve has routed the handle call
+    `response` (a DeploymentResponse or DeploymentResponseGenerator) and sent it to its
+    replica, or failed to. A response without that future (a test double, a Ray that
+    moved it) never calls back: callers bound their wait another way.
+
+    Public API it stands in for: none (a response only says when its first result is
+    back, a round trip to the replica later). Private: `_replica_result_future`, the task
+    (or, with the router on its own loop, the concurrent future) that resolves to the
+    ReplicaResult once the request is on its way to the replica.
+    """
+    future = getattr(response, "_replica_result_future", None)
+    if future is None or not callable(getattr(future, "add_done_callback", None)):
+        return
+    if isinstance(future, asyncio.Future):
+        future.add_done_callback(lambda _: callback())
+        return
+    loop = asyncio.get_running_loop()
+    future.add_done_callback(lambda _: loop.call_soon_threadsafe(callback))
 
 
 # -- a handle's request router ----------------------------------------------------------------
@@ -238,6 +261,12 @@ def _handle_router_no_init() -> bool:
     return _handle_router() and "self._request_router" in inspect.getsource(AsyncioRouter.__init__)
 
 
+def _response_sent_future() -> bool:
+    from ray.serve.handle import _DeploymentResponseBase
+
+    return "self._replica_result_future" in inspect.getsource(_DeploymentResponseBase.__init__)
+
+
 def _replica_stats_on_demand() -> bool:
     from ray.serve._private.replica import ReplicaActor
     from ray.serve._private.request_router.replica_wrapper import RunningReplica
@@ -283,6 +312,7 @@ def _serve_details() -> bool:
 
 
 PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    PrivateApi("DeploymentResponse._replica_result_future", "serve_internals.when_sent", _response_sent_future),
     PrivateApi("ray.serve.context._serve_request_context / _RequestContext._internal_request_id",
                "serve_internals.use_child_request_id", _context_api),
     PrivateApi("RequestRouter._use_replica_queue_len_cache", "serve_internals.cached_queue_len",

@@ -283,6 +283,11 @@ class GrpcServicer:
         """Validates the message, then runs it through the pipeline (which waits for the
         first output, so that errors before any token have their status). The session is
         the `x-session-id` metadata's (router/routing/sessions.py)."""
+        async with self.pipeline.intake.slot():  # router/frontend/intake.py
+            return await self._start_in_slot(request, clock, principal, grpc_context, stream)
+
+    async def _start_in_slot(self, request: pb.GenerateRequest, clock: Clock, principal: Principal,
+                             grpc_context: RayServegRPCContext | None, stream: bool) -> GenerationStream:
         model = self._model(request.model)
         _check_size(request, self.pipeline.settings.max_body_bytes)
         # The client's id names the engine request and appears in logs: short and printable.

@@ -151,32 +151,33 @@ class Ingress(GrpcMethods):
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        principal, req, num_bytes = await self._read(request, p.CompletionRequest)
-        convert.check_n(req.n, self.settings.max_n)
-        num_prompts = 1 if isinstance(req.prompt, str) or all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
-        if num_prompts > self.settings.max_prompts_per_request:
-            raise errors.bad_request(
-                f"This request has {num_prompts} prompts; this server allows at most "
-                f"{self.settings.max_prompts_per_request} per request.", "prompt", "invalid_value",
+        async with self.pipeline.intake.slot():  # router/frontend/intake.py
+            principal, req, num_bytes = await self._read(request, p.CompletionRequest)
+            convert.check_n(req.n, self.settings.max_n)
+            num_prompts = 1 if isinstance(req.prompt, str) or all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
+            if num_prompts > self.settings.max_prompts_per_request:
+                raise errors.bad_request(
+                    f"This request has {num_prompts} prompts; this server allows at most "
+                    f"{self.settings.max_prompts_per_request} per request.", "prompt", "invalid_value",
+                )
+            # A list of prompts multiplies the engine requests as n does: bounded the same way
+            # (by the in-flight bound, or max_n when that is larger), before any tokenizing.
+            max_choices = max(self.pipeline.limiter.limit, self.settings.max_n)
+            if req.n * num_prompts > max_choices:
+                raise errors.bad_request(
+                    f"This request asks for {req.n * num_prompts} completions ({num_prompts} prompts x n={req.n}); "
+                    f"this server allows at most {max_choices} per request.",
+                    "prompt",
+                    "invalid_value",
+                )
+            tokenizer, max_n = self.pipeline.tokenizer, self.settings.max_n
+            lora = self.pipeline.lora.resolve(req.model)
+            stream = await self.pipeline.start(
+                principal, req.n * num_prompts, num_bytes,
+                lambda max_model_len: convert.completion_inputs(req, tokenizer, max_model_len, max_n),
+                f"cmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
+                stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
             )
-        # A list of prompts multiplies the engine requests as n does: bounded the same way
-        # (by the in-flight bound, or max_n when that is larger), before any tokenizing.
-        max_choices = max(self.pipeline.limiter.limit, self.settings.max_n)
-        if req.n * num_prompts > max_choices:
-            raise errors.bad_request(
-                f"This request asks for {req.n * num_prompts} completions ({num_prompts} prompts x n={req.n}); "
-                f"this server allows at most {max_choices} per request.",
-                "prompt",
-                "invalid_value",
-            )
-        tokenizer, max_n = self.pipeline.tokenizer, self.settings.max_n
-        lora = self.pipeline.lora.resolve(req.model)
-        stream = await self.pipeline.start(
-            principal, req.n * num_prompts, num_bytes,
-            lambda max_model_len: convert.completion_inputs(req, tokenizer, max_model_len, max_n),
-            f"cmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
-            stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
-        )
         formatter = convert.CompletionFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs is not None, req.prompt_logprobs)
         if req.echo:
             ids = {inp.index: inp.prompt_token_ids for inp in stream.inputs}
@@ -186,16 +187,17 @@ class Ingress(GrpcMethods):
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        principal, req, num_bytes = await self._read(request, p.ChatCompletionRequest)
-        convert.check_n(req.n, self.settings.max_n)
-        tokenizer, max_n, parser = self.pipeline.tokenizer, self.settings.max_n, self.settings.tool_call_parser
-        lora = self.pipeline.lora.resolve(req.model)
-        stream = await self.pipeline.start(
-            principal, req.n, num_bytes,
-            lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
-            f"chatcmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
-            stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
-        )
+        async with self.pipeline.intake.slot():  # router/frontend/intake.py
+            principal, req, num_bytes = await self._read(request, p.ChatCompletionRequest)
+            convert.check_n(req.n, self.settings.max_n)
+            tokenizer, max_n, parser = self.pipeline.tokenizer, self.settings.max_n, self.settings.tool_call_parser
+            lora = self.pipeline.lora.resolve(req.model)
+            stream = await self.pipeline.start(
+                principal, req.n, num_bytes,
+                lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
+                f"chatcmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
+                stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
+            )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
         formatter = convert.ChatFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)
         return await respond(stream, formatter, req)

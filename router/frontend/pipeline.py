@@ -1,6 +1,7 @@
 """One request pipeline for both front ends: admit -> convert -> charge -> stream -> settle.
 
     HTTP handler (router/frontend/ingress.py)           gRPC method (router/frontend/grpc_servicer.py)
+      intake: its turn in this replica's window (router/frontend/intake.py), until sent
       authenticate, read + validate the body     authenticate, validate the message
                        \\                         /
               RequestPipeline.start(principal, weight, ..., to_inputs, request_id)
@@ -12,6 +13,7 @@
                 charge   the worst case from the key's tokens-per-minute budget -> 429
                 hold     admission control (router/routing/admission.py): while no worker replica
                          can take it, held in a queue fair between keys -> 429 at its bound
+                         (its intake slot is given back while it is held)
                 stream   GenerationStream.start(): the engine requests go out through
                          the worker handle (KV-headroom router) and the first output is
                          awaited, so that errors before any token have their status
@@ -35,6 +37,7 @@ from router.routing import AdmissionController, RequestProfile, SnapshotSource, 
 from router.frontend.lora_modules import LoRAModules
 from router.frontend.auth import ANONYMOUS, ApiKeys, Principal
 from router.frontend.generation import GenerationStream, InFlightLimiter, StreamPermit
+from router.frontend.intake import IntakeWindow, release_current
 from router.frontend.key_limits import JointPermit, KeyLimits, worst_case_tokens
 from router.frontend.metrics import IngressMetrics
 from router.frontend.openai_convert import EngineInput, TokenTexts
@@ -74,6 +77,7 @@ class RequestPipeline:
         self.texts = TokenTexts(tokenizer)
         self.metrics = metrics
         self.limiter = InFlightLimiter(settings.max_queued_requests, metrics)
+        self.intake = IntakeWindow(settings.intake_window, settings.max_queued_requests)
         self.api_keys = api_keys
         self.key_limits = key_limits
         self.admission = AdmissionController(
@@ -140,7 +144,7 @@ class RequestPipeline:
                                request_hash_root(inp.params.cache_keys, lora_name, lora_path), lora_name)
                 for inp in inputs
             ]
-            ticket = await self.admission.admit(principal.key_id, profiles, band)
+            ticket = await self.admission.admit(principal.key_id, profiles, band, on_hold=release_current)
         except BaseException:
             # Ended before the engine ran (refused, shed, cancelled): nothing was used.
             permit.settle(0)

@@ -21,6 +21,10 @@ class IngressSettings:
     served_model_name: str
     tokenizer_path: str  # a local directory or a Hub id (tokenizer files only are read)
     max_queued_requests: int = 1024  # weighted by n; beyond it: 429 at once
+    # Requests one ingress replica takes in at once, from arrival until their engine call
+    # is sent; a burst beyond it waits its turn in arrival order (router/frontend/intake.py).
+    # 0: no window (every request of a burst advances one await at a time, in lockstep).
+    intake_window: int = 16
     max_body_bytes: int = 4 * 1024**2  # beyond it: 413
     # The whole body must arrive within this long (408 otherwise): slow clients cannot
     # hold handlers open.

@@ -153,10 +153,13 @@ class AdmissionController:
         return max(1, math.ceil(self._wait_ewma_s))
 
     # ------------------------------------------------------------------ admitting
-    async def admit(self, key: str, profiles: list[RequestProfile], priority: int = 0) -> Ticket:
+    async def admit(self, key: str, profiles: list[RequestProfile], priority: int = 0,
+                    on_hold: Callable[[], None] | None = None) -> Ticket:
         """`priority`: the request's band (lower first). Sheds: 429 when the key holds more
         than its share of the queue (the tenant's overload), 503 when the cluster has no
-        room for its band (the queue is all better or equal-share work, or the wait ran out)."""
+        room for its band (the queue is all better or equal-share work, or the wait ran out).
+        `on_hold` is called when the request starts to wait in the queue (the ingress gives
+        back its intake slot: router/frontend/intake.py)."""
         if not self.enabled:
             return self._grant(len(profiles), Verdict(True, REASON_OFF), 0.0, priority)
         if not len(self.queue):  # nobody held ahead of it
@@ -181,6 +184,8 @@ class AdmissionController:
                              status=429 if over_share else 503)
         self._queue_changed()
         self.pump()
+        if on_hold is not None and not held.future.done():
+            on_hold()
         try:
             async with asyncio.timeout(self.max_wait_s):
                 return await asyncio.shield(held.future)

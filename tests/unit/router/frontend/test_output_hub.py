@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from router.frontend.intake import IntakeWindow
 from router.frontend.migration import is_replica_failure
 from router.frontend.output_hub import OutputHub
 from tests.integration.fake_engine_worker import TOKEN, FakeEngineWorker
@@ -30,6 +31,9 @@ class _Call:
         self._gen = gen
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(self._pump())
+        # Serve's: resolved once the call is routed and sent (router/serve_internals.py when_sent).
+        self._replica_result_future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(self._replica_result_future.set_result, None)
 
     async def _pump(self) -> None:
         try:
@@ -218,3 +222,20 @@ async def test_a_non_streamed_request_gets_its_first_output_and_then_the_rest_in
         stop(workers)
     assert [len(o.new_token_ids) for o in outputs] == [1, 39] and outputs[-1].finished
     assert outputs[-1].num_output_tokens == 40
+
+
+async def test_a_request_gives_back_its_intake_slot_once_its_call_is_sent() -> None:
+    workers = replicas(1, max_num_seqs=4, step_s=0.002)
+    hub = OutputHub(FakeHandle(workers))
+    window = IntakeWindow(1, max_waiting=16, hold_s=3600.0)
+    try:
+        async with window.slot() as slot:
+            assert slot is not None
+            response = hub.generate.remote(request("r1", 4))
+            assert slot.held  # not sent yet
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert not slot.held and window.num_held == 0  # sent: the next request may start
+        assert [o.finished for o in await collect(response)][-1]
+    finally:
+        stop(workers)

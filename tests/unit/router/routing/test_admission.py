@@ -438,3 +438,16 @@ async def test_a_shed_request_holds_nothing_in_the_pipeline() -> None:
     assert p.admission.num_in_flight == 1
     [e async for e in stream]
     assert p.admission.num_in_flight == 0 and holds_nothing(p, limits)
+
+
+async def test_on_hold_is_called_only_when_the_request_waits() -> None:
+    c = controller(Source(FULL))
+    calls: list[str] = []
+    first = await c.admit("k", [profile()], on_hold=lambda: calls.append("first"))
+    assert calls == []  # admitted at once: it never waited
+    held = asyncio.create_task(c.admit("k", [profile()], on_hold=lambda: calls.append("second")))
+    await asyncio.sleep(0)  # let it reach the queue
+    assert calls == ["second"] and not held.done()
+    first.release()
+    await held
+    assert calls == ["second"]
