@@ -32,6 +32,7 @@ from typing import Any
 
 
 from router import errors
+from router.frontend.intake import release_when_sent
 from router.frontend.output_hub import OutputHub
 from router.frontend.settings import MAX_WAITING_FOR_DECODE
 from worker.api import GenerateRequest, RequestOutput
@@ -117,6 +118,7 @@ class DisaggregatedResponse:
         self._queued = True
         try:
             prefill = owner.prefill.prefill.remote(request)
+            release_when_sent(prefill)  # the next request's intake may start (router/frontend/intake.py)
             self._calls.append(prefill)
             first, self._handle = await prefill
             if first is None:

@@ -11,9 +11,10 @@ only once the whole burst has been parsed, and the worker's device idles meanwhi
 
 The window lets at most K requests between arrival and the moment their engine call is
 sent; the others wait their turn in arrival order (FIFO) before any of their work starts.
-A slot is given back when the request's call has been sent (router/frontend/output_hub.py),
-when it starts waiting for admission (capacity, not work: it must not hold up requests
-behind it), when its handler ends (an error, or a path that sends no hub call), or
+A slot is given back when the request's engine call has been sent (`release_when_sent`:
+router/frontend/output_hub.py, and a disaggregated request's prefill call in
+router/frontend/disagg.py), when it starts waiting for admission (capacity, not work: it
+must not hold up requests behind it), when its handler ends (an error before any call), or
 after SLOT_HOLD_S whatever happened: a send that waits for a full worker (Serve's router
 backs off) must not stall the intake. And when more requests wait for a slot than the
 replica may hold at all (`max_waiting`: max_queued_requests), a request goes in at once,
@@ -31,6 +32,9 @@ import collections
 import contextvars
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
+
+from router.serve_internals import when_sent
 
 # A slot passes on after this long even if its request has not been sent yet: well past
 # one request's intake while a burst of hundreds arrives (tens of milliseconds on a busy
@@ -125,3 +129,10 @@ def release_current() -> None:
 
 def current_slot() -> IntakeSlot | None:
     return _current.get()
+
+
+def release_when_sent(response: Any) -> None:
+    """Give back the calling request's slot once Serve has sent `response`'s call."""
+    slot = _current.get()
+    if slot is not None and slot.held:
+        when_sent(response, slot.release)

@@ -32,8 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from router.frontend.intake import current_slot
-from router.serve_internals import when_sent
+from router.frontend.intake import release_when_sent
 from worker.api import GenerateRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -66,9 +65,7 @@ class OutputHub:
         self._queues[request.request_id] = asyncio.Queue()
         call = (self._calls.generate.remote(request) if kv_handle is None
                 else self._calls.decode.remote(request, kv_handle))
-        slot = current_slot()
-        if slot is not None and slot.held:  # once sent, the next request's intake may start
-            when_sent(call, slot.release)
+        release_when_sent(call)  # the next request's intake may start (router/frontend/intake.py)
         return BatchedResponse(self, request, call)
 
     def decode(self, request: GenerateRequest, kv_handle: Any) -> BatchedResponse:
