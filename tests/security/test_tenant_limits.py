@@ -40,7 +40,7 @@ async def test_a_request_shed_by_admission_control_gets_its_tokens_back() -> Non
     fake, limits = limited()
     pipeline = fake.pipeline
 
-    async def shed(key: str, profiles: Any, band: int = 0) -> Any:
+    async def shed(key: str, profiles: Any, band: int = 0, on_hold: Any = None) -> Any:
         raise shed_error("The server's admission queue is full", 1)
 
     pipeline.admission.admit = shed  # type: ignore[method-assign]
