@@ -37,8 +37,8 @@ from typing import Any
 from router.serve_internals import when_sent
 
 # A slot passes on after this long even if its request has not been sent yet: well past
-# one request's intake while a burst of hundreds arrives (tens of milliseconds on a busy
-# loop), short enough that sends stuck behind full workers still let the intake move.
+# one request's intake while a burst of hundreds shares the loop, short enough that sends
+# stuck behind full workers still let the intake move.
 SLOT_HOLD_S = 0.25
 
 _current: contextvars.ContextVar[IntakeSlot | None] = contextvars.ContextVar("kvserve_intake_slot", default=None)
@@ -49,14 +49,13 @@ class IntakeSlot:
 
     def __init__(self, window: IntakeWindow) -> None:
         self._window: IntakeWindow | None = window
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = asyncio.get_running_loop().call_later(window.hold_s, self.release)
 
     def release(self) -> None:
         window, self._window = self._window, None
         if window is None:
             return
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.cancel()
         window._pass_on()
 
     @property
@@ -87,7 +86,6 @@ class IntakeWindow:
             return
         await self._acquire()
         slot = IntakeSlot(self)
-        slot._timer = asyncio.get_running_loop().call_later(self.hold_s, slot.release)
         token = _current.set(slot)
         try:
             yield slot
