@@ -10,12 +10,14 @@ Pipeline (each stage runs only when some row in the batch needs it):
       └─> random rows: / temperature → min_p → top_k / top_p          │
                        → exponential race (Gumbel-max) with noise     │
                          from the row's own generator if seeded       │
-    sampled ids ── .tolist()  (the one host<->device sync) ──────────┘
+    sampled ids (+ logprobs) ── copied to pinned host memory, queued ─┘
+    SampledBatch.result: wait for that copy (the one host<->device sync), read it
 
 Sync discipline: control flow is decided from Python-side `SamplingParams`, never from
 tensor values, and every index tensor is built on the host and copied with
-`non_blocking=True` from pinned memory. So the common path has exactly one sync (the
-sampled ids); a batch in which some row wants logprobs pays exactly one more.
+`non_blocking=True` from pinned memory. So a step has exactly one sync, logprobs or not:
+the event recorded after its copies to the host. The sampled ids also stay on the device,
+where a step launched ahead (worker/launch_ahead.py) takes its input tokens from them.
 """
 from __future__ import annotations
 
@@ -50,6 +52,14 @@ class Sampler:
     ) -> SamplerOutput:
         """`bitmask`: the constrained rows' token bitmask, when the runner computed it
         during the forward (worker/structured/bitmask.py); computed here otherwise."""
+        return self.launch(logits, seqs, bitmask).result()
+
+    def launch(
+        self, logits: torch.Tensor, seqs: list[Sequence], bitmask: np.ndarray | None = None
+    ) -> SampledBatch:
+        """The sampling queued on the device, its copies to the host queued behind it; no
+        host sync. A step launched ahead (worker/launch_ahead.py) takes its inputs from
+        the result's device tensor before the host reads it."""
         num_rows = len(seqs)
         if logits.dim() != 2 or logits.shape[0] != num_rows:
             raise ValueError(f"logits must be ({num_rows}, V), got {tuple(logits.shape)}")
@@ -93,8 +103,9 @@ class Sampler:
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not logprob_rows:
-            return SamplerOutput(token_ids=sampled.tolist(), logprobs=[None] * num_rows)
-        return self._with_logprobs(raw, sampled, seqs, logprob_rows)
+            return SampledBatch(sampled, sampled, None, seqs, logprob_rows)
+        ids, values = self._logprob_tensors(raw, sampled, seqs, logprob_rows)
+        return SampledBatch(sampled, ids, values, seqs, logprob_rows)
 
     # ------------------------------------------------------------------ helpers
 
@@ -320,14 +331,15 @@ class Sampler:
 
     # ------------------------------------------------------------------ logprobs
 
-    def _with_logprobs(
+    def _logprob_tensors(
         self,
         raw: torch.Tensor,
         sampled: torch.Tensor,
         seqs: list[Sequence],
         rows: list[int],
-    ) -> SamplerOutput:
-        """Chosen-token and top-n logprobs from the raw logits, in one extra sync."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chosen-token and top-n logprobs from the raw logits, on the device: the ids (the
+        sampled ids, then each row's top ids) and the values (per row: chosen, then top)."""
         if len(rows) == len(seqs):
             sub, chosen = raw, sampled.unsqueeze(1)
         else:
@@ -340,21 +352,39 @@ class Sampler:
         max_n = max(seqs[i].params.logprobs for i in rows)
         if max_n > 0:
             top_values, top_ids = sub.topk(min(max_n, sub.shape[1]), dim=-1)
-            values = torch.cat([chosen_logprob, top_values - lse], dim=1)
-            ids = torch.cat([sampled, top_ids.flatten()])
-        else:
-            values = chosen_logprob
-            ids = sampled
-        # Sync 1: token ids (+ top ids, packed into the same int64 copy).
-        ids_host = ids.tolist()
-        # Sync 2: all logprob values at once.
-        values_host = values.tolist()
+            return torch.cat([sampled, top_ids.flatten()]), torch.cat([chosen_logprob, top_values - lse], dim=1)
+        return sampled, chosen_logprob
 
+
+class SampledBatch:
+    """One step's samples: `token_ids` on the device, and their host copies (with the
+    logprobs), queued behind the sampling when it was launched, so that work queued later
+    (a step launched ahead) does not delay reading them. `result` is the one host sync."""
+
+    def __init__(self, token_ids: torch.Tensor, ids: torch.Tensor, values: torch.Tensor | None,
+                 seqs: list[Sequence], logprob_rows: list[int]) -> None:
+        self.token_ids = token_ids
+        self._seqs, self._rows = seqs, logprob_rows
+        self._ids = _copy_to_host(ids)
+        self._values = _copy_to_host(values) if values is not None else None
+        self._done: torch.cuda.Event | None = None
+        if token_ids.is_cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def result(self) -> SamplerOutput:
+        if self._done is not None:
+            self._done.synchronize()
+        seqs, rows = self._seqs, self._rows
         num_rows = len(seqs)
+        ids_host = self._ids.tolist()
         token_ids = ids_host[:num_rows]
+        logprobs: list[TokenLogprob | None] = [None] * num_rows
+        if self._values is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        values_host = self._values.tolist()
         top_ids_host = ids_host[num_rows:]
         width = len(values_host[0]) - 1
-        logprobs: list[TokenLogprob | None] = [None] * num_rows
         for j, i in enumerate(rows):
             n = seqs[i].params.logprobs
             row_values = values_host[j]
@@ -365,3 +395,12 @@ class Sampler:
                 top=tuple(zip(row_ids, row_values[1 : 1 + n])),
             )
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def _copy_to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy into pinned host memory, queued on the stream (no sync)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
