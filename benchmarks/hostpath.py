@@ -28,7 +28,10 @@ Per run:
   thread by wrappers around the runner's device calls) spent while no step was on the
   device: from each step's completion (execute or wait returning) to the next step's start
   (execute or launch entered), plus any host work done inside a step's device window
-  beyond the window's modelled length (the device finished first and waited). Thread CPU
+  beyond the window's modelled length (the device finished first and waited). A step
+  launched ahead (worker/launch_ahead.py) starts before the previous one completes: no gap
+  is counted before it, and its window's host work is counted from its launch, which
+  overstates it by what ran under the step before. Thread CPU
   time, not wall time: a busy box stretches the wall time of the same work (and the GIL
   handed to the consumer thread adds waiting), but not the CPU time the engine thread
   itself needs. engine_host_pct = that time / the modelled step time, summed over the
@@ -216,14 +219,19 @@ async def _consume(engine: AsyncEngine, num_requests: int, max_tokens: int, prom
     return sum(counts)
 
 
-def measure_engine(num_requests: int, max_tokens: int, prompt_len: int = 128, plan_ahead: bool = True) -> EngineRun:
+def measure_engine(num_requests: int, max_tokens: int, prompt_len: int = 128, plan_ahead: bool = True,
+                   launch_ahead: bool = True) -> EngineRun:
     """One run of the engine alone at time dilation 1 (see the module docstring).
     `plan_ahead=False`: every plan made after the previous step's tokens are back
-    (worker/decode_ahead.py off; benchmarks/decode_ahead.py compares the two)."""
+    (worker/decode_ahead.py off, and so launching ahead); `launch_ahead=False`: every step
+    launched after the previous one's tokens are back (worker/launch_ahead.py off).
+    benchmarks/decode_ahead.py compares the three."""
     config = engine_config()
     core = Engine.from_config(config)
     if not plan_ahead:
         core.scheduler.plan_ahead = lambda: None  # type: ignore[method-assign]
+    if not launch_ahead:
+        core.scheduler.launch_ahead = lambda: None  # type: ignore[method-assign]
     timeline = DeviceTimeline(config.model.time_dilation)
     timeline.attach(core.runner)
     engine = AsyncEngine(core)  # no tokenizer: the consumer counts token ids

@@ -74,6 +74,8 @@ class Engine:
         self.tiers: TierManager | None = None  # KV tiers below the device (use_tiers)
         self.kv_events: KVEventLog | None = None  # for the router's index (enable_kv_events)
         self.seqs: dict[str, Sequence] = {}
+        # The next step, launched by complete_step before it waited (worker/launch_ahead.py).
+        self._launched_ahead: LaunchedStep | None = None
         # Structured outputs: the compiler is set when the engine has a tokenizer (from_config).
         self.compiles = CompileWaits()
         # Multi-LoRA (worker/lora/): set by from_config when the engine config enables it.
@@ -260,9 +262,19 @@ class Engine:
         """Whether this engine's runner returns from a launch while the device works."""
         return overlaps(self.runner)
 
+    @property
+    def launches_ahead(self) -> bool:
+        """Whether this engine's runner takes a plan whose inputs are the previous step's
+        samples still on the device (worker/launch_ahead.py)."""
+        return self.overlaps_device and getattr(self.runner, "launches_ahead", False)
+
     def launch_step(self) -> LaunchedStep:
         """Plan the next step and start it on the device (returns while the device works).
-        An empty plan launches nothing; a failed launch is reported by complete_step."""
+        An empty plan launches nothing; a failed launch is reported by complete_step. A
+        step complete_step launched ahead is already on the device, and is returned."""
+        if self._launched_ahead is not None:
+            step, self._launched_ahead = self._launched_ahead, None
+            return step
         step = self._plan_step()
         if not step.plan.is_empty:
             try:
@@ -279,20 +291,49 @@ class Engine:
         advanced); its outputs are built later, by step_outputs."""
         if step.plan.is_empty:
             return AppliedStep(step.plan)
+        ahead: LaunchedStep | None = None
         if step.error is None:
             # Still under the device: the next plan, if it can only be decodes. Not while
             # an export is due: its pin would hold the block grown ahead too.
             if not self.connector.exporting:
                 self.counters.timed(self.scheduler.plan_ahead)
+                if self.launches_ahead:
+                    ahead = self._launch_ahead()
             try:
                 result = self.runner.wait(step.handle)
             except Exception as e:
                 step.error = e
         if step.error is not None:
-            return AppliedStep(step.plan, failed=self._failed_step(step.plan, step.error))
-        applied = self._apply(step, result)
-        self.counters.account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
+            applied = AppliedStep(step.plan, failed=self._failed_step(step.plan, step.error))
+        else:
+            applied = self._apply(step, result)
+            self.counters.account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
+        if ahead is not None:
+            if ahead.error is None:  # token_ids hold step N's tokens now (worker/launch_ahead.py)
+                self.counters.timed(self.scheduler.advance, ahead.plan)
+            self._launched_ahead = ahead
         return applied
+
+    def _launch_ahead(self) -> LaunchedStep | None:
+        """Launch the plan made ahead before the step on the device is waited for, when
+        the steady state holds (worker/launch_ahead.py); None leaves it to launch_step."""
+        if self.compiles.seqs or (self.lora is not None and self.lora.num_loading):
+            return None
+        tiers = self.tiers
+        if tiers is not None and tiers.has_pending:
+            return None
+        start = time.perf_counter()
+        plan = self.counters.timed(self.scheduler.launch_ahead)
+        if plan is None:
+            return None
+        if tiers is not None:  # blocks evicted for the grown tables go down first
+            tiers.offload(self.kv.pool.evicted)
+        step = LaunchedStep(plan, start_s=start)
+        try:
+            step.handle = self.runner.launch(plan)
+        except Exception as e:
+            step.error = e
+        return step
 
     def step_outputs(self, applied: AppliedStep) -> list[RequestOutput]:
         """The RequestOutputs of an applied step (one per sequence that got a token)."""

@@ -1,7 +1,9 @@
 """Executes a scheduler plan as ONE flat token batch and samples the next tokens.
 
-`execute(plan)` is `wait(launch(plan))`: launch queues the step on the device, wait samples
-(worker/step_overlap.py: on CUDA the engine works on the host in between).
+`execute(plan)` is `wait(launch(plan))`: launch queues the step on the device, wait reads
+its samples (worker/step_overlap.py: on CUDA the engine works on the host in between; a
+plan launched ahead takes its input tokens from the step before's samples on the device,
+worker/launch_ahead.py).
 
 Per step: build the flat inputs (token ids, positions, KV slots, attention metadata) with
 a handful of tensor ops, run the model over every token, compute logits only for the
@@ -33,7 +35,7 @@ from worker.model_path import resolve_model_path
 from worker.model.parallel import SINGLE, TPContext, kv_head_range
 from worker import prompt_logprobs
 from worker.api import TokenLogprob
-from worker.sampler import Sampler
+from worker.sampler import SampledBatch, Sampler
 from worker.structured.bitmask import MaskPrefetcher
 from worker.scheduler import SchedulerOutput
 
@@ -69,6 +71,9 @@ class LaunchedBatch:
     sample_rows: list[int]
     logits: torch.Tensor | None
     masks: Future[Any] | None  # worker/structured/bitmask.py's MaskPrefetcher
+    # Queued by the next launch when that one was launched ahead (it reads the ids on the
+    # device); else by wait.
+    sampled: SampledBatch | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -128,6 +133,7 @@ class ModelRunner:
         self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
         self.masks = MaskPrefetcher(self.device)
         self.timer = ForwardTimer(self.device)
+        self._in_flight: LaunchedBatch | None = None  # launched last, not yet waited for
         self.graphs = self._capture_graphs(max_model_len) if use_graphs else None
 
     # -- disaggregation: the engine moves a request's KV through these, never kv_caches --
@@ -198,10 +204,19 @@ class ModelRunner:
         free until wait's sync; on a CPU device launch computes the forward itself."""
         return self.device.type == "cuda"
 
+    @property
+    def launches_ahead(self) -> bool:
+        """On CUDA, one rank: a plan's pending input tokens are gathered on the device from
+        the samples of the step launched before it (worker/launch_ahead.py). Under TP the
+        other ranks would need those ids too."""
+        return self.overlaps_device and self.tp.size == 1
+
     @torch.inference_mode()
     def launch(self, plan: SchedulerOutput) -> LaunchedBatch:
         """Inputs, the forward and the logits, queued on the device; no host sync (prompt
-        logprobs aside)."""
+        logprobs aside). A plan launched ahead first queues the sampling of the step before
+        it, whose ids are its inputs."""
+        before = self._sample_in_flight() if plan.pending_inputs else None
         # Decodes (1 query token) first, shortest context first (see worker/decode_groups.py).
         num_new, seqs = plan.num_new_tokens, plan.seqs
         order = sorted(
@@ -209,6 +224,8 @@ class ModelRunner:
             key=lambda i: (num_new[i] != 1, seqs[i].num_computed_tokens if num_new[i] == 1 else 0),
         )
         batch = self._host_batch(plan, order)
+        if before is not None:
+            batch.input_ids = self._pending_inputs(plan, order, before)
         if self.lora is not None:
             self._prepare_lora(plan, order, batch)
         dev = self.device
@@ -228,7 +245,37 @@ class ModelRunner:
             return LaunchedBatch(plan, [], None, None)
         logits = self.model.compute_logits(hidden[last_token_idx])
         self.timer.stop()
-        return LaunchedBatch(plan, sample_rows, logits, masks)
+        self._in_flight = LaunchedBatch(plan, sample_rows, logits, masks)
+        return self._in_flight
+
+    def _sample_in_flight(self) -> LaunchedBatch:
+        """The step launched last, its sampling queued now (it has not been waited for)."""
+        before = self._in_flight
+        if before is None or before.logits is None:
+            raise RuntimeError("a plan launched ahead needs the step before it still on the device")
+        before.sampled = self._sample(before)
+        return before
+
+    def _pending_inputs(self, plan: SchedulerOutput, order: list[int], before: LaunchedBatch) -> torch.Tensor:
+        """The input ids of a plan launched ahead, in execution order: row r's is the token
+        the step before sampled for the same sequence, gathered on the device.
+
+            before.sample_rows[j] = i  ->  before.sampled.token_ids[j] is seqs[i]'s token
+        """
+        assert before.sampled is not None
+        row_of = {before.plan.seqs[i].request_id: j for j, i in enumerate(before.sample_rows)}
+        index = torch.tensor([row_of[plan.seqs[i].request_id] for i in order], dtype=torch.long)
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        return before.sampled.token_ids.index_select(0, index.to(self.device, non_blocking=True))
+
+    def _sample(self, launched: LaunchedBatch) -> SampledBatch:
+        assert self.sampler is not None and launched.logits is not None
+        masks = launched.masks
+        return self.sampler.launch(
+            launched.logits, [launched.plan.seqs[i] for i in launched.sample_rows],
+            masks.result() if masks is not None else None,
+        )
 
     def _prepare_lora(self, plan: SchedulerOutput, order: list[int], batch: HostBatch) -> None:
         """Write the adapters newly given slots, then map this step's rows to slots. On the
@@ -246,13 +293,11 @@ class ModelRunner:
         plan = launched.plan
         token_ids: list[int | None] = [None] * len(plan.seqs)
         logprobs: list[TokenLogprob | None] = [None] * len(plan.seqs)
+        if self._in_flight is launched:
+            self._in_flight = None
         if launched.logits is not None:
-            assert self.sampler is not None  # launch leaves logits only on the rank that samples
-            masks = launched.masks
-            sampled = self.sampler(
-                launched.logits, [plan.seqs[i] for i in launched.sample_rows],
-                masks.result() if masks is not None else None,
-            )
+            # launch leaves logits only on the rank that samples
+            sampled = (launched.sampled or self._sample(launched)).result()
             for row, i in enumerate(launched.sample_rows):
                 token_ids[i] = sampled.token_ids[row]
                 logprobs[i] = sampled.logprobs[row]
@@ -294,10 +339,13 @@ class ModelRunner:
         starts: list[int] = []  # first position computed this step, per seq (in `order`)
         lens: list[int] = []
         tables: list[list[int]] = []
+        # Launched ahead, a row's one input token is not in token_ids yet (launch gathers it
+        # on the device; 0 holds its place here), and the row samples one past token_ids.
+        pending = int(plan.pending_inputs)
         for i in order:
             seq, n = seqs[i], num_new[i]
             c = seq.num_computed_tokens
-            flat_ids.extend(seq.token_ids[c : c + n])
+            flat_ids.extend(seq.token_ids[c : c + n] if not pending else (0,))
             starts.append(c)
             lens.append(n)
             tables.append(plan.block_ids[i])
@@ -318,7 +366,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         last_idx: list[int] = []
         for row, i in enumerate(order):
-            if starts[row] + lens[row] == seqs[i].num_tokens:
+            if starts[row] + lens[row] == seqs[i].num_tokens + pending:
                 sample_rows.append(i)
                 last_idx.append(qs[row] + lens[row] - 1)
         return HostBatch(

@@ -47,6 +47,7 @@ from worker.band_prefill import BandPrefillLimit
 from worker.bands import KeyShares, enqueue
 from worker.config import SchedulerConfig
 from worker.decode_ahead import DecodeAhead
+from worker.launch_ahead import launch_plan
 from worker.lora.slots import LoRASlots
 from worker.prefill_caps import PrefillCaps
 from worker.preemption import make_room, may_admit, preempt_for_priority, reset_for_recompute
@@ -142,6 +143,20 @@ class Scheduler:
         (worker/decode_ahead.py)."""
         self._ahead = DecodeAhead.make(self.running, self.waiting, self.loading, self.kv,
                                        self.config.max_num_batched_tokens)
+
+    def launch_ahead(self) -> SchedulerOutput | None:
+        """The plan made ahead, to launch before the step on the device is waited for
+        (worker/launch_ahead.py); None leaves it to the next `schedule`."""
+        ahead = self._ahead
+        if ahead is None:
+            return None
+        out = launch_plan(ahead.seqs, ahead.block_ids, self.config.max_model_len)
+        if out is None:
+            return None
+        self._ahead = None
+        self._caps.start_step(self.running, self.waiting, None)
+        self.num_plans_ahead += 1
+        return out
 
     def _shares(self) -> KeyShares | None:
         """Who holds the running slots, per band and key: while sequences wait and two keys

@@ -1,6 +1,7 @@
 """Host work under device work: the engine step split at the device, so that while the
 device runs step N the host publishes step N-1's outputs (vLLM v1's async scheduling and
-SGLang's overlap scheduler do the same; this loop stops short of their placeholders).
+SGLang's overlap scheduler do the same; in the decode steady state worker/launch_ahead.py
+goes one step further, as they do).
 
 A runner that overlaps (`overlaps()` below) splits `execute(plan)` into `launch(plan)`,
 which returns as soon as the step is on the device, and `wait(handle)`, which returns its
@@ -24,11 +25,9 @@ The rules, and why:
   run depends on N-1's stop checks. When nothing waits or loads and every running
   sequence decodes next, the plan is known but for those stops: it is made under step
   N-1, and schedule N only leaves out the sequences that stopped (worker/decode_ahead.py;
-  not while a KV export is due, whose pin would hold the block grown ahead). Full async
-  scheduling would also launch N before N-1's tokens are back, with placeholders for
-  them, dropping tokens of sequences that stopped a step late; it needs the plan, not
-  the update, to own num_computed_tokens everywhere (runners, KV export, tiers), and is
-  not done here.
+  not while a KV export is due, whose pin would hold the block grown ahead). On a runner
+  that can take those tokens from the device, that plan is launched before N-1 is even
+  waited for, and update and schedule leave the critical path too (worker/launch_ahead.py).
 - advance N runs right after launch N: the runner has taken the plan's inputs by then,
   and nothing before wait N reads a planned sequence's num_computed_tokens (outputs and
   stats read tokens and counts). Blocks it registers in the prefix cache are still being

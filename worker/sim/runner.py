@@ -43,7 +43,7 @@ from worker.model_config import cap_to_kv_capacity, max_model_len_for
 from worker.api import RunnerOutput
 from worker.api import TokenLogprob
 from worker.scheduler import SchedulerOutput
-from worker.sequence import Sequence
+from worker.sequence import Sequence, SequenceStatus
 from worker.sim.cost_model import StepCostModel, StepFeatures
 from worker.sim.device import parse_sim_device
 from worker.sim.lora import SimAdapter, SimLoRA
@@ -103,6 +103,9 @@ class SimStep:
 
     output: RunnerOutput
     done_at: float
+    # Launched ahead (worker/launch_ahead.py): its rows' tokens are drawn at wait, once
+    # the previous step's tokens are in token_ids.
+    pending: SchedulerOutput | None = None
 
 
 class SimRunner:
@@ -136,6 +139,7 @@ class SimRunner:
         self.total_step_s = 0.0
         self.num_steps = 0
         self._last_return: float | None = None  # perf_counter when execute last returned
+        self._busy_until = 0.0  # perf_counter when the last launched step is done
         self._last_had_prompt = False  # the latest step carried prompt rows (StepFeatures.follows_prompt)
         # Multi-LoRA (worker/sim/lora.py): the engine's registry reads adapters with
         # lora_loader and sets lora_adapters (name -> the host copy) to price slot writes.
@@ -179,7 +183,17 @@ class SimRunner:
         start = time.perf_counter()
         token_ids, logprobs, _, modelled = self._model_step(plan)
         device_s = modelled * self.time_dilation if self.sleep else 0.0
-        return SimStep(RunnerOutput(token_ids, logprobs, device_s or modelled), start + device_s)
+        # A step launched ahead queues behind the one still on the device.
+        done_at = max(start, self._busy_until) + device_s
+        self._busy_until = done_at
+        pending = plan if plan.pending_inputs else None
+        return SimStep(RunnerOutput(token_ids, logprobs, device_s or modelled), done_at, pending)
+
+    @property
+    def launches_ahead(self) -> bool:
+        """A pending input is only a token the device has not drawn yet: launch prices the
+        step by its rows, and wait draws its tokens (worker/launch_ahead.py)."""
+        return self.sleep
 
     def wait(self, step: SimStep) -> RunnerOutput:
         """The step's output once its time has passed (at once if it already has: the host
@@ -189,7 +203,20 @@ class SimRunner:
             if remaining > 0:
                 time.sleep(remaining)  # the device's work, not synchronisation
         self._last_return = time.perf_counter()
+        if step.pending is not None:
+            self._draw_pending(step.pending, step.output)
         return step.output
+
+    def _draw_pending(self, plan: SchedulerOutput, output: RunnerOutput) -> None:
+        """The tokens of a step launched ahead, for the rows still running: token_ids now
+        ends with the input the step took, so each is the token the serial step draws."""
+        next_token, running = self.next_token, SequenceStatus.RUNNING
+        token_ids, logprobs = output.token_ids, output.logprobs
+        for i, seq in enumerate(plan.seqs):
+            if seq.status is running:
+                token_ids[i] = token = next_token(seq)
+                if seq.params.logprobs is not None:
+                    logprobs[i] = self._logprob(token, seq.params.logprobs)
 
     def _model_step(self, plan: SchedulerOutput) -> tuple[list[int | None], list[TokenLogprob | None], StepFeatures, float]:
         """The step's sampled tokens, logprobs, cost features and modelled seconds."""
@@ -200,6 +227,9 @@ class SimRunner:
         # the sampled tokens (the simulator's hot loop, once per token: no helper calls).
         rows = []
         next_token = self.next_token
+        if plan.pending_inputs:  # every row samples; wait draws the tokens
+            rows = [(1, seq.num_computed_tokens, True) for seq in seqs]
+            seqs = []
         for i, (seq, n) in enumerate(zip(seqs, plan.num_new_tokens)):
             context = seq.num_computed_tokens
             samples = context + n == len(seq.token_ids)

@@ -160,15 +160,16 @@ def test_a_serve_run_reports_cpu_per_token_and_the_delivered_share() -> None:
     assert delivered_vs_engine([run, plain], 64, 16384.0) == 0.25
 
 
-def test_decode_ahead_benchmark_reports_both_sides(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """benchmarks/decode_ahead.py on small batches: both sides run, and the RESULT line names them."""
+def test_decode_ahead_benchmark_reports_every_side(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/decode_ahead.py on small batches: the three sides run, and the RESULT line names them."""
     from benchmarks import decode_ahead
 
     monkeypatch.setattr(hostpath, "BATCHES", ((64, 4), (256, 2)))
     assert decode_ahead.main(["--repeats", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.count("b256 ahead") == 2 and out.count("b256 without") == 2
+    for side in ("launch ahead", "plan ahead", "neither"):
+        assert out.count(f"b256 {side}") == 2
     result = dict(kv.split("=") for kv in out.strip().splitlines()[-1].removeprefix("RESULT ").split())
     assert set(result) == {f"{k}{s}" for k in ("host_pct_b256", "host_pct_b64", "delivered_ratio_b256",
-                                                "delivered_ratio_b64") for s in ("", "_without")}
+                                                "delivered_ratio_b64") for s in ("", "_plan_only", "_without")}
     assert all(float(v) > 0 for v in result.values())

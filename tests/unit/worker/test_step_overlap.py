@@ -12,87 +12,20 @@ import asyncio
 import random
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.engine_api_helpers import all_free, await_condition, make_engine
+from tests.support.sim_overlap import (SCHED, FakeClock, requests, serial_tokens, sim_engine, stream_tokens,
+                                     token_lists)
 from worker.api import RequestOutput, SamplingParams
 from worker.async_engine import STEP_THREAD_SWITCH_INTERVAL_S, AsyncEngine
-from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine
+from worker.config import CacheConfig
 from worker.engine_stats import EngineStats
 from worker.model_runner import ModelRunner
-from worker.sim import runner as sim_runner
 from worker.sim.runner import SimRunner, build_sim_engine
-
-SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)
-
-
-class FakeClock:
-    """Stands in for the simulated runner's `time` module (read on the step thread only)."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(sim_runner, "time", fake)
-    return fake
-
-
-def sim_engine(scheduler: SchedulerConfig = SCHED, cache: CacheConfig = CacheConfig()) -> Engine:
-    return build_sim_engine("llama-3-8b", "h200", scheduler, cache, sleep=True, time_dilation=1.0)
-
-
-def requests(seed: int, n: int) -> dict[str, tuple[list[int], SamplingParams]]:
-    """Prompts long enough to be chunked (64-token budget), lengths, a stop token, logprobs."""
-    rng = random.Random(seed)
-    out = {}
-    for i in range(n):
-        params = SamplingParams(max_tokens=rng.randrange(1, 30), ignore_eos=True, detokenize=False,
-                                logprobs=2 if i % 4 == 1 else None, seed=i if i % 3 == 0 else None)
-        out[f"r{i}"] = ([rng.randrange(1, 128000) for _ in range(rng.randrange(3, 150))], params)
-    return out
-
-
-def serial_tokens(engine: Engine, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
-    for rid, (prompt, params) in reqs.items():
-        engine.add_request(rid, prompt, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in reqs}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    return tokens
-
-
-async def stream_tokens(ae: AsyncEngine, reqs: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
-    async def one(rid: str) -> list[RequestOutput]:
-        prompt, params = reqs[rid]
-        return [out async for out in ae.generate(prompt, params, request_id=rid)]
-
-    results = await asyncio.gather(*(one(rid) for rid in reqs))
-    return dict(zip(reqs, results))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[AsyncEngine]]:
-    """AsyncEngines a test starts, shut down after it."""
-    started: list[AsyncEngine] = []
-    yield started
-    for ae in started:
-        ae.shutdown()
-
 
 # -- which loop runs ----------------------------------------------------------------------------
 
@@ -109,7 +42,7 @@ def test_only_a_device_beside_the_host_overlaps(tiny_llama: Path) -> None:
 async def test_host_work_in_the_window_hides_under_the_device_step(
     clock: FakeClock, engines: list[AsyncEngine], host_s: float
 ) -> None:
-    core = sim_engine()
+    core = sim_engine(launch_ahead=False)  # one step on the device at a time
     runner = core.runner
     assert isinstance(runner, SimRunner)
     # The runner's device calls, timed on the fake clock: (launched, modelled, returned).
@@ -156,8 +89,9 @@ async def test_host_work_in_the_window_hides_under_the_device_step(
 async def test_advance_runs_under_the_device_and_update_after_it(clock: FakeClock, engines: list[AsyncEngine]) -> None:
     """Per step: launch, then advance (the plan alone) while the step is on the device,
     then wait, then update (the sampled tokens); the step thread takes the GIL back within
-    a short switch interval."""
-    core = sim_engine()
+    a short switch interval. (Launched ahead, advance follows the previous step's update:
+    tests/unit/worker/test_launch_ahead.py.)"""
+    core = sim_engine(launch_ahead=False)
     calls: list[str] = []
 
     def traced(obj: Any, name: str) -> None:
@@ -193,7 +127,7 @@ async def test_overlapped_loop_gives_the_serial_loops_tokens(clock: FakeClock, e
     engines.append(ae)
     assert core.overlaps_device
     got = await stream_tokens(ae, reqs)
-    assert {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in got.items()} == expected
+    assert token_lists(got) == expected
     for rid, outs in got.items():
         assert outs[-1].finished and outs[-1].finish_reason == "length"
         lp = [o.logprobs for o in outs if o.logprobs]
@@ -268,6 +202,7 @@ def test_no_plan_ahead_while_an_export_is_due(tiny_llama: Path, monkeypatch: pyt
     ahead then would pin a block the export never needed."""
     monkeypatch.setattr(ModelRunner, "overlaps_device", property(lambda self: True))
     core = make_engine(tiny_llama)
+    core.scheduler.launch_ahead = lambda: None  # type: ignore[method-assign]  # the plan stays readable
     params = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)
     core.add_request("x", list(range(3, 19)), params, export_kv=True)  # 16 tokens: one full block
     core.add_request("y", list(range(40, 50)), params)
