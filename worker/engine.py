@@ -303,6 +303,7 @@ class Engine:
                 result = self.runner.wait(step.handle)
             except Exception as e:
                 step.error = e
+        step_done_s = time.perf_counter()
         if step.error is not None:
             applied = AppliedStep(step.plan, failed=self._failed_step(step.plan, step.error))
         else:
@@ -311,6 +312,9 @@ class Engine:
         if ahead is not None:
             if ahead.error is None:  # token_ids hold step N's tokens now (worker/launch_ahead.py)
                 self.counters.timed(self.scheduler.advance, ahead.plan)
+            # Its step time counts from here, not from its launch: until step N was done
+            # it waited on the device behind it.
+            ahead.start_s = step_done_s
             self._launched_ahead = ahead
         return applied
 
@@ -322,13 +326,12 @@ class Engine:
         tiers = self.tiers
         if tiers is not None and tiers.has_pending:
             return None
-        start = time.perf_counter()
         plan = self.counters.timed(self.scheduler.launch_ahead)
         if plan is None:
             return None
         if tiers is not None:  # blocks evicted for the grown tables go down first
             tiers.offload(self.kv.pool.evicted)
-        step = LaunchedStep(plan, start_s=start)
+        step = LaunchedStep(plan)  # complete_step sets start_s
         try:
             step.handle = self.runner.launch(plan)
         except Exception as e:
