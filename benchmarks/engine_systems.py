@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from worker.engine.build import build_engine
 
 from benchmarks.hf_peers import (
     PeerRun,
@@ -61,10 +62,10 @@ def run_kvserve(
     model_dir: Path, requests: list[Request], threads: int, profile: bool, max_model_len: int
 ) -> tuple[SystemResult, list[StepRecord], str | None]:
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from worker.engine import Engine
+    from worker.engine.core import Engine
     from worker.api import SamplingParams
 
-    engine = Engine.from_config(
+    engine = build_engine(
         EngineConfig(
             ModelConfig(model=str(model_dir), num_threads=threads),
             CacheConfig(),

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from worker.engine.build import build_engine
 
 from benchmarks.hf_peers import PeerRun, cb_num_blocks, cb_page_size, continuous_batching_generate, static_generate
 from benchmarks.roofline import H200_HBM_BYTES_PER_S, ModelShape, decode_floor_s, roofline_pct
@@ -122,10 +123,10 @@ def model_shape(hf_model: Any, dtype: torch.dtype) -> ModelShape:
 
 def make_engine(cfg: Settings, model_dir: Path, backend: str, max_model_len: int) -> Any:
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from worker.engine import Engine
+    from worker.engine.core import Engine
 
     dtype = "bfloat16" if cfg.dtype == torch.bfloat16 else "float32"
-    return Engine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         ModelConfig(model=str(model_dir), dtype=dtype, device=cfg.device, attention_backend=backend),
         CacheConfig(kv_cache_bytes=64 * 1024**2),  # CPU budget; on CUDA sized from free memory
         SchedulerConfig(max_num_seqs=max(max(cfg.decode_batches), cfg.concurrency),

@@ -72,7 +72,7 @@ def overlapped_tokens_per_s(engine: Any, batch: int, steps: int, vocab: int, tag
     """The same batch through AsyncEngine's loop: delivered tokens/s over the decode
     steps (from the moment every request has its first token)."""
     from worker.api import SamplingParams
-    from worker.async_engine import AsyncEngine
+    from worker.engine.async_engine import AsyncEngine
 
     async def run() -> float:
         ae = AsyncEngine(engine)

@@ -9,7 +9,7 @@ serving CPU per token, delivered / device rate through HTTP, streamed and not) a
 replicas), and with --serve-proxy through Serve's HTTP proxies too (`kvserve serve
 --serve-proxy`). One simulated worker engine, built from the config `kvserve serve --device sim:h200
 --model-shape llama-3-8b` builds (max_num_seqs 256, time dilation 1: every modelled second
-is a wall second), behind its async API (worker/async_engine.py: the step thread, the
+is a wall second), behind its async API (worker/engine/async_engine.py: the step thread, the
 inbox, one publication per step to an asyncio loop), with an in-process consumer that only
 counts tokens (no tokenizer: detokenization belongs to the Serve path). Two batches, every
 request submitted at once, greedy, EOS ignored:
@@ -29,7 +29,7 @@ Per run:
   device: from each step's completion (execute or wait returning) to the next step's start
   (execute or launch entered), plus any host work done inside a step's device window
   beyond the window's modelled length (the device finished first and waited). A step
-  launched ahead (worker/launch_ahead.py) starts before the previous one completes: no gap
+  launched ahead (worker/scheduling/launch_ahead.py) starts before the previous one completes: no gap
   is counted before it, and its window's host work is counted from its launch, which
   overstates it by what ran under the step before. Thread CPU
   time, not wall time: a busy box stretches the wall time of the same work (and the GIL
@@ -70,9 +70,10 @@ from benchmarks.hostpath_serve import APP_NAME as SERVE_APP
 from benchmarks.hostpath_serve import (FLOOR_APP_NAME, by_stream, delivered_ratio, delivered_vs_engine, measure_serve,
                                        per_token_us, result_keys, versus)
 from worker.api import SamplingParams
-from worker.async_engine import AsyncEngine
+from worker.engine.async_engine import AsyncEngine
 from worker.config import EngineConfig, ModelConfig, SchedulerConfig
-from worker.engine import Engine
+from worker.engine.core import Engine
+from worker.engine.build import build_engine
 
 DEVICE = "sim:h200"
 MODEL_SHAPE = "llama-3-8b"
@@ -223,11 +224,11 @@ def measure_engine(num_requests: int, max_tokens: int, prompt_len: int = 128, pl
                    launch_ahead: bool = True) -> EngineRun:
     """One run of the engine alone at time dilation 1 (see the module docstring).
     `plan_ahead=False`: every plan made after the previous step's tokens are back
-    (worker/decode_ahead.py off, and so launching ahead); `launch_ahead=False`: every step
-    launched after the previous one's tokens are back (worker/launch_ahead.py off).
+    (worker/scheduling/decode_ahead.py off, and so launching ahead); `launch_ahead=False`: every step
+    launched after the previous one's tokens are back (worker/scheduling/launch_ahead.py off).
     benchmarks/decode_ahead.py compares the three."""
     config = engine_config()
-    core = Engine.from_config(config)
+    core = build_engine(config)
     if not plan_ahead:
         core.scheduler.plan_ahead = lambda: None  # type: ignore[method-assign]
     if not launch_ahead:

@@ -32,9 +32,9 @@ from router.routing.kv_index import KVIndex
 from tests.support.fake_runner import TOKEN, VOCAB, FakeRunner
 from worker.api import SamplingParams
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine
-from worker.kv_event_stream import KVEventStream
-from worker.routing_report import build_routing_stats
+from worker.engine.core import Engine
+from worker.kvcache.event_stream import KVEventStream
+from worker.serving.routing_report import build_routing_stats
 
 BLOCK_SIZE = 16
 VIEWS = ("snapshot", "events", "per_step")

@@ -6,7 +6,7 @@ prefix against recomputing it on the real CPU engine.
 The simulated part (benchmarks/kv_tiers_sim.py, its docstring says how) gives
 later_turn_ttft_ratio, goodput_ratio_4x and tier_aware_vs_blind. The real part:
 
-One engine with a host tier (worker/kv_tiers.py) and a device pool that holds one long
+One engine with a host tier (worker/kvcache/tiers.py) and a device pool that holds one long
 prompt but not two. Each round, on a fresh random prefix P (2,048 tokens by default):
 
   recompute  P + suffix A, nothing cached anywhere: the whole prompt is prefilled
@@ -37,7 +37,8 @@ import torch
 
 from worker.api import SamplingParams
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from worker.engine import Engine
+from worker.engine.core import Engine
+from worker.engine.build import build_engine
 
 BLOCK = 16
 SUFFIX = 16
@@ -57,12 +58,12 @@ def default_model() -> tuple[Path, int]:
 
 def make_engine(model: Path, num_blocks: int, host_blocks: int) -> Engine:
     cache = CacheConfig(block_size=BLOCK, num_blocks_override=num_blocks)
-    engine = Engine.from_config(EngineConfig(
+    engine = build_engine(EngineConfig(
         ModelConfig(str(model), dtype="float32", device="cpu"), cache,
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2048)))
     if host_blocks:
         from kv.host_tier import HostTier
-        from worker.kv_tiers import TierManager
+        from worker.kvcache.tiers import TierManager
 
         spec = engine.runner.kv_spec
         engine.use_tiers(TierManager(engine.runner, spec, HostTier(spec, host_blocks)))

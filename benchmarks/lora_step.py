@@ -35,6 +35,7 @@ import json
 import statistics
 import tempfile
 import time
+from worker.engine.build import build_engine
 from pathlib import Path
 
 BATCH, PROMPT_LEN, OUTPUT_LEN, SKIP_STEPS = 32, 64, 64, 2
@@ -70,11 +71,11 @@ def write_adapter(out: Path, model_dir: Path, rank: int, seed: int) -> Path:
 
 def make_engine(model_dir: Path, threads: int, adapters: dict[str, Path] | None, rank: int):  # noqa: ANN201
     from worker.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
-    from worker.engine import Engine
+    from worker.engine.core import Engine
 
     lora = (LoRAConfig(max_loras=len(adapters), max_lora_rank=rank, modules=tuple((n, str(p)) for n, p in adapters.items()))
             if adapters else LoRAConfig())
-    return Engine.from_config(EngineConfig(
+    return build_engine(EngineConfig(
         ModelConfig(model=str(model_dir), num_threads=threads, device="cpu", dtype="float32"),
         CacheConfig(),
         SchedulerConfig(max_num_seqs=BATCH, max_num_batched_tokens=BATCH * PROMPT_LEN),

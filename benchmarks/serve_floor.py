@@ -59,9 +59,9 @@ class _Device:
 
     def __init__(self) -> None:
         from worker.config import SchedulerConfig
-        from worker.sim.cost_model import StepCostModel
-        from worker.sim.profiles import load_profile
-        from worker.sim.shapes import load_shape
+        from worker.costs.cost_model import StepCostModel
+        from worker.costs.profiles import load_profile
+        from worker.costs.shapes import load_shape
 
         self.cost = StepCostModel(load_shape("llama-3-8b"), load_profile("h200"))
         limits = SchedulerConfig()

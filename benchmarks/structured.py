@@ -19,7 +19,8 @@ import time
 from worker.api import SamplingParams, StructuredOutput, load_tokenizer
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.default_model import default_model_path
-from worker.engine import Engine
+from worker.engine.core import Engine
+from worker.engine.build import build_engine
 
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 200}
 
@@ -53,7 +54,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     path = default_model_path()
-    engine = Engine.from_config(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=ModelConfig(model=str(path), device="cpu", num_threads=args.threads),
         cache=CacheConfig(kv_cache_bytes=64 * 1024**2),
         scheduler=SchedulerConfig(max_num_seqs=args.batch),

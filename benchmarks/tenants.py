@@ -19,7 +19,7 @@ Two phases on the same deployment:
    the premium keys replay exactly the requests of phase 1.
 Then, side by side (unless --no-baseline), the overload phase again on a redeployed app
 whose engines give worse bands' prompts the whole token budget
-(engine.worse_band_prefill_tokens 0, worker/band_prefill.py): the alone phase is one band,
+(engine.worse_band_prefill_tokens 0, worker/scheduling/band_prefill.py): the alone phase is one band,
 which that limit never touches, so it serves both.
 
 Figures (modelled time: real seconds / dilation):

@@ -1,6 +1,6 @@
 """Builds the kvserve Serve application from a `KVServeConfig`.
 
-    ingress (FastAPI, router.frontend.ingress.Ingress) ──handle──> worker (worker.replica.WorkerReplica)
+    ingress (FastAPI, router.frontend.ingress.Ingress) ──handle──> worker (worker.serving.replica.WorkerReplica)
                                                          routed by PolicyRouter (or pow2)
 
 Entry points:
@@ -27,7 +27,7 @@ from cluster.tracing import TracingSetup, check_exporter
 from router.frontend.ingress import Ingress
 from router.frontend.settings import IngressSettings
 from router.routing import ROUTER_CLASS
-from worker.replica import WorkerReplica
+from worker.serving.replica import WorkerReplica
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def ingress_autoscaling(config: KVServeConfig) -> dict[str, Any]:
 
 def worker_options(config: KVServeConfig, output_streams: bool = True) -> dict[str, Any]:
     """A worker pool's Serve options. `output_streams`: the pool's replicas each hold one
-    batched output stream per ingress replica (worker/output_streams.py), a Serve request
+    batched output stream per ingress replica (worker/outputs/streams.py), a Serve request
     like any other; Serve's limit is the pool's engine requests plus those streams, or a
     replica full of engine requests refuses its own output stream, or the stream takes an
     engine request's place and that request waits at the router for a whole batch to end.

@@ -3,7 +3,7 @@
 Serve's default policy scales on ongoing requests per replica, which says little about a
 batching engine: one replica holds hundreds of ongoing requests happily while its KV cache
 has room, and is overloaded with far fewer when it has not. This policy sizes a pool on
-what the workers report through `record_autoscaling_stats` (worker/replica.py):
+what the workers report through `record_autoscaling_stats` (worker/serving/replica.py):
 
     num_waiting                 requests admitted to the engine but not yet running
     num_waiting_prompt_tokens   prompt tokens of those requests that the prefix cache does
@@ -58,7 +58,7 @@ from typing import Any, Literal
 Role = Literal["mixed", "prefill", "decode"]
 ROLES: tuple[str, ...] = ("mixed", "prefill", "decode")
 
-# Names of the metrics worker/replica.py:WorkerReplica.record_autoscaling_stats publishes.
+# Names of the metrics worker/serving/replica.py:WorkerReplica.record_autoscaling_stats publishes.
 NUM_WAITING = "num_waiting"
 NUM_WAITING_PROMPT_TOKENS = "num_waiting_prompt_tokens"
 NUM_RUNNING = "num_running"

@@ -13,7 +13,7 @@
    engine loop's turn, warm-up steps, aged KV pools, the mean of its steps):
    cluster/calibration_grid.py. The plans run in turns of decode, prefill and mixed, and a
    caller can run them one at a time (Measurement) and in several passes (GridSpec.passes).
-3. Fits the profile's efficiencies and overheads (worker/sim/fit.py), prints the fit
+3. Fits the profile's efficiencies and overheads (worker/costs/fit.py), prints the fit
    error (mean and max relative error over the grid), writes the profile JSON.
 Prefix caching is off so each plan is exactly what was asked for.
 
@@ -52,9 +52,9 @@ from cluster.calibration_grid import (  # noqa: F401
     mean_point,
     measure_peaks,
 )
-from worker.sim.cost_model import StepCostModel
-from worker.sim.fit import FitReport, fit_profile
-from worker.sim.profiles import PROFILES_DIR, DeviceProfile
+from worker.costs.cost_model import StepCostModel
+from worker.costs.fit import FitReport, fit_profile
+from worker.costs.profiles import PROFILES_DIR, DeviceProfile
 
 DECODE_BATCHES = (1, 4, 16, 32)
 DECODE_CONTEXTS = (16, 256, 1024)
@@ -152,8 +152,8 @@ def start_measurement(model: str | None, num_threads: int | None, block_size: in
     from worker.default_model import DEFAULT_MODEL_NAME, default_model_path
     from worker.model_path import resolve_model_path
     from worker.model_config import load_hf_config
-    from worker.model_runner import ModelRunner
-    from worker.sim.shapes import load_shape
+    from worker.runner.model_runner import ModelRunner
+    from worker.costs.shapes import load_shape
 
     spec = spec or GridSpec(DECODE_BATCHES, DECODE_CONTEXTS, PREFILL_CHUNKS, MIXED)  # read now: tests shrink the grid
     path = resolve_model_path(model or default_model_path())

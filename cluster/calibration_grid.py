@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from worker.sim.cost_model import StepCostModel, StepFeatures
+from worker.costs.cost_model import StepCostModel, StepFeatures
 
 PREFILL_CHUNKS_PER_PROMPT = 4  # chunk contexts 0, P, 2P, 3P
 NUM_DECODE_STEPS = 12  # per decode point (mean taken)
@@ -106,7 +106,7 @@ class Grid:
     def engine(self, max_num_seqs: int, max_num_batched_tokens: int, aged: bool = True) -> Any:
         """A fresh engine (scheduler, KV bookkeeping) on the one loaded runner, its block
         pool aged (`age_pool`) unless `aged` is False."""
-        from worker.engine import Engine
+        from worker.engine.core import Engine
 
         scheduler = replace(self.config.scheduler, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         engine = Engine(scheduler, self.config.cache, self.recorder, self.vocab_size)

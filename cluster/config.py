@@ -98,12 +98,12 @@ class EngineSection(Section):
     max_num_seqs: int = Field(default_of(SchedulerConfig, "max_num_seqs"), ge=1)
     max_num_batched_tokens: int = Field(default_of(SchedulerConfig, "max_num_batched_tokens"), ge=1)
     # An ITL target: a step carrying decodes takes no more prefill tokens than keep its
-    # predicted time within this (worker/step_budget.py). A real device predicts with
+    # predicted time within this (worker/scheduling/step_budget.py). A real device predicts with
     # step_time_profile; a simulated one with its own cost model.
     max_step_time_s: float | None = Field(default_of(SchedulerConfig, "max_step_time_s"), gt=0)
     step_time_profile: str | None = default_of(ModelConfig, "step_time_profile")
     # While a better priority band is in use on a replica, worse bands' prompt chunks get
-    # at most this many tokens per step together (worker/band_prefill.py); 0: no limit.
+    # at most this many tokens per step together (worker/scheduling/band_prefill.py); 0: no limit.
     worse_band_prefill_tokens: int = Field(default_of(SchedulerConfig, "worse_band_prefill_tokens"), ge=0)
     # None: the model's context length, capped by what the KV cache holds.
     max_model_len: int | None = Field(default_of(SchedulerConfig, "max_model_len"), ge=2)

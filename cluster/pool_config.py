@@ -169,7 +169,7 @@ class WorkersSection(Section):
     # (ingress.max_migrations). It also bounds how long a scale-down or shutdown takes.
     drain_timeout_s: float = Field(60.0, ge=0)
     # Outputs leave a worker replica at most this often per ingress replica, each request's
-    # tokens in between in one piece (worker/output_streams.py); a request's first token
+    # tokens in between in one piece (worker/outputs/streams.py); a request's first token
     # and its end leave at once. Streaming clients then get a chunk per interval rather than
     # per token when steps are faster; 0: every step's outputs as they come.
     stream_interval_ms: float = Field(50.0, ge=0)

@@ -1,7 +1,7 @@
 """Tracing set-up: the `observability` section of the config, and the OpenTelemetry SDK
 (tracer provider, OTLP exporter) in each replica's process.
 
-router/tracing.py (ingress, request routers) and worker/tracing.py (worker replicas) use only
+router/tracing.py (ingress, request routers) and worker/serving/tracing.py (worker replicas) use only
 the OpenTelemetry API and trace with what `install` hands them. Tracing is ON in a process
 when an OTLP endpoint is configured: `observability.otlp_endpoint`, or else the standard
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT of that process (a pod's
@@ -139,8 +139,7 @@ def install(provider: Any, accept_client_context: bool = False) -> None:
     """Hand `provider` to every layer that traces (None: off). Tests install one with an
     in-memory exporter the same way."""
     from router import tracing as router_tracing
-    from worker import tracing as worker_tracing
-
+    from worker.serving import tracing as worker_tracing
     router_tracing.install(provider, accept_client_context)
     worker_tracing.install(provider)
 

@@ -16,7 +16,7 @@ Recording is one append per block (`KVEventLog`), on the thread that changed the
 atomic, so the engine thread drains it without a lock. `drain()` folds consecutive
 records of the same kind and tier into one event: a step that caches 40 blocks is one
 `stored` event of 40 hashes. The replica numbers the drained events as one batch per
-step (worker/kv_event_stream.py); the sequence number is the batch's, not the event's.
+step (worker/kvcache/event_stream.py); the sequence number is the batch's, not the event's.
 
 Pure Python: the router imports this module too.
 """

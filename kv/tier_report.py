@@ -1,5 +1,5 @@
 """What a replica's KV tiers report about themselves, the same for the worker's tiers
-(worker/kv_tiers.py TierManager) and the simulator's (cluster/sim/tiers.py): the tier
+(worker/kvcache/tiers.py TierManager) and the simulator's (cluster/sim/tiers.py): the tier
 fields of KVStats, and the block hashes the router credits to each tier."""
 from __future__ import annotations
 

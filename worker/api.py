@@ -1,6 +1,6 @@
 """What other layers import from worker/: the request, output and error types, the
 runner's output and the tokenizer loader, with the sampling parameters (defined in
-worker/sampling_params.py) and the routing-stats record (worker/routing_stats.py)
+worker/sampling_params.py) and the routing-stats record (worker/serving/routing_stats.py)
 re-exported here.
 
 Torch-free and Ray-free by design: router/ imports only this module of worker/, so the
@@ -49,18 +49,18 @@ class GenerateRequest:
     num_resumed_tokens: int = 0
     # The W3C trace context (`traceparent`, maybe `tracestate`) of the ingress span this
     # engine request belongs to, set only when tracing is on and the trace is sampled
-    # (router/tracing.py). None: nothing on the worker side traces it (worker/tracing.py).
+    # (router/tracing.py). None: nothing on the worker side traces it (worker/serving/tracing.py).
     trace_context: dict[str, str] | None = None
     # The client's session (router/routing/sessions.py's client_session_id): the request router's
     # soft affinity and its spread of new sessions. The engine ignores it.
     session_id: str | None = None
-    # The caller's batched output stream (worker/output_streams.py): outputs leave through
+    # The caller's batched output stream (worker/outputs/streams.py): outputs leave through
     # the worker's `outputs(output_stream)` with every other request of that caller, once per
     # step, instead of one Ray object per output on this request's own call. None: per call.
     output_stream: str | None = None
     # False: the caller reads only the final text (a non-streamed response). On a batched
     # output stream the worker then sends the first output and the finished one, the
-    # outputs between folded into the last (worker/output_streams.py).
+    # outputs between folded into the last (worker/outputs/streams.py).
     stream: bool = True
     # The LoRA adapter that serves it (None: the base model) and its PEFT directory: a worker
     # replica that does not know the adapter yet (one started after it was loaded) learns it.
@@ -189,7 +189,7 @@ class ReplicaDrainingError(RuntimeError):
 
 
 # -- the routing-stats record (its own module; re-exported: router/ imports it from here) --
-from worker.routing_stats import ROUTING_STATS_KEYS, RoutingStats  # noqa: E402,F401
+from worker.serving.routing_stats import ROUTING_STATS_KEYS, RoutingStats  # noqa: E402,F401
 
 
 # -- the model's tokenizer (the ingress and the workers load it the same way) ----------------

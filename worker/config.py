@@ -14,7 +14,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Tests force tiny pools (to provoke preemption) with an exact block count.
     num_blocks_override: int | None = None
-    # KV tiers below the device (worker/kv_tiers.py): evicted prefix blocks move down
+    # KV tiers below the device (worker/kvcache/tiers.py): evicted prefix blocks move down
     # instead of vanishing. Host memory (pinned on a GPU), 0: no tiers.
     host_kv_cache_bytes: int = 0
     # A local directory under the host tier (None: none), bounded to this many bytes.
@@ -43,14 +43,14 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     # None: the model's own context length (max_position_embeddings), capped by what the
-    # KV pool can hold; Engine.from_config resolves it (and logs a cap).
+    # KV pool can hold; build_engine resolves it (and logs a cap).
     max_model_len: int | None = None
-    # An ITL target (worker/step_budget.py): a step that carries decodes takes no more
+    # An ITL target (worker/scheduling/step_budget.py): a step that carries decodes takes no more
     # prefill tokens than keep its predicted time within this. None: the token budget only.
     max_step_time_s: float | None = None
     # While a better priority band is in use on the replica, the prompt chunks of worse
     # bands get at most this many tokens per step together, so that a better band's
-    # request never arrives behind a long step (worker/band_prefill.py). 0: no limit.
+    # request never arrives behind a long step (worker/scheduling/band_prefill.py). 0: no limit.
     worse_band_prefill_tokens: int = 256
 
     def __post_init__(self) -> None:
@@ -68,7 +68,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | sim:<profile name or JSON path> (worker/sim/)
     attention_backend: str = "auto"  # auto | torch | flash | triton
-    # CUDA only: replay decode-only steps as CUDA graphs (worker/cuda_graphs.py); ignored on CPU.
+    # CUDA only: replay decode-only steps as CUDA graphs (worker/runner/cuda_graphs.py); ignored on CPU.
     enable_cuda_graphs: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default

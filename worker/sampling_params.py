@@ -83,11 +83,11 @@ class SamplingParams:
     # requests of the same salt (kv/block_hash.py seeds the hash chain's root with it).
     cache_salt: str | None = None
     # vLLM's priority: lower values are served first; a waiting request of a better band may
-    # preempt a running one of a worse band (worker/preemption.py). The ingress bounds it per key.
+    # preempt a running one of a worse band (worker/scheduling/preemption.py). The ingress bounds it per key.
     priority: int = 0
     # The API key it came with (the key's id; "" none) and the key's weight: within a band
     # the engine keeps each key to its weighted share of the running slots while another
-    # key waits (worker/bands.py). Set by the ingress from its key table, never by a client.
+    # key waits (worker/scheduling/bands.py). Set by the ingress from its key table, never by a client.
     tenant: str = ""
     tenant_weight: int = 1
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)

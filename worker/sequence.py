@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
-    # Admitted with a prefix held in a tier below the device (worker/kv_tiers.py): its
+    # Admitted with a prefix held in a tier below the device (worker/kvcache/tiers.py): its
     # blocks are allocated and being filled; it joins `running` once they are.
     LOADING = "loading"
     RUNNING = "running"
@@ -89,7 +89,7 @@ class Sequence:
         self.sampler_state: Any = None
         self.eos_token_ids = eos_token_ids
         # Disaggregation, decode side: the prompt's KV computed elsewhere, until admission
-        # writes it into this sequence's blocks (worker/kv_connector.py); then None.
+        # writes it into this sequence's blocks (worker/kvcache/connector.py); then None.
         self.kv_import: KVExport | None = None
         # Structured outputs: the request's grammar (worker/structured/state.py), else None.
         self.grammar: GrammarState | None = None

@@ -67,7 +67,7 @@ def engine_profile(profile_path: str | None, spec, log: Log):  # noqa: ANN001, A
     committed fit: a shared machine's speed moves from one hour to the next, and a
     calibrated profile is a statement about the machine as it is."""
     from cluster.calibrate import calibrate
-    from worker.sim.profiles import load_profile
+    from worker.costs.profiles import load_profile
 
     if profile_path:
         profile = load_profile(profile_path)
@@ -84,7 +84,7 @@ def engine_profile(profile_path: str | None, spec, log: Log):  # noqa: ANN001, A
     return profile
 
 
-def fit_summary(report) -> str:  # noqa: ANN001 (worker.sim.fit.FitReport)
+def fit_summary(report) -> str:  # noqa: ANN001 (worker.costs.fit.FitReport)
     return f"fit error mean {100 * report.mean_rel_error:.1f}%, max {100 * report.max_rel_error:.1f}%"
 
 

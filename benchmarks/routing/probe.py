@@ -8,7 +8,7 @@ table itself is benchmarks/routing/table.py.
     python -m benchmarks.routing.probe agentic partition 65.06
 
 --step-time-budget-ms sets the engines' step-time budget (SchedulerConfig.max_step_time_s,
-worker/step_budget.py; the table's is routing_setup.MAX_STEP_TIME_S, 0 turns it off): a
+worker/scheduling/step_budget.py; the table's is routing_setup.MAX_STEP_TIME_S, 0 turns it off): a
 step that carries decodes takes no more prefill tokens than keep its modelled time within
 it; a step without decodes keeps the whole chunk. --moves reports the turns of a session
 that landed on another replica than its previous turn, and the prefill work they carried.

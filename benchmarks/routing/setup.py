@@ -38,7 +38,7 @@ STATS_PERIOD_S = 1.0
 # every router alike. The chunk stays at 2048 tokens: 8192 broke the 100 ms ITL SLO
 # (ITL p99 ~235 ms on b2b whatever the router).
 MAX_NUM_SEQS = 256
-# The engines' step-time budget (SchedulerConfig.max_step_time_s, worker/step_budget.py):
+# The engines' step-time budget (SchedulerConfig.max_step_time_s, worker/scheduling/step_budget.py):
 # just under the 100 ms ITL SLO, as an operator serving that SLO would set it, for every
 # router alike. A step that carries decodes takes only the prefill tokens that keep it
 # within; without it, 2,048-token chunks at agentic's 8K+ contexts beside ~70 decodes made
@@ -134,9 +134,9 @@ def modelled_prefill_tokens_per_s(shape: str = SHAPE, profile: str = PROFILE) ->
     """One replica's prefill throughput by the cost model: a full chunk (the scheduler's
     max_num_batched_tokens) of a fresh prompt per step. What llm-d's sticky router takes
     from a profile of the serving device (router/routing/policies/sticky.py)."""
-    from worker.sim.cost_model import SeqWork, StepCostModel
-    from worker.sim.profiles import load_profile
-    from worker.sim.shapes import load_shape
+    from worker.costs.cost_model import SeqWork, StepCostModel
+    from worker.costs.profiles import load_profile
+    from worker.costs.shapes import load_shape
 
     chunk = SimConfig().max_num_batched_tokens
     cost = StepCostModel(load_shape(shape), load_profile(profile))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from worker.engine.build import build_engine
 
 from benchmarks.routing.engine_grid import (ENGINE_CLOCK, ENGINE_NUM_THREADS, engine_profile, fit_summary,
                                            grid_moment, workload_grid)
@@ -110,7 +111,7 @@ def into_vocab(requests: Sequence[SimRequest], vocab_size: int) -> list[SimReque
 ENGINE_WORKLOAD = dict(kind="sharegpt", input_mean=160.0, output_mean=48.0, max_len=768)
 
 
-def run_engine_on_clock(engine, requests: Sequence[SimRequest],  # noqa: ANN001 (worker.engine.Engine)
+def run_engine_on_clock(engine, requests: Sequence[SimRequest],  # noqa: ANN001 (worker.engine.core.Engine)
                         clock: Callable[[], float] = time.process_time,
                         between_steps: Callable[[float], None] | None = None) -> Figures:
     """The engine's run, timed by `clock`: each step advances the run's time by what the
@@ -201,15 +202,15 @@ def validate_engine(quick: bool, profile_path: str | None, log: Log,
     the block's end by the pair's own profile: the `cost` set on what it yields)."""
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from worker.default_model import default_model_path
-    from worker.engine import Engine
-    from worker.sim.cost_model import StepCostModel
+    from worker.engine.core import Engine
+    from worker.costs.cost_model import StepCostModel
     from worker.sim.runner import SimRunner
-    from worker.sim.shapes import load_shape
+    from worker.costs.shapes import load_shape
 
     path = default_model_path()
     scheduler = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512, max_model_len=2048)  # prompt + output <= 1536
     cache = CacheConfig(block_size=16, kv_cache_bytes=64 * 1024**2, enable_prefix_caching=True)
-    engine = Engine.from_config(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=ModelConfig(model=path, device="cpu", dtype="float32", num_threads=ENGINE_NUM_THREADS),
         cache=cache, scheduler=scheduler))
     num_blocks = engine.runner.num_blocks

@@ -56,9 +56,9 @@ def idle_dispatch_latency(url: str, dilation: float, log: Log) -> float:
     the modelled time of its one prefill step (times the dilation, as the sim device
     sleeps), divided by the dilation (the path is not dilated; the run's real times are
     divided by it). The median over NUM_PROBES fresh prompts (no prefix hits)."""
-    from worker.sim.cost_model import SeqWork, StepCostModel
-    from worker.sim.profiles import load_profile
-    from worker.sim.shapes import load_shape
+    from worker.costs.cost_model import SeqWork, StepCostModel
+    from worker.costs.profiles import load_profile
+    from worker.costs.shapes import load_shape
 
     cost = StepCostModel(load_shape("llama-3-8b"), load_profile("h200"))
     step_s = cost.step_time_s([SeqWork(num_new_tokens=PROBE_PROMPT_LEN, context_len=0)])

@@ -46,7 +46,7 @@ class StepRecord:
 
 
 @contextmanager
-def step_check(engine: Any, cost: Any, log: Log) -> Iterator[StepRecord]:  # worker.engine.Engine, StepCostModel
+def step_check(engine: Any, cost: Any, log: Log) -> Iterator[StepRecord]:  # worker.engine.core.Engine, StepCostModel
     """Times each engine.step() and its runner.execute(plan) while the block runs, then logs
     them against the prediction for each plan's features (read before execute: the plan's
     sequences still hold this step's starting positions), by the `cost` the record holds

@@ -28,11 +28,11 @@ from typing import Any
 
 from cluster.sim.clock import EventQueue
 from worker.config import LoRAConfig
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.lora.cost import adapter_num_bytes
 from worker.lora.engine_lora import EngineLoRA
 from worker.sim.lora import shape_target_shapes
-from worker.sim.shapes import ModelShape
+from worker.costs.shapes import ModelShape
 
 # The seven projections of a Llama block a PEFT adapter of kvserve may target (docs/lora.md).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -1,4 +1,4 @@
-"""A simulated replica: the REAL engine (worker.engine.Engine: scheduler, KV cache manager,
+"""A simulated replica: the REAL engine (worker.engine.core.Engine: scheduler, KV cache manager,
 prefix cache, chunked prefill, preemption, KV export/import) stepped on the virtual clock.
 
 The engine runs its own step loop logic unchanged; only time is virtual. One engine step
@@ -17,7 +17,7 @@ copies end, so an otherwise idle replica steps it then.
 
 KV events: the engine records them (Engine.enable_kv_events: the block pool's and the
 tiers' hooks), and the replica numbers each step's as one batch right after the step,
-as the worker's step loop does (worker/kv_event_stream.py's KVEventStream); each report
+as the worker's step loop does (worker/kvcache/event_stream.py's KVEventStream); each report
 carries the stream's window and a snapshot taken as it is built, and routers keep their
 exact index from them (cluster/sim/run.py).
 
@@ -38,15 +38,15 @@ from cluster.sim.tiers import SimTierManager
 from kv.kv_cache import KVCacheSpec
 from kv.transfer import KVExport
 from router.routing.types import RoutingParams, RequestProfile
-from worker.async_engine import MAX_PREFIX_HASHES
-from worker.engine import Engine
-from worker.kv_event_stream import KVEventStream
-from worker.routing_report import build_routing_stats
-from worker.sim.cost_model import StepCostModel
+from worker.engine.async_engine import MAX_PREFIX_HASHES
+from worker.engine.core import Engine
+from worker.kvcache.event_stream import KVEventStream
+from worker.serving.routing_report import build_routing_stats
+from worker.costs.cost_model import StepCostModel
 from worker.api import RequestError
 from worker.api import RequestOutput
 from worker.api import SamplingParams
-from worker.scheduler import SchedulerOutput
+from worker.scheduling.scheduler import SchedulerOutput
 
 OutputSink = Callable[["SimReplica", RequestOutput, float], None]
 # The device a capacity weight of 1 means: the router's default prefill rate's.
@@ -197,7 +197,7 @@ class SimReplica:
     def tiers(self) -> SimTierManager | None:
         return self.engine.tiers  # type: ignore[return-value]
 
-    # -- what the replica reports (worker/replica.py's records, same keys) ---------------------
+    # -- what the replica reports (worker/serving/replica.py's records, same keys) ---------------------
     def routing_stats(self) -> dict[str, Any]:
         """WorkerReplica.record_routing_stats (the same builder), on the virtual clock. The
         prefill rate is the engine's measured one, as a real worker's; the capacity weight
@@ -223,7 +223,7 @@ class SimReplica:
     def modelled_prefill_tokens_per_s(self) -> float:
         """The cost model's rate for a full chunk of a fresh prompt per step (modelled once)."""
         if self._prefill_tokens_per_s is None:
-            from worker.sim.cost_model import SeqWork
+            from worker.costs.cost_model import SeqWork
 
             chunk = self.engine.scheduler.config.max_num_batched_tokens
             step_s = self.device.runner.cost.step_time_s([SeqWork(num_new_tokens=chunk, context_len=0)])

@@ -38,8 +38,8 @@ from router.routing.types import RoutingParams, ReplicaReport
 from router.routing.policies.base import check_options
 from router.routing.routing_view import RoutingView
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine
-from worker.sim.shapes import ModelShape
+from worker.engine.core import Engine
+from worker.costs.shapes import ModelShape
 
 _SCHEDULER = SchedulerConfig()
 # Virtual seconds without any token or dispatch, with requests unfinished, that end a run
@@ -85,7 +85,7 @@ class SimConfig:
     block_size: int = _CACHE.block_size
     max_num_seqs: int = _SCHEDULER.max_num_seqs
     max_num_batched_tokens: int = _SCHEDULER.max_num_batched_tokens
-    max_step_time_s: float | None = None  # the engines' step-time budget (worker/step_budget.py)
+    max_step_time_s: float | None = None  # the engines' step-time budget (worker/scheduling/step_budget.py)
     max_model_len: int = 0  # 0: the shape's max_position_embeddings
     gpu_memory_utilization: float = _CACHE.gpu_memory_utilization
     num_blocks: int | None = None  # overrides the KV size the cost model derives
@@ -155,10 +155,10 @@ class SimDevice:
 
     @classmethod
     def from_config(cls, config: SimConfig) -> SimDevice:
-        from worker.sim.cost_model import StepCostModel
-        from worker.sim.profiles import load_profile
+        from worker.costs.cost_model import StepCostModel
+        from worker.costs.profiles import load_profile
         from worker.sim.runner import SimRunner
-        from worker.sim.shapes import load_shape
+        from worker.costs.shapes import load_shape
 
         shape, profile = load_shape(config.shape), load_profile(config.profile)
         cost = StepCostModel(shape, profile)

@@ -1,4 +1,4 @@
-"""KV tiers below a simulated device: the engine's tier manager (worker/kv_tiers.py's
+"""KV tiers below a simulated device: the engine's tier manager (worker/kvcache/tiers.py's
 calls: offload, start_loads, poll, publish, num_available), with copies priced on the
 virtual clock instead of made.
 
@@ -29,7 +29,7 @@ Time, per replica (B = KV bytes of one block; bandwidths from the device profile
 Disk writes (blocks the host tier pushes out) run in the background on the disk's write
 path and are readable at once: reads and writes of an NVMe drive do not share one queue.
 
-KV events (kv/kv_events.py, `use_events`): the same records as worker/kv_tiers.py's, at the
+KV events (kv/kv_events.py, `use_events`): the same records as worker/kvcache/tiers.py's, at the
 same points: an evicted device block copied down is `moved` device -> host, one the host
 holds already `removed` from the device; a block the host pushes out is `removed` from the
 host and `stored` on disk (at once: readable at once), and one the disk drops `removed`
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from kv.host_tier import HostTier
 from kv.kv_events import DISK, HOST, KVEventLog
 from kv.tier_report import TierReport
-from worker.scheduler import TierLoad
+from worker.scheduling.scheduler import TierLoad
 from worker.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The ingress end of the batched output streams (worker/output_streams.py).
+"""The ingress end of the batched output streams (worker/outputs/streams.py).
 
 Every engine request still goes out as its own routed `generate` call (the request router
 places it; cancelling it aborts the request; a dead replica fails it, which migration

@@ -173,7 +173,7 @@ class RequestPipeline:
 
     def stamped(self, inputs: list[EngineInput], principal: Principal, band: int) -> list[EngineInput]:
         """The inputs with their band and their key and its weight: the engine orders by the
-        band and, within it, shares its running slots between keys (worker/bands.py)."""
+        band and, within it, shares its running slots between keys (worker/scheduling/bands.py)."""
         weight = self.settings.key_weights.get(principal.key_id, 1)
         return [replace(inp, params=replace(inp.params, priority=band, tenant=principal.key_id, tenant_weight=weight))
                 for inp in inputs]

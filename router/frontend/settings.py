@@ -52,7 +52,7 @@ class IngressSettings:
     # Each API key's prompts get a prefix-cache partition of their own (the key's id salts
     # the block hashes): no key can learn from `cached_tokens` what another sent.
     isolate_prefix_cache_per_key: bool = False
-    # Priority bands (lower first; router/routing/admission.py, worker/scheduler.py): each listed
+    # Priority bands (lower first; router/routing/admission.py, worker/scheduling/scheduler.py): each listed
     # key id's default band, also the best it may ask for; unlisted keys: 0.
     key_priorities: Mapping[str, int] = field(default_factory=dict, compare=False)  # compare=False: unhashable
     # Weighted fair shares within a band (router/routing/fair_queue.py): each listed key id's

@@ -238,7 +238,7 @@ class AdmissionController:
     def _overtakes(self, band: int, num_requests: int, snapshot: RoutingSnapshot) -> bool:
         """Whether a request may go although the replicas look full, because worse bands'
         work fills them: an engine admits a better band ahead of it, preempting it when no
-        slot or no blocks are left (worker/scheduler.py), so the request waits a step there
+        slot or no blocks are left (worker/scheduling/scheduler.py), so the request waits a step there
         instead of here for a completion. Only while this ingress has worse-band requests in
         flight (work to overtake), and its band and the better ones in flight here, this one
         included, fit the replicas' running slots and waiting rooms (as if the worse bands

@@ -1,6 +1,6 @@
 """The router's exact index of what each replica's KV cache holds, per tier, kept from the
 replicas' KV events (kv/kv_events.py) as their routing reports carry them
-(worker/kv_event_stream.py draws the replica's side).
+(worker/kvcache/event_stream.py draws the replica's side).
 
 Per replica: (epoch, seq) and a set of chained block hashes per tier (device, host, disk).
 For each report, `apply` does exactly one of:

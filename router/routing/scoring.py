@@ -16,7 +16,7 @@ Per fresh replica r and request q (KV in r's blocks, work in r's prompt tokens):
     capacity(r)    = max(floor(free_blocks * headroom_share) - reserved_blocks
                          - decode_growth_blocks, 0)
                      (reserved: the waiting prompts' blocks; growth: what the requests
-                     already there will still grow into, worker/routing_report.py)
+                     already there will still grow into, worker/serving/routing_report.py)
     score(q, r)    = capacity - unreflected_blocks - need          # >= 0: the request fits
     credit(q, r)   = prefix_weight * (cached + host_hit_weight * host
                      + disk_hit_weight * disk) / cacheable        # partial match, partial credit
@@ -27,7 +27,7 @@ Work, because KV usage hides queued work and request counts hide request sizes (
 32k-token prompt and a chat turn are each "one request"):
 
     rate(r)       = r's reported prefill_tokens_per_s if it measured one (prompt tokens per
-                    device second over its recent budget-full steps: worker/step_meters.py),
+                    device second over its recent budget-full steps: worker/engine/step_meters.py),
                     else params.prefill_tokens_per_s * capacity_weight(r)
     backlog(r)    = num_waiting_prompt_tokens(r) + num_running_prompt_tokens(r)
                     + unreflected_prefill_tokens(r)

@@ -164,7 +164,7 @@ class ReplicaReport:
     capacity_weight: float = 1.0
     prefill_tokens_per_s: float = 0.0
     # KV blocks its queued and running requests will still grow into (forecast by the
-    # replica, worker/routing_report.py), and its observed mean output length (0: none yet).
+    # replica, worker/serving/routing_report.py), and its observed mean output length (0: none yet).
     decode_growth_blocks: int = 0
     mean_output_tokens: float = 0.0
     max_num_seqs: int = 0  # sequences it runs at once (0: not reported)
@@ -239,7 +239,7 @@ class ReplicaReport:
 
 def request_hash_root(cache_keys: Sequence[str] = (), lora_name: str | None = None,
                       lora_path: str | None = None) -> int:
-    """The root a worker chains the request's block hashes from (worker/engine.py
+    """The root a worker chains the request's block hashes from (worker/engine/core.py
     add_request): its cache keys (a tenant's salt), then its LoRA adapter's identity."""
     keys = tuple(cache_keys)
     if lora_name is not None and lora_path is not None:

@@ -9,7 +9,7 @@ Here the chart is rendered by the real Helm engine; the dashboard's queries are 
 the rendered ConfigMap; the targets, their path and the labels Prometheus attaches (job,
 namespace, service, endpoint, pod, instance) from the rendered ServiceMonitor and Service;
 each pod's scrape is the real /metrics text of kvserve's metrics code (one IngressMetrics
-per ingress replica, with the engine stats of real engines: worker/engine.py over a
+per ingress replica, with the engine stats of real engines: worker/engine/core.py over a
 model-free runner). The queries are evaluated (tests/helm/promql.py) over the scraped
 samples and must equal the same queries over ONE source that saw everything: one ingress
 that served every request, scraped once.
@@ -31,7 +31,7 @@ from tests.helm.chart import NAMESPACE, Rendered
 from tests.helm.promql import STALE, Evaluator, Series, parse
 from worker.api import SamplingParams
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine
+from worker.engine.core import Engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -1,14 +1,14 @@
 """A worker replica whose engine runner fails once (tests/support/fault_runner.py), for the fault
-test that deploys through Serve. It is worker/replica.py's `WorkerReplica` over the real
+test that deploys through Serve. It is worker/serving/replica.py's `WorkerReplica` over the real
 engine and model; only the runner is wrapped, after the engine is built. Shipped code has no
 fault switch: a test deploys this class instead of `WorkerReplica` (the Serve replica needs
 the repository on its PYTHONPATH to import it)."""
 from __future__ import annotations
 
 from tests.support.fault_runner import install_failing_runner
-from worker.async_engine import AsyncEngine
+from worker.engine.async_engine import AsyncEngine
 from worker.config import EngineConfig
-from worker.replica import WorkerReplica
+from worker.serving.replica import WorkerReplica
 
 
 class FailingStepWorker(WorkerReplica):

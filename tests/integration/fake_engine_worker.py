@@ -1,6 +1,6 @@
 """The real worker replica over the real engine core, with a model-free runner.
 
-`FakeEngineWorker` is worker/replica.py's `WorkerReplica` unchanged (generate, the stats Serve
+`FakeEngineWorker` is worker/serving/replica.py's `WorkerReplica` unchanged (generate, the stats Serve
 reads for routing and autoscaling, the drain on removal) over the real `Engine` and
 `AsyncEngine` (scheduler, KV block pool, waiting queue, step thread). Only the model runner
 is fake (tests/support/fake_runner.py): every step takes `step_s` and samples token `TOKEN` for each
@@ -14,11 +14,11 @@ carries `extra["replica_id"]`, so a test knows which replica served a request.
 from __future__ import annotations
 
 from tests.support.fake_runner import TOKEN, VOCAB, FakeRunner
-from worker.async_engine import AsyncEngine
+from worker.engine.async_engine import AsyncEngine
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.api import RequestOutput
-from worker.replica import WorkerReplica
+from worker.serving.replica import WorkerReplica
 
 __all__ = ["TOKEN", "FakeEngineWorker", "make_fake_engine"]  # TOKEN: every sampled token (no EOS ids here)
 

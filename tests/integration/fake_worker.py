@@ -1,6 +1,6 @@
 """A fake engine deployment for routing tests: real Serve replicas, no model.
 
-`FakeWorker` speaks the worker contract the router relies on (worker/replica.py):
+`FakeWorker` speaks the worker contract the router relies on (worker/serving/replica.py):
 `generate(GenerateRequest)` is an async generator, and `record_routing_stats()` returns the
 worker.api.RoutingStats dict. Its state (free blocks, cached prefix hashes, waiting queue) is
 set by the test through `FakeControl`, a named Ray actor every replica reads:

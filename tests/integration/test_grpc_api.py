@@ -33,7 +33,7 @@ from router.frontend.grpc_servicer import GrpcMethods  # noqa: E402
 from router.serve_internals import grpc_servicer_functions  # noqa: E402
 from router.frontend.ingress import Ingress  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
-from worker.async_engine import EngineDeadError  # noqa: E402
+from worker.engine.async_engine import EngineDeadError  # noqa: E402
 from worker.api import GenerateRequest  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -239,7 +239,7 @@ def test_token_ids_chat_stop_and_seed(app: GrpcApp) -> None:
 def test_echo_and_prompt_logprobs(app: GrpcApp) -> None:
     """echo puts the prompt before the text; prompt_logprobs (or echo with logprobs) give
     one entry per prompt token, the first without a logprob; the stream carries them in
-    each choice's first message. Values are HF-exact in tests/unit/worker/test_prompt_logprobs_vs_hf.py."""
+    each choice's first message. Values are HF-exact in tests/unit/worker/sampling/test_prompt_logprobs_vs_hf.py."""
     prompt = "Echo this prompt back"
     ids = app.ids(prompt)
     plain = app.call("Generate", greedy(prompt, max_tokens=5))

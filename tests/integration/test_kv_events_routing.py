@@ -4,7 +4,7 @@ routing decision credits a replica with blocks it no longer holds, from 1 s on.
 Real Serve and a real redis-server: two `Relay` replicas play the ingress (each holds a
 handle to the worker deployment, so each has its own PolicyRouter, as each kvserve ingress
 replica does; the router kwargs carry the shared Redis view), in front of two
-FakeEngineWorker replicas: worker/replica.py's WorkerReplica over the real engine core and
+FakeEngineWorker replicas: worker/serving/replica.py's WorkerReplica over the real engine core and
 block pool (only the model runner is fake), so the KV events are the engine's own. The
 replicas report every 0.5 s.
 

@@ -179,7 +179,7 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI, http: httpx.Client, ser
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == PROMPT + plain.text
 
 
-# -- prompt logprobs and echo with logprobs (the engine's values are HF-exact: tests/unit/worker/test_prompt_logprobs_vs_hf.py)
+# -- prompt logprobs and echo with logprobs (the engine's values are HF-exact: tests/unit/worker/sampling/test_prompt_logprobs_vs_hf.py)
 def test_echo_with_logprobs_leads_with_the_prompt_tokens(client: openai.OpenAI, served: tuple[str, Any]) -> None:
     num_prompt = len(served[1](PROMPT).input_ids)
     plain = greedy(client, logprobs=2)

@@ -18,10 +18,11 @@ from kv.transfer import KVExport
 from tests.conftest import run_engine
 from tests.support.tiny_models import make_tiny_model
 from worker.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.api import SamplingParams
 
 import ray
+from worker.engine.build import build_engine
 
 VOCAB = 512
 
@@ -97,7 +98,7 @@ class TPEngineHost:
         import torch
 
         torch.set_num_threads(1)
-        self.engine = Engine.from_config(config)
+        self.engine = build_engine(config)
 
     def run_workload(self) -> tuple[dict[str, list[int]], dict[str, float]]:
         return _run_workload(self.engine)
@@ -147,7 +148,7 @@ def single_device_result(tiny_llama_dir: Path) -> tuple[dict[str, list[int]], di
 
     threads = torch.get_num_threads()
     try:
-        return _run_workload(Engine.from_config(_config(tiny_llama_dir, 1)))
+        return _run_workload(build_engine(_config(tiny_llama_dir, 1)))
     finally:
         torch.set_num_threads(threads)
 
@@ -190,7 +191,7 @@ def test_kv_moves_between_tp2_and_single_device_engines(
     try:
         exports = ray.get(host.prefill_exports.remote(prompts), timeout=600)
         assert all(e.num_kv_heads == exports[0].num_kv_heads and e.kv.shape[3] == e.num_kv_heads for e in exports)
-        single = Engine.from_config(_config(tiny_llama_dir, 1))
+        single = build_engine(_config(tiny_llama_dir, 1))
         assert _decode_imports(single, prompts, max_tokens, exports) == expected  # TP=2 -> TP=1
 
         local_exports = _prefill_exports(single, prompts)
@@ -238,4 +239,4 @@ def test_indivisible_heads_rejected(tiny_llama_dir: Path) -> None:
     # The tiny model has 4 attention heads: 3 ranks cannot split them. Rejected before any
     # rank (or Ray) is involved.
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
-        Engine.from_config(_config(tiny_llama_dir, 3))
+        build_engine(_config(tiny_llama_dir, 3))

@@ -170,5 +170,5 @@ def test_auto_hermes_call_streams_its_arguments_in_fragments(base_url: str) -> N
     assert json.loads(call.function.arguments) == json.loads(expected.function.arguments)
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
     # In pieces as it is generated, not in one piece at the end (a slow reader may get
-    # several steps' tokens in one piece: worker/output_streams.py).
+    # several steps' tokens in one piece: worker/outputs/streams.py).
     assert fragments > 1

@@ -1,6 +1,6 @@
 """Each key's share of an engine's running slots (issue 30): the ingress stamps every
 engine request with its key and the key's weight (ingress.key_weights), which the
-scheduler shares its slots by (tests/unit/worker/test_scheduler_bands.py); a client cannot
+scheduler shares its slots by (tests/unit/worker/scheduling/test_scheduler_bands.py); a client cannot
 set either."""
 from __future__ import annotations
 

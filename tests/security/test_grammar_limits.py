@@ -18,9 +18,10 @@ from tests.unit.router.frontend.test_pipeline import inputs
 from worker.api import SamplingParams, SamplingParamsError, StructuredOutput, check_structured_output
 from worker.config import CacheConfig, EngineConfig, ModelConfig
 from worker.default_model import default_model_path
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.structured.compiler import GrammarCompiler
 from worker.structured.state import GrammarState
+from worker.engine.build import build_engine
 
 
 async def test_constrained_requests_convert_off_the_event_loop() -> None:
@@ -63,7 +64,7 @@ def test_the_engine_fails_a_stuck_compile_and_keeps_serving() -> None:
         model=ModelConfig(model=str(default_model_path()), device="cpu", num_threads=1),
         cache=CacheConfig(kv_cache_bytes=16 * 1024**2),
     )
-    engine = Engine.from_config(config)
+    engine = build_engine(config)
 
     def stuck_tokenizer() -> Any:
         release.wait(30)  # the compile pool's first job builds the tokenizer: it hangs here

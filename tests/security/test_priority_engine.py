@@ -8,8 +8,9 @@ from tests.support.scheduler_helpers import make_scheduler, make_seq, rids, step
 from worker.api import SamplingParams
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.default_model import default_model_path
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.sequence import SequenceStatus
+from worker.engine.build import build_engine
 
 
 def test_waiting_requests_are_served_by_band_fifo_within_one() -> None:
@@ -47,7 +48,7 @@ def test_a_preempted_sequence_resumes_exactly() -> None:
         cache=CacheConfig(num_blocks_override=64, block_size=16),
         scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256, max_model_len=128),
     )
-    engine = Engine.from_config(config)
+    engine = build_engine(config)
 
     def params(max_tokens: int, priority: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, priority=priority, temperature=0.0, ignore_eos=True)

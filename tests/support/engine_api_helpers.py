@@ -22,10 +22,11 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from worker.async_engine import AsyncEngine
+from worker.engine.async_engine import AsyncEngine
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.api import RequestOutput
+from worker.engine.build import build_engine
 
 VOCAB = 512  # tests/support/tiny_models.py; the tokenizer below has exactly this many tokens
 NUM_BLOCKS = 64
@@ -63,7 +64,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_engine(model_dir: Path, max_num_seqs: int = 16) -> Engine:
-    return Engine.from_config(
+    return build_engine(
         EngineConfig(
             ModelConfig(str(model_dir), dtype="float32", device="cpu"),
             CacheConfig(block_size=16, num_blocks_override=NUM_BLOCKS),

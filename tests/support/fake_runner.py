@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kv.cache_manager import cdiv
 from worker.config import SchedulerConfig
-from worker.scheduler import SchedulerOutput
+from worker.scheduling.scheduler import SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
 
 TOKEN = 7  # the default sampled token: never an EOS of the fake engines
@@ -26,7 +26,7 @@ VOCAB = 64
 
 @dataclass
 class FakeRunnerOutput:
-    """Shaped like worker.model_runner.RunnerOutput (which imports torch)."""
+    """Shaped like worker.runner.model_runner.RunnerOutput (which imports torch)."""
 
     token_ids: list[int | None]
     logprobs: list[None]

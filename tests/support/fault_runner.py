@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.scheduler import SchedulerOutput
+from worker.scheduling.scheduler import SchedulerOutput
 
 
 class FailingRunner:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from kv.cache_manager import KVCacheManager
 from worker.config import SchedulerConfig
 from worker.api import SamplingParams
-from worker.scheduler import Scheduler, SchedulerOutput
+from worker.scheduling.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence
 
 TOKEN = 9  # what the fake model samples unless a test says otherwise

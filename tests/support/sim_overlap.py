@@ -1,4 +1,4 @@
-"""What the overlapped-loop tests share (tests/unit/worker/test_step_overlap.py and
+"""What the overlapped-loop tests share (tests/unit/worker/scheduling/test_step_overlap.py and
 test_launch_ahead.py): a fake clock for the simulated device, a sleeping sim engine, a
 request mix, and the serial loop's tokens to compare against."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import asyncio
 import random
 
 from worker.api import RequestOutput, SamplingParams
-from worker.async_engine import AsyncEngine
+from worker.engine.async_engine import AsyncEngine
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.sim.runner import build_sim_engine
 
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)
@@ -34,7 +34,7 @@ def sim_engine(scheduler: SchedulerConfig = SCHED, cache: CacheConfig = CacheCon
                launch_ahead: bool = True, token_vocab_size: int | None = None) -> Engine:
     """A sleeping simulated device at dilation 1 (it overlaps the host). `launch_ahead=False`:
     every step waits for the previous one's tokens (the overlapped loop without
-    worker/launch_ahead.py). `token_vocab_size`: draw tokens from that few (so that stop
+    worker/scheduling/launch_ahead.py). `token_vocab_size`: draw tokens from that few (so that stop
     tokens come up)."""
     engine = build_sim_engine("llama-3-8b", "h200", scheduler, cache, sleep=True, time_dilation=1.0,
                               token_vocab_size=token_vocab_size)

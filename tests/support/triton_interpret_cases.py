@@ -1,5 +1,5 @@
 """Runs the Triton paged-attention kernel under Triton's interpreter on CPU and saves its
-outputs next to the torch backend's, for tests/unit/worker/test_triton_paged.py.
+outputs next to the torch backend's, for tests/unit/worker/runner/test_triton_paged.py.
 
     TRITON_INTERPRET=1 python -m tests.support.triton_interpret_cases OUT.pt
 
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from tests.unit.worker.test_attention import D, HKV, _build_batch
+from tests.unit.worker.runner.test_attention import D, HKV, _build_batch
 from worker.attention.torch_paged import TorchPagedAttention
 
 # (cached_tokens, new_tokens) per sequence, decodes first, as the runner orders them.

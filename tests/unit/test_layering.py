@@ -97,8 +97,8 @@ def test_architecture_doc_exists() -> None:
 
 def test_the_walk_sees_imports_in_functions(tmp_path: Path) -> None:
     path = tmp_path / "probe.py"
-    path.write_text("def f():\n    from worker.engine import Engine\nimport worker.api\nfrom worker import replica\n")
-    assert sorted(m for _, m in worker_imports(path)) == ["worker.api", "worker.engine", "worker.replica"]
+    path.write_text("def f():\n    from worker.engine.core import Engine\nimport worker.api\nfrom worker import sequence\n")
+    assert sorted(m for _, m in worker_imports(path)) == ["worker.api", "worker.engine.core", "worker.sequence"]
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,7 @@ def test_importing_the_ingress_does_not_import_torch(module: str) -> None:
     """In a fresh interpreter: this process may have imported torch already."""
     code = (
         f"import sys, {module}\n"
-        "loaded = sorted(m for m in ('torch', 'worker.engine', 'worker.replica') if m in sys.modules)\n"
+        "loaded = sorted(m for m in ('torch', 'worker.engine.core', 'worker.serving.replica') if m in sys.modules)\n"
         "assert not loaded, loaded\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

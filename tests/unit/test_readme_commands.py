@@ -87,7 +87,7 @@ def _glob(arg: str) -> str:
 
 def _serve_one_request(config: object) -> None:
     from worker.api import GenerateRequest, SamplingParams
-    from worker.replica import WorkerReplica
+    from worker.serving.replica import WorkerReplica
 
     replica = WorkerReplica(config.engine_config())  # type: ignore[attr-defined]
 

@@ -29,7 +29,7 @@ kv head h // group), so each K/V tile is loaded once per group, not once per q h
 
 Programs whose tile starts past their chunk exit at once, so the grid is shape-static for a
 given (S, max_query_len): a decode-only batch has num_q_tiles = 1, which is what CUDA graph
-capture needs (worker/cuda_graphs.py). Softmax runs online in fp32 (exp2 with the scale
+capture needs (worker/runner/cuda_graphs.py). Softmax runs online in fp32 (exp2 with the scale
 folded into log2 units); the output is written for every valid row, nothing else.
 """
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""The simulated device: the engine's device seam, modelled instead of run.
+"""The simulated device: the engine's device seam, modelled instead of run. Its step
+times come from the step-cost model (worker/costs).
 
-    shapes.py      ModelShape from a config.json (named: llama-3-8b, llama-3-70b, qwen3-32b)
-    profiles.py    DeviceProfile: h200, h100, a100-80gb, l4 (spec sheets, uncalibrated),
-                   or a fitted JSON (`kvserve calibrate`, profiles/*.json)
-    cost_model.py  StepCostModel: a plan's step time (roofline per kernel + host overheads)
-                   and the KV blocks a device holds
     runner.py      SimRunner (the engine's runner: modelled time, deterministic tokens) and
                    build_sim_engine
-    fit.py         fitting a profile's efficiencies and overheads to measured steps
     device.py      the `sim:<profile>` device string
 
 Without Ray (the discrete-event simulator, tests): the real Engine on a SimRunner that
@@ -22,6 +17,6 @@ duration of that step for a virtual clock:
     # minus the weights (52,852 blocks of 16 for llama-3-8b on an H200).
 
 In a Serve cluster: `engine.device: sim:h200` (+ `engine.model_shape`, `engine.time_dilation`)
-and Engine.from_config builds the same thing with sleep=True. To price plans without an
+and build_engine builds the same thing with sleep=True. To price plans without an
 engine: StepCostModel(shape, profile).plan_time_s(plan) or .step_time_s([SeqWork(...)]).
 """

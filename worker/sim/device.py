@@ -3,8 +3,8 @@ device / model_shape pair at the config edge (torch-free and cheap: the profile 
 shape files are read, nothing is built)."""
 from __future__ import annotations
 
-from worker.sim.profiles import load_profile
-from worker.sim.shapes import load_shape
+from worker.costs.profiles import load_profile
+from worker.costs.shapes import load_shape
 
 SIM_DEVICE_PREFIX = "sim:"
 REAL_DEVICES = ("auto", "cpu", "cuda")

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from worker.lora.cost import config_num_bytes, config_targets, load_seconds, step_work, target_shapes
-from worker.sim.profiles import DeviceProfile
-from worker.sim.shapes import ModelShape
+from worker.costs.profiles import DeviceProfile
+from worker.costs.shapes import ModelShape
 
 if TYPE_CHECKING:
-    from worker.scheduler import SchedulerOutput
+    from worker.scheduling.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)

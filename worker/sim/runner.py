@@ -2,7 +2,7 @@
 
 It loads no weights and allocates no KV tensors (the block pool's bookkeeping is all a
 simulated replica holds per block). Each step (`execute(plan)`, or `launch` then `wait`):
-- prices the plan with the step-cost model (worker/sim/cost_model.py);
+- prices the plan with the step-cost model (worker/costs/cost_model.py);
 - samples, for each row that reaches the end of its tokens, a deterministic token: a
   hash of the sequence's WHOLE token history (and the request's seed, when it has one).
   A request migrated to another replica arrives as prompt + the tokens already streamed,
@@ -15,7 +15,7 @@ simulated replica holds per block). Each step (`execute(plan)`, or `launch` then
   `execute` (the serial Engine.step) takes the host work the engine did since the previous
   step (schedule, update, outputs: real Python time) off the modelled host overheads, up
   to their size, so that it is not counted twice; `launch` / `wait` (the async engine's
-  overlapped loop, worker/step_overlap.py) run the whole modelled step on the clock from
+  overlapped loop, worker/scheduling/step_overlap.py) run the whole modelled step on the clock from
   the launch while the host works beside it, as a GPU runs a launched step;
 - with `sleep=False` (the discrete-event simulator) returns at once; the modelled time
   is in `last_step_s` (and RunnerOutput.forward_s) for a virtual clock to advance by.
@@ -38,17 +38,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from worker.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.model_config import cap_to_kv_capacity, max_model_len_for
 from worker.api import RunnerOutput
 from worker.api import TokenLogprob
-from worker.scheduler import SchedulerOutput
+from worker.scheduling.scheduler import SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
-from worker.sim.cost_model import StepCostModel, StepFeatures
+from worker.costs.cost_model import StepCostModel, StepFeatures
 from worker.sim.device import parse_sim_device
 from worker.sim.lora import SimAdapter, SimLoRA
-from worker.sim.profiles import DeviceProfile, load_profile
-from worker.sim.shapes import ModelShape, load_shape
+from worker.costs.profiles import DeviceProfile, load_profile
+from worker.costs.shapes import ModelShape, load_shape
 
 _MASK = (1 << 64) - 1
 _BASE = 0x100000001B3  # odd: the polynomial hash below is a bijection per step
@@ -103,15 +103,15 @@ class SimStep:
 
     output: RunnerOutput
     done_at: float
-    # Launched ahead (worker/launch_ahead.py): its rows' tokens are drawn at wait, once
+    # Launched ahead (worker/scheduling/launch_ahead.py): its rows' tokens are drawn at wait, once
     # the previous step's tokens are in token_ids.
     pending: SchedulerOutput | None = None
 
 
 class SimRunner:
-    """Satisfies the engine's Runner protocol (worker/runner_protocols.py): `num_blocks` and
+    """Satisfies the engine's Runner protocol (worker/runner/protocols.py): `num_blocks` and
     `execute(plan) -> RunnerOutput`; and, sleeping, OverlappingRunner's launch / wait
-    (worker/step_overlap.py)."""
+    (worker/scheduling/step_overlap.py)."""
 
     def __init__(
         self,
@@ -164,7 +164,7 @@ class SimRunner:
         self._last_return = time.perf_counter()
         return RunnerOutput(token_ids, logprobs, forward_s)
 
-    # -- the overlapping device (worker/step_overlap.py) ------------------------------------------
+    # -- the overlapping device (worker/scheduling/step_overlap.py) ------------------------------------------
     @property
     def overlaps_device(self) -> bool:
         """A sleeping runner is a device beside the host: launch returns at once and the step
@@ -192,7 +192,7 @@ class SimRunner:
     @property
     def launches_ahead(self) -> bool:
         """A pending input is only a token the device has not drawn yet: launch prices the
-        step by its rows, and wait draws its tokens (worker/launch_ahead.py)."""
+        step by its rows, and wait draws its tokens (worker/scheduling/launch_ahead.py)."""
         return self.sleep
 
     def wait(self, step: SimStep) -> RunnerOutput:
@@ -250,7 +250,7 @@ class SimRunner:
 
     @property
     def step_predictor(self) -> StepCostModel:
-        """The step-time prediction of the engine's step-time budget (worker/step_budget.py):
+        """The step-time prediction of the engine's step-time budget (worker/scheduling/step_budget.py):
         the cost model this device waits by, exact here, so the budget needs no correction."""
         return self.cost
 
@@ -324,7 +324,7 @@ def build_sim_engine(
     profile = load_profile(profile) if isinstance(profile, str) else profile
     cost = StepCostModel(shape, profile)
     num_blocks = cache.num_blocks_override or cost.num_kv_blocks(cache.block_size, cache.gpu_memory_utilization)
-    # As Engine.from_config does for a real model: unset means the model's own context
+    # As build_engine does for a real model: unset means the model's own context
     # length (the shape's max_position_embeddings), a larger one is cut to it, and no
     # sequence may outgrow the KV pool.
     max_model_len = cap_to_kv_capacity(max_model_len_for(scheduler.max_model_len, shape), num_blocks, cache.block_size)
@@ -344,7 +344,7 @@ def build_sim_engine(
 
 
 def sim_engine_from_config(config: EngineConfig) -> Engine:
-    """Engine.from_config's branch for `device: sim:<profile>`. The model directory
+    """build_engine's branch for `device: sim:<profile>`. The model directory
     (`config.model.model`, the embedded default unless set) is only read for its
     tokenizer, which the replica detokenizes with, and its EOS ids; the shape is
     `model_shape` (default: that directory's config.json). No weights are read."""

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from worker.api import StructuredOutput
+if TYPE_CHECKING:  # the spec's type only: sampling_params imports this module to validate
+    from worker.sampling_params import StructuredOutput
 
 # A JSON object with any properties (OpenAI's response_format json_object).
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}

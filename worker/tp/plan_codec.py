@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.scheduler import SchedulerOutput
+from worker.scheduling.scheduler import SchedulerOutput
 from worker.sequence import Sequence, SequenceStatus
 
 OP_STEP = 1

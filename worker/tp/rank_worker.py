@@ -29,7 +29,7 @@ class TPRankWorker:
         from pathlib import Path
 
         from worker.model_config import load_hf_config
-        from worker.model_runner import ModelRunner, resolve_device
+        from worker.runner.model_runner import ModelRunner, resolve_device
         from worker.tp.group import agree_num_blocks, init_tp_group
 
         device = resolve_device(self.config.model.device)

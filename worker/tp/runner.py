@@ -1,5 +1,5 @@
 """Rank 0 of a tensor-parallel group: the runner the Engine drives (the same capabilities
-as ModelRunner, worker/runner_protocols.py: Runner, KVTransferRunner, plus
+as ModelRunner, worker/runner/protocols.py: Runner, KVTransferRunner, plus
 HealthCheckedRunner), so the engine, scheduler and sampler do not
 know about tensor parallelism.
 
@@ -24,8 +24,8 @@ import ray
 import torch
 
 from worker.config import EngineConfig
-from worker.model_runner import ModelRunner, RunnerOutput, resolve_device
-from worker.scheduler import SchedulerOutput
+from worker.runner.model_runner import ModelRunner, RunnerOutput, resolve_device
+from worker.scheduling.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from worker.engine.build import build_engine
 
 from benchmarks.routing.search import RunFigures, Search, Window, goodput_at_slo
 from benchmarks.routing.engine_grid import workload_grid
@@ -72,9 +73,9 @@ def test_search_marks_a_goodput_it_never_saw_fail_as_a_lower_bound() -> None:
 
 def test_sticky_gets_the_cost_models_prefill_throughput_and_only_sticky() -> None:
     from benchmarks.routing.setup import modelled_prefill_tokens_per_s, sim_config
-    from worker.sim.cost_model import SeqWork, StepCostModel
-    from worker.sim.profiles import load_profile
-    from worker.sim.shapes import load_shape
+    from worker.costs.cost_model import SeqWork, StepCostModel
+    from worker.costs.profiles import load_profile
+    from worker.costs.shapes import load_shape
 
     config = sim_config("sticky", 4)
     chunk = config.max_num_batched_tokens
@@ -297,9 +298,9 @@ def test_the_real_engine_runs_on_the_validations_clock(tiny_llama) -> None:  # n
 
     from benchmarks.routing.validate import run_engine_on_clock
     from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from worker.engine import Engine
+    from worker.engine.core import Engine
 
-    engine = Engine.from_config(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=ModelConfig(model=str(tiny_llama), device="cpu", dtype="float32"),
         cache=CacheConfig(block_size=16, num_blocks_override=32), scheduler=SchedulerConfig(max_model_len=256)))
     ticks = itertools.count()

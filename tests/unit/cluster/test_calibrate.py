@@ -1,4 +1,4 @@
-"""`kvserve calibrate`'s fit (worker/sim/fit.py) on synthetic step times whose true
+"""`kvserve calibrate`'s fit (worker/costs/fit.py) on synthetic step times whose true
 profile is known, and the command's wiring."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from cluster.cli import build_parser
-from worker.sim.cost_model import SeqWork, StepCostModel, predict
-from worker.sim.fit import fit_profile
-from worker.sim.profiles import load_profile
-from worker.sim.shapes import load_shape
+from worker.costs.cost_model import SeqWork, StepCostModel, predict
+from worker.costs.fit import fit_profile
+from worker.costs.profiles import load_profile
+from worker.costs.shapes import load_shape
 
 TRUE = replace(load_profile("h100"), flops_efficiency=0.55, bandwidth_efficiency=0.72,
                step_overhead_s=1.5e-3, per_seq_overhead_s=30e-6, per_token_overhead_s=2e-7)

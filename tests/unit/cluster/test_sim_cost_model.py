@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from tests.support.scheduler_helpers import make_scheduler, make_seq
-from worker.decode_groups import decode_group_bounds, padded_decode_tokens
+from worker.runner.decode_groups import decode_group_bounds, padded_decode_tokens
 from worker.default_model import default_model_path
-from worker.sim.cost_model import SeqWork, StepCostModel
-from worker.sim.profiles import BUILTIN_PROFILES, DeviceProfile, load_profile
-from worker.sim.shapes import load_shape, named_shapes
+from worker.costs.cost_model import SeqWork, StepCostModel
+from worker.costs.profiles import BUILTIN_PROFILES, DeviceProfile, load_profile
+from worker.costs.shapes import load_shape, named_shapes
 
 # Llama-3-8B by hand: per layer q 4096^2, k and v 4096*1024 each, o 4096^2, MLP 3*4096*14336.
 L8_LAYER_MATMUL = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336  # 218,103,808
@@ -161,7 +161,7 @@ def test_prompt_rows_carry_their_own_overhead_zero_on_every_shipped_profile() ->
     """per_prompt_seq_overhead_s adds per row of more than one new token (a prompt chunk),
     on top of the per-sequence overhead; every built-in and shipped JSON profile leaves it
     at 0, so their step times are what they were."""
-    from worker.sim.profiles import profile_names
+    from worker.costs.profiles import profile_names
 
     base = ideal("h100")
     shape = load_shape("llama-3-8b")
@@ -196,7 +196,7 @@ def test_kv_blocks_are_the_memory_left_after_the_weights() -> None:
 
 
 def test_shipped_fitted_cpu_profile_loads_by_name() -> None:
-    """worker/sim/profiles/cpu-calibrated.json: `kvserve calibrate` on this project's
+    """worker/costs/profiles/cpu-calibrated.json: `kvserve calibrate` on this project's
     machine (benchmarks/results/calibrate_cpu.log), fitted on the embedded model in FP32."""
     cpu = load_profile("cpu-calibrated")
     assert cpu.calibrated and cpu.fit is not None
@@ -237,7 +237,7 @@ def test_a_padding_backend_prices_decodes_at_their_groups_longest_context() -> N
 
 @pytest.mark.parametrize("profile", ["h200", "cpu-calibrated"])  # cpu-calibrated pads decode groups
 def test_predict_beside_is_predict_rows_with_one_more_row(profile: str) -> None:
-    """The step-time budget's search (worker/step_budget.py) sums the planned rows once and
+    """The step-time budget's search (worker/scheduling/step_budget.py) sums the planned rows once and
     prices each candidate row beside them: the same seconds to the last bit, for a prefill
     chunk, a one-token row (a decode to the model) and an empty plan."""
     cost = StepCostModel(load_shape("llama-3-8b"), load_profile(profile))

@@ -14,7 +14,7 @@ from kv.kv_events import DEVICE, DISK, HOST
 from router.routing.kv_index import APPLIED, REBUILT, KVIndex
 from router.routing.types import ReplicaReport
 from worker.api import SamplingParams
-from worker.sim.shapes import load_shape
+from worker.costs.shapes import load_shape
 
 BLOCK_BYTES = load_shape("llama-3-8b").kv_bytes_per_token() * 16
 

@@ -13,8 +13,8 @@ from cluster.sim.lora import SimLoRA, VirtualLoader, lora_adapter_bytes
 from cluster.sim.run import SimConfig, Simulation, SimDevice, simulate
 from cluster.sim.workloads import SimRequest
 from worker.config import LoRAConfig
-from worker.sim.profiles import load_profile
-from worker.sim.shapes import load_shape
+from worker.costs.profiles import load_profile
+from worker.costs.shapes import load_shape
 
 SHAPE = load_shape("llama-3-8b")
 H200 = load_profile("h200")

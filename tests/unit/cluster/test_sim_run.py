@@ -8,9 +8,9 @@ from cluster.sim.autoscale import AutoscaleOptions
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.run import SimConfig, simulate
 from cluster.sim.workloads import SimRequest, make_workload
-from worker.sim.cost_model import SeqWork, StepCostModel
-from worker.sim.profiles import load_profile
-from worker.sim.shapes import load_shape
+from worker.costs.cost_model import SeqWork, StepCostModel
+from worker.costs.profiles import load_profile
+from worker.costs.shapes import load_shape
 
 COST = StepCostModel(load_shape("llama-3-8b"), load_profile("h200"))
 

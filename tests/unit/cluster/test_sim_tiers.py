@@ -11,11 +11,11 @@ from cluster.sim.run import SimConfig, SimDevice, Simulation, simulate
 from cluster.sim.tiers import SimTierManager, SimTierOptions
 from cluster.sim.workloads import SimRequest, make_workload
 from worker.api import SamplingParams
-from worker.scheduler import TierLoad
+from worker.scheduling.scheduler import TierLoad
 from worker.sequence import Sequence, SequenceStatus
-from worker.sim.cost_model import SeqWork, StepCostModel
-from worker.sim.profiles import load_profile
-from worker.sim.shapes import load_shape
+from worker.costs.cost_model import SeqWork, StepCostModel
+from worker.costs.profiles import load_profile
+from worker.costs.shapes import load_shape
 
 PROFILE = load_profile("h200")
 COST = StepCostModel(load_shape("llama-3-8b"), PROFILE)

@@ -1,5 +1,5 @@
 """KV events (kv/kv_events.py) as the block pool and the tiers record them, and the
-replica's numbered stream of them (worker/kv_event_stream.py), with exact hashes."""
+replica's numbered stream of them (worker/kvcache/event_stream.py), with exact hashes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +12,8 @@ from kv.disk_tier import DiskTier
 from kv.host_tier import HostTier
 from kv.kv_cache import KVCacheSpec
 from kv.kv_events import CLEARED, DEVICE, DISK, HOST, MOVED, REMOVED, STORED, KVEvent, KVEventLog
-from worker.kv_event_stream import KVEventStream
-from worker.kv_tiers import TierManager
+from worker.kvcache.event_stream import KVEventStream
+from worker.kvcache.tiers import TierManager
 
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4, dtype=torch.float32)
 

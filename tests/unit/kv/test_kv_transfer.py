@@ -20,10 +20,10 @@ from kv.transfer import (
 )
 from tests.support.fake_runner import FakeRunner, FakeRunnerOutput
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.api import KVImportError
 from worker.api import SamplingParams
-from worker.scheduler import SchedulerOutput
+from worker.scheduling.scheduler import SchedulerOutput
 from worker.sequence import Sequence
 
 BLOCK = 4
@@ -40,7 +40,7 @@ class KVWritingRunner(FakeRunner):
         self.spec = SPEC
         self.kv_caches = torch.zeros(SPEC.num_layers, 2, num_blocks, BLOCK, SPEC.num_kv_heads, SPEC.head_dim)
 
-    # The KV-transfer capability (worker/runner_protocols.py), as worker/model_runner.py has it.
+    # The KV-transfer capability (worker/runner/protocols.py), as worker/runner/model_runner.py has it.
     @property
     def kv_spec(self) -> KVCacheSpec:
         return self.spec
@@ -332,7 +332,7 @@ def test_an_import_is_admitted_under_max_num_seqs_like_any_request() -> None:
 
 
 def test_a_runner_without_kv_transfer_refuses_exports_and_imports() -> None:
-    from worker.kv_connector import NullConnector
+    from worker.kvcache.connector import NullConnector
 
     export = _prefill(_engine(), "r", list(range(5, 15)))
     engine = Engine(

@@ -11,7 +11,7 @@ import pytest
 from tests.support.real_models import require_smollm2_gguf
 from tests.support.sim_overlap import FakeClock
 from worker.api import load_tokenizer
-from worker.async_engine import AsyncEngine
+from worker.engine.async_engine import AsyncEngine
 from worker.sim import runner as sim_runner
 
 

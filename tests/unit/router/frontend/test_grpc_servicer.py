@@ -50,7 +50,7 @@ class FakeTokenizer:
 
 
 class EngineDeadError(RuntimeError):
-    """Named like worker.async_engine's: api_error_of maps it by name to 503."""
+    """Named like worker.engine.async_engine's: api_error_of maps it by name to 503."""
 
 
 class FakeCall:

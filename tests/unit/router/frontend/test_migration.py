@@ -17,7 +17,7 @@ from router.frontend.key_limits import JointPermit
 from router.frontend.metrics import IngressMetrics
 from router.frontend.migration import Migration, is_replica_failure
 from router.frontend.openai_convert import EngineInput
-from worker.output_processor import RequestOutputProcessor
+from worker.outputs.processor import RequestOutputProcessor
 from worker.api import GenerateRequest, ReplicaDrainingError, RequestOutput, SamplingParams
 
 

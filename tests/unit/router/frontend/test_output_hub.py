@@ -1,4 +1,4 @@
-"""router/frontend/output_hub.py over real worker replicas (worker/replica.py with the real
+"""router/frontend/output_hub.py over real worker replicas (worker/serving/replica.py with the real
 engine core and a model-free runner), no Ray: a stand-in handle dispatches calls to the
 replicas in this event loop as Serve would (a `replica_id` kwarg names the replica, as
 router/routing/serve_router.py honours it; `.cancel()` cancels the call's generator).

@@ -1,6 +1,6 @@
 """Tracing in one process (no Ray cluster): the span tree of one request through the real
 ingress stream (router/frontend/generation.py), the real KV-headroom router's decision
-(router/routing/serve_router.py) and a real worker replica on the tiny model (worker/replica.py),
+(router/routing/serve_router.py) and a real worker replica on the tiny model (worker/serving/replica.py),
 exported to OpenTelemetry's in-memory exporter. Plus: off is free, migration events, and
 the set-up's endpoint / protocol / missing-exporter rules (cluster/tracing.py)."""
 from __future__ import annotations
@@ -26,10 +26,10 @@ from router.frontend.metrics import IngressMetrics
 from router.frontend.openai_convert import EngineInput
 from router.routing.serve_router import PolicyRouter
 from tests.support.engine_api_helpers import make_engine, tokenizer  # noqa: F401 -- fixture
-from worker import tracing as worker_tracing
+from worker.serving import tracing as worker_tracing
 from worker.api import GenerateRequest, MissingDependencyError, RequestOutput, SamplingParams
-from worker.async_engine import AsyncEngine
-from worker.replica import WorkerReplica
+from worker.engine.async_engine import AsyncEngine
+from worker.serving.replica import WorkerReplica
 
 PROMPT = [5, 17, 33, 9, 41, 8, 12, 99, 100, 3]
 MAX_TOKENS = 6
@@ -152,7 +152,7 @@ async def test_span_tree_of_one_request(spans: InMemorySpanExporter, replica: Wo
         assert route.attributes["kvserve.routing.num_candidates"] == 1
         (on_replica,) = [s for s in named["kvserve.replica"] if parent_of(s) == generate.context.span_id]
         assert on_replica.attributes["kvserve.request_id"] == engine_request_id
-        assert on_replica.attributes["kvserve.replica"] == "local"  # outside Serve (worker/replica.py)
+        assert on_replica.attributes["kvserve.replica"] == "local"  # outside Serve (worker/serving/replica.py)
         assert on_replica.attributes["kvserve.replica.call"] == "generate"
         assert on_replica.attributes["gen_ai.usage.input_tokens"] == len(PROMPT)
         assert on_replica.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
@@ -184,7 +184,7 @@ def test_no_endpoint_sets_nothing_up() -> None:
     code = (
         "import sys\n"
         "from cluster.tracing import TracingSetup\n"
-        "import cluster.tracing as t, router.tracing as r, worker.tracing as w\n"
+        "import cluster.tracing as t, router.tracing as r, worker.serving.tracing as w\n"
         "assert TracingSetup('worker')() is False\n"
         "assert t._provider is None and r._tracer is None and w._tracer is None\n"
         "assert 'opentelemetry.sdk.trace' not in sys.modules, 'the SDK was imported'\n"

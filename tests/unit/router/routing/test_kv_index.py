@@ -16,9 +16,9 @@ from router.routing.types import ReplicaReport, ReplicaView, RequestProfile, Rou
 from tests.support.fake_runner import TOKEN, VOCAB, FakeRunner
 from worker.api import SamplingParams
 from worker.config import CacheConfig, SchedulerConfig
-from worker.engine import Engine
-from worker.kv_event_stream import KVEventStream
-from worker.routing_report import build_routing_stats
+from worker.engine.core import Engine
+from worker.kvcache.event_stream import KVEventStream
+from worker.serving.routing_report import build_routing_stats
 
 BS = 4
 PROMPT = list(range(1, 18))  # 4 full blocks (16 tokens) + 1; 4 cacheable

@@ -1,5 +1,5 @@
 """LoRA-aware headroom scoring: a replica's adapter residency (its routing report's
-lora_resident / lora_loaded, worker/routing_report.py) prices the adapter's load into the
+lora_resident / lora_loaded, worker/serving/routing_report.py) prices the adapter's load into the
 request's predicted TTFT. A replica holding the adapter wins while its queue is shorter than
 the load; as its queue grows the adapter spreads to another replica, and base-model
 requests ignore residency."""

@@ -1,0 +1,61 @@
+"""Building an engine from its config: the model path and config resolved, the runner of
+its device (one rank, tensor-parallel ranks, or a simulated device), the KV pool's cap on
+the sequence length, then what the config turns on around the core (KV tiers, grammars,
+LoRA adapters)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from worker.config import EngineConfig
+from worker.engine.core import Engine
+from worker.lora.engine_lora import EngineLoRA
+from worker.scheduling.step_budget import profile_predictor
+from worker.structured.compiler import GrammarCompiler
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    from worker.model_path import resolve_model_path
+    from worker.model_config import (
+        cap_to_kv_capacity,
+        eos_token_ids_of,
+        load_hf_config,
+        max_model_len_for,
+    )
+    from worker.sim.device import is_sim_device
+
+    if is_sim_device(config.model.device):  # a simulated device: no weights, no torch (worker/sim/)
+        from worker.sim.runner import sim_engine_from_config
+
+        return sim_engine_from_config(config)
+    from worker.runner.model_runner import ModelRunner
+
+    path = resolve_model_path(config.model.model)
+    hf_config = load_hf_config(path, config.model.trust_remote_code)
+    max_model_len = max_model_len_for(config.scheduler.max_model_len, hf_config)
+    config = replace(
+        config, model=replace(config.model, model=str(path)),
+        scheduler=replace(config.scheduler, max_model_len=max_model_len),
+    )
+    predictor = profile_predictor(config)  # before any weights load or rank spawns
+    if config.model.tensor_parallel_size > 1:
+        from worker.tp.runner import TPModelRunner
+
+        runner = TPModelRunner(config, hf_config, max_model_len, config.model.tensor_parallel_size)
+    else:
+        runner = ModelRunner(config, hf_config, max_model_len)
+    # The longest sequence the KV pool can hold bounds it too (known once the pool is sized).
+    max_model_len = cap_to_kv_capacity(max_model_len, runner.num_blocks, config.cache.block_size)
+    scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
+    engine = Engine(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config),
+                    step_time_predictor=predictor)
+    engine.model_path = path
+    if config.cache.host_kv_cache_bytes:
+        from worker.kvcache.tiers import TierManager
+
+        device = getattr(runner, "device", None)
+        pin = device is not None and device.type == "cuda"
+        engine.use_tiers(TierManager.from_config(config.cache, runner, path, pin_memory=pin))
+    engine.compiles.compiler = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
+    if getattr(runner, "lora", None) is not None:
+        engine.enable_lora(EngineLoRA(config.lora, runner.lora_loader))
+    return engine

@@ -1,0 +1,388 @@
+"""Executes a scheduler plan as ONE flat token batch and samples the next tokens.
+
+`execute(plan)` is `wait(launch(plan))`: launch queues the step on the device, wait reads
+its samples (worker/scheduling/step_overlap.py: on CUDA the engine works on the host in between; a
+plan launched ahead takes its input tokens from the step before's samples on the device,
+worker/scheduling/launch_ahead.py).
+
+Per step: build the flat inputs (token ids, positions, KV slots, attention metadata) with
+a handful of tensor ops, run the model over every token, compute logits only for the
+last token of each sequence that samples, and sample the whole batch at once.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_blocks_for_budget
+from kv.transfer import gather_blocks, scatter_blocks
+from worker.api import RunnerOutput
+from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo, select_backend
+from worker.runner.decode_groups import decode_group_bounds
+from worker.config import EngineConfig
+from worker.runner.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
+from worker.runner.forward_timer import ForwardTimer
+from worker.lora.model_lora import ModelLoRA, adapter_loader
+from worker.runner.memory_profile import activation_peak_bytes
+from worker.model.llama import LlamaArch
+from worker.model.loader import load_model
+from worker.model_path import resolve_model_path
+from worker.model.parallel import SINGLE, TPContext, kv_head_range
+from worker.sampling import prompt_logprobs
+from worker.api import TokenLogprob
+from worker.runner.batches import HostBatch, LaunchedBatch
+from worker.sampling.sampled_batch import SampledBatch
+from worker.sampling.sampler import Sampler
+from worker.structured.bitmask import MaskPrefetcher
+from worker.scheduling.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # CPU: fp32 (bf16 matmuls are slow on most CPUs); GPU: bf16.
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} ({', '.join(_DTYPES)}, auto)")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, hf_config: object, max_model_len: int, tp: TPContext = SINGLE
+    ) -> None:
+        """Under tensor parallelism every rank builds one of these (its shard of the model and
+        a KV cache of its own kv heads); only rank 0 samples."""
+        self.config = config
+        self.tp = tp
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        if config.model.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.model.num_threads)
+        torch.manual_seed(config.model.seed)
+        self.arch = LlamaArch.from_hf_config(hf_config)
+        self.block_size = config.cache.block_size
+        self.backend = select_backend(config.model.attention_backend, self.device)
+        path = resolve_model_path(config.model.model)
+        self.model = load_model(path, hf_config, self.backend, max_model_len, self.dtype, self.device, tp)
+        # Multi-LoRA (worker/lora/): wrapped projections with device slots (allocated before the KV budget is taken); the engine sets
+        # lora_adapters (name -> host copy) to fill the slots a plan lists.
+        lora = config.lora
+        self.lora = ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank) if lora.enabled else None
+        self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank)
+        self.lora_adapters: Callable[[str], Any] | None = None
+        kv_lo, kv_hi = kv_head_range(self.arch.num_heads, self.arch.num_kv_heads, tp)
+        self.spec = KVCacheSpec(
+            num_layers=self.arch.num_layers,
+            num_kv_heads=kv_hi - kv_lo,
+            head_dim=self.arch.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+        )
+        self.num_blocks = self._num_blocks(max_model_len)
+        use_graphs = self._use_cuda_graphs()
+        # With graphs, one scratch block past the pool's num_blocks takes the padded rows'
+        # K/V (worker/runner/cuda_graphs.py); the block pool never hands it out.
+        self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks + int(use_graphs), self.device)
+        self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
+        self.masks = MaskPrefetcher(self.device)
+        self.timer = ForwardTimer(self.device)
+        self._in_flight: LaunchedBatch | None = None  # launched last, not yet waited for
+        self.graphs = self._capture_graphs(max_model_len) if use_graphs else None
+
+    # -- disaggregation: the engine moves a request's KV through these, never kv_caches --
+    @property
+    def kv_spec(self) -> KVCacheSpec:
+        """The layout an export of this engine has (all of the model's KV heads)."""
+        return self.spec
+
+    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
+        return gather_blocks(self.kv_caches, block_ids)
+
+    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        scatter_blocks(self.kv_caches, block_ids, kv)
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        cache = self.config.cache
+        if cache.num_blocks_override is not None:
+            return cache.num_blocks_override
+        if self.device.type != "cuda":
+            return num_blocks_for_budget(self.spec, cache.kv_cache_bytes)
+        sched = self.config.scheduler
+        peak = activation_peak_bytes(
+            self.model, self.spec, sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len,
+            self.device, self.backend.varlen,
+        )
+        budget = gpu_kv_budget(self.device, cache.gpu_memory_utilization, peak)
+        logger.info("KV budget %.2f GiB (profile forward peak %.2f GiB, gpu_memory_utilization %.2f)",
+                    budget / 2**30, peak / 2**30, cache.gpu_memory_utilization)
+        return num_blocks_for_budget(self.spec, budget)
+
+    def _use_cuda_graphs(self) -> bool:
+        """Graphs need CUDA, a shape-static attention path (varlen backends) and a single
+        rank (NCCL collectives inside a captured graph are not attempted). Logged once."""
+        why_not = None
+        if not self.config.model.enable_cuda_graphs:
+            why_not = "enable_cuda_graphs is off"
+        elif self.device.type != "cuda":
+            why_not = f"device is {self.device.type}"
+        elif not self.backend.varlen:
+            why_not = f"the {self.backend.name} attention backend is not shape-static per batch size"
+        elif self.tp.size > 1:
+            why_not = "tensor parallelism"
+        if why_not is not None:
+            logger.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
+        return why_not is None
+
+    def _capture_graphs(self, max_model_len: int) -> DecodeGraphs:
+        max_blocks_per_seq = -(-max_model_len // self.block_size)
+        sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
+        buffers = DecodeBuffers.allocate(sizes[-1], max_blocks_per_seq, self.num_blocks, self.block_size, self.device)
+        kv_caches = self.kv_caches
+
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            return self.model(input_ids, positions, kv_caches, meta)
+
+        graphs = DecodeGraphs(forward, buffers, sizes, max_model_len)
+        graphs.capture()
+        return graphs
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        return self.wait(self.launch(plan))
+
+    # -- the step split at the device (worker/scheduling/step_overlap.py) -------------------------------
+    @property
+    def overlaps_device(self) -> bool:
+        """On CUDA, launch returns with the forward queued on the stream and the host is
+        free until wait's sync; on a CPU device launch computes the forward itself."""
+        return self.device.type == "cuda"
+
+    @property
+    def launches_ahead(self) -> bool:
+        """On CUDA, one rank: a plan's pending input tokens are gathered on the device from
+        the samples of the step launched before it (worker/scheduling/launch_ahead.py). Under TP the
+        other ranks would need those ids too."""
+        return self.overlaps_device and self.tp.size == 1
+
+    @torch.inference_mode()
+    def launch(self, plan: SchedulerOutput) -> LaunchedBatch:
+        """Inputs, the forward and the logits, queued on the device; no host sync (prompt
+        logprobs aside). A plan launched ahead first queues the sampling of the step before
+        it, whose ids are its inputs."""
+        before = self._sample_in_flight() if plan.pending_inputs else None
+        # Decodes (1 query token) first, shortest context first (see worker/runner/decode_groups.py).
+        num_new, seqs = plan.num_new_tokens, plan.seqs
+        order = sorted(
+            range(len(seqs)),
+            key=lambda i: (num_new[i] != 1, seqs[i].num_computed_tokens if num_new[i] == 1 else 0),
+        )
+        batch = self._host_batch(plan, order)
+        if before is not None:
+            batch.input_ids = self._pending_inputs(plan, order, before)
+        if self.lora is not None:
+            self._prepare_lora(plan, order, batch)
+        dev = self.device
+        last_token_idx = torch.tensor(batch.last_token_idx, dtype=torch.long).to(dev, non_blocking=True)
+        # Structured outputs: on an accelerator the grammar masks are computed while the
+        # forward runs (on a CPU device the sampler computes them: worker/structured/bitmask.py).
+        sampling = [plan.seqs[i] for i in batch.sample_rows]
+        masks = self.masks.start(sampling, self.arch.vocab_size) if self.sampler is not None else None
+        hidden = self._forward(batch)
+        if self.supports_prompt_logprobs:
+            self._prompt_logprobs(plan, order, batch, hidden)
+        sample_rows = batch.sample_rows
+        if not sample_rows or self.sampler is None:
+            if sample_rows:  # a TP rank other than 0: it only joins the collectives
+                self.model.compute_logits(hidden[last_token_idx])
+            self.timer.stop()
+            return LaunchedBatch(plan, [], None, None)
+        logits = self.model.compute_logits(hidden[last_token_idx])
+        self.timer.stop()
+        self._in_flight = LaunchedBatch(plan, sample_rows, logits, masks)
+        return self._in_flight
+
+    def _sample_in_flight(self) -> LaunchedBatch:
+        """The step launched last, its sampling queued now (it has not been waited for)."""
+        before = self._in_flight
+        if before is None or before.logits is None:
+            raise RuntimeError("a plan launched ahead needs the step before it still on the device")
+        before.sampled = self._sample(before)
+        return before
+
+    def _pending_inputs(self, plan: SchedulerOutput, order: list[int], before: LaunchedBatch) -> torch.Tensor:
+        """The input ids of a plan launched ahead, in execution order: row r's is the token
+        the step before sampled for the same sequence, gathered on the device.
+
+            before.sample_rows[j] = i  ->  before.sampled.token_ids[j] is seqs[i]'s token
+        """
+        assert before.sampled is not None
+        row_of = {before.plan.seqs[i].request_id: j for j, i in enumerate(before.sample_rows)}
+        index = torch.tensor([row_of[plan.seqs[i].request_id] for i in order], dtype=torch.long)
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        return before.sampled.token_ids.index_select(0, index.to(self.device, non_blocking=True))
+
+    def _sample(self, launched: LaunchedBatch) -> SampledBatch:
+        assert self.sampler is not None and launched.logits is not None
+        masks = launched.masks
+        return self.sampler.launch(
+            launched.logits, [launched.plan.seqs[i] for i in launched.sample_rows],
+            masks.result() if masks is not None else None,
+        )
+
+    def _prepare_lora(self, plan: SchedulerOutput, order: list[int], batch: HostBatch) -> None:
+        """Write the adapters newly given slots, then map this step's rows to slots. On the
+        device's stream, a write follows the steps queued before it (none of which uses a
+        slot being rewritten: the scheduler rewrites only slots no running sequence holds)."""
+        assert self.lora is not None and self.lora_adapters is not None
+        for slot, name in plan.lora_loads:
+            self.lora.write_slot(slot, self.lora_adapters(name))
+        self.lora.prepare([plan.seqs[i].lora_slot for i in order], batch.lens, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def wait(self, launched: LaunchedBatch) -> RunnerOutput:
+        """Sample the launched step's logits: the step's one host sync (the sampled ids;
+        the timer's events complete before it)."""
+        plan = launched.plan
+        token_ids: list[int | None] = [None] * len(plan.seqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(plan.seqs)
+        if self._in_flight is launched:
+            self._in_flight = None
+        if launched.logits is not None:
+            # launch leaves logits only on the rank that samples
+            sampled = (launched.sampled or self._sample(launched)).result()
+            for row, i in enumerate(launched.sample_rows):
+                token_ids[i] = sampled.token_ids[row]
+                logprobs[i] = sampled.logprobs[row]
+        return RunnerOutput(token_ids, logprobs, self.timer.elapsed_s())
+
+    @property
+    def supports_prompt_logprobs(self) -> bool:
+        """The engine refuses prompt_logprobs where this is False: under TP the extra
+        lm_head call would be a collective the other ranks do not know to join."""
+        return self.tp.size == 1
+
+    def _prompt_logprobs(self, plan: SchedulerOutput, order: list[int], batch: HostBatch, hidden: torch.Tensor) -> None:
+        rows = prompt_logprobs.rows_for_step(plan.seqs, plan.num_new_tokens, order, batch.query_start)
+        if rows is not None:
+            prompt_logprobs.compute(rows, plan.seqs, hidden, self.model.compute_logits, self.arch.vocab_size)
+
+    def _forward(self, batch: HostBatch) -> torch.Tensor:
+        """Hidden states of every flat token: a graph replay for a decode-only step that
+        fits a captured bucket, the eager model otherwise. Starts the forward timer (the
+        metadata built before it is host work, not forward time)."""
+        num_seqs = len(batch.lens)
+        # Graphs hold the base model only (captured with no adapter rows).
+        no_lora = self.lora is None or self.lora.state.num_active == 0
+        if self.graphs is not None and no_lora and batch.num_decodes == num_seqs and self.graphs.fits(num_seqs, batch.block_table.shape[1]):
+            self.timer.start()
+            return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
+                                   batch.block_table, batch.context_lens)
+        dev = self.device
+        meta = self._metadata(batch)
+        input_ids = batch.input_ids.to(dev, non_blocking=True)
+        positions = batch.positions.to(dev, non_blocking=True)
+        self.timer.start()
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _host_batch(self, plan: SchedulerOutput, order: list[int]) -> HostBatch:
+        bs = self.block_size
+        seqs, num_new = plan.seqs, plan.num_new_tokens
+        flat_ids: list[int] = []
+        starts: list[int] = []  # first position computed this step, per seq (in `order`)
+        lens: list[int] = []
+        tables: list[list[int]] = []
+        # Launched ahead, a row's one input token is not in token_ids yet (launch gathers it
+        # on the device; 0 holds its place here), and the row samples one past token_ids.
+        pending = int(plan.pending_inputs)
+        for i in order:
+            seq, n = seqs[i], num_new[i]
+            c = seq.num_computed_tokens
+            flat_ids.extend(seq.token_ids[c : c + n] if not pending else (0,))
+            starts.append(c)
+            lens.append(n)
+            tables.append(plan.block_ids[i])
+        num_seqs = len(order)
+        max_blocks = max(len(t) for t in tables)
+        # One tensor from padded rows, not one small tensor per row: each tensor built costs
+        # a fixed overhead that would be paid per sequence per step.
+        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        starts_t = torch.tensor(starts, dtype=torch.long)
+        query_start = torch.cumsum(lens_t, 0) - lens_t
+        # position of flat token j = starts[seq(j)] + (j - query_start[seq(j)])
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lens_t)
+        positions = torch.arange(len(flat_ids)) + (starts_t - query_start)[seq_of_token]
+        slots = table[seq_of_token, positions // bs] * bs + positions % bs
+        qs = query_start.tolist()
+        # Sample where a seq reaches its last token; its logits come from that token.
+        sample_rows: list[int] = []
+        last_idx: list[int] = []
+        for row, i in enumerate(order):
+            if starts[row] + lens[row] == seqs[i].num_tokens + pending:
+                sample_rows.append(i)
+                last_idx.append(qs[row] + lens[row] - 1)
+        return HostBatch(
+            input_ids=torch.tensor(flat_ids, dtype=torch.long),
+            positions=positions,
+            slot_mapping=slots,
+            block_table=table,
+            context_lens=starts_t + lens_t,
+            starts=starts,
+            lens=lens,
+            query_start=qs,
+            num_decodes=sum(1 for n in lens if n == 1),
+            sample_rows=sample_rows,
+            last_token_idx=last_idx,
+        )
+
+    def _metadata(self, batch: HostBatch) -> AttentionMetadata:
+        """The attention metadata on the device: decode groups and prefill infos for the
+        torch backend, the varlen fields for the flash and triton backends."""
+        bs, dev = self.block_size, self.device
+        starts, lens, table, context_lens = batch.starts, batch.lens, batch.block_table, batch.context_lens
+        num_decodes = batch.num_decodes
+        meta = AttentionMetadata(
+            slot_mapping=batch.slot_mapping.to(dev, non_blocking=True), num_decode_tokens=num_decodes
+        )
+        if self.backend.varlen:
+            lens_t = torch.tensor(lens, dtype=torch.int32)
+            cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+            cu[1:] = torch.cumsum(lens_t, 0)
+            meta.cu_seqlens_q = cu.to(dev, non_blocking=True)
+            meta.seqused_k = context_lens.to(torch.int32).to(dev, non_blocking=True)
+            meta.block_table = table.to(torch.int32).to(dev, non_blocking=True)
+            meta.max_query_len = max(lens)
+            meta.max_context_len = int(context_lens.max())
+            return meta
+        for lo, hi in decode_group_bounds(starts[:num_decodes]):
+            max_ctx = starts[hi - 1] + 1  # sorted ascending: the last is the longest
+            meta.decode_groups.append(
+                DecodeGroup(
+                    lo, hi,
+                    table[lo:hi, : -(-max_ctx // bs)].to(dev, non_blocking=True),
+                    context_lens[lo:hi].to(dev, non_blocking=True),
+                    max_ctx,
+                )
+            )
+        for row in range(num_decodes, len(lens)):
+            ctx = starts[row] + lens[row]
+            meta.prefills.append(
+                PrefillInfo(batch.query_start[row], lens[row], ctx, table[row, : -(-ctx // bs)].to(dev, non_blocking=True))
+            )
+        return meta
