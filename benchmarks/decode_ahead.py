@@ -1,6 +1,6 @@
 """The engine's host work under the device, three ways: steps launched before the previous
-step's tokens are back (worker/scheduling/launch_ahead.py, the default), decode plans made under the
-device but launched after the tokens (worker/scheduling/decode_ahead.py alone), and neither (every
+step's tokens are back (worker/scheduling/async_scheduler.py, the default), decode plans made under the
+device but launched after the tokens (worker/scheduling/async_scheduler.py alone), and neither (every
 plan made and launched after the tokens). The engine alone at time dilation 1, as
 benchmarks/hostpath.py measures it (sim:h200, llama-3-8b, max_num_seqs 256), the sides in
 turns, the order rotating per repeat.

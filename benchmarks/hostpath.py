@@ -29,7 +29,7 @@ Per run:
   device: from each step's completion (execute or wait returning) to the next step's start
   (execute or launch entered), plus any host work done inside a step's device window
   beyond the window's modelled length (the device finished first and waited). A step
-  launched ahead (worker/scheduling/launch_ahead.py) starts before the previous one completes: no gap
+  launched ahead (worker/scheduling/async_scheduler.py) starts before the previous one completes: no gap
   is counted before it, and its window's host work is counted from its launch, which
   overstates it by what ran under the step before. Thread CPU
   time, not wall time: a busy box stretches the wall time of the same work (and the GIL
@@ -224,8 +224,8 @@ def measure_engine(num_requests: int, max_tokens: int, prompt_len: int = 128, pl
                    launch_ahead: bool = True) -> EngineRun:
     """One run of the engine alone at time dilation 1 (see the module docstring).
     `plan_ahead=False`: every plan made after the previous step's tokens are back
-    (worker/scheduling/decode_ahead.py off, and so launching ahead); `launch_ahead=False`: every step
-    launched after the previous one's tokens are back (worker/scheduling/launch_ahead.py off).
+    (worker/scheduling/async_scheduler.py off, and so launching ahead); `launch_ahead=False`: every step
+    launched after the previous one's tokens are back (worker/scheduling/async_scheduler.py off).
     benchmarks/decode_ahead.py compares the three."""
     config = engine_config()
     core = build_engine(config)

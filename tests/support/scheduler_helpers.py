@@ -9,6 +9,7 @@ from collections.abc import Callable
 from kv.cache_manager import KVCacheManager
 from worker.config import SchedulerConfig
 from worker.api import SamplingParams
+from worker.scheduling.async_scheduler import AsyncScheduler
 from worker.scheduling.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import Sequence
 
@@ -22,12 +23,13 @@ def make_scheduler(
     max_num_batched_tokens: int = 256,
     max_model_len: int = 128,
     prefix_caching: bool = True,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
     )
-    return Scheduler(config, kv)
+    return (AsyncScheduler if async_scheduling else Scheduler)(config, kv)
 
 
 def make_seq(

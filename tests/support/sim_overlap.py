@@ -34,7 +34,7 @@ def sim_engine(scheduler: SchedulerConfig = SCHED, cache: CacheConfig = CacheCon
                launch_ahead: bool = True, token_vocab_size: int | None = None) -> Engine:
     """A sleeping simulated device at dilation 1 (it overlaps the host). `launch_ahead=False`:
     every step waits for the previous one's tokens (the overlapped loop without
-    worker/scheduling/launch_ahead.py). `token_vocab_size`: draw tokens from that few (so that stop
+    worker/scheduling/async_scheduler.py). `token_vocab_size`: draw tokens from that few (so that stop
     tokens come up)."""
     engine = build_sim_engine("llama-3-8b", "h200", scheduler, cache, sleep=True, time_dilation=1.0,
                               token_vocab_size=token_vocab_size)

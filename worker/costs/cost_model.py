@@ -32,7 +32,7 @@ handling) that a serial step loop adds to every step, except after_prompt_overhe
 device's own, the caches a prompt chunk's activations took, refilled by the decode step
 after it (a CPU's weights fit its caches between decode steps, not beside a prompt). Only
 a runner that sees consecutive steps knows it is due (StepFeatures.follows_prompt). The simulated device counts them in
-its step time either way; under the async engine's overlapped loop (worker/scheduling/step_overlap.py)
+its step time either way; under the async engine's overlapped loop (worker/scheduling/async_scheduler.py)
 the engine's own output handling runs beside that time instead of inside it.
 """
 from __future__ import annotations

@@ -3,11 +3,10 @@ stream of outputs; abort; stats.
 
 Threads: the step loop runs on its own thread and owns the engine core. Callers on the
 asyncio loop talk to it through a thread-safe inbox (add / abort; worker/engine/inbox.py)
-and receive outputs through one `call_soon_threadsafe` per step, into a queue per
-`generate` stream or a `run_into` sink (worker/outputs/sink.py); neither side ever blocks
-the other. On a device that works beside the host, the loop publishes each step's
+and receive outputs through one `call_soon_threadsafe` per step, into each request's sink
+(worker/outputs/sink.py; `generate` iterates over one); neither side ever blocks the other. On a device that works beside the host, the loop publishes each step's
 outputs, takes the stats and drains the inbox while the next step is on the device
-(worker/scheduling/step_overlap.py).
+(worker/scheduling/async_scheduler.py).
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from worker.config import EngineConfig
@@ -28,10 +27,10 @@ from worker.engine.inbox import STOP, AbortRequest, AddRequest, ReleaseKV, Reset
 from worker.engine.stats import EngineStats
 from worker.api import RequestError
 from worker.outputs.processor import RequestOutputProcessor
-from worker.outputs.sink import OutputSink
+from worker.outputs.sink import OutputSink, iterate
 from worker.api import RequestOutput
 from worker.api import SamplingParams
-from worker.scheduling.step_overlap import AppliedStep
+from worker.engine.overlap import AppliedStep
 from worker.engine.build import build_engine
 
 logger = logging.getLogger(__name__)
@@ -58,9 +57,8 @@ class AsyncEngine:
         self.engine = engine
         self.tokenizer = tokenizer
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
-        # Per request, where the step loop's outputs go (on the event loop): a queue its
-        # `generate` iterator reads, or a `run_into` sink that handles them in place.
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException] | OutputSink] = {}
+        # Per request, where the step loop's outputs go on the event loop: its sink.
+        self._streams: dict[str, OutputSink] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats: EngineStats = engine.stats()
@@ -100,56 +98,17 @@ class AsyncEngine:
         kv_import: Any = None,
         lora: tuple[str, str | None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs. Leaving the iteration early (the caller went away,
-        the task was cancelled) aborts the request; its blocks are freed within one step.
-        `num_resumed_tokens`: the prompt's last tokens are output a client already has (a
-        migrated request); text deltas continue after them."""
-        self._ensure_started()
+        """Stream the request's outputs (`run_into` behind a queue). Leaving the iteration
+        early (the caller went away, the task was cancelled) aborts the request; its blocks
+        are freed within one step."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        self.engine.validate(prompt_token_ids, params)  # reads config only: thread-safe
-        if kv_import is not None:
-            # Disaggregation, decode side: the first token was streamed by the prefill
-            # replica; replay it so that text continues right after it.
-            processor = RequestOutputProcessor(
-                self.tokenizer, [*prompt_token_ids, kv_import.next_token_id], params, num_resumed_tokens + 1
-            )
-        else:
-            processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, num_resumed_tokens)
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream
-        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, export_kv, kv_import, lora))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if export_kv and item.finish_reason == "length" and item.new_token_ids:
-                    # The prefill half of a disaggregated request: max_tokens=1 ended it
-                    # here, not the request. No final flush: the decode side continues
-                    # the text (held-back characters and stop-string prefixes included).
-                    item.finished, item.finish_reason = False, None
-                    out = processor.process(item)
-                    if not out.finished:  # else a stop string ended it: the normal path below
-                        finished = True  # the core has finished it; its KV stays pinned
-                        yield out
-                        return
-                else:
-                    out = processor.process(item)
-                if out.finished:
-                    finished = True
-                    if processor.stopped:
-                        # The core does not know about stop strings: end it there too.
-                        self._inbox.put(AbortRequest(request_id, notify=False))
-                yield out
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._inbox.put(AbortRequest(request_id, notify=False))
+
+        def run(on_output: Callable[[RequestOutput], None]) -> Awaitable[None]:
+            return self.run_into(prompt_token_ids, params, request_id, on_output, num_resumed_tokens, lora,
+                                 export_kv=export_kv, kv_import=kv_import)
+
+        async for out in iterate(run):
+            yield out
 
     async def run_into(
         self,
@@ -160,31 +119,48 @@ class AsyncEngine:
         num_resumed_tokens: int = 0,
         lora: tuple[str, str | None] | None = None,
         text_at_end: bool = False,
+        export_kv: bool = False,
+        kv_import: Any = None,
     ) -> None:
         """Run a request whose outputs are handed to `on_output` in the event-loop turn that
-        delivers their step: no task wakes per output, unlike iterating `generate` (the
-        batched output streams' path, worker/outputs/streams.py). Returns once the request
-        finished; raises what failed it; cancelling it aborts the request. `text_at_end`:
-        the caller reads the text only at the end (worker/outputs/processor.py); unless a
-        stop string must be watched for or logprobs were asked, the engine then makes no
-        output between the first and the finished one (Engine.add_request's `quiet`)."""
+        delivers their step: no task wakes per output (the batched output streams' path,
+        worker/outputs/streams.py). Returns once the request finished; raises what failed
+        it; cancelling it aborts the request.
+        `num_resumed_tokens`: the prompt's last tokens are output a client already has (a
+        migrated request); text deltas continue after them. `text_at_end`: the caller reads
+        the text only at the end (worker/outputs/processor.py); unless a stop string must be
+        watched for or logprobs were asked, the engine then makes no output between the
+        first and the finished one (Engine.add_request's `quiet`). `export_kv` / `kv_import`:
+        the prefill and decode halves of a disaggregated request (Engine.add_request)."""
         self._ensure_started()
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
-        self.engine.validate(prompt_token_ids, params)
-        processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, num_resumed_tokens, text_at_end)
+        self.engine.validate(prompt_token_ids, params)  # reads config only: thread-safe
+        if kv_import is not None:
+            # Disaggregation, decode side: the first token was streamed by the prefill
+            # replica; replay it so that text continues right after it.
+            processor = RequestOutputProcessor(self.tokenizer, [*prompt_token_ids, kv_import.next_token_id], params,
+                                               num_resumed_tokens + 1, text_at_end)
+        else:
+            processor = RequestOutputProcessor(self.tokenizer, prompt_token_ids, params, num_resumed_tokens,
+                                               text_at_end)
         assert self._loop is not None
         sink = OutputSink(processor, on_output, self._loop.create_future(),
-                          lambda: self._inbox.put(AbortRequest(request_id, notify=False)))
+                          lambda: self._inbox.put(AbortRequest(request_id, notify=False)), export_kv,
+                          on_end=lambda: self._forget(request_id, sink))
         self._streams[request_id] = sink
-        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, False, None, lora,
+        self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, export_kv, kv_import, lora,
                                    processor.defers_text))
         try:
             await sink.done
         finally:
-            self._streams.pop(request_id, None)
+            self._forget(request_id, sink)
             if not sink.finished:
                 self._inbox.put(AbortRequest(request_id, notify=False))
+
+    def _forget(self, request_id: str, sink: OutputSink) -> None:
+        if self._streams.get(request_id) is sink:  # not a later request that reused the id
+            del self._streams[request_id]
 
     def release_kv(self, request_id: str) -> None:
         """The decode side has this request's exported KV (or gave up): unpin its blocks."""
@@ -261,7 +237,7 @@ class AsyncEngine:
 
     def _run_overlapped(self) -> None:
         """Step N's outputs are built and published, the stats taken and the inbox drained
-        while step N+1 is on the device (worker/scheduling/step_overlap.py draws the timeline)."""
+        while step N+1 is on the device (worker/scheduling/async_scheduler.py draws the timeline)."""
         applied: AppliedStep | None = None  # applied to the scheduler, outputs not yet built
         while True:
             if applied is None and not self.engine.has_unfinished():

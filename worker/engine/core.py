@@ -2,14 +2,15 @@
 
 Synchronous and single-threaded on purpose (the async wrapper runs it on its own thread):
 the scheduler, block pool and sequences are only ever touched from one thread. On a runner
-whose device works while the host does (worker/scheduling/step_overlap.py), the same iteration runs
+whose device works while the host does (worker/engine/overlap.py), the same iteration runs
 in three calls instead, so that the previous step's outputs are built under the device's
 time: launch_step (plan, launch, advance past the plan), step_outputs (of the step
-before), complete_step (wait, update).
+before), complete_step (wait, update); its scheduler is then an AsyncScheduler, which plans
+and launches decode steps ahead (worker/scheduling/async_scheduler.py draws the timeline).
 Disaggregation (KV export and import) is not in the step: the KV connector
-(worker/kvcache/connector.py) is called at fixed points of it. The requests that wait on
-something before they can run are admitted by worker/scheduling/request_waits.py as a plan starts;
-a step's result becomes its outputs in worker/scheduling/step_results.py.
+(worker/kvcache/connector.py) is called at fixed points of it. The engine's requests, and
+every change to one outside a plan (waits, failures, outputs, aborts), are
+worker/scheduling/requests.py's.
 """
 from __future__ import annotations
 
@@ -33,14 +34,12 @@ from worker.runner.protocols import Runner
 from worker.api import SamplingParams
 from worker.scheduling.scheduler import Scheduler, SchedulerOutput
 from worker.engine.request_checks import RequestLimits, check_import_root, check_request
-from worker.outputs.request_output import request_output
-from worker.scheduling.request_waits import (admit_compiled, admit_lora_loaded, admit_or_compile, finish_tier_loads, load_kv,
-                                  wait_for_any)
-from worker.sequence import Sequence, SequenceStatus
+from worker.sequence import Sequence
 from worker.scheduling.step_budget import StepPredictor, engine_step_budget
 from worker.engine.step_meters import OutputLengthTracker, PrefillRateMeter, StepCounters
-from worker.scheduling.step_overlap import AppliedStep, LaunchedStep, overlaps
-from worker.scheduling.step_results import fail_step, sampled_outputs
+from worker.engine.overlap import AppliedStep, LaunchedStep, overlaps
+from worker.scheduling.async_scheduler import AsyncScheduler
+from worker.scheduling.requests import Requests
 from worker.structured.compile_waits import CompileWaits
 
 if TYPE_CHECKING:  # torch: a simulated-device engine never imports it
@@ -67,17 +66,15 @@ class Engine:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.kv = KVCacheManager(runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.kv)
+        # A runner that overlaps the device gets async scheduling (plans made and launched ahead).
+        self.scheduler = (AsyncScheduler if overlaps(runner) else Scheduler)(scheduler_config, self.kv)
         self.scheduler.step_budget = engine_step_budget(scheduler_config.max_step_time_s, runner,
                                                            step_time_predictor)
         self.connector: KVConnector = make_connector(runner, self.kv, vocab_size)
         self.tiers: TierManager | None = None  # KV tiers below the device (use_tiers)
         self.kv_events: KVEventLog | None = None  # for the router's index (enable_kv_events)
-        self.seqs: dict[str, Sequence] = {}
-        # The next step, launched by complete_step before it waited (worker/scheduling/launch_ahead.py).
+        # The next step, launched by complete_step before it waited (worker/scheduling/async_scheduler.py).
         self._launched_ahead: LaunchedStep | None = None
-        # Structured outputs: the compiler is set when the engine has a tokenizer (from_config).
-        self.compiles = CompileWaits()
         # Multi-LoRA (worker/lora/): set by from_config when the engine config enables it.
         self.lora: EngineLoRA | None = None
         self.model_path: Path | None = None  # set when built from a model directory
@@ -88,16 +85,28 @@ class Engine:
         self.output_lengths = OutputLengthTracker()
         self.prefill_meter = PrefillRateMeter(
             scheduler_config.max_num_batched_tokens, getattr(runner, "forward_time_dilation", 1.0))
+        self.requests = Requests(self.scheduler, self.connector, self.output_lengths)
+
+    @property
+    def seqs(self) -> dict[str, Sequence]:
+        """The engine's requests by id, from add_request to their last output."""
+        return self.requests.seqs
+
+    @property
+    def compiles(self) -> CompileWaits:
+        """Requests waiting on their grammar's compile (the compiler is set when the engine
+        has a tokenizer: build_engine)."""
+        return self.requests.compiles
 
     def enable_lora(self, lora: EngineLoRA) -> None:
-        self.lora = lora
+        self.lora = self.requests.lora = lora
         self.scheduler.lora_slots = lora.slots
         self.runner.lora_adapters = lora.registry.get
 
     def use_tiers(self, tiers: TierManager) -> None:
         """Evicted prefix blocks move down into `tiers`, and come back from there
         (worker/kvcache/tiers.py draws the path)."""
-        self.tiers = tiers
+        self.tiers = self.requests.tiers = tiers
         self.kv.pool.evicted = []
         if tiers.shared is not None:
             self.kv.pool.stored = []
@@ -182,15 +191,15 @@ class Engine:
         if quiet and params.logprobs is None:  # per-token logprobs leave with each token's output
             seq.quiet_from = seq.num_prompt_tokens
         self.connector.add_request(seq, export_kv, kv_import)
-        self.seqs[request_id] = seq
+        self.requests.seqs[request_id] = seq
         if lora_name is not None:
             seq.lora_name = lora_name
             seq.hash_root = lora_root
         elif prompt_block_hashes is not None:  # the manager copies them (it extends its list in place)
             self.kv.adopt_block_hashes(request_id, prompt_block_hashes)
         if lora_name is not None and not self.lora.add(seq):
-            return  # waits for its adapter's host load (worker/scheduling/request_waits.py)
-        admit_or_compile(self, seq)
+            return  # waits for its adapter's host load (Requests.admit_ready admits it)
+        self.requests.admit(seq)
 
     def check_lora(self, name: str, path: str) -> None:
         """Read an adapter as a request would (any thread: nothing shared is touched);
@@ -214,23 +223,10 @@ class Engine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its blocks (pinned exported ones too) are free when this returns."""
-        self.connector.request_finished(request_id)
-        seq = self.seqs.pop(request_id, None)
-        if seq is None:
-            return None
-        if self.compiles.remove(seq):  # not in the scheduler yet
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-        if self.lora is not None and seq.lora_name is not None:
-            if self.lora.is_loading(seq):  # not in the scheduler yet
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            self.lora.done(seq)
-        self.scheduler.finish(seq, "abort")
-        # A quiet request's tokens since its last output leave with this one.
-        return request_output(seq, seq.token_ids[seq.quiet_from:] if seq.quiet_from is not None else [], None)
+        return self.requests.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self.compiles.seqs)
-                or (self.lora is not None and self.lora.num_loading > 0))
+        return self.scheduler.has_unfinished() or self.requests.num_waiting_outside > 0
 
     # -- the iteration ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -248,7 +244,7 @@ class Engine:
         self.counters.account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
         return outputs
 
-    # The overlapped step (worker/scheduling/step_overlap.py draws its timeline): launch_step, then
+    # The overlapped step (worker/scheduling/async_scheduler.py draws its timeline): launch_step, then
     # the previous step's step_outputs while the device works, then complete_step.
     @property
     def overlaps_device(self) -> bool:
@@ -258,7 +254,7 @@ class Engine:
     @property
     def launches_ahead(self) -> bool:
         """Whether this engine's runner takes a plan whose inputs are the previous step's
-        samples still on the device (worker/scheduling/launch_ahead.py)."""
+        samples still on the device (worker/scheduling/async_scheduler.py)."""
         return self.overlaps_device and getattr(self.runner, "launches_ahead", False)
 
     def launch_step(self) -> LaunchedStep:
@@ -303,7 +299,7 @@ class Engine:
             applied = self._apply(step, result)
             self.counters.account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
         if ahead is not None:
-            if ahead.error is None:  # token_ids hold step N's tokens now (worker/scheduling/launch_ahead.py)
+            if ahead.error is None:  # token_ids hold step N's tokens now (launch ahead's rules)
                 self.counters.timed(self.scheduler.advance, ahead.plan)
             # Its step time counts from here, not from its launch: until step N was done
             # it waited on the device behind it.
@@ -313,8 +309,8 @@ class Engine:
 
     def _launch_ahead(self) -> LaunchedStep | None:
         """Launch the plan made ahead before the step on the device is waited for, when
-        the steady state holds (worker/scheduling/launch_ahead.py); None leaves it to launch_step."""
-        if self.compiles.seqs or (self.lora is not None and self.lora.num_loading):
+        the steady state holds (worker/scheduling/async_scheduler.py); None leaves it to launch_step."""
+        if self.requests.num_waiting_outside:
             return None
         tiers = self.tiers
         if tiers is not None and tiers.has_pending:
@@ -335,27 +331,23 @@ class Engine:
         """The RequestOutputs of an applied step (one per sequence that got a token)."""
         if applied.failed is not None:
             return applied.failed
-        return sampled_outputs(self, applied.plan, applied.logprobs, applied.changed, applied.saved)
+        return self.requests.step_outputs(applied.plan, applied.logprobs, applied.changed, applied.saved)
 
     def wait_for_compiles(self) -> None:
         """Nothing to run but grammar compiles, adapter loads or tier reads: wait for one, briefly."""
-        wait_for_any(self)
+        self.requests.wait_for_any()
 
     def _plan_step(self) -> LaunchedStep:
         start = time.perf_counter()
         self.connector.expire_pins()
-        outputs = admit_compiled(self) if self.compiles.seqs else []
-        if self.lora is not None and self.lora.num_loading:
-            outputs += admit_lora_loaded(self)
+        outputs = self.requests.admit_ready()  # compiles, adapter loads and disk reads done
         tiers = self.tiers
-        if tiers is not None and tiers.has_pending:  # disk reads done: those sequences run now
-            finish_tier_loads(self, tiers.poll())
         plan = self.counters.timed(self.scheduler.schedule)
         if tiers is not None:  # evicted blocks down before this step overwrites them, then loads
             tiers.offload(self.kv.pool.evicted)
             if plan.kv_loads:
-                finish_tier_loads(self, tiers.start_loads(plan.kv_loads))
-        outputs += load_kv(self, plan)  # imports admitted this step: their KV into their blocks
+                self.requests.finish_tier_loads(tiers.start_loads(plan.kv_loads))
+        outputs += self.requests.load_kv(plan)  # imports admitted this step: their KV into their blocks
         return LaunchedStep(plan, outputs, start_s=start)
 
     def _apply(self, step: LaunchedStep, result: RunnerOutput) -> AppliedStep:
@@ -372,7 +364,7 @@ class Engine:
 
     def _failed_step(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         logger.error("engine step failed; failing %d requests", len(plan.seqs), exc_info=error)
-        return fail_step(self, plan, error)
+        return self.requests.fail_step(plan, error)
 
     def stats(self) -> EngineStats:
         kv = self.kv.stats()

@@ -1,7 +1,7 @@
 """The adapters a worker knows (name -> PEFT directory) and the LRU of those loaded in host
 memory (`max_cpu_loras`). Loads run on a thread of their own, never on the step thread:
 a request whose adapter is not in host memory waits outside the scheduler until its load
-is done (worker/scheduling/request_waits.py admit_lora_loaded).
+is done (worker/scheduling/requests.py, Requests.admit_ready).
 
 An adapter that a waiting or running request uses is *pinned*: the LRU never drops it, so
 the scheduler always finds its weights when it gives it a device slot (the LRU may then

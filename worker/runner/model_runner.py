@@ -1,9 +1,9 @@
 """Executes a scheduler plan as ONE flat token batch and samples the next tokens.
 
 `execute(plan)` is `wait(launch(plan))`: launch queues the step on the device, wait reads
-its samples (worker/scheduling/step_overlap.py: on CUDA the engine works on the host in between; a
+its samples (worker/scheduling/async_scheduler.py: on CUDA the engine works on the host in between; a
 plan launched ahead takes its input tokens from the step before's samples on the device,
-worker/scheduling/launch_ahead.py).
+worker/scheduling/async_scheduler.py).
 
 Per step: build the flat inputs (token ids, positions, KV slots, attention metadata) with
 a handful of tensor ops, run the model over every token, compute logits only for the
@@ -165,7 +165,7 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         return self.wait(self.launch(plan))
 
-    # -- the step split at the device (worker/scheduling/step_overlap.py) -------------------------------
+    # -- the step split at the device (worker/scheduling/async_scheduler.py) -------------------------------
     @property
     def overlaps_device(self) -> bool:
         """On CUDA, launch returns with the forward queued on the stream and the host is
@@ -175,7 +175,7 @@ class ModelRunner:
     @property
     def launches_ahead(self) -> bool:
         """On CUDA, one rank: a plan's pending input tokens are gathered on the device from
-        the samples of the step launched before it (worker/scheduling/launch_ahead.py). Under TP the
+        the samples of the step launched before it (worker/scheduling/async_scheduler.py). Under TP the
         other ranks would need those ids too."""
         return self.overlaps_device and self.tp.size == 1
 

@@ -1,5 +1,5 @@
 """One step's samples between the device and the host: the ids stay on the device (a step
-launched ahead reads its inputs there, worker/scheduling/launch_ahead.py) and their copies to pinned
+launched ahead reads its inputs there, worker/scheduling/async_scheduler.py) and their copies to pinned
 host memory are queued behind the sampling, so that `result` is the step's one sync."""
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ Sync discipline: control flow is decided from Python-side `SamplingParams`, neve
 tensor values, and every index tensor is built on the host and copied with
 `non_blocking=True` from pinned memory. So a step has exactly one sync, logprobs or not:
 the event recorded after its copies to the host. The sampled ids also stay on the device,
-where a step launched ahead (worker/scheduling/launch_ahead.py) takes its input tokens from them.
+where a step launched ahead (worker/scheduling/async_scheduler.py) takes its input tokens from them.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[Sequence], bitmask: np.ndarray | None = None
     ) -> SampledBatch:
         """The sampling queued on the device, its copies to the host queued behind it; no
-        host sync. A step launched ahead (worker/scheduling/launch_ahead.py) takes its inputs from
+        host sync. A step launched ahead (worker/scheduling/async_scheduler.py) takes its inputs from
         the result's device tensor before the host reads it."""
         num_rows = len(seqs)
         if logits.dim() != 2 or logits.shape[0] != num_rows:

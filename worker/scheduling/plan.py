@@ -46,7 +46,7 @@ class SchedulerOutput:
     # num_computed_tokens counts this step's); from then on a row's context is
     # num_computed_tokens - num_new_tokens[i].
     advanced: bool = False
-    # Launched ahead (worker/scheduling/launch_ahead.py): every row is one decode token whose input,
+    # Launched ahead (worker/scheduling/async_scheduler.py): every row is one decode token whose input,
     # the token at position num_computed_tokens, is the previous step's sample, not yet
     # in token_ids when the plan is launched; the runner takes it from that step's output.
     pending_inputs: bool = False

@@ -46,8 +46,6 @@ from worker.scheduling import bands
 from worker.scheduling.band_prefill import BandPrefillLimit
 from worker.scheduling.bands import KeyShares, enqueue
 from worker.config import SchedulerConfig
-from worker.scheduling.decode_ahead import DecodeAhead
-from worker.scheduling.launch_ahead import launch_plan
 from worker.lora.slots import LoRASlots
 from worker.scheduling.prefill_caps import PrefillCaps
 from worker.scheduling.preemption import make_room, may_admit, preempt_for_priority, reset_for_recompute
@@ -77,8 +75,6 @@ class Scheduler:
         # Waiting sequences per (band, key), and each key's weight (worker/scheduling/bands.py).
         self._waiting_keys: Counter[tuple[int, str]] = Counter()
         self._weights: dict[str, int] = {}
-        self._ahead: DecodeAhead | None = None  # the next plan, made under the device
-        self.num_plans_ahead = 0  # plans taken from DecodeAhead (tests, profiling)
 
     @property
     def num_waiting(self) -> int:
@@ -112,13 +108,6 @@ class Scheduler:
 
     # -- planning ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            out = ahead.take(self.running, self.waiting, self.loading)
-            if out is not None:  # decodes only: no prompt chunk for the caps to time
-                self._caps.start_step(self.running, self.waiting, None)
-                self.num_plans_ahead += 1
-                return out
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self._caps.start_step(self.running, self.waiting, self.step_budget)
@@ -135,27 +124,6 @@ class Scheduler:
             budget = self._schedule_running(out, budget, list(chunks))
         if not stopped and may_admit(out):
             self._schedule_waiting(out, budget, shares)
-        return out
-
-    def plan_ahead(self) -> None:
-        """While an advanced plan's step is on the device: make the next plan now if it
-        can only be decodes; the next `schedule` takes it if it still holds
-        (worker/scheduling/decode_ahead.py)."""
-        self._ahead = DecodeAhead.make(self.running, self.waiting, self.loading, self.kv,
-                                       self.config.max_num_batched_tokens)
-
-    def launch_ahead(self) -> SchedulerOutput | None:
-        """The plan made ahead, to launch before the step on the device is waited for
-        (worker/scheduling/launch_ahead.py); None leaves it to the next `schedule`."""
-        ahead = self._ahead
-        if ahead is None:
-            return None
-        out = launch_plan(ahead.seqs, ahead.block_ids, self.config.max_model_len)
-        if out is None:
-            return None
-        self._ahead = None
-        self._caps.start_step(self.running, self.waiting, None)
-        self.num_plans_ahead += 1
         return out
 
     def _shares(self) -> KeyShares | None:

@@ -1,7 +1,7 @@
 """Applying a step to its sequences, in two halves: `advance_plan` needs the plan alone
 (the tokens a step computes are its inputs), `append_sampled` needs the tokens it sampled.
 The overlapped loop runs the first while the step is on the device and the second after
-it (worker/scheduling/step_overlap.py); the serial loop runs both after the step. Both are once per
+it (worker/scheduling/async_scheduler.py); the serial loop runs both after the step. Both are once per
 planned sequence per step, so their loops are kept flat.
 
     before advance:  token_ids [ ... c-1 | c ... c+n-1 | ... ]   num_computed_tokens = c

@@ -27,6 +27,7 @@ from worker.serving import tracing
 from worker.api import GenerateRequest, ReplicaDrainingError, RequestOutput
 from worker.engine.async_engine import AsyncEngine
 from worker.config import EngineConfig
+from worker.outputs.sink import iterate
 from worker.outputs.streams import OutputStreams
 from worker.serving.routing_report import build_routing_stats
 from worker.runner.protocols import HealthCheckedRunner
@@ -70,12 +71,20 @@ class WorkerReplica:
         (worker/outputs/streams.py: one list per step for all of the ingress's requests,
         drained by `outputs`). This call then yields one item, this replica's id, so the
         caller knows which replica's stream to read, and ends when the request has."""
-        if request.output_stream is not None:
-            async for item in self._generate_batched(request, request.output_stream, kv_handle):
-                yield item
+        stream_id = request.output_stream
+        if stream_id is None:
+            async for out in iterate(lambda on_output: self._run(request, on_output, kv_handle)):
+                yield out
             return
-        async for out in self._generate(request, kv_handle):
-            yield out
+        self._outboxes.open_request(stream_id, request.request_id, hold=not request.stream)
+        try:
+            yield self.replica_id
+            # A non-streamed answer is read at its end: the engine makes no output between
+            # its first and its last (AsyncEngine.run_into's text_at_end).
+            await self._run(request, lambda out: self._outboxes.put(stream_id, out), kv_handle,
+                            text_at_end=not request.stream and kv_handle is None)
+        finally:
+            self._outboxes.close_request(stream_id, request.request_id)
 
     async def outputs(self, stream_id: str, replica_id: str = "") -> AsyncIterator[list[RequestOutput]]:
         """The outputs of every request sent with `output_stream=stream_id`, one list per
@@ -88,35 +97,47 @@ class WorkerReplica:
         async for batch in self._outboxes.drain(stream_id):
             yield batch
 
-    async def _generate_batched(
-        self, request: GenerateRequest, stream_id: str, kv_handle: KVHandle | None
-    ) -> AsyncIterator[str]:
-        self._outboxes.open_request(stream_id, request.request_id, hold=not request.stream)
-        try:
-            yield self.replica_id
-            if kv_handle is not None or tracing.is_traced(request):
-                async for out in self._generate(request, kv_handle):  # per-output path: spans, KV import
-                    self._outboxes.put(stream_id, out)
-            else:
-                await self._run_into_outbox(request, stream_id)
-        finally:
-            self._outboxes.close_request(stream_id, request.request_id)
+    async def _run(self, request: GenerateRequest, on_output: Callable[[RequestOutput], None],
+                   kv_handle: KVHandle | None = None, *, text_at_end: bool = False, export_kv: bool = False,
+                   call: str | None = None) -> None:
+        """Run one request on the engine, its outputs handed to `on_output`: every request
+        this replica serves takes this path (plain, traced, KV import or export).
 
-    async def _run_into_outbox(self, request: GenerateRequest, stream_id: str) -> None:
-        """The request's outputs go to the outbox as the step loop delivers them."""
+        The cut-short rule: a request the drain timeout ended (`_cut`) ends in the engine
+        with "abort"; that is a replica failure, not an abort the client asked for, so it
+        is not handed on but raised as ReplicaDrainingError, which the ingress resumes on
+        another replica (router/frontend/migration.py)."""
         with self._tracked(request) as key:
+            kv_import = await self._kv_transport().receive(kv_handle) if kv_handle is not None else None
+            trace = (tracing.CallTrace(request, self.replica_id, call or ("decode" if kv_handle else "generate"))
+                     if tracing.is_traced(request) else None)  # spans at the end, from recorded times
             cut_short = False
 
-            def on_output(out: RequestOutput) -> None:
-                nonlocal cut_short
+            def deliver(out: RequestOutput) -> None:
+                nonlocal cut_short, trace
                 if key in self._cut and out.finished and out.finish_reason == "abort":
-                    cut_short = True  # handed back below, not an "abort" to the client
+                    cut_short = True
                     return
-                self._outboxes.put(stream_id, self._output(out))
+                if trace is not None:
+                    trace.observe(out)
+                if out.finished:  # the request's bookkeeping ends before its caller sees the end
+                    if trace is not None:
+                        trace, last = None, trace
+                        last.end()
+                    self._untrack(key)
+                on_output(self._output(out))
 
-            await self.engine.run_into(request.prompt_token_ids, request.params, request.request_id, on_output,
-                                       request.num_resumed_tokens, lora=_lora_of(request),
-                                       text_at_end=not request.stream)
+            error: BaseException | None = None
+            try:
+                await self.engine.run_into(request.prompt_token_ids, request.params, request.request_id, deliver,
+                                           request.num_resumed_tokens, lora=_lora_of(request),
+                                           text_at_end=text_at_end, export_kv=export_kv, kv_import=kv_import)
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                if trace is not None:
+                    trace.end(error)
             if cut_short:
                 raise ReplicaDrainingError("this worker replica was removed before the request "
                                            "finished; resume it on another replica")
@@ -136,28 +157,15 @@ class WorkerReplica:
         try:
             yield key
         finally:
-            del self._streams[key]
-            self._cut.discard(key)
-            if not self._streams:
-                self._no_streams.set()
+            self._untrack(key)
 
-    async def _generate(self, request: GenerateRequest, kv_handle: KVHandle | None = None) -> AsyncIterator[RequestOutput]:
-        with self._tracked(request) as key:
-            resumed = {"num_resumed_tokens": request.num_resumed_tokens} if request.num_resumed_tokens else {}
-            if kv_handle is not None:  # disaggregation: decode after a prefill replica's export
-                resumed["kv_import"] = await self._kv_transport().receive(kv_handle)
-            if request.lora_name is not None:
-                resumed["lora"] = _lora_of(request)
-            outputs = self.engine.generate(request.prompt_token_ids, request.params, request.request_id, **resumed)
-            if tracing.is_traced(request):  # worker/serving/tracing.py: spans at the end, from recorded times
-                outputs = tracing.traced(outputs, request, self.replica_id, "decode" if kv_handle is not None else "generate")
-            async for out in outputs:
-                if key in self._cut and out.finished and out.finish_reason == "abort":
-                    # Not "abort" to the client: a replica failure, which the ingress
-                    # resumes on another replica (router/frontend/migration.py).
-                    raise ReplicaDrainingError("this worker replica was removed before the request "
-                                               "finished; resume it on another replica")
-                yield self._output(out)
+    def _untrack(self, key: object) -> None:
+        """The request no longer counts as open (once: its last output or its end)."""
+        if self._streams.pop(key, None) is None:
+            return
+        self._cut.discard(key)
+        if not self._streams:
+            self._no_streams.set()
 
     # -- prefill/decode disaggregation (kv/transfer.py, router/frontend/disagg.py) -------------------
     async def prefill(self, request: GenerateRequest) -> tuple[RequestOutput | None, KVHandle | None]:
@@ -166,19 +174,13 @@ class WorkerReplica:
         the output is final). The exported blocks stay pinned until `release_kv` (the
         decode side has them) or the engine's pin timeout."""
         params, prompt = request.params, request.prompt_token_ids
+        outputs: list[RequestOutput] = []
         if params.max_tokens == 1 or len(prompt) + 1 >= self.engine.engine.max_model_len:
-            last = None
-            async for out in self._generate(request):
-                last = out
-            return last, None
-        prefill_params = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        last = None
-        outputs = self.engine.generate(prompt, prefill_params, request.request_id, export_kv=True,
-                                       lora=_lora_of(request))
-        if tracing.is_traced(request):
-            outputs = tracing.traced(outputs, request, self.replica_id, "prefill")
-        async for out in outputs:
-            last = out
+            await self._run(request, outputs.append)
+            return (outputs[-1] if outputs else None), None
+        prefill = replace(request, params=replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)))
+        await self._run(prefill, outputs.append, export_kv=True, call="prefill")
+        last = outputs[-1] if outputs else None
         export = last.extra.pop("kv_export", None) if last is not None else None
         if last is None or last.finished or export is None:
             self.engine.release_kv(request.request_id)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from worker.api import GenerateRequest, RequestOutput
@@ -52,23 +51,20 @@ def is_traced(request: GenerateRequest) -> bool:
     return _tracer is not None and request.trace_context is not None
 
 
-async def traced(
-    outputs: AsyncIterator[RequestOutput], request: GenerateRequest, replica_id: str, call: str
-) -> AsyncIterator[RequestOutput]:
-    """`outputs` unchanged; when they end (finished, failed or abandoned) the replica span
-    and its phases are recorded. `call`: generate | prefill | decode (the replica method)."""
-    started = time.monotonic()
-    last: RequestOutput | None = None
-    error: BaseException | None = None
-    try:
-        async for out in outputs:
-            last = out
-            yield out
-    except BaseException as e:
-        error = e
-        raise
-    finally:
-        record(request, replica_id, call, started, time.monotonic(), last, error)
+class CallTrace:
+    """One replica call's trace: `observe` each output; `end` records the replica span and
+    its phases (finished, failed or abandoned). `call`: generate | prefill | decode."""
+
+    def __init__(self, request: GenerateRequest, replica_id: str, call: str) -> None:
+        self.request, self.replica_id, self.call = request, replica_id, call
+        self.started = time.monotonic()
+        self.last: RequestOutput | None = None
+
+    def observe(self, out: RequestOutput) -> None:
+        self.last = out
+
+    def end(self, error: BaseException | None = None) -> None:
+        record(self.request, self.replica_id, self.call, self.started, time.monotonic(), self.last, error)
 
 
 def record(

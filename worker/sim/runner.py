@@ -15,7 +15,7 @@ simulated replica holds per block). Each step (`execute(plan)`, or `launch` then
   `execute` (the serial Engine.step) takes the host work the engine did since the previous
   step (schedule, update, outputs: real Python time) off the modelled host overheads, up
   to their size, so that it is not counted twice; `launch` / `wait` (the async engine's
-  overlapped loop, worker/scheduling/step_overlap.py) run the whole modelled step on the clock from
+  overlapped loop, worker/scheduling/async_scheduler.py) run the whole modelled step on the clock from
   the launch while the host works beside it, as a GPU runs a launched step;
 - with `sleep=False` (the discrete-event simulator) returns at once; the modelled time
   is in `last_step_s` (and RunnerOutput.forward_s) for a virtual clock to advance by.
@@ -103,7 +103,7 @@ class SimStep:
 
     output: RunnerOutput
     done_at: float
-    # Launched ahead (worker/scheduling/launch_ahead.py): its rows' tokens are drawn at wait, once
+    # Launched ahead (worker/scheduling/async_scheduler.py): its rows' tokens are drawn at wait, once
     # the previous step's tokens are in token_ids.
     pending: SchedulerOutput | None = None
 
@@ -111,7 +111,7 @@ class SimStep:
 class SimRunner:
     """Satisfies the engine's Runner protocol (worker/runner/protocols.py): `num_blocks` and
     `execute(plan) -> RunnerOutput`; and, sleeping, OverlappingRunner's launch / wait
-    (worker/scheduling/step_overlap.py)."""
+    (worker/scheduling/async_scheduler.py)."""
 
     def __init__(
         self,
@@ -164,7 +164,7 @@ class SimRunner:
         self._last_return = time.perf_counter()
         return RunnerOutput(token_ids, logprobs, forward_s)
 
-    # -- the overlapping device (worker/scheduling/step_overlap.py) ------------------------------------------
+    # -- the overlapping device (worker/scheduling/async_scheduler.py) ------------------------------------------
     @property
     def overlaps_device(self) -> bool:
         """A sleeping runner is a device beside the host: launch returns at once and the step
@@ -192,7 +192,7 @@ class SimRunner:
     @property
     def launches_ahead(self) -> bool:
         """A pending input is only a token the device has not drawn yet: launch prices the
-        step by its rows, and wait draws its tokens (worker/scheduling/launch_ahead.py)."""
+        step by its rows, and wait draws its tokens (worker/scheduling/async_scheduler.py)."""
         return self.sleep
 
     def wait(self, step: SimStep) -> RunnerOutput:

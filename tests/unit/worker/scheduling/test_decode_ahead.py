@@ -1,4 +1,4 @@
-"""The next plan made under the device (worker/scheduling/decode_ahead.py): Scheduler.plan_ahead after
+"""The next plan made under the device (worker/scheduling/async_scheduler.py): AsyncScheduler.plan_ahead after
 a step is advanced, taken by the next schedule when only decodes can follow, and the full
 schedule otherwise. Block ids are exact: block_size 4, the pool hands out the lowest free."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ def sampled(plan: SchedulerOutput, pick: dict[str, int] | None = None) -> list[i
 
 
 def test_a_decode_step_is_planned_under_the_device_with_its_grown_table() -> None:
-    sched = make_scheduler(block_size=4)
+    sched = make_scheduler(async_scheduling=True, block_size=4)
     a, b = make_seq("a", 4, max_tokens=5), make_seq("b", 3, max_tokens=5)
     sched.add(a)
     sched.add(b)
@@ -44,7 +44,7 @@ def test_a_decode_step_is_planned_under_the_device_with_its_grown_table() -> Non
 
 def test_taken_plans_are_the_full_schedules_plans() -> None:
     def run(ahead: bool) -> list[tuple[list[str], list[int], list[list[int]]]]:
-        sched = make_scheduler(block_size=4, num_blocks=16)
+        sched = make_scheduler(async_scheduling=True, block_size=4, num_blocks=16)
         seqs = [make_seq("a", 6, max_tokens=9), make_seq("b", 3, max_tokens=4, eos=frozenset({EOS})),
                 make_seq("c", 9, max_tokens=7)]
         for s in seqs:
@@ -67,7 +67,7 @@ def test_taken_plans_are_the_full_schedules_plans() -> None:
 
 
 def test_a_stopped_or_aborted_sequence_leaves_the_plan_and_frees_its_grown_table() -> None:
-    sched = make_scheduler(block_size=4)
+    sched = make_scheduler(async_scheduling=True, block_size=4)
     a, b, c = make_seq("a", 4, max_tokens=1), make_seq("b", 4, max_tokens=5), make_seq("c", 4, max_tokens=5)
     for s in (a, b, c):
         sched.add(s)
@@ -82,11 +82,11 @@ def test_a_stopped_or_aborted_sequence_leaves_the_plan_and_frees_its_grown_table
 
 
 def test_no_plan_ahead_while_a_prompt_is_unfinished_or_a_request_waits() -> None:
-    sched = make_scheduler(block_size=4, max_num_batched_tokens=6)
+    sched = make_scheduler(async_scheduling=True, block_size=4, max_num_batched_tokens=6)
     sched.add(make_seq("a", 10, max_tokens=2))
     launched(sched)  # 6 of a's 10 prompt tokens: a prompt chunk follows
     assert sched._ahead is None
-    sched2 = make_scheduler(block_size=4, max_num_seqs=1)
+    sched2 = make_scheduler(async_scheduling=True, block_size=4, max_num_seqs=1)
     sched2.add(make_seq("a", 4, max_tokens=3))
     sched2.add(make_seq("b", 4, max_tokens=3))  # waits for a's slot
     launched(sched2)
@@ -94,7 +94,7 @@ def test_no_plan_ahead_while_a_prompt_is_unfinished_or_a_request_waits() -> None
 
 
 def test_a_request_that_arrives_after_the_plan_was_made_gets_the_full_schedule() -> None:
-    sched = make_scheduler(block_size=4)
+    sched = make_scheduler(async_scheduling=True, block_size=4)
     a = make_seq("a", 4, max_tokens=5)
     sched.add(a)
     plan = launched(sched)
@@ -109,7 +109,7 @@ def test_a_request_that_arrives_after_the_plan_was_made_gets_the_full_schedule()
 def test_a_table_that_cannot_grow_leaves_preemption_to_the_full_schedule() -> None:
     # 3 blocks: a and b hold one each after their 4-token prompts; each first token needs a
     # second block, and only one is free.
-    sched = make_scheduler(block_size=4, num_blocks=3)
+    sched = make_scheduler(async_scheduling=True, block_size=4, num_blocks=3)
     a, b = make_seq("a", 4, max_tokens=3), make_seq("b", 4, max_tokens=3)
     sched.add(a)
     sched.add(b)

@@ -1,4 +1,4 @@
-"""Step N+1 launched before step N's tokens are back (worker/scheduling/launch_ahead.py): the device
+"""Step N+1 launched before step N's tokens are back (worker/scheduling/async_scheduler.py): the device
 never idles between decode steps, a step's tokens are the serial loop's, a sequence that
 stops on a token while the next step holds it loses only that row's token, and one that
 stops by length is left out of the next step before its last token is drawn.
@@ -20,7 +20,7 @@ from tests.support.sim_overlap import FakeClock, requests, serial_tokens, sim_en
 from worker.api import SamplingParams
 from worker.engine.async_engine import AsyncEngine
 from worker.config import CacheConfig
-from worker.scheduling.launch_ahead import last_by_length, launch_plan
+from worker.scheduling.async_scheduler import last_by_length, launch_plan
 from worker.runner.model_runner import ModelRunner
 from worker.scheduling.plan import SchedulerOutput
 from worker.sim.runner import SimRunner, SimStep
@@ -209,7 +209,7 @@ def decoding(sched: Any, max_tokens: dict[str, int], prompt_len: int = 5) -> lis
 
 
 def test_a_sequence_whose_pending_token_is_its_last_is_left_out() -> None:
-    sched = make_scheduler(num_blocks=16, block_size=4)
+    sched = make_scheduler(async_scheduling=True, num_blocks=16, block_size=4)
     # "last" has drawn 1 of 2 tokens: the one the step on the device draws is its last.
     last, more = decoding(sched, {"last": 2, "more": 3})
     sched.advance(sched.schedule())  # the step on the device computes each one's token 1
@@ -225,7 +225,7 @@ def test_a_sequence_whose_pending_token_is_its_last_is_left_out() -> None:
 
 
 def test_no_launch_ahead_when_every_row_ends_or_a_grammar_is_in_the_batch() -> None:
-    sched = make_scheduler(num_blocks=16, block_size=4)
+    sched = make_scheduler(async_scheduling=True, num_blocks=16, block_size=4)
     only, other = decoding(sched, {"only": 2, "other": 9})
     assert launch_plan([only], [[0, 1]], 4096) is None  # its pending token is its last
     other.grammar = object()  # type: ignore[assignment]

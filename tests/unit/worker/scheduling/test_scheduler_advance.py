@@ -1,6 +1,6 @@
 """Applying a step in two halves (Scheduler.advance, then Scheduler.update): the overlapped
 loop advances a plan while its step is on the device and updates it with the sampled
-tokens after (worker/scheduling/step_overlap.py). The two halves leave exactly the state the serial
+tokens after (worker/scheduling/async_scheduler.py). The two halves leave exactly the state the serial
 update leaves, and an abort between them drops the token and frees every block."""
 from __future__ import annotations
 

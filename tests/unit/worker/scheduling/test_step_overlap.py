@@ -1,4 +1,4 @@
-"""Host work under device work (worker/scheduling/step_overlap.py): on a device that works beside the
+"""Host work under device work (worker/scheduling/async_scheduler.py): on a device that works beside the
 host, the async engine builds and publishes step N's outputs, takes its stats and drains
 its inbox while step N+1 is on the device; the tokens are those of the serial loop.
 
