@@ -274,7 +274,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from cluster.app import build_app, grpc_servicer
     from cluster.serve_env import controller_options, haproxy_binary, job_runtime_env, private_direct_ingress
-    from router.frontend.grpc_health import APP_NAME_ENV
+    from router.frontend.grpc_api.health import APP_NAME_ENV
 
     starts_cluster = args.address is None
     direct = direct_ingress(config, starts_cluster=starts_cluster)
@@ -292,8 +292,8 @@ def run_serve(args: argparse.Namespace) -> int:
         haproxy_dir = direct.files_dir
 
     # Serve's gRPC proxy reads its TLS settings from the node's environment
-    # (router/frontend/grpc_tls.py): a local cluster inherits this process's.
-    # Likewise its exposure and message-size cap (router/frontend/grpc_exposure.py).
+    # (router/frontend/grpc_api/tls.py): a local cluster inherits this process's.
+    # Likewise its exposure and message-size cap (router/frontend/grpc_api/exposure.py).
     os.environ.update(grpc_proxy_env(config))
     os.environ[APP_NAME_ENV] = config.app_name  # the app the proxy's health service probes
     record = None  # the local cluster's record for `kvserve status` (cluster/local_ray.py)

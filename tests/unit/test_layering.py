@@ -102,7 +102,7 @@ def test_the_walk_sees_imports_in_functions(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["worker.api", "router.frontend.ingress", "router.frontend.grpc_servicer", "router.routing.serve_router", "router.frontend.disagg"]
+    "module", ["worker.api", "router.frontend.ingress", "router.frontend.grpc_api.servicer", "router.routing.serve_router", "router.frontend.disagg"]
 )
 def test_importing_the_ingress_does_not_import_torch(module: str) -> None:
     """In a fresh interpreter: this process may have imported torch already."""
