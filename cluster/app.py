@@ -306,10 +306,10 @@ def request_router_config(config: KVServeConfig) -> RequestRouterConfig:
 
 def grpc_servicer() -> str:
     """The servicer function to give Serve's gRPC proxy (`gRPCOptions.grpc_servicer_functions`):
-    the generated registration plus a cancel fix (router/frontend/grpc_proxy.py). Raises
+    the generated registration plus a cancel fix (router/frontend/grpc_api/proxy.py). Raises
     MissingDependencyError, with what to install, when grpc or the stubs do not import."""
     try:
-        from router.frontend.grpc_proxy import GRPC_SERVICER
+        from router.frontend.grpc_api.proxy import GRPC_SERVICER
     except ImportError as e:
         raise missing("the gRPC API (config grpc.enabled)", e) from e
     return GRPC_SERVICER

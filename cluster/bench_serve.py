@@ -23,12 +23,16 @@ import math
 import os
 import sys
 from dataclasses import asdict
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
 
 from cluster.bench.report import DEFAULT_PERCENTILES, format_summary, jsonable
 from cluster.bench.stream import ENDPOINTS
-from cluster.bench.workload import DATASETS, PromptCalibration, generate_workload
+from cluster.bench.workload import DATASETS, BenchRequest, PromptCalibration, generate_workload
 from cluster.config import HTTPSection
+
+if TYPE_CHECKING:
+    from cluster.bench.run import BenchResult
 
 # Where `kvserve serve` listens by default (the config schema's defaults).
 DEFAULT_BASE_URL = f"http://{HTTPSection().host}:{HTTPSection().port}"
@@ -117,8 +121,7 @@ async def bench_serve(args: argparse.Namespace, stdout: TextIO | None = None, st
     out = stdout or sys.stdout
     err = stderr or sys.stderr
     # aiohttp, imported here to keep `kvserve --help` quick
-    from cluster.bench.client import CLIENT_ERRORS, make_client
-    from cluster.bench.probe import calibrate_prompt_tokens, fetch_models
+    from cluster.bench.client import make_client
     from cluster.bench.run import Progress, run_benchmark
     if args.max_concurrency is not None and args.max_concurrency < 1:
         print("kvserve bench: --max-concurrency must be >= 1", file=err)
@@ -129,52 +132,12 @@ async def bench_serve(args: argparse.Namespace, stdout: TextIO | None = None, st
 
     client = make_client(args.max_concurrency, args.timeout)
     try:
-        model = args.model
-        max_model_len = None
-        try:
-            models = await fetch_models(client, args.base_url, args.api_key)
-        except (*CLIENT_ERRORS, ValueError) as e:
-            if model is None:
-                note(f"kvserve bench: cannot list models at {args.base_url}: {type(e).__name__}: {e}")
-                return 1
-            models = []
-        if model is None:
-            if not models:
-                note(f"kvserve bench: {args.base_url} serves no model")
-                return 1
-            model = models[0]["id"]
-        for card in models:
-            if card.get("id") == model:
-                max_model_len = card.get("max_model_len")
-
-        calibration = PromptCalibration()
-        if args.calibrate:
-            try:
-                calibration = await calibrate_prompt_tokens(client, args.base_url, model, args.endpoint, args.api_key)
-                note(
-                    f"kvserve bench: calibrated prompts on the server: {calibration.tokens_per_word:.2f} tokens/word"
-                    f" + {calibration.overhead_tokens:.0f} tokens overhead"
-                )
-            except (*CLIENT_ERRORS, ValueError, KeyError) as e:
-                reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-                note(f"kvserve bench: calibration failed ({reason}); assuming 1 token per word")
-
-        requests = generate_workload(
-            args.dataset,
-            num_prompts=args.num_prompts,
-            seed=args.seed,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            range_ratio=args.range_ratio,
-            num_prefix_groups=args.num_prefix_groups,
-            prefix_len=args.prefix_len,
-            suffix_len=args.suffix_len,
-            calibration=calibration,
-        )
-        if max_model_len and requests:
-            longest = max(r.prompt_len + r.max_tokens for r in requests)
-            if longest > int(max_model_len):
-                note(f"kvserve bench: warning: up to {longest} tokens per request; the server's max_model_len is {max_model_len}")
+        served = await _served_model(client, args, note)
+        if served is None:
+            return 1
+        model, max_model_len = served
+        calibration = await _calibration(client, args, model, note)
+        requests = _workload(args, calibration, max_model_len, note)
         mode = f"{args.request_rate:g} req/s" + (f" (burstiness {args.burstiness:g})" if args.burstiness != 1.0 else "")
         if args.max_concurrency:
             mode += f", at most {args.max_concurrency} in flight"
@@ -202,15 +165,89 @@ async def bench_serve(args: argparse.Namespace, stdout: TextIO | None = None, st
     summary["dataset"] = args.dataset
     print(format_summary(summary), file=out, flush=True)
     if args.json:
-        settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key") and not callable(v)}
-        document = {
-            "summary": summary,
-            "settings": settings,
-            "calibration": asdict(calibration),
-            "requests": [r.to_dict() for r in result.requests],
-        }
-        with open(args.json, "w") as f:
-            json.dump(jsonable(document), f, indent=1, allow_nan=False)
-            f.write("\n")
+        _write_json(args.json, args, summary, calibration, result)
         note(f"kvserve bench: wrote {args.json}")
     return 0 if summary["completed"] else 1
+
+
+async def _served_model(client: Any, args: argparse.Namespace, note: Callable[[str], None]) -> tuple[str, Any] | None:
+    """(the model to load, its max_model_len when /v1/models says it): --model, else the
+    first served one. None, said through `note`, when there is none to load."""
+    from cluster.bench.client import CLIENT_ERRORS  # aiohttp: not at `kvserve --help`
+    from cluster.bench.probe import fetch_models
+
+    model = args.model
+    max_model_len = None
+    try:
+        models = await fetch_models(client, args.base_url, args.api_key)
+    except (*CLIENT_ERRORS, ValueError) as e:
+        if model is None:
+            note(f"kvserve bench: cannot list models at {args.base_url}: {type(e).__name__}: {e}")
+            return None
+        models = []
+    if model is None:
+        if not models:
+            note(f"kvserve bench: {args.base_url} serves no model")
+            return None
+        model = models[0]["id"]
+    for card in models:
+        if card.get("id") == model:
+            max_model_len = card.get("max_model_len")
+    return model, max_model_len
+
+
+async def _calibration(client: Any, args: argparse.Namespace, model: str, note: Callable[[str], None]) -> PromptCalibration:
+    """The server's tokens per word (--calibrate), else 1; a failed probe falls back to 1."""
+    from cluster.bench.client import CLIENT_ERRORS  # aiohttp: not at `kvserve --help`
+    from cluster.bench.probe import calibrate_prompt_tokens
+
+    if not args.calibrate:
+        return PromptCalibration()
+    try:
+        calibration = await calibrate_prompt_tokens(client, args.base_url, model, args.endpoint, args.api_key)
+    except (*CLIENT_ERRORS, ValueError, KeyError) as e:
+        reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        note(f"kvserve bench: calibration failed ({reason}); assuming 1 token per word")
+        return PromptCalibration()
+    note(
+        f"kvserve bench: calibrated prompts on the server: {calibration.tokens_per_word:.2f} tokens/word"
+        f" + {calibration.overhead_tokens:.0f} tokens overhead"
+    )
+    return calibration
+
+
+def _workload(args: argparse.Namespace, calibration: PromptCalibration, max_model_len: Any,
+              note: Callable[[str], None]) -> list[BenchRequest]:
+    """The seeded requests the arguments describe; a warning when one may pass max_model_len."""
+    requests = generate_workload(
+        args.dataset,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        num_prefix_groups=args.num_prefix_groups,
+        prefix_len=args.prefix_len,
+        suffix_len=args.suffix_len,
+        calibration=calibration,
+    )
+    if max_model_len and requests:
+        longest = max(r.prompt_len + r.max_tokens for r in requests)
+        if longest > int(max_model_len):
+            note(f"kvserve bench: warning: up to {longest} tokens per request; the server's max_model_len is {max_model_len}")
+    return requests
+
+
+def _write_json(path: str, args: argparse.Namespace, summary: dict[str, Any], calibration: PromptCalibration,
+                result: BenchResult) -> None:
+    """The summary, the settings (never the API key), the calibration and every request."""
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "api_key") and not callable(v)}
+    document = {
+        "summary": summary,
+        "settings": settings,
+        "calibration": asdict(calibration),
+        "requests": [r.to_dict() for r in result.requests],
+    }
+    with open(path, "w") as f:
+        json.dump(jsonable(document), f, indent=1, allow_nan=False)
+        f.write("\n")

@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from cluster.lora_config import parse_lora_modules
 from cluster.deps import MissingDependencyError, missing
 from cluster.serve_exposure import (direct_ingress, direct_ingress_off_reason, endpoint_lines, grpc_proxy_env,
                                     listen_warnings)
+from cluster.serve_env import DirectIngress
 from worker.model_config import UnsupportedModelError, check_local_model
 
 # name -> "module:register_function"; register(subparsers) adds the parser, sets func.
@@ -263,20 +265,58 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_config = config.engine_config()  # fails early (and readably) on a missing model
     # ... and on a checkpoint the workers would refuse (quantized, another architecture).
     check_local_model(engine_config.model.model, engine_config.model.trust_remote_code)
-    from cluster.local_ray import forget_local_cluster, keep_ray_on_loopback, remember_local_cluster, start_local_ray
+    from cluster.local_ray import forget_local_cluster, keep_ray_on_loopback
 
     if args.address is None:
         keep_ray_on_loopback()  # before Ray is imported: it reads the switch then
 
     import ray
     from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
 
-    from cluster.app import build_app, grpc_servicer
-    from cluster.serve_env import controller_options, haproxy_binary, job_runtime_env, private_direct_ingress
-    from router.frontend.grpc_health import APP_NAME_ENV
+    from router.frontend.grpc_api.health import APP_NAME_ENV
 
-    starts_cluster = args.address is None
+    ingress = _http_ingress(config, starts_cluster=args.address is None)
+    # Serve's gRPC proxy reads its TLS settings from the node's environment
+    # (router/frontend/grpc_api/tls.py): a local cluster inherits this process's.
+    # Likewise its exposure and message-size cap (router/frontend/grpc_api/exposure.py).
+    os.environ.update(grpc_proxy_env(config))
+    os.environ[APP_NAME_ENV] = config.app_name  # the app the proxy's health service probes
+    record = _join_ray(args, config, ingress.direct)
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: Any) -> None:
+        stop.set()
+
+    # After ray.init, which installs its own SIGTERM handler (a stack dump, then exit):
+    # both signals end the wait below, and the shutdown runs in order.
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        _serve_until_stopped(config, engine_config.model.model, ingress, stop)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            forget_local_cluster(record)
+            if ingress.haproxy_dir is not None:
+                shutil.rmtree(ingress.haproxy_dir, ignore_errors=True)
+    return 0
+
+
+@dataclass(frozen=True)
+class HttpIngress:
+    """How HTTP reaches the ingress: Serve's direct ingress (HAProxy), or Serve's proxies
+    (`direct` None, `off_reason` saying why when that was left to kvserve)."""
+
+    direct: DirectIngress | None
+    off_reason: str | None
+    haproxy_dir: Path | None  # HAProxy's private files, removed at shutdown
+
+
+def _http_ingress(config: KVServeConfig, starts_cluster: bool) -> HttpIngress:
+    from cluster.serve_env import haproxy_binary, private_direct_ingress
+
     direct = direct_ingress(config, starts_cluster=starts_cluster)
     # Why Serve's proxies serve, when that was left to kvserve (the banner says it).
     off_reason = (direct_ingress_off_reason(config, starts_cluster=starts_cluster)
@@ -290,67 +330,63 @@ def run_serve(args: argparse.Namespace) -> int:
         assert binary is not None  # direct_ingress found one
         direct = private_direct_ingress(direct, config.http.host, binary)
         haproxy_dir = direct.files_dir
+    return HttpIngress(direct, off_reason, haproxy_dir)
 
-    # Serve's gRPC proxy reads its TLS settings from the node's environment
-    # (router/frontend/grpc_tls.py): a local cluster inherits this process's.
-    # Likewise its exposure and message-size cap (router/frontend/grpc_exposure.py).
-    os.environ.update(grpc_proxy_env(config))
-    os.environ[APP_NAME_ENV] = config.app_name  # the app the proxy's health service probes
-    record = None  # the local cluster's record for `kvserve status` (cluster/local_ray.py)
-    if args.address is None:
-        # Always a NEW cluster of its own, with Ray's traffic on loopback (cluster/local_ray.py),
-        # never whatever $RAY_ADDRESS or /tmp/ray/ray_current_cluster point at.
-        # Replicas import kvserve from the same place as this process (a source checkout
-        # works without installing it).
-        root = str(Path(__file__).resolve().parent.parent)
-        pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        address_info = start_local_ray(
-            log_to_driver=False,
-            include_dashboard=args.dashboard,
-            num_cpus=args.num_cpus or local_num_cpus(config),
-            runtime_env=job_runtime_env({"PYTHONPATH": pythonpath}, direct_ingress=direct),
-        )
-        record = remember_local_cluster(address_info, config.app_name)
-    else:
+
+def _join_ray(args: argparse.Namespace, config: KVServeConfig, direct: DirectIngress | None) -> Path | None:
+    """Ray for `kvserve serve`: a new local cluster (returns its record for `kvserve
+    status`, cluster/local_ray.py), or the one at --address (returns None)."""
+    import ray
+
+    from cluster.local_ray import remember_local_cluster, start_local_ray
+    from cluster.serve_env import job_runtime_env
+
+    if args.address is not None:
         ray.init(address=args.address, log_to_driver=False, runtime_env=job_runtime_env(direct_ingress=direct))
-    stop = threading.Event()
+        return None
+    # Always a NEW cluster of its own, with Ray's traffic on loopback (cluster/local_ray.py),
+    # never whatever $RAY_ADDRESS or /tmp/ray/ray_current_cluster point at.
+    # Replicas import kvserve from the same place as this process (a source checkout
+    # works without installing it).
+    root = str(Path(__file__).resolve().parent.parent)
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    address_info = start_local_ray(
+        log_to_driver=False,
+        include_dashboard=args.dashboard,
+        num_cpus=args.num_cpus or local_num_cpus(config),
+        runtime_env=job_runtime_env({"PYTHONPATH": pythonpath}, direct_ingress=direct),
+    )
+    return remember_local_cluster(address_info, config.app_name)
 
-    def request_stop(signum: int, frame: Any) -> None:
-        stop.set()
 
-    # After ray.init, which installs its own SIGTERM handler (a stack dump, then exit):
-    # both signals end the wait below, and the shutdown runs in order.
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-    try:
-        servicer = grpc_servicer() if config.grpc.enabled else None
-        serve.start(
-            http_options=HTTPOptions(host=config.http.host, port=config.http.port),
-            grpc_options=gRPCOptions(port=config.grpc.port, grpc_servicer_functions=[servicer] if servicer else []),
-            controller_options=controller_options(direct_ingress=direct),
-        )
-        print(f"kvserve: loading {engine_config.model.model} on {config.workers.num_replicas} worker(s) ...", flush=True)
-        serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False)
-        name = config.model.resolved_name()
-        print(f"kvserve: serving model {name!r}", flush=True)
-        for line in endpoint_lines(config, direct, off_reason):
-            print(f"kvserve: {line}", flush=True)
-        for line in listen_warnings(config, direct):
-            print(f"kvserve: WARNING: {line}", file=sys.stderr, flush=True)
-        print("kvserve: Ctrl-C to stop", flush=True)
-        while not stop.wait(1.0):
-            pass
-        print("kvserve: shutting down ...", flush=True)
-        drain_ingress(config.app_name, config.workers.drain_timeout_s)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            forget_local_cluster(record)
-            if haproxy_dir is not None:
-                shutil.rmtree(haproxy_dir, ignore_errors=True)
-    return 0
+def _serve_until_stopped(config: KVServeConfig, model: str, ingress: HttpIngress, stop: threading.Event) -> None:
+    """Serve and the app started (`model`: the checkpoint the workers load), the banner
+    printed; then waits for `stop` and drains the ingress."""
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from cluster.app import build_app, grpc_servicer
+    from cluster.serve_env import controller_options
+
+    servicer = grpc_servicer() if config.grpc.enabled else None
+    serve.start(
+        http_options=HTTPOptions(host=config.http.host, port=config.http.port),
+        grpc_options=gRPCOptions(port=config.grpc.port, grpc_servicer_functions=[servicer] if servicer else []),
+        controller_options=controller_options(direct_ingress=ingress.direct),
+    )
+    print(f"kvserve: loading {model} on {config.workers.num_replicas} worker(s) ...", flush=True)
+    serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False)
+    name = config.model.resolved_name()
+    print(f"kvserve: serving model {name!r}", flush=True)
+    for line in endpoint_lines(config, ingress.direct, ingress.off_reason):
+        print(f"kvserve: {line}", flush=True)
+    for line in listen_warnings(config, ingress.direct):
+        print(f"kvserve: WARNING: {line}", file=sys.stderr, flush=True)
+    print("kvserve: Ctrl-C to stop", flush=True)
+    while not stop.wait(1.0):
+        pass
+    print("kvserve: shutting down ...", flush=True)
+    drain_ingress(config.app_name, config.workers.drain_timeout_s)
 
 
 if __name__ == "__main__":

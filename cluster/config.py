@@ -179,9 +179,9 @@ class GRPCSection(Section):
     port: int = Field(9000, ge=0, le=65535)
     enabled: bool = True
     # Local `kvserve serve` without API keys answers gRPC on loopback only (Serve's proxy
-    # binds every interface: router/frontend/grpc_exposure.py); true serves other machines too.
+    # binds every interface: router/frontend/grpc_api/exposure.py); true serves other machines too.
     public: bool = False
-    # TLS on a second port of Serve's gRPC proxy (router/frontend/grpc_tls.py: Serve 2.60 itself
+    # TLS on a second port of Serve's gRPC proxy (router/frontend/grpc_api/tls.py: Serve 2.60 itself
     # serves only plaintext, on `port`). All three paths are PEM files on every node;
     # tls_client_ca_file set -> mutual TLS.
     tls_port: int | None = Field(None, ge=0, le=65535)
@@ -201,10 +201,10 @@ class GRPCSection(Section):
 
     @property
     def tls_env(self) -> dict[str, str]:
-        """The environment that turns TLS on in Serve's gRPC proxy (router/frontend/grpc_tls.py)."""
+        """The environment that turns TLS on in Serve's gRPC proxy (router/frontend/grpc_api/tls.py)."""
         if self.tls_port is None:
             return {}
-        from router.frontend.grpc_tls import TLSConfig
+        from router.frontend.grpc_api.tls import TLSConfig
 
         return TLSConfig(self.tls_port, self.tls_cert_file or "", self.tls_key_file or "", self.tls_client_ca_file).to_env()
 
@@ -293,7 +293,7 @@ class KVServeConfig(Section):
 
     @model_validator(mode="after")
     def _direct_ingress_without_tls(self) -> KVServeConfig:
-        # gRPC TLS is a listener kvserve adds to Serve's gRPC proxy (router/frontend/grpc_tls.py),
+        # gRPC TLS is a listener kvserve adds to Serve's gRPC proxy (router/frontend/grpc_api/tls.py),
         # which direct ingress replaces with HAProxy.
         if self.http.direct_ingress is True and self.grpc.enabled and self.grpc.tls_port is not None:
             raise ValueError("http.direct_ingress: gRPC TLS (grpc.tls_port) needs Serve's gRPC proxy; "

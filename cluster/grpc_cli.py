@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
 
 
 def run_complete(args: argparse.Namespace, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    from router.frontend.client import KVServeClient, KVServeError
+    from router.frontend.grpc_api.client import KVServeClient, KVServeError
 
     out = stdout or sys.stdout
     err = stderr or sys.stderr

@@ -6,7 +6,7 @@ The rule they share: a server without API keys answers only loopback clients, un
 operator opens it explicitly (`--host` for HTTP, `--grpc-public` for gRPC). Serve 2.60's
 gRPC proxy has no host option: it binds [::]:port, every interface
 (ray/serve/_private/grpc_util.py start_grpc_server), so the loopback-only rule is enforced
-inside the proxy (router/frontend/grpc_exposure.py) rather than by its bind address.
+inside the proxy (router/frontend/grpc_api/exposure.py) rather than by its bind address.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def direct_ingress_off_reason(config: KVServeConfig, environ: Mapping[str, str] 
 
     HAProxy binds gRPC on the HTTP host, and every gRPC peer the ingress replica sees is
     HAProxy, on loopback: the loopback-only guard of a server without API keys
-    (router/frontend/grpc_exposure.py) cannot tell a remote client then, so such a server
+    (router/frontend/grpc_api/exposure.py) cannot tell a remote client then, so such a server
     needs the HTTP host on loopback too. gRPC TLS is a listener kvserve adds to Serve's
-    gRPC proxy (router/frontend/grpc_tls.py), which direct ingress replaces."""
+    gRPC proxy (router/frontend/grpc_api/tls.py), which direct ingress replaces."""
     env = os.environ if environ is None else environ
     grpc = config.grpc
     if grpc.enabled and grpc.tls_port is not None:
@@ -69,9 +69,9 @@ def direct_ingress(config: KVServeConfig, environ: Mapping[str, str] | None = No
 
 def grpc_proxy_env(config: KVServeConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment Serve's gRPC proxy of a local cluster starts with: TLS
-    (router/frontend/grpc_tls.py), loopback only without API keys unless grpc.public, and
-    the message-size cap at the HTTP body cap (router/frontend/grpc_exposure.py)."""
-    from router.frontend.grpc_exposure import LOOPBACK_ONLY_ENV, MAX_MESSAGE_ENV
+    (router/frontend/grpc_api/tls.py), loopback only without API keys unless grpc.public, and
+    the message-size cap at the HTTP body cap (router/frontend/grpc_api/exposure.py)."""
+    from router.frontend.grpc_api.exposure import LOOPBACK_ONLY_ENV, MAX_MESSAGE_ENV
 
     if not config.grpc.enabled:
         return {}
@@ -136,7 +136,7 @@ def listen_warnings(config: KVServeConfig, direct: DirectIngress | None = None,
         lines.append(f"gRPC ([::]:{config.grpc.port}) answers loopback clients only: no API keys are set "
                      f"(${keys_env}); set keys or use --grpc-public to serve other machines")
     elif config.grpc.enabled:
-        # Serve's own gRPC port is always plaintext (router/frontend/grpc_tls.py); TLS, when
+        # Serve's own gRPC port is always plaintext (router/frontend/grpc_api/tls.py); TLS, when
         # configured, is on grpc.tls_port beside it.
         tls = config.grpc.tls_port
         lines.append(f"gRPC listens on every interface ([::]:{config.grpc.port}; Serve has no host option for it) "

@@ -6,7 +6,7 @@ a check that the attribute still exists; tests/unit/router/test_serve_internals.
 checks, so a Ray upgrade that moves one fails there, naming the Ray version and the
 attribute, instead of somewhere deep in a routing decision.
 
-Also private, but not an attribute read here: router/frontend/grpc_proxy.py wraps the handler
+Also private, but not an attribute read here: router/frontend/grpc_api/proxy.py wraps the handler
 factory of Serve's gRPC server (`gRPCGenericServer.service_handler_factory`); it is in
 `PRIVATE_APIS` too.
 """
@@ -164,7 +164,7 @@ def initialized_request_router_of(handle: Any) -> Any:
 # -- the controller's gRPC options --------------------------------------------------------------
 def grpc_servicer_functions() -> list[str]:
     """The servicer functions ("module.function") the running Serve instance's gRPC proxy
-    was started with, for tests that need router/frontend/grpc_proxy.py's fix registered. Blocks
+    was started with, for tests that need router/frontend/grpc_api/proxy.py's fix registered. Blocks
     (ray.get): call it from synchronous code only.
 
     Public API it stands in for: none (serve.status() does not show the gRPC options).
@@ -180,7 +180,7 @@ def grpc_servicer_functions() -> list[str]:
 
 async def grpc_proxy_port() -> int:
     """The port Serve's gRPC proxies listen on, read from the controller (for the health
-    service in the proxy, router/frontend/grpc_health.py, which probes the app through it).
+    service in the proxy, router/frontend/grpc_api/health.py, which probes the app through it).
 
     Public API it stands in for: none. Private: the same controller call as
     `grpc_servicer_functions`. (A worker node's proxy may listen on
@@ -327,7 +327,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
                _replica_stats_on_demand),
     PrivateApi("ray.serve._private.constants.RAY_SERVE_USE_GRPC_BY_DEFAULT", "serve_internals.process_transport",
                _grpc_default),
-    PrivateApi("gRPCGenericServer.service_handler_factory", "router/frontend/grpc_proxy.py", _grpc_handler_factory),
+    PrivateApi("gRPCGenericServer.service_handler_factory", "router/frontend/grpc_api/proxy.py", _grpc_handler_factory),
     PrivateApi("ray.serve.context._get_global_client()._controller.get_grpc_config",
                "serve_internals.grpc_servicer_functions, serve_internals.grpc_proxy_port", _controller_grpc_config),
     PrivateApi("ray.serve.context._get_global_client().get_serve_details", "serve_internals.serve_instance_details",

@@ -119,70 +119,17 @@ async def send_request(
     result = RequestResult(index=request.index, prompt_len=request.prompt_len, max_tokens=request.max_tokens)
     sent = time.perf_counter()
     result.start_s = sent - bench_start
-    last_chunk: float | None = None
-    first_any: float | None = None
-    usage: dict[str, Any] | None = None
-    done = False
-    done_at = 0.0
+    reader = SseReader(result, endpoint, sent)
     try:
         async with client.post(url, json=body, headers=headers) as response:
             result.status = response.status
             if response.status != 200:
-                raw = await response.read()
-                result.error = f"HTTP {response.status}"
-                try:
-                    code, message = error_of(json.loads(raw))
-                except ValueError:
-                    code, message = None, raw.decode(errors="replace")[:200] or None
-                result.error_detail = f"{code}: {message}" if code else message
+                await _read_http_error(response, result)
                 return result
-            data_lines: list[str] = []
-            event_time = 0.0
-
-            def dispatch(payload: str, now: float) -> bool:
-                """Handles one SSE event; True at [DONE]."""
-                nonlocal last_chunk, first_any, usage, done_at
-                if payload.strip() == "[DONE]":
-                    done_at = now
-                    return True
-                chunk = json.loads(payload)
-                code, message = error_of(chunk)
-                if code is not None or message is not None:
-                    result.error = f"stream error ({code or 'unknown'})"
-                    result.error_detail = message
-                    return False
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                if chunk.get("choices") and first_any is None:
-                    first_any = now
-                if _chunk_text(chunk, endpoint):
-                    if last_chunk is None:
-                        result.ttft_s = now - sent
-                    else:
-                        result.itl_s.append(now - last_chunk)
-                    last_chunk = now
-                    result.num_chunks += 1
-                return False
-
             # Read to the end of the body (the server closes it right after [DONE]), so that
             # the connection goes back to the pool instead of being dropped.
             async for line in lines(response):
-                now = time.perf_counter()
-                if done or result.error:
-                    continue
-                if line.startswith("data:"):
-                    if not data_lines:
-                        event_time = now
-                    data_lines.append(line[5:].removeprefix(" "))
-                    # OpenAI-style servers send one line per event: handle it at once.
-                    try:
-                        done = dispatch("\n".join(data_lines), event_time)
-                        data_lines = []
-                    except ValueError:
-                        continue  # a multi-line event: wait for the blank line
-                elif line == "" and data_lines:
-                    done = dispatch("\n".join(data_lines), event_time)
-                    data_lines = []
+                reader.feed(line, time.perf_counter())
     except CLIENT_ERRORS as e:
         result.error = error_name(e)
         result.error_detail = str(e) or None
@@ -191,23 +138,99 @@ async def send_request(
         result.error = "bad stream"
         result.error_detail = str(e)
         return result
-    end = time.perf_counter()
-    if result.error:
+    return reader.settle(time.perf_counter())
+
+
+async def _read_http_error(response: Any, result: RequestResult) -> None:
+    """A non-200 answer: its status and the server's error, when its body holds one."""
+    raw = await response.read()
+    result.error = f"HTTP {response.status}"
+    try:
+        code, message = error_of(json.loads(raw))
+    except ValueError:
+        code, message = None, raw.decode(errors="replace")[:200] or None
+    result.error_detail = f"{code}: {message}" if code else message
+
+
+@dataclass
+class SseReader:
+    """One stream's SSE lines, timestamped as they arrive, into its result: content chunks
+    set TTFT and the inter-token gaps, the usage chunk and [DONE] are kept for `settle`.
+    Lines after [DONE] or an error event are read (the connection goes back to the pool)
+    and ignored."""
+
+    result: RequestResult
+    endpoint: str
+    sent: float  # perf_counter at send
+    last_chunk: float | None = None
+    first_any: float | None = None
+    usage: dict[str, Any] | None = None
+    done: bool = False
+    done_at: float = 0.0
+    data_lines: list[str] = field(default_factory=list)  # the event being read
+    event_time: float = 0.0  # its first line's arrival
+
+    def feed(self, line: str, now: float) -> None:
+        """One line of the body; raises ValueError for an undecodable event."""
+        if self.done or self.result.error:
+            return
+        if line.startswith("data:"):
+            if not self.data_lines:
+                self.event_time = now
+            self.data_lines.append(line[5:].removeprefix(" "))
+            # OpenAI-style servers send one line per event: handle it at once.
+            try:
+                self.done = self._dispatch("\n".join(self.data_lines), self.event_time)
+                self.data_lines = []
+            except ValueError:
+                return  # a multi-line event: wait for the blank line
+        elif line == "" and self.data_lines:
+            self.done = self._dispatch("\n".join(self.data_lines), self.event_time)
+            self.data_lines = []
+
+    def _dispatch(self, payload: str, now: float) -> bool:
+        """Handles one SSE event; True at [DONE]."""
+        if payload.strip() == "[DONE]":
+            self.done_at = now
+            return True
+        chunk = json.loads(payload)
+        code, message = error_of(chunk)
+        if code is not None or message is not None:
+            self.result.error = f"stream error ({code or 'unknown'})"
+            self.result.error_detail = message
+            return False
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        if chunk.get("choices") and self.first_any is None:
+            self.first_any = now
+        if _chunk_text(chunk, self.endpoint):
+            if self.last_chunk is None:
+                self.result.ttft_s = now - self.sent
+            else:
+                self.result.itl_s.append(now - self.last_chunk)
+            self.last_chunk = now
+            self.result.num_chunks += 1
+        return False
+
+    def settle(self, end: float) -> RequestResult:
+        """The result once the body has ended at `end`: a success only after [DONE]."""
+        result = self.result
+        if result.error:
+            return result
+        if not self.done:
+            result.error = "incomplete stream"
+            result.error_detail = "the stream ended without [DONE]"
+            return result
+        result.e2e_s = self.done_at - self.sent
+        if self.usage:
+            result.prompt_tokens = self.usage.get("prompt_tokens")
+            result.output_tokens = int(self.usage.get("completion_tokens") or 0)
+            details = self.usage.get("prompt_tokens_details") or {}
+            result.cached_tokens = details.get("cached_tokens")
+        else:
+            result.usage_missing = True
+            result.output_tokens = result.num_chunks
+        if result.ttft_s is None:  # no text at all (e.g. every token decoded to ""): the first chunk
+            result.ttft_s = (self.first_any if self.first_any is not None else end) - self.sent
+        result.success = True
         return result
-    if not done:
-        result.error = "incomplete stream"
-        result.error_detail = "the stream ended without [DONE]"
-        return result
-    result.e2e_s = done_at - sent
-    if usage:
-        result.prompt_tokens = usage.get("prompt_tokens")
-        result.output_tokens = int(usage.get("completion_tokens") or 0)
-        details = usage.get("prompt_tokens_details") or {}
-        result.cached_tokens = details.get("cached_tokens")
-    else:
-        result.usage_missing = True
-        result.output_tokens = result.num_chunks
-    if result.ttft_s is None:  # no text at all (e.g. every token decoded to ""): the first chunk
-        result.ttft_s = (first_any if first_any is not None else end) - sent
-    result.success = True
-    return result

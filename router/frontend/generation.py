@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from router import errors
 from router.frontend.metrics import IngressMetrics
 from router.frontend.migration import Migration, is_replica_failure
-from router.frontend.openai_convert import EngineInput
+from router.frontend.openai_api.convert import EngineInput
 from router.serve_internals import use_child_request_id
 from router.tracing import RequestTrace
 from worker.api import GenerateRequest, LoRANotFoundError, RequestError, RequestOutput, SamplingParamsError

@@ -1,10 +1,10 @@
 """The HTTP ingress: a Ray Serve FastAPI deployment speaking OpenAI's API.
 
-Each handler is thin: read and validate the body (router/frontend/http_body.py), run it
+Each handler is thin: read and validate the body (router/frontend/openai_api/http_body.py), run it
 through the request pipeline that gRPC uses too (router/frontend/pipeline.py: admit,
 tokenize once here, charge the key's budget, stream through the worker handle, settle),
 convert the events back to OpenAI's JSON or server-sent events
-(router/frontend/http_response.py). Limits, checked before any work:
+(router/frontend/openai_api/http_response.py). Limits, checked before any work:
 
 - no or a wrong API key (when keys are configured, router/frontend/auth.py) -> 401
 - body over `max_body_bytes`                    -> 413 (Content-Length, then while reading)
@@ -21,7 +21,7 @@ convert the events back to OpenAI's JSON or server-sent events
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize,
 /detokenize and /version, /health, /metrics; all but /health need the API key
 when keys are configured (/metrics too, unless metrics_public). The
-gRPC methods come from router/frontend/grpc_servicer.py (GrpcMethods -> GrpcServicer, the same pipeline).
+gRPC methods come from router/frontend/grpc_api/servicer.py (GrpcMethods -> GrpcServicer, the same pipeline).
 
 No `from __future__ import annotations` here: Serve rebuilds the FastAPI routes of the
 class, and FastAPI must then resolve the handlers' annotations (`Request`) at runtime.
@@ -40,15 +40,15 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router import errors
-from router.frontend import openai_convert as convert
-from router.frontend import openai_protocol as p
-from router.frontend import tokenize_api as tk
+from router.frontend.openai_api import convert as convert
+from router.frontend.openai_api import protocol as p
+from router.frontend.openai_api import tokenize_api as tk
 from router.routing import RouterSnapshotSource
 from router.frontend.auth import ApiKeys, Principal
 from router.frontend.disagg import DisaggregatedGenerate
-from router.frontend.grpc_servicer import GrpcMethods, GrpcServicer
-from router.frontend.http_body import parse, read_json
-from router.frontend.http_response import echo_texts, respond
+from router.frontend.grpc_api.servicer import GrpcMethods, GrpcServicer
+from router.frontend.openai_api.http_body import parse, read_json
+from router.frontend.openai_api.http_response import echo_texts, respond
 from router.frontend.key_limits import KeyLimits
 from router.frontend.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.frontend.metrics import CONTENT_TYPE, IngressMetrics
@@ -59,8 +59,8 @@ from router.routing import SESSION_HEADER, client_session_id
 from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from router.frontend.workers import Workers
 from worker.api import load_tokenizer
-from router.frontend.structured import has_grammar
-from router.frontend.tools import tool_mode
+from router.frontend.openai_api.structured import has_grammar
+from router.frontend.tool_calling.chat_tools import tool_mode
 from router.tracing import ClientTraceContext
 
 logger = logging.getLogger(__name__)

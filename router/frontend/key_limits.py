@@ -295,7 +295,7 @@ class JointPermit:
 
 def worst_case_tokens(inputs: list[Any]) -> int:
     """What a request may use at most: each prompt once (its choices share it, as usage
-    counts it) plus max_tokens for each choice. `inputs`: openai_convert.EngineInput."""
+    counts it) plus max_tokens for each choice. `inputs`: openai_api.convert.EngineInput."""
     prompts: dict[int, int] = {}
     for inp in inputs:
         prompts[inp.prompt_index] = len(inp.prompt_token_ids)

@@ -1,6 +1,6 @@
 """One request pipeline for both front ends: admit -> convert -> charge -> stream -> settle.
 
-    HTTP handler (router/frontend/ingress.py)           gRPC method (router/frontend/grpc_servicer.py)
+    HTTP handler (router/frontend/ingress.py)           gRPC method (router/frontend/grpc_api/servicer.py)
       intake: its turn in this replica's window (router/frontend/intake.py), until sent
       authenticate, read + validate the body     authenticate, validate the message
                        \\                         /
@@ -40,7 +40,7 @@ from router.frontend.generation import GenerationStream, InFlightLimiter, Stream
 from router.frontend.intake import IntakeWindow, release_current
 from router.frontend.key_limits import JointPermit, KeyLimits, worst_case_tokens
 from router.frontend.metrics import IngressMetrics
-from router.frontend.openai_convert import EngineInput, TokenTexts
+from router.frontend.openai_api.convert import EngineInput, TokenTexts
 from router.frontend.settings import IngressSettings
 from router.frontend.workers import Workers
 

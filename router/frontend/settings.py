@@ -69,7 +69,7 @@ class IngressSettings:
     admission_queue_size: int = 256
     admission_max_wait_s: float | None = None
     admission_max_waiting_per_replica: int = 8
-    # Tool calls in chat output (router/frontend/tool_parsers.py): hermes | llama3_json | auto (from
+    # Tool calls in chat output (router/frontend/tool_calling/parsers.py): hermes | llama3_json | auto (from
     # the chat template's text).
     tool_call_parser: str = "auto"
     # Set-up of the replica's own process, called first thing by the ingress (cluster/

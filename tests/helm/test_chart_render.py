@@ -102,7 +102,7 @@ def with_pool_pinning(values: dict[str, Any]) -> dict[str, Any]:
 
 
 # The servicer function the chart names in grpc_options (templates/_helpers.tpl).
-GRPC_SERVICER = "router.frontend.grpc_proxy.add_KVServeServicer_to_server"
+GRPC_SERVICER = "router.frontend.grpc_api.proxy.add_KVServeServicer_to_server"
 
 
 def test_grpc_servicer_function_is_the_apps() -> None:
@@ -319,7 +319,7 @@ def test_everything_on(rendered: dict[str, Rendered]) -> None:
 
 
 def test_grpc_tls_from_a_secret(rendered: dict[str, Rendered]) -> None:
-    """grpcTLS.existingSecret: every Ray pod mounts it and gets router/frontend/grpc_tls.py's
+    """grpcTLS.existingSecret: every Ray pod mounts it and gets router/frontend/grpc_api/tls.py's
     environment (mutual TLS with clientCAKey); the gRPC Service and the NetworkPolicy open
     the TLS port beside the plaintext one; the app name the proxy's health probe names."""
     r = rendered["everything_on"]

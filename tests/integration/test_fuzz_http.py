@@ -29,7 +29,7 @@ import hypothesis
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from router.frontend import openai_protocol as p  # noqa: E402
+from router.frontend.openai_api import protocol as p  # noqa: E402
 from tests.integration import tiny_app  # noqa: E402
 
 pytestmark = pytest.mark.integration

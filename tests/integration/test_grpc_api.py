@@ -1,8 +1,8 @@
 """kvserve's gRPC API end to end: a real grpcio client -> Ray Serve's gRPC proxy -> the
-ingress (router.frontend.grpc_servicer: GrpcMethods -> GrpcServicer) -> a worker replica running a tiny model.
+ingress (router.frontend.grpc_api.servicer: GrpcMethods -> GrpcServicer) -> a worker replica running a tiny model.
 
 The app is cluster.app.build_app's, deployed on the session's Serve instance, whose
-proxy registers the KVServe service through router.frontend.grpc_proxy (tests/integration/conftest.py
+proxy registers the KVServe service through router.frontend.grpc_api.proxy (tests/integration/conftest.py
 via cluster.app.grpc_servicer).
 
 Waits poll worker stats through a DeploymentHandle with a deadline; nothing sleeps to
@@ -27,9 +27,9 @@ from cluster.app import INGRESS_DEPLOYMENT, WORKER_DEPLOYMENT, build_app, ingres
 from cluster.config import KVServeConfig  # noqa: E402
 from protos.kvserve.v1 import kvserve_pb2 as pb  # noqa: E402
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc  # noqa: E402
-from router.frontend.client import KVServeClient, KVServeError  # noqa: E402
-from router.frontend.grpc_proxy import GRPC_SERVICER  # noqa: E402
-from router.frontend.grpc_servicer import GrpcMethods  # noqa: E402
+from router.frontend.grpc_api.client import KVServeClient, KVServeError  # noqa: E402
+from router.frontend.grpc_api.proxy import GRPC_SERVICER  # noqa: E402
+from router.frontend.grpc_api.servicer import GrpcMethods  # noqa: E402
 from router.serve_internals import grpc_servicer_functions  # noqa: E402
 from router.frontend.ingress import Ingress  # noqa: E402
 from tests.support.waiting import wait_until  # noqa: E402
@@ -390,7 +390,7 @@ def proxy_servicer_functions() -> list[str]:
 def test_cancelling_a_stream_the_client_stopped_reading_aborts_it(app: GrpcApp) -> None:
     """The client stops reading; HTTP/2 flow control then holds the proxy in its write to
     the client, where the cancellation lands. Serve 2.60's proxy alone leaks the request
-    then (it ran to max_tokens); router.frontend.grpc_proxy's servicer function fixes it."""
+    then (it ran to max_tokens); router.frontend.grpc_api.proxy's servicer function fixes it."""
     registered = proxy_servicer_functions()
     assert GRPC_SERVICER in registered, f"the proxy registers {registered}, without the fix in {GRPC_SERVICER}"
     idle = app.wait_idle()

@@ -3,7 +3,7 @@ values (hand-picked and fuzzed with hypothesis) -> the right status codes; the p
 the replicas keep serving and no KV block is left held.
 
 Statuses: a message that does not decode as the request type is INVALID_ARGUMENT,
-answered in the proxy (router/frontend/grpc_proxy.py; grpc alone says INTERNAL); one over the
+answered in the proxy (router/frontend/grpc_api/proxy.py; grpc alone says INTERNAL); one over the
 receive limit (grpc's default 4 MiB) is RESOURCE_EXHAUSTED; everything that decodes but
 is wrong is INVALID_ARGUMENT (NOT_FOUND for an unknown model).
 """

@@ -3,9 +3,9 @@
 verdict, server reflection listing the services, and TLS / mutual TLS with certificates
 generated here.
 
-The TLS tests run router/frontend/grpc_tls.py's port on a grpc.aio server of their own: the
+The TLS tests run router/frontend/grpc_api/tls.py's port on a grpc.aio server of their own: the
 session's Serve instance started without TLS settings, and Serve's proxy reads them from
-the node's environment when it starts (router/frontend/grpc_tls.py)."""
+the node's environment when it starts (router/frontend/grpc_api/tls.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from router.frontend.grpc_health import KVSERVE_SERVICE, add_health_servicer
-from router.frontend.grpc_tls import TLSConfig, add_tls_port
+from router.frontend.grpc_api.health import KVSERVE_SERVICE, add_health_servicer
+from router.frontend.grpc_api.tls import TLSConfig, add_tls_port
 from tests.integration.conftest import free_port
 from tests.integration.tiny_app import tiny_config
 from tests.support.waiting import wait_until

@@ -120,7 +120,7 @@ def test_load_and_unload_at_run_time(api: Api, client: openai.OpenAI, tmp_path: 
 
 
 def test_grpc_request_names_the_adapter(api: Api) -> None:
-    from router.frontend.client import KVServeClient
+    from router.frontend.grpc_api.client import KVServeClient
 
     with KVServeClient(api.grpc_target, KEY, application=APP, timeout=60) as grpc_client:
         tiny_app.wait_for(lambda: _grpc_ready(grpc_client), "the gRPC proxy to route to the application")

@@ -2,7 +2,7 @@
 the whole Serve app and the embedded kvserve-tiny model (its chat template renders tools
 in Hermes format). The tiny model would never choose a call by itself, so the round
 trips use `required` and named tool choices, which structured outputs enforce; the
-`auto` path's parsers are unit-tested (tests/unit/router/frontend/test_tool_calling.py)."""
+`auto` path's parsers are unit-tested (tests/unit/router/frontend/tool_calling/test_tool_calling.py)."""
 from __future__ import annotations
 
 import asyncio

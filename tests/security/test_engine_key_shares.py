@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from router.frontend.auth import ApiKeys, Principal, hash_key, key_id_of
-from tests.unit.router.frontend.test_grpc_servicer import FakeIngress
+from tests.unit.router.frontend.grpc_api.test_grpc_servicer import FakeIngress
 from tests.unit.router.frontend.test_pipeline import inputs
 from worker.api import SamplingParams, SamplingParamsError
 

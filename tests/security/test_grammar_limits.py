@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from router.frontend.auth import Principal
-from tests.unit.router.frontend.test_grpc_servicer import FakeIngress
+from tests.unit.router.frontend.grpc_api.test_grpc_servicer import FakeIngress
 from tests.unit.router.frontend.test_pipeline import inputs
 from worker.api import SamplingParams, SamplingParamsError, StructuredOutput, check_structured_output
 from worker.config import CacheConfig, EngineConfig, ModelConfig

@@ -11,8 +11,8 @@ import pytest
 from cluster.cli import build_parser, config_from_args
 from cluster.serve_exposure import grpc_proxy_env
 from cluster.config import KVServeConfig
-from router.frontend import grpc_proxy
-from router.frontend.grpc_exposure import LOOPBACK_ONLY_ENV, MAX_MESSAGE_ENV, is_loopback_peer
+from router.frontend.grpc_api import proxy
+from router.frontend.grpc_api.exposure import LOOPBACK_ONLY_ENV, MAX_MESSAGE_ENV, is_loopback_peer
 
 
 class Aborted(Exception):
@@ -60,7 +60,7 @@ async def test_the_proxy_refuses_remote_peers_when_loopback_only(monkeypatch: py
         calls.append(request)
         return "ok"
 
-    handler = grpc_proxy._cancel_safe_factory(lambda *a, **k: unary)()
+    handler = proxy._cancel_safe_factory(lambda *a, **k: unary)()
     assert await handler("r", PeerContext("ipv4:127.0.0.1:1")) == "ok"
     remote = PeerContext("ipv4:192.168.1.9:1")
     with pytest.raises(Aborted, match="--grpc-public"):

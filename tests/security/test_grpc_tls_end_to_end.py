@@ -1,5 +1,5 @@
 """`kvserve serve` end to end over gRPC (issue 30): TLS through Serve's own gRPC proxy
-(router/frontend/grpc_proxy.py adds the TLS port to the proxy's server), the proxy's
+(router/frontend/grpc_api/proxy.py adds the TLS port to the proxy's server), the proxy's
 message-size cap at the HTTP body cap, and a keyless local server answering a loopback
 client. Runs `kvserve serve` as a process of its own with the embedded tiny model, as
 tests/integration/test_local_cluster.py does.
@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from router.frontend.client import KVServeClient, KVServeError
+from router.frontend.grpc_api.client import KVServeClient, KVServeError
 from tests.integration.conftest import free_port
 from tests.integration.test_grpc_standard import _certificates
 from tests.support.serve_process import kvserve_serve, short_ray_tmp

@@ -11,10 +11,10 @@ import jsonschema
 import pytest
 
 from router.errors import APIError
-from router.frontend import openai_protocol as p
-from router.frontend import tools
+from router.frontend.openai_api import protocol as p
+from router.frontend.tool_calling import chat_tools
 from router.frontend.auth import ApiKeys, hash_key
-from router.frontend.http_body import read_json
+from router.frontend.openai_api.http_body import read_json
 from router.frontend.ingress import Ingress
 from worker.api import MAX_STRUCTURED_SPEC_CHARS
 
@@ -67,9 +67,9 @@ def test_oversized_tool_choice_constraint_is_400_not_500() -> None:
     # SamplingParamsError outside the 400 mapping -> 500.
     big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 64} for i in range(MAX_STRUCTURED_SPEC_CHARS // 64)}}
     req = chat(tools=[{"type": "function", "function": {"name": "f", "parameters": big}}], tool_choice="required")
-    mode = tools.tool_mode(req, "hermes", None)
+    mode = chat_tools.tool_mode(req, "hermes", None)
     with pytest.raises(APIError) as info:
-        tools.chat_structured_output(req, mode)
+        chat_tools.chat_structured_output(req, mode)
     assert info.value.status == 400
 
 
@@ -85,7 +85,7 @@ def test_defs_in_tool_parameters_work_with_required_tool_choice() -> None:
     other = {"type": "object", "$defs": {"unit": {"type": "integer"}}, "properties": {"n": {"$ref": "#/$defs/unit"}}}
     req = chat(tools=[{"type": "function", "function": {"name": "temp", "parameters": params}},
                       {"type": "function", "function": {"name": "count", "parameters": other}}], tool_choice="required")
-    so = tools.chat_structured_output(req, tools.tool_mode(req, "hermes", None))
+    so = chat_tools.chat_structured_output(req, chat_tools.tool_mode(req, "hermes", None))
     assert so is not None
     schema = json.loads(so.spec)
     jsonschema.validate([{"name": "temp", "parameters": {"unit": "c"}}], schema)
@@ -98,7 +98,7 @@ def test_defs_in_tool_parameters_work_with_required_tool_choice() -> None:
 
 def test_version_needs_the_key_when_keys_are_on() -> None:
     # Finding: README says every endpoint but /health needs a key; /version answered anyone.
-    from tests.unit.router.frontend.test_grpc_servicer import FakeIngress
+    from tests.unit.router.frontend.grpc_api.test_grpc_servicer import FakeIngress
 
     ingress = object.__new__(Ingress)
     ingress.pipeline = FakeIngress(api_keys=ApiKeys([hash_key("k1")])).pipeline  # type: ignore[attr-defined]

@@ -13,9 +13,9 @@ from kv.block_hash import ROOT_HASH, hash_full_blocks, root_hash
 from router.frontend.auth import ApiKeys, Principal, hash_key, key_id_of
 from router.routing import RequestProfile
 from tests.support.scheduler_helpers import make_scheduler, step
-from tests.unit.router.frontend.test_grpc_servicer import FakeIngress, collect, request
+from tests.unit.router.frontend.grpc_api.test_grpc_servicer import FakeIngress, collect, request
 from tests.unit.router.frontend.test_pipeline import inputs
-from router.frontend import openai_protocol as p
+from router.frontend.openai_api import protocol as p
 from worker.api import MAX_CACHE_SALT_CHARS, SamplingParams, SamplingParamsError
 from worker.sequence import Sequence
 

@@ -12,7 +12,7 @@ import pytest
 from router import errors
 from router.frontend.auth import ApiKeys, Principal, hash_key, key_id_of
 from router.routing.admission import AdmissionController
-from tests.unit.router.frontend.test_grpc_servicer import FakeIngress, collect, request
+from tests.unit.router.frontend.grpc_api.test_grpc_servicer import FakeIngress, collect, request
 from tests.unit.router.frontend.test_pipeline import inputs
 from tests.unit.router.routing.test_admission import NOW, Source, profile, report, snapshot
 

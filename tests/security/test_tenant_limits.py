@@ -18,7 +18,7 @@ from router.frontend.ingress import Ingress
 from router.frontend.key_limits import KeyLimits
 from router.routing.admission import shed_error
 from protos.kvserve.v1 import kvserve_pb2 as pb
-from tests.unit.router.frontend.test_grpc_servicer import FakeContext, FakeIngress
+from tests.unit.router.frontend.grpc_api.test_grpc_servicer import FakeContext, FakeIngress
 from tests.unit.router.frontend.test_pipeline import inputs
 
 KEY = Principal(key_id_of(hash_key("k1")))

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from router.routing.types import RoutingParams, ReplicaKey, ReplicaReport, ReplicaView, RequestProfile, is_fresh, power_of_two
 from router.routing.policies.base import RoutingRequest
@@ -137,9 +137,10 @@ class HeadroomPolicy:
             active = self.sessions.active_counts(now)  # expires idle sessions first
             session = self.sessions.replica_of(request.session_id)
             counts = active if session is None else None  # only a new session is spread
-        ranking = rank_replicas(request.profile, [self._view(v) for v in views], self.params, now, self._rng,
-                                hints=self._hints(request, views), session_replica=session,
-                                session_counts=counts, request_tokens=self.request_tokens)
+        seen = [self._view(v) for v in views]  # the reports reach the view before its hints are read
+        context = RankContext(hints=self._hints(request, views), session_replica=session, session_counts=counts,
+                              request_tokens=self.request_tokens)
+        ranking = rank_replicas(request.profile, seen, self.params, now, self._rng, context)
         self.last_mode = ranking.mode
         self.last_credited = {k: s.cached_blocks for k, s in ranking.scores.items()}
         self.last_decided_at = now
@@ -197,55 +198,97 @@ def _least_sessions(open_: Sequence[ReplicaScore], session_counts: Mapping[Repli
     return min(ready, key=lambda s: (session_counts.get(s.key, 0) / s.capacity_weight, -s.rank_key, index[s.key]))
 
 
+@dataclass(frozen=True)
+class RankContext:
+    """What the router knows about one request beyond the replicas' reports."""
+
+    # Leading prompt blocks routers sent to each replica (at the fresh reports' block size).
+    hints: Mapping[ReplicaKey, int] = field(default_factory=dict)
+    # The replica that served the request's session last.
+    session_replica: ReplicaKey | None = None
+    # Active sessions per replica: given only when the request opens a session (spread).
+    session_counts: Mapping[ReplicaKey, int] | None = None
+    # The mean uncached prompt tokens per dispatched request (the load gate's move cost
+    # is counted in it).
+    request_tokens: float = 0.0
+
+
 def rank_replicas(
     request: RequestProfile | None,
     views: Sequence[ReplicaView],
     params: RoutingParams,
     now: float,
     rng: random.Random,
-    hints: Mapping[ReplicaKey, int] | None = None,
-    session_replica: ReplicaKey | None = None,
-    session_counts: Mapping[ReplicaKey, int] | None = None,
-    request_tokens: float = 0.0,
+    context: RankContext | None = None,
 ) -> Ranking:
-    """Rank the candidate replicas for one request (best first). A replica whose last
-    report says it is unhealthy is never offered, however old that report. `hints`:
-    leading prompt blocks routers sent to each replica (at the fresh reports' block size);
-    `session_replica`: the replica that served the request's session last;
-    `session_counts`: active sessions per replica, given when the request opens a session
-    (spread); `request_tokens`: the mean uncached prompt tokens per dispatched request
-    (the load gate's move cost is counted in it)."""
-    views = [v for v in views if v.report is None or v.report.healthy]
-    if not views:
+    """Rank the candidate replicas for one request, best first.
+
+    A replica whose last report says it is unhealthy is never offered, however old that
+    report. Without a fresh report, or without the request's token ids, the healthy
+    replicas go by power of two choices on queue length. Otherwise: first the fresh
+    replicas where the request fits, those within their load gate in the order of the
+    mode (spread, affinity or headroom: the module's docstring) and then those past it,
+    least queued first; then the stale replicas by power of two choices; last the fresh
+    ones where it does not fit, best score first."""
+    context = context or RankContext()
+    # Candidate filtering: the healthy replicas, fresh ones scored.
+    healthy = [v for v in views if v.report is None or v.report.healthy]
+    if not healthy:
         return Ranking(order=(), mode=MODE_NONE_HEALTHY, need_blocks={}, scores={})
-    fresh = [v for v in views if is_fresh(v.report, now, params)]
-    stale = [v for v in views if not is_fresh(v.report, now, params)]
-
+    fresh = [v for v in healthy if is_fresh(v.report, now, params)]
     if request is None or not fresh:
-        need = {}
-        if request is not None:
-            # No fresh block size to go by: a report's block size, however old, is still right.
-            for v in views:
-                if v.report is not None:
-                    need[v.key] = request.total_blocks(v.report.block_size, v.report.expected_output_tokens(params))
-        return Ranking(order=tuple(power_of_two(views, rng)), mode=MODE_POW2, need_blocks=need, scores={},
-                       prefill_tokens={k: request.prompt_len for k in need} if request is not None else {})
+        return _power_of_two_ranking(request, healthy, params, rng)
+    stale = [v for v in healthy if not is_fresh(v.report, now, params)]
+    index = {v.key: i for i, v in enumerate(healthy)}
+    scores = [score_replica(request, v, params, context.hints.get(v.key, 0), v.key == context.session_replica)
+              for v in fresh]
 
-    hints = hints or {}
-    index = {v.key: i for i, v in enumerate(views)}
-    scores = [score_replica(request, v, params, hints.get(v.key, 0), v.key == session_replica) for v in fresh]
+    # Gating and ordering.
+    fitting, mode = _order_fitting(scores, params, context, index)
+    not_fitting = sorted((s for s in scores if not s.fits), key=lambda s: (-s.score, s.queue_depth, index[s.key]))
+    order = [s.key for s in fitting] + power_of_two(stale, rng) + [s.key for s in not_fitting]
+
+    # The ranking: what to reserve on whichever replica takes the request.
+    need = {s.key: s.need_blocks for s in scores}
+    prefill = {s.key: s.uncached_tokens for s in scores}
+    for v in stale:
+        if v.report is not None:
+            need[v.key] = request.total_blocks(v.report.block_size, v.report.expected_output_tokens(params))
+            prefill[v.key] = request.prompt_len
+    # The ledger keeps one decode figure per request: the top-ranked fresh replica's forecast.
+    top = {v.key: v.report for v in fresh}.get(order[0]) or fresh[0].report
+    assert top is not None
+    return Ranking(order=tuple(order), mode=mode, need_blocks=need, scores={s.key: s for s in scores},
+                   prefill_tokens=prefill,
+                   decode_blocks=decode_blocks(request, top.block_size, top.expected_output_tokens(params)))
+
+
+def _power_of_two_ranking(request: RequestProfile | None, views: Sequence[ReplicaView], params: RoutingParams,
+                          rng: random.Random) -> Ranking:
+    """Power of two choices over `views` (no fresh report, or no token ids), each reported
+    replica's need reserved as its report, however old, gives the block size."""
+    need = {}
+    if request is not None:
+        for v in views:
+            if v.report is not None:
+                need[v.key] = request.total_blocks(v.report.block_size, v.report.expected_output_tokens(params))
+    return Ranking(order=tuple(power_of_two(views, rng)), mode=MODE_POW2, need_blocks=need, scores={},
+                   prefill_tokens={k: request.prompt_len for k in need} if request is not None else {})
+
+
+def _order_fitting(scores: Sequence[ReplicaScore], params: RoutingParams, context: RankContext,
+                   index: Mapping[ReplicaKey, int]) -> tuple[list[ReplicaScore], str]:
+    """The fresh replicas where the request fits, best first, and the decision's mode.
+
+    Replicas with more excess over their share than their gate limit (gate_limits) plus
+    what moving the request away from them costs (move_costs) take no affinity and come
+    after the others, least loaded first."""
+    excess, allowed = load_excess(scores), gate_allowances(scores, params, context.request_tokens)
     fitting = [s for s in scores if s.fits]
-    not_fitting = [s for s in scores if not s.fits]
-
-    # Replicas with more excess over their share than their gate limit (gate_limits) plus
-    # what moving the request away from them costs (move_costs) take no affinity and come
-    # after the others, least loaded first.
-    excess, allowed = load_excess(scores), gate_allowances(scores, params, request_tokens)
     open_ = [s for s in fitting if excess[s.key] <= allowed[s.key]]
     gated = [s for s in fitting if excess[s.key] > allowed[s.key]]
-    ready = [s for s in open_ if s.within_target]
-    owner = _owner(ready)
-    spread = _least_sessions(open_, session_counts, index) if session_counts is not None else None
+    owner = _owner([s for s in open_ if s.within_target])
+    spread = _least_sessions(open_, context.session_counts, index) if context.session_counts is not None else None
     # A cold request (no replica caches any of it, no session, its LoRA adapter as far
     # from every replica) also balances by requests: load above or below a replica's share
     # tilts the order, a gate's worth of excess weighing one whole rank_key unit. Not when
@@ -259,19 +302,4 @@ def rank_replicas(
     gated.sort(key=lambda s: (s.queue_depth, -s.rank_key, index[s.key]))
     mode = (MODE_SPREAD if spread is not None else MODE_AFFINITY if owner is not None
             else MODE_LOAD_GATE if gated else MODE_HEADROOM)
-    fitting = open_ + gated
-    not_fitting.sort(key=lambda s: (-s.score, s.queue_depth, index[s.key]))
-
-    order = [s.key for s in fitting] + power_of_two(stale, rng) + [s.key for s in not_fitting]
-    need = {s.key: s.need_blocks for s in scores}
-    prefill = {s.key: s.uncached_tokens for s in scores}
-    for v in stale:
-        if v.report is not None:
-            need[v.key] = request.total_blocks(v.report.block_size, v.report.expected_output_tokens(params))
-            prefill[v.key] = request.prompt_len
-    # The ledger keeps one decode figure per request: the top-ranked fresh replica's forecast.
-    top = {v.key: v.report for v in fresh}.get(order[0]) or fresh[0].report
-    assert top is not None
-    return Ranking(order=tuple(order), mode=mode, need_blocks=need, scores={s.key: s for s in scores},
-                   prefill_tokens=prefill,
-                   decode_blocks=decode_blocks(request, top.block_size, top.expected_output_tokens(params)))
+    return open_ + gated, mode

@@ -188,10 +188,10 @@ def test_grpc_servicer_is_the_cancel_safe_one_or_a_loud_error(monkeypatch: pytes
 
     from cluster.app import grpc_servicer
     from cluster.deps import MissingDependencyError
-    from router.frontend.grpc_proxy import GRPC_SERVICER
+    from router.frontend.grpc_api.proxy import GRPC_SERVICER
 
     assert grpc_servicer() == GRPC_SERVICER
-    monkeypatch.setitem(sys.modules, "router.frontend.grpc_proxy", None)  # as if grpc or the stubs did not import
+    monkeypatch.setitem(sys.modules, "router.frontend.grpc_api.proxy", None)  # as if grpc or the stubs did not import
     with pytest.raises(MissingDependencyError, match=r"gRPC API .* is unavailable: .*Install it: "):
         grpc_servicer()
 

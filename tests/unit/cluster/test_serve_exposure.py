@@ -45,7 +45,7 @@ def test_grpc_tls_settings_become_the_proxy_environment() -> None:
     import pytest
 
     from cluster.config_errors import ConfigError
-    from router.frontend.grpc_tls import TLSConfig
+    from router.frontend.grpc_api.tls import TLSConfig
 
     config = KVServeConfig().with_overrides({
         "grpc.tls_port": 9443, "grpc.tls_cert_file": "/c.pem", "grpc.tls_key_file": "/k.pem", "grpc.tls_client_ca_file": "/ca.pem",

@@ -58,7 +58,7 @@ app.kubernetes.io/part-of: kvserve
 {{- if hasKey $grpc "enabled" -}}{{ ternary "true" "false" (eq (toString $grpc.enabled) "true") }}{{- else -}}true{{- end -}}
 {{- end -}}
 
-{{/* gRPC TLS is on when gRPC is and a Secret is named (router/frontend/grpc_tls.py reads the env). */}}
+{{/* gRPC TLS is on when gRPC is and a Secret is named (router/frontend/grpc_api/tls.py reads the env). */}}
 {{- define "kvserve.grpcTLS" -}}
 {{- and (eq (include "kvserve.grpcEnabled" .) "true") (ne (.Values.grpcTLS.existingSecret | default "") "") -}}
 {{- end -}}
@@ -112,7 +112,7 @@ http_options:
 grpc_options:
   port: {{ include "kvserve.grpcPort" . }}
   grpc_servicer_functions:
-    - router.frontend.grpc_proxy.add_KVServeServicer_to_server
+    - router.frontend.grpc_api.proxy.add_KVServeServicer_to_server
 {{- end }}
 applications:
   - name: {{ include "kvserve.appName" . }}

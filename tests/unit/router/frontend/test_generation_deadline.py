@@ -12,7 +12,7 @@ from router import errors
 from router.frontend.generation import GenerationStream, InFlightLimiter
 from router.frontend.key_limits import JointPermit
 from router.frontend.metrics import IngressMetrics
-from router.frontend.openai_convert import EngineInput
+from router.frontend.openai_api.convert import EngineInput
 from tests.unit.router.frontend.test_migration import PROMPT, FakeCall, FakeHandle
 from worker.api import RequestOutput, SamplingParams
 

@@ -16,7 +16,7 @@ from router.frontend.generation import GenerationStream, InFlightLimiter, api_er
 from router.frontend.key_limits import JointPermit
 from router.frontend.metrics import IngressMetrics
 from router.frontend.migration import Migration, is_replica_failure
-from router.frontend.openai_convert import EngineInput
+from router.frontend.openai_api.convert import EngineInput
 from worker.outputs.processor import RequestOutputProcessor
 from worker.api import GenerateRequest, ReplicaDrainingError, RequestOutput, SamplingParams
 
@@ -245,7 +245,7 @@ def test_detokenizer_replay_continues_the_text_exactly(tokenizer: Any, stop: tup
 
 async def test_grpc_stream_beyond_the_migration_limit_is_unavailable() -> None:
     import grpc
-    from tests.unit.router.frontend.test_grpc_servicer import FakeContext, FakeIngress, request
+    from tests.unit.router.frontend.grpc_api.test_grpc_servicer import FakeContext, FakeIngress, request
 
     ingress = FakeIngress()
     ingress.worker.fail = ActorDiedError("The actor died unexpectedly before finishing this task.")

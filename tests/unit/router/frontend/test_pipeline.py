@@ -11,9 +11,9 @@ import pytest
 from router import errors
 from router.frontend.auth import Principal
 from router.frontend.key_limits import KeyLimits
-from router.frontend.openai_convert import EngineInput
+from router.frontend.openai_api.convert import EngineInput
 from router.frontend.pipeline import RequestPipeline
-from tests.unit.router.frontend.test_grpc_servicer import FakeIngress
+from tests.unit.router.frontend.grpc_api.test_grpc_servicer import FakeIngress
 from worker.api import SamplingParams
 
 KEY = Principal("key-1")
@@ -96,7 +96,7 @@ async def test_a_request_refused_at_any_stage_holds_nothing(stage: str, status: 
     elif stage == "charge":
         to_inputs = inputs(4, TOKENS_PER_MINUTE)  # more than a minute's budget
     else:
-        from tests.unit.router.frontend.test_grpc_servicer import EngineDeadError
+        from tests.unit.router.frontend.grpc_api.test_grpc_servicer import EngineDeadError
 
         worker.fail = EngineDeadError("the engine loop has stopped")
     before = tokens_left(limits)

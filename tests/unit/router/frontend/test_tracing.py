@@ -23,7 +23,7 @@ from router import tracing as router_tracing
 from router.frontend.generation import GenerationStream, InFlightLimiter
 from router.frontend.key_limits import JointPermit
 from router.frontend.metrics import IngressMetrics
-from router.frontend.openai_convert import EngineInput
+from router.frontend.openai_api.convert import EngineInput
 from router.routing.serve_router import PolicyRouter
 from tests.support.engine_api_helpers import make_engine, tokenizer  # noqa: F401 -- fixture
 from worker.serving import tracing as worker_tracing

@@ -14,7 +14,7 @@ from router.routing.types import RoutingParams, ReplicaReport, ReplicaView, Requ
 from router.routing.policies.base import RoutingRequest
 from router.routing.policies.headroom import HeadroomPolicy
 from router.routing.scoring import Ranking, load_gate_tripped, score_replica
-from router.routing.policies.headroom import MODE_AFFINITY, MODE_HEADROOM, MODE_LOAD_GATE, MODE_NONE_HEALTHY, MODE_POW2, rank_replicas
+from router.routing.policies.headroom import MODE_AFFINITY, MODE_HEADROOM, MODE_LOAD_GATE, MODE_NONE_HEALTHY, MODE_POW2, RankContext, rank_replicas
 from router.routing.reservations import ReservationLedger, Unreflected
 
 BS = 16
@@ -554,12 +554,12 @@ def test_session_is_a_soft_preference() -> None:
     plain = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
     assert plain.order == ("a", "b")  # a tie: candidate order
     sticky = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0),
-                           session_replica="b")
+                           RankContext(session_replica="b"))
     assert (sticky.mode, sticky.order) == (MODE_AFFINITY, ("b", "a"))
     assert sticky.scores["b"].credit == PARAMS.session_weight
     # Soft: a session replica far over its share of the load loses it.
     busy = {"a": report(500), "b": report(500, num_waiting=20)}
-    gated = rank_replicas(req, views_for(busy, ReservationLedger()), PARAMS, NOW, random.Random(0), session_replica="b")
+    gated = rank_replicas(req, views_for(busy, ReservationLedger()), PARAMS, NOW, random.Random(0), RankContext(session_replica="b"))
     assert (gated.mode, gated.order) == (MODE_LOAD_GATE, ("a", "b"))
 
 
@@ -567,12 +567,12 @@ def test_hints_count_as_cached_before_any_report_shows_the_prefix() -> None:
     prefix = list(range(512))
     req = prefix_requests(prefix, 1)[0]
     reports = {"a": report(500), "b": report(500)}
-    ranking = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0), hints={"b": 20})
+    ranking = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0), RankContext(hints={"b": 20}))
     assert ranking.scores["b"].cached_blocks == 20 and ranking.scores["a"].cached_blocks == 0
     assert (ranking.mode, ranking.order) == (MODE_AFFINITY, ("b", "a"))
     assert ranking.prefill_tokens == {"a": 520, "b": 520 - 20 * BS}
     # A hint deeper than what a hit can cover is capped like a reported match (31 of 32 + 1).
-    capped = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0), hints={"b": 99})
+    capped = rank_replicas(req, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0), RankContext(hints={"b": 99}))
     assert capped.scores["b"].cached_blocks == req.cacheable_blocks(BS) == 32
 
 

@@ -13,7 +13,7 @@ from router.routing.types import ReplicaView, RequestProfile
 from router.routing.policies.base import RoutingRequest
 from router.routing.policies.headroom import HeadroomPolicy
 from router.routing.scoring import Ranking, move_costs, score_replica
-from router.routing.policies.headroom import MODE_AFFINITY, MODE_HEADROOM, MODE_LOAD_GATE, MODE_SPREAD, rank_replicas
+from router.routing.policies.headroom import MODE_AFFINITY, MODE_HEADROOM, MODE_LOAD_GATE, MODE_SPREAD, RankContext, rank_replicas
 from router.routing.reservations import ReservationLedger
 from router.routing.routing_view import LocalRoutingView
 from router.routing.sessions import MAX_SESSION_ID_CHARS, SessionTable, client_session_id
@@ -79,12 +79,12 @@ def test_a_new_session_goes_where_the_fewest_sessions_are() -> None:
     plain = rank_replicas(session_request(0), views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
     assert (plain.mode, plain.order[0]) == (MODE_HEADROOM, "a")
     ranking = rank_replicas(session_request(0), views_for(reports, ReservationLedger()), PARAMS, NOW,
-                            random.Random(0), session_counts={"a": 5, "b": 3, "c": 4})
+                            random.Random(0), RankContext(session_counts={"a": 5, "b": 3, "c": 4}))
     assert ranking.mode == MODE_SPREAD
     assert ranking.order == ("b", "a", "c")  # the rest by rank_key, as before
     # Ties on sessions: the higher rank_key first.
     tie = rank_replicas(session_request(0), views_for(reports, ReservationLedger()), PARAMS, NOW,
-                        random.Random(0), session_counts={"a": 3, "b": 3, "c": 4})
+                        random.Random(0), RankContext(session_counts={"a": 3, "b": 3, "c": 4}))
     assert tie.order[0] == "a"
 
 
@@ -92,7 +92,7 @@ def test_spread_counts_sessions_per_unit_of_capacity() -> None:
     reports = {"fast": replace(report(500), capacity_weight=2.0), "slow": report(500)}
     # 3 sessions on a replica twice as fast weigh 1.5: less than the slow one's 2.
     ranking = rank_replicas(session_request(0), views_for(reports, ReservationLedger()), PARAMS, NOW,
-                            random.Random(0), session_counts={"fast": 3, "slow": 2})
+                            random.Random(0), RankContext(session_counts={"fast": 3, "slow": 2}))
     assert (ranking.mode, ranking.order[0]) == (MODE_SPREAD, "fast")
 
 
@@ -103,11 +103,11 @@ def test_a_new_session_sharing_a_prefix_with_one_replica_goes_to_it() -> None:
     hashes = hash_full_blocks(prefix, BS)
     one_owner = {"owner": report(500, prefix_hashes=hashes), "b": report(500), "c": report(500)}
     ranking = rank_replicas(session_request(0, prefix), views_for(one_owner, ReservationLedger()), PARAMS, NOW,
-                            random.Random(0), session_counts={"owner": 9, "b": 0, "c": 0})
+                            random.Random(0), RankContext(session_counts={"owner": 9, "b": 0, "c": 0}))
     assert ranking.order[0] == "owner"
     everywhere = {k: report(500, prefix_hashes=hashes) for k in ("a", "b", "c")}
     ranking = rank_replicas(session_request(0, prefix), views_for(everywhere, ReservationLedger()), PARAMS, NOW,
-                            random.Random(0), session_counts={"a": 9, "b": 2, "c": 4})
+                            random.Random(0), RankContext(session_counts={"a": 9, "b": 2, "c": 4}))
     assert (ranking.mode, ranking.order[0]) == (MODE_SPREAD, "b")
 
 
@@ -115,7 +115,7 @@ def test_spread_skips_a_replica_that_cannot_prefill_in_time() -> None:
     # "idle" has no sessions but 200k prompt tokens queued: past 2 s at 40k tokens/s.
     reports = {"idle": replace(report(500, num_waiting=1), num_waiting_prompt_tokens=200_000), "b": report(500)}
     ranking = rank_replicas(session_request(0), views_for(reports, ReservationLedger()), PARAMS, NOW,
-                            random.Random(0), session_counts={"b": 7})
+                            random.Random(0), RankContext(session_counts={"b": 7}))
     assert ranking.order[0] == "b"
 
 
@@ -173,7 +173,7 @@ def test_the_gate_keeps_a_long_history_on_its_replica_and_releases_a_short_one()
         reports = {"owner": report(500, num_waiting=18, prefix_hashes=hash_full_blocks(prefix, BS)),
                    "a": report(500), "b": report(500)}
         return rank_replicas(session_request(0, prefix), views_for(reports, ReservationLedger()), PARAMS, NOW,
-                             random.Random(0), session_replica="owner", request_tokens=128.0)
+                             random.Random(0), RankContext(session_replica="owner", request_tokens=128.0))
 
     long, short = ranking(1024), ranking(64)
     assert (long.mode, long.order[0]) == (MODE_AFFINITY, "owner")
@@ -213,7 +213,7 @@ def test_the_move_cost_adds_at_most_one_more_gate_limit() -> None:
         reports = {"owner": report(500, num_waiting=num_waiting, prefix_hashes=hash_full_blocks(prefix, BS)),
                    "a": report(500), "b": report(500)}
         return rank_replicas(session_request(0, prefix), views_for(reports, ReservationLedger()), PARAMS, NOW,
-                             random.Random(0), request_tokens=8.0)
+                             random.Random(0), RankContext(request_tokens=8.0))
 
     assert ranking(23).order[0] == "owner"  # share 23/3: excess 15.3 <= 8 + 8
     gated = ranking(26)  # share 26/3: excess 17.3 > 16
@@ -234,7 +234,7 @@ def test_an_unseen_session_whose_prefix_one_replica_caches_is_ranked_as_a_known_
     request = session_request(0, prefix)
     known = rank_replicas(request, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0))
     unseen = rank_replicas(request, views_for(reports, ReservationLedger()), PARAMS, NOW, random.Random(0),
-                           session_counts={"owner": 9, "b": 0, "c": 1})
+                           RankContext(session_counts={"owner": 9, "b": 0, "c": 1}))
     assert unseen.mode != MODE_SPREAD
     assert (unseen.mode, unseen.order) == (known.mode, known.order)
 

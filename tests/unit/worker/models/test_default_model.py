@@ -100,7 +100,7 @@ def test_chat_template_rejects_unknown_roles(tokenizer: PreTrainedTokenizerBase)
 
 
 def test_chat_template_renders_tools_in_hermes_format(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Tools, an assistant's tool call and the tool's answer (router/frontend/tool_parsers.py's
+    """Tools, an assistant's tool call and the tool's answer (router/frontend/tool_calling/parsers.py's
     hermes parser reads the same <tool_call> format back)."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     messages = [

@@ -1,4 +1,4 @@
-"""router/frontend/http_body.py read_json: the body cap, and strings that are not valid Unicode."""
+"""router/frontend/openai_api/http_body.py read_json: the body cap, and strings that are not valid Unicode."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from router.errors import APIError
-from router.frontend.http_body import read_json
+from router.frontend.openai_api.http_body import read_json
 
 
 class FakeRequest:

@@ -1,5 +1,5 @@
 """A started generation stream as OpenAI's HTTP response: server-sent events while it
-runs, or one JSON body once it has finished. The formatter (router/frontend/openai_convert.py)
+runs, or one JSON body once it has finished. The formatter (router/frontend/openai_api/convert.py)
 builds each chunk; this file decides only how they travel and where usage goes.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router import errors
-from router.frontend import openai_convert as convert
-from router.frontend import openai_protocol as p
+from router.frontend.openai_api import convert as convert
+from router.frontend.openai_api import protocol as p
 from router.frontend.generation import GenerationStream
 
 logger = logging.getLogger(__name__)

@@ -75,7 +75,7 @@ class _SamplingFields(_Strict):
     # vLLM's: lower values are served first (admission bands, engine preemption). Unset: the
     # API key's default band (ingress.key_priorities); a key cannot ask for a better one.
     priority: int | None = Field(None, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
-    # Structured outputs (router/frontend/structured.py): OpenAI's response_format, vLLM's guided_*
+    # Structured outputs (router/frontend/openai_api/structured.py): OpenAI's response_format, vLLM's guided_*
     # and structured_outputs. At most one per request.
     response_format: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -104,7 +104,7 @@ class _SamplingFields(_Strict):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         """OpenAI's shape: token id (a JSON string key) -> bias in [-100, 100]. Ids past
-        the vocabulary are checked where the tokenizer is known (openai_convert.py)."""
+        the vocabulary are checked where the tokenizer is known (openai_api/convert.py)."""
         if not v:
             return v
         if len(v) > MAX_LOGIT_BIAS_ENTRIES:
@@ -218,7 +218,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Tool calling (router/frontend/tools.py).
+    # Tool calling (router/frontend/tool_calling/chat_tools.py).
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -279,8 +279,8 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-# The response half of the schema (router/frontend/openai_responses.py), re-exported.
-from router.frontend.openai_responses import (  # noqa: E402,F401
+# The response half of the schema (router/frontend/openai_api/response_bodies.py), re-exported.
+from router.frontend.openai_api.response_bodies import (  # noqa: E402,F401
     PromptTokensDetails,
     Usage,
     PromptLogprob,

@@ -9,8 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from router import errors
-from router.frontend import openai_convert as convert
-from router.frontend import openai_protocol as p
+from router.frontend.openai_api import convert as convert
+from router.frontend.openai_api import protocol as p
 from router.frontend.generation import InFlightLimiter, api_error_of
 from router.frontend.metrics import IngressMetrics
 from worker.api import RequestError, RequestOutput, TokenLogprob

@@ -1,5 +1,5 @@
 """OpenAI-shaped response bodies (pydantic v2): what the ingress sends back, whole or as
-stream chunks. The request half of the wire schema is router/frontend/openai_protocol.py, which
+stream chunks. The request half of the wire schema is router/frontend/openai_api/protocol.py, which
 re-exports these (one namespace, `p.`, for both halves)."""
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ engine / OpenAI side: request messages -> OpenAI request bodies -> EngineInputs,
 outputs -> response fields, worker stats -> ReplicaStats, APIError -> gRPC status code.
 
 Pure functions and values, no RPC plumbing: the RPC methods that use them are
-router/frontend/grpc_servicer.py's GrpcServicer. Requests are validated through the OpenAI
-request models (router/frontend/openai_protocol.py), so both APIs accept and reject the same
+router/frontend/grpc_api/servicer.py's GrpcServicer. Requests are validated through the OpenAI
+request models (router/frontend/openai_api/protocol.py), so both APIs accept and reject the same
 values with the same messages.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import grpc
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import errors
-from router.frontend import openai_convert as convert
-from router.frontend import openai_protocol as p
+from router.frontend.openai_api import convert as convert
+from router.frontend.openai_api import protocol as p
 from worker.api import RequestOutput, TokenLogprob
 
 STATUS_CODES: dict[int, grpc.StatusCode] = {
@@ -89,7 +89,7 @@ def sampling_body(request: pb.GenerateRequest) -> dict[str, Any]:
 
 
 def _constraint_body(request: pb.GenerateRequest) -> dict[str, Any]:
-    """The `constraint` oneof as the HTTP API's fields (router/frontend/structured.py checks it)."""
+    """The `constraint` oneof as the HTTP API's fields (router/frontend/openai_api/structured.py checks it)."""
     kind = request.WhichOneof("constraint")
     if kind == "json_schema":
         return {"guided_json": request.json_schema}

@@ -2,7 +2,7 @@
 
     serve.start(grpc_options=gRPCOptions(port=..., grpc_servicer_functions=[GRPC_SERVICER]))
 
-`GRPC_SERVICER` ("router.frontend.grpc_proxy.add_KVServeServicer_to_server") registers the KVServe
+`GRPC_SERVICER` ("router.frontend.grpc_api.proxy.add_KVServeServicer_to_server") registers the KVServe
 service exactly as the generated `protos.kvserve.v1.kvserve_pb2_grpc.add_KVServeServicer_to_server`
 does; Serve's proxy imports and calls it in the proxy actor when its gRPC server starts.
 
@@ -30,11 +30,11 @@ deserializing request!"), as if the server had failed. Here the KVServe deserial
 return an `Undecodable` marker instead, and the handlers answer it INVALID_ARGUMENT in
 the proxy, before anything reaches a replica.
 
-Standard services: the same call registers grpc.health.v1 (router/frontend/grpc_health.py) and,
-when configured, a TLS port (router/frontend/grpc_tls.py); Serve 2.60 adds server reflection.
+Standard services: the same call registers grpc.health.v1 (router/frontend/grpc_api/health.py) and,
+when configured, a TLS port (router/frontend/grpc_api/tls.py); Serve 2.60 adds server reflection.
 
 Exposure: without API keys a local server answers loopback peers only; each KVServe
-handler is then wrapped by router/frontend/grpc_exposure.py's loopback_guard.
+handler is then wrapped by router/frontend/grpc_api/exposure.py's loopback_guard.
 
 Only the KVServe service's handlers are wrapped, and only when `server` is Serve's
 gRPCGenericServer (it builds handlers through `service_handler_factory`); anywhere else
@@ -49,11 +49,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from protos.kvserve.v1 import kvserve_pb2_grpc as pb_grpc
-from router.frontend.grpc_exposure import loopback_guard, loopback_only
-from router.frontend.grpc_health import start_health
-from router.frontend.grpc_tls import add_tls_port
+from router.frontend.grpc_api.exposure import loopback_guard, loopback_only
+from router.frontend.grpc_api.health import start_health
+from router.frontend.grpc_api.tls import add_tls_port
 
-GRPC_SERVICER = "router.frontend.grpc_proxy.add_KVServeServicer_to_server"
+GRPC_SERVICER = "router.frontend.grpc_api.proxy.add_KVServeServicer_to_server"
 
 _END = object()
 
@@ -98,8 +98,8 @@ def add_KVServeServicer_to_server(servicer: Any, server: Any) -> None:  # noqa: 
         pb_grpc.add_KVServeServicer_to_server(servicer, server)
         return
     _add_kvserve(servicer, server, factory)
-    # The standard services next to KVServe, in the proxy itself (router/frontend/grpc_health.py,
-    # router/frontend/grpc_tls.py); Serve adds server reflection after this returns.
+    # The standard services next to KVServe, in the proxy itself (router/frontend/grpc_api/health.py,
+    # router/frontend/grpc_api/tls.py); Serve adds server reflection after this returns.
     start_health(server)
     add_tls_port(server)
 
@@ -144,7 +144,7 @@ def _tolerant_handlers(method_handlers: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cancel_safe_factory(factory: Callable[..., Any]) -> Callable[..., Any]:
-    # Read once, when the proxy's server is built (router/frontend/grpc_exposure.py).
+    # Read once, when the proxy's server is built (router/frontend/grpc_api/exposure.py).
     guard = loopback_guard if loopback_only() else (lambda handler: handler)
 
     def build(*args: Any, **kwargs: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The gRPC servicer's API-key check (router/frontend/grpc_servicer.py + router/frontend/auth.py), on the
+"""The gRPC servicer's API-key check (router/frontend/grpc_api/servicer.py + router/frontend/auth.py), on the
 unit tests' fake ingress: UNAUTHENTICATED without the metadata, Health open."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import grpc
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router.frontend.auth import ApiKeys
 from router.frontend.key_limits import KeyLimits
-from tests.unit.router.frontend.test_grpc_servicer import FakeContext, FakeIngress
+from tests.unit.router.frontend.grpc_api.test_grpc_servicer import FakeContext, FakeIngress
 
 KEY = "unit-key-1"
 

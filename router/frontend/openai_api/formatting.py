@@ -1,5 +1,5 @@
 """Engine outputs -> OpenAI response bodies and SSE chunks: the outgoing half of
-router/frontend/openai_convert.py (which re-exports it). Choices are merged over the engine's
+router/frontend/openai_api/convert.py (which re-exports it). Choices are merged over the engine's
 per-choice RequestOutputs; nothing here does I/O."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.frontend import openai_protocol as p
-from router.frontend import tools
+from router.frontend.openai_api import protocol as p
+from router.frontend.tool_calling import chat_tools
 from worker.api import RequestOutput, TokenLogprob
 
 
@@ -277,13 +277,13 @@ class ChatFormatter(_Formatter):
     """Builds /v1/chat/completions bodies and chunks."""
 
     def __init__(
-        self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, tool_mode: tools.ToolMode | None = None,
+        self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, tool_mode: chat_tools.ToolMode | None = None,
         prompt_logprobs: int | None = None,
     ) -> None:
         super().__init__(request_id, model, texts, want_logprobs, prompt_logprobs)
         # Tool calling: one parser per streamed choice (it counts the calls it has sent).
         self.tool_mode = tool_mode
-        self._parsers: dict[int, tools.ToolParser] = {}
+        self._parsers: dict[int, chat_tools.ToolParser] = {}
 
     def _chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
@@ -327,7 +327,7 @@ class ChatFormatter(_Formatter):
         if out.finished:
             rest, more = parser.stream_end()
             content, calls = content + rest, calls + more
-        tool_calls = tools.delta_tool_calls(calls)
+        tool_calls = chat_tools.delta_tool_calls(calls)
         want_logprobs = self.want_logprobs and bool(out.logprobs)
         if not content and not tool_calls and not out.finished and not want_logprobs:
             return None
@@ -351,7 +351,7 @@ class ChatFormatter(_Formatter):
         if not calls:
             return p.ChatResponseMessage(content=content), state.finish_reason
         reason = self.tool_mode.finish_reason if state.finish_reason == "stop" else state.finish_reason
-        return p.ChatResponseMessage(content=content or None, tool_calls=tools.tool_calls_of(calls)), reason
+        return p.ChatResponseMessage(content=content or None, tool_calls=chat_tools.tool_calls_of(calls)), reason
 
     def usage_chunk(self, usage: p.Usage) -> p.ChatCompletionChunk:
         return self._chunk([], usage)

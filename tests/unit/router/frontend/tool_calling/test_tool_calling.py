@@ -7,12 +7,12 @@ import json
 import jsonschema
 import pytest
 
-from router.frontend import openai_protocol as p
-from router.frontend import tools
+from router.frontend.openai_api import protocol as p
+from router.frontend.tool_calling import chat_tools
 from router.errors import APIError
-from router.frontend.openai_convert import ChatFormatter, ChoiceState, TokenTexts
-from router.frontend.structured import structured_output_of
-from router.frontend.tool_parsers import HermesParser, JsonArrayParser, Llama3JsonParser, NamedParser, parser_for_template
+from router.frontend.openai_api.convert import ChatFormatter, ChoiceState, TokenTexts
+from router.frontend.openai_api.structured import structured_output_of
+from router.frontend.tool_calling.parsers import HermesParser, JsonArrayParser, Llama3JsonParser, NamedParser, parser_for_template
 from worker.api import RequestOutput, StructuredOutput
 
 WEATHER = {
@@ -80,8 +80,8 @@ def test_parser_for_template() -> None:
 
 def test_required_constraint_forces_parseable_calls() -> None:
     req = chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
-    mode = tools.tool_mode(req, "auto", "<tool_call>")
-    so = tools.tool_constraint(req, mode)
+    mode = chat_tools.tool_mode(req, "auto", "<tool_call>")
+    so = chat_tools.tool_constraint(req, mode)
     assert so is not None and so.kind == "json_schema"
     schema = json.loads(so.spec)
     assert schema["maxItems"] == 1
@@ -94,15 +94,15 @@ def test_required_constraint_forces_parseable_calls() -> None:
 
 def test_named_and_none_and_auto() -> None:
     named = chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    mode = tools.tool_mode(named, "hermes", None)
+    mode = chat_tools.tool_mode(named, "hermes", None)
     assert mode is not None and mode.choice == "named" and mode.finish_reason == "stop"
-    assert json.loads(tools.tool_constraint(named, mode).spec) == WEATHER["function"]["parameters"]  # type: ignore[union-attr]
+    assert json.loads(chat_tools.tool_constraint(named, mode).spec) == WEATHER["function"]["parameters"]  # type: ignore[union-attr]
     assert NamedParser("get_weather").parse('{"city": "Rome"}')[1][0].name == "get_weather"
     none = chat(tools=[WEATHER], tool_choice="none")
-    assert tools.tool_mode(none, "hermes", None) is None and tools.tools_for_template(none) is None
+    assert chat_tools.tool_mode(none, "hermes", None) is None and chat_tools.tools_for_template(none) is None
     auto = chat(tools=[WEATHER])
-    mode = tools.tool_mode(auto, "auto", "x")
-    assert mode is not None and mode.choice == "auto" and tools.tool_constraint(auto, mode) is None
+    mode = chat_tools.tool_mode(auto, "auto", "x")
+    assert mode is not None and mode.choice == "auto" and chat_tools.tool_constraint(auto, mode) is None
 
 
 @pytest.mark.parametrize(
@@ -158,7 +158,7 @@ def _out(text: str, finished: bool = False) -> RequestOutput:
 
 def test_formatter_tool_calls_whole_and_streamed() -> None:
     req = chat(tools=[WEATHER, TIME])
-    mode = tools.tool_mode(req, "hermes", None)
+    mode = chat_tools.tool_mode(req, "hermes", None)
     texts = TokenTexts(None)
     whole = ChatFormatter("id", "m", texts, False, mode)
     state = ChoiceState(0, 0, text_parts=[HERMES_TEXT], finish_reason="stop")

@@ -4,10 +4,10 @@ message larger than the HTTP body cap.
 Serve 2.60's gRPC proxy has no host option: it binds [::]:port, every interface
 (ray/serve/_private/grpc_util.py start_grpc_server). A local `kvserve serve` without API
 keys must not be a service for the whole network, so there the proxy answers only
-loopback peers: kvserve's servicer function (router/frontend/grpc_proxy.py) wraps every
+loopback peers: kvserve's servicer function (router/frontend/grpc_api/proxy.py) wraps every
 KVServe handler in `loopback_guard`, which refuses any other peer with
 PERMISSION_DENIED before the request is read or routed. The switch is the environment of
-the node the proxy runs on, as for TLS (router/frontend/grpc_tls.py):
+the node the proxy runs on, as for TLS (router/frontend/grpc_api/tls.py):
 
     KVSERVE_GRPC_LOOPBACK_ONLY=1      set by `kvserve serve` when gRPC is on, no API keys
                                       are set and `grpc.public` (--grpc-public) is not

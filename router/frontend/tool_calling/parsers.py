@@ -11,37 +11,14 @@ Two ways to read an output: `parse(text)` whole (non-streamed responses), and
 `stream(delta)` ... `stream_end()` for streamed ones. Streaming keeps free text flowing,
 holds back only what may be the start of a call, and streams each call as OpenAI does:
 a first delta with id, type and name as soon as the name is known, then `arguments` in
-fragments as the model writes them (router/frontend/tool_call_stream.py), never the wrapper.
+fragments as the model writes them (router/frontend/tool_calling/call_stream.py), never the wrapper.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any
 
-from router.frontend.tool_call_stream import CallDelta, CallListStream, CallStream, new_call_id
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text
-    id: str = field(default_factory=new_call_id)
-
-
-def call_from_json(obj: Any) -> ParsedCall | None:
-    """A {"name", "arguments" | "parameters"} object as a call; None when it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models put the JSON text in a string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+from router.frontend.tool_calling.call_stream import CallListStream, CallStream
+from router.frontend.tool_calling.calls import CallDelta, ParsedCall, call_from_json, new_call_id
 
 
 class ToolParser:

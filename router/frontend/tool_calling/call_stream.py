@@ -16,26 +16,12 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
+
+from router.frontend.tool_calling.calls import CallDelta, call_from_json, new_call_id
 
 # The head of a call object up to the start of its arguments value.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:')
-
-
-@dataclass(frozen=True)
-class CallDelta:
-    """One stream delta of one call: `index` counts the choice's calls from 0; the first
-    delta of a call carries its id and name, the later ones argument text only."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass
@@ -91,8 +77,6 @@ class CallStream:
 
     def whole(self) -> tuple[str, str] | None:
         """(name, arguments JSON) parsed from the object so far, None when it is no call."""
-        from router.frontend.tool_parsers import call_from_json
-
         try:
             call = call_from_json(json.loads("".join(self.text)))
         except json.JSONDecodeError:

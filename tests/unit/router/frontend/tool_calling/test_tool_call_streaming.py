@@ -11,10 +11,10 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from router.frontend import openai_protocol as p
-from router.frontend import tools
-from router.frontend.openai_convert import ChatFormatter, ChoiceState, TokenTexts, sse
-from router.frontend.tool_parsers import HermesParser, Llama3JsonParser
+from router.frontend.openai_api import protocol as p
+from router.frontend.tool_calling import chat_tools
+from router.frontend.openai_api.convert import ChatFormatter, ChoiceState, TokenTexts, sse
+from router.frontend.tool_calling.parsers import HermesParser, Llama3JsonParser
 from worker.api import RequestOutput
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -38,13 +38,13 @@ REQUIRED = (
 )
 
 
-def _chat(parser: str) -> tuple[ChatFormatter, tools.ToolMode]:
+def _chat(parser: str) -> tuple[ChatFormatter, chat_tools.ToolMode]:
     """`parser` "required": a forced `required` choice (a JSON array of calls)."""
     choice = {"tool_choice": "required"} if parser == "required" else {}
     request = p.ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER, TIME], **choice}
     )
-    mode = tools.tool_mode(request, "hermes" if parser == "required" else parser, None)
+    mode = chat_tools.tool_mode(request, "hermes" if parser == "required" else parser, None)
     assert mode is not None
     return ChatFormatter("id", "m", TokenTexts(None), False, mode), mode
 
@@ -138,7 +138,7 @@ def test_named_choice_streams_its_arguments() -> None:
         "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER, TIME],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
     })
-    mode = tools.tool_mode(request, "hermes", None)
+    mode = chat_tools.tool_mode(request, "hermes", None)
     formatter = ChatFormatter("id", "m", TokenTexts(None), False, mode)
     state = ChatCompletionStreamState(input_tools=[WEATHER, TIME])
     text = '{"city": "Oslo", "days": 2}'

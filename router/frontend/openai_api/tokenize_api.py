@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from router.frontend import openai_protocol as p
+from router.frontend.openai_api import protocol as p
 from router.errors import bad_request
-from router.frontend.openai_convert import encode_chat
+from router.frontend.openai_api.convert import encode_chat
 
 
 class TokenizeRequest(p._Strict):

@@ -1,4 +1,4 @@
-"""router.frontend.grpc_proxy without Ray: the cancel-safe wrapper of Serve's streaming handlers."""
+"""router.frontend.grpc_api.proxy without Ray: the cancel-safe wrapper of Serve's streaming handlers."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,7 @@ from unittest.mock import Mock
 
 import pytest
 
-from router.frontend import grpc_proxy
+from router.frontend.grpc_api import proxy
 
 
 class Handler:
@@ -55,7 +55,7 @@ async def test_messages_pass_through_in_order() -> None:
             yield bytes([i])
 
     context = FakeContext()
-    stream = grpc_proxy.cancel_safe_stream(finite)
+    stream = proxy.cancel_safe_stream(finite)
     assert inspect.iscoroutinefunction(stream)  # grpc's reader/writer API
     await stream("r", context)
     assert context.written == [b"\x00", b"\x01", b"\x02"]
@@ -67,7 +67,7 @@ async def test_errors_pass_through() -> None:
         raise ValueError("boom")
 
     with pytest.raises(ValueError, match="boom"):
-        await grpc_proxy.cancel_safe_stream(failing)("r", FakeContext())
+        await proxy.cancel_safe_stream(failing)("r", FakeContext())
 
 
 @pytest.mark.parametrize("hold_after", [None, 1], ids=["waiting-for-a-message", "blocked-in-a-write"])
@@ -77,7 +77,7 @@ async def test_a_cancelled_call_cancels_the_handler_before_returning(hold_after:
     await, and has finished before the call's coroutine returns (grpc frees the call then)."""
     handler = Handler(3)
     context = FakeContext(hold_after)
-    task = asyncio.create_task(grpc_proxy.cancel_safe_stream(handler)("r", context))
+    task = asyncio.create_task(proxy.cancel_safe_stream(handler)("r", context))
     if hold_after is None:
         while len(context.written) < 3:
             await asyncio.sleep(0)
@@ -126,14 +126,14 @@ class FakeServeServer:
 def test_only_the_kvserve_streaming_handlers_are_wrapped() -> None:
     server = FakeServeServer()
     original = server.service_handler_factory
-    grpc_proxy.add_KVServeServicer_to_server(Mock(), server)
+    proxy.add_KVServeServicer_to_server(Mock(), server)
     assert server.service_handler_factory == original  # put back for other services
     assert "/kvserve.v1.KVServe/GenerateStream" in server.handlers
     for built in server.handlers.values():
         assert "cancel_safe_stream" in built["stream"].__qualname__
         assert inspect.iscoroutinefunction(built["stream"])
         assert "cancel_safe_stream" not in built["unary"].__qualname__
-    # grpc.health.v1 answers in the proxy itself, next to KVServe (router/frontend/grpc_health.py).
+    # grpc.health.v1 answers in the proxy itself, next to KVServe (router/frontend/grpc_api/health.py).
     assert {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"} <= set(server.passthrough)
 
 
@@ -152,7 +152,7 @@ def test_a_plain_grpc_server_gets_the_generated_registration() -> None:
             return pb.TokenizeResponse(token_ids=[7, 8], count=2)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
-    grpc_proxy.add_KVServeServicer_to_server(Servicer(), server)
+    proxy.add_KVServeServicer_to_server(Servicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -170,11 +170,11 @@ def test_a_plain_grpc_server_gets_the_generated_registration() -> None:
 def test_undecodable_requests_become_a_marker_and_invalid_argument() -> None:
     from protos.kvserve.v1 import kvserve_pb2 as pb
 
-    parse = grpc_proxy.tolerant_deserializer(pb.GenerateRequest.FromString)
+    parse = proxy.tolerant_deserializer(pb.GenerateRequest.FromString)
     assert parse(pb.GenerateRequest(prompt="hi").SerializeToString()).prompt == "hi"
     for garbage in (b"\xff\xff\xff\xff", b"\x12\x05ab", b"\x12\x02\xc3\x28"):
         marker = parse(garbage)
-        assert isinstance(marker, grpc_proxy.Undecodable) and "not a valid protobuf message" in marker.details
+        assert isinstance(marker, proxy.Undecodable) and "not a valid protobuf message" in marker.details
 
     aborted: list[Any] = []
 
@@ -187,9 +187,9 @@ def test_undecodable_requests_become_a_marker_and_invalid_argument() -> None:
 
     import grpc
 
-    guarded = grpc_proxy.rejecting_undecodable(handler)
+    guarded = proxy.rejecting_undecodable(handler)
     assert asyncio.run(guarded(pb.GenerateRequest(), Context())) == "handled"
-    asyncio.run(guarded(grpc_proxy.Undecodable("DecodeError"), Context()))
+    asyncio.run(guarded(proxy.Undecodable("DecodeError"), Context()))
     assert aborted and aborted[0][0] == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -201,6 +201,6 @@ def test_the_serve_server_gets_tolerant_deserializers() -> None:
             seen.update(method_handlers)
 
     server = Server()
-    grpc_proxy.add_KVServeServicer_to_server(Mock(), server)
-    assert isinstance(seen["Generate"].request_deserializer(b"\xff\xff"), grpc_proxy.Undecodable)
+    proxy.add_KVServeServicer_to_server(Mock(), server)
+    assert isinstance(seen["Generate"].request_deserializer(b"\xff\xff"), proxy.Undecodable)
     assert server.add_registered_method_handlers.__name__ == "add_registered_method_handlers"  # put back

@@ -1,6 +1,6 @@
 """A small typed Python client of kvserve's gRPC API (protos/kvserve/v1/kvserve.proto).
 
-    from router.frontend.client import KVServeClient
+    from router.frontend.grpc_api.client import KVServeClient
 
     with KVServeClient("127.0.0.1:9000") as client:
         print(client.generate("Hello", max_tokens=16, temperature=0).text)

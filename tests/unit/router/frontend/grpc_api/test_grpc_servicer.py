@@ -12,10 +12,10 @@ import pytest
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router.frontend.auth import ApiKeys
-from router.frontend.client import build_generate_request
+from router.frontend.grpc_api.client import build_generate_request
 from router.frontend.generation import InFlightLimiter
-from router.frontend.grpc_convert import engine_inputs, replica_stats
-from router.frontend.grpc_servicer import GrpcMethods, GrpcServicer, GrpcStatusError
+from router.frontend.grpc_api.convert import engine_inputs, replica_stats
+from router.frontend.grpc_api.servicer import GrpcMethods, GrpcServicer, GrpcStatusError
 from router.frontend.key_limits import KeyLimits
 from router.frontend.metrics import IngressMetrics
 from router.frontend.pipeline import RequestPipeline

@@ -8,13 +8,13 @@ from typing import Any
 
 from protos.kvserve.v1 import kvserve_pb2 as pb
 from router.frontend.auth import ApiKeys
-from router.frontend.grpc_servicer import GrpcServicer
+from router.frontend.grpc_api.servicer import GrpcServicer
 from router.frontend.key_limits import KeyLimits
 from router.frontend.metrics import IngressMetrics
 from router.frontend.pipeline import RequestPipeline
 from router.frontend.settings import IngressSettings
 from router.frontend.workers import Workers
-from tests.unit.router.frontend.test_grpc_servicer import FakeIngress, FakeTokenizer, FakeWorker
+from tests.unit.router.frontend.grpc_api.test_grpc_servicer import FakeIngress, FakeTokenizer, FakeWorker
 
 
 class PoolWorker(FakeWorker):

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from router.frontend import openai_protocol as p
-from router.frontend import tools
+from router.frontend.openai_api import protocol as p
+from router.frontend.tool_calling import chat_tools
 from router.errors import bad_request
-from router.frontend.structured import structured_output_of
+from router.frontend.openai_api.structured import structured_output_of
 from worker.api import SamplingParams, SamplingParamsError, StructuredOutput
 
 
@@ -43,8 +43,8 @@ def encode_chat(tokenizer: Any, request: p.ChatCompletionRequest) -> list[int]:
     """The chat template renders the conversation (BOS included); then tokenize it as is."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("This model has no chat template; use /v1/completions.", "messages")
-    messages = [tools.template_message(m) for m in request.messages]
-    tool_defs = tools.tools_for_template(request)
+    messages = [chat_tools.template_message(m) for m in request.messages]
+    tool_defs = chat_tools.tools_for_template(request)
     try:
         text = tokenizer.apply_chat_template(
             messages,
@@ -149,7 +149,7 @@ def chat_inputs(
     request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int, tool_parser: str = "auto"
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
-    structured = tools.chat_structured_output(request, tools.tool_mode(request, tool_parser, getattr(tokenizer, "chat_template", None)))
+    structured = chat_tools.chat_structured_output(request, chat_tools.tool_mode(request, tool_parser, getattr(tokenizer, "chat_template", None)))
     check_token_ids(request, tokenizer)
     ids = encode_chat(tokenizer, request)
     requested = request.max_output_tokens
@@ -163,8 +163,8 @@ def chat_inputs(
     ]
 
 
-# The outgoing half (router/frontend/openai_format.py), re-exported for `convert.` users.
-from router.frontend.openai_format import (  # noqa: E402,F401
+# The outgoing half (router/frontend/openai_api/formatting.py), re-exported for `convert.` users.
+from router.frontend.openai_api.formatting import (  # noqa: E402,F401
     TokenTexts,
     ChoiceState,
     usage_of,

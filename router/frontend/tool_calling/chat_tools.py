@@ -17,11 +17,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from router.frontend import openai_protocol as p
+from router.frontend.openai_api import protocol as p
 from router.errors import bad_request
-from router.frontend.structured import structured_output_of
-from router.frontend.tool_call_stream import CallDelta
-from router.frontend.tool_parsers import PARSERS, JsonArrayParser, NamedParser, ParsedCall, ToolParser, parser_for_template
+from router.frontend.openai_api.structured import structured_output_of
+from router.frontend.tool_calling.calls import CallDelta, ParsedCall
+from router.frontend.tool_calling.parsers import PARSERS, JsonArrayParser, NamedParser, ToolParser, parser_for_template
 from worker.api import SamplingParamsError, StructuredOutput, check_structured_output
 
 _ANY_PARAMETERS: dict[str, Any] = {"type": "object"}

@@ -10,7 +10,7 @@ ingress deployment's method named after the RPC (`Generate`, `GenerateStream`, .
 passing Serve's `RayServegRPCContext` as the keyword argument `grpc_context`; a streaming
 RPC is an async generator method. `GrpcMethods` gives the ingress class those methods,
 each handing the call to its `grpc` attribute, a `GrpcServicer`. A servicer method
-converts the message (router/frontend/grpc_convert.py: validated through the OpenAI request
+converts the message (router/frontend/grpc_api/convert.py: validated through the OpenAI request
 models, one set of rules and messages for both APIs), runs it through the pipeline
 (admit, tokenize, charge, stream, settle) and converts the events back.
 
@@ -33,7 +33,7 @@ a CancelledError is raised in the method here, whose `finally` closes the
 GenerationStream, which cancels the worker call, and the engine aborts the request (its
 KV blocks are freed within a step). Serve alone misses one case (a client that stopped
 reading, so the proxy was blocked in a write when the cancel came: the request ran on to
-max_tokens); router/frontend/grpc_proxy.py's servicer function closes it.
+max_tokens); router/frontend/grpc_api/proxy.py's servicer function closes it.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from protos.kvserve.v1 import kvserve_pb2 as pb
 from router import errors
 from router.frontend.auth import ANONYMOUS, Principal, grpc_authorization, grpc_metadata_value
 from router.frontend.generation import GenerationStream
-from router.frontend.grpc_convert import (
+from router.frontend.grpc_api.convert import (
     Clock, echo_text, engine_inputs, num_choices, prompt_logprobs, replica_stats, set_finish, set_stop, status_code_of,
     token_logprobs, tokenize,
 )
@@ -234,7 +234,7 @@ class GrpcServicer:
     ) -> pb.HealthResponse:
         """SERVING when a worker answers its health check in time (as GET /health), else
         NOT_SERVING with the reason; the call itself succeeds either way, as in
-        grpc.health.v1. NOT_SERVING while the ingress drains (router/frontend/grpc_health.py turns
+        grpc.health.v1. NOT_SERVING while the ingress drains (router/frontend/grpc_api/health.py turns
         this verdict into grpc.health.v1's)."""
         if self.pipeline.limiter.draining:
             return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING, message="draining: shutting down")
