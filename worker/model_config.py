@@ -17,12 +17,14 @@ from worker.model_path import is_hub_id, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-# HF architecture -> our family (worker/model/llama.py implements all four).
+# HF architecture -> our family (worker/model/llama.py implements the first four;
+# worker/model/deepseek_v3.py DeepSeek-V3).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # A config without `architectures` (a GGUF file's) names its family by model_type.
 _MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}
@@ -95,6 +97,10 @@ def check_supported(hf_config: Any, gguf: bool = False) -> None:
         raise UnsupportedModelError(
             f"unsupported RoPE type {rope_type!r}; kvserve supports {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    if family == "deepseek_v3":
+        from worker.model.deepseek_v3_config import check_deepseek_v3  # imports this module
+
+        check_deepseek_v3(hf_config)
     if family in ("llama", "mistral") and getattr(hf_config, "layer_types", None):
         kinds = set(hf_config.layer_types) - {"full_attention"}
         if kinds:  # transformers' Llama/Mistral models ignore layer_types; so would we, silently

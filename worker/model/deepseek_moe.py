@@ -1,0 +1,168 @@
+"""DeepSeek-V3's feed-forward blocks: the dense MLP of the first layers and the MoE block
+(routed experts chosen by a grouped top-k gate, plus always-on shared experts).
+
+The gate (transformers' DeepseekV3TopkRouter, "noaux_tc"), over the whole flat batch:
+
+    scores  = sigmoid(x @ gate.weight^T)                      fp32, (T, E)
+    choice  = scores + e_score_correction_bias                the bias steers the choice only
+    groups  : E experts in n_group groups; a group's score = sum of its 2 best `choice`;
+              keep the topk_group best groups, mask the other groups' experts out
+    top-k   = the num_experts_per_tok best `choice` among the kept experts
+    weights = scores at those experts (no bias), / their sum if norm_topk_prob,
+              * routed_scaling_factor
+
+The routed experts run grouped over the flat batch (worker/model/moe.py); the block's
+output is routed + shared_experts(x).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+
+@dataclass(frozen=True)
+class RoutingArch:
+    num_experts: int
+    top_k: int
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    moe_intermediate_size: int
+    num_shared_experts: int
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> RoutingArch:
+        return cls(
+            num_experts=hf_config.n_routed_experts,
+            top_k=hf_config.num_experts_per_tok,
+            num_groups=hf_config.n_group or 1,
+            topk_groups=hf_config.topk_group or 1,
+            norm_topk_prob=bool(hf_config.norm_topk_prob),
+            routed_scaling_factor=float(hf_config.routed_scaling_factor),
+            moe_intermediate_size=hf_config.moe_intermediate_size,
+            num_shared_experts=hf_config.n_shared_experts or 0,
+        )
+
+
+def grouped_topk(
+    router_logits: torch.Tensor, correction_bias: torch.Tensor, routing: RoutingArch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, E) fp32 router logits -> top-k weights (T, k) fp32 and expert ids (T, k) long."""
+    num_tokens = router_logits.shape[0]
+    scores = router_logits.sigmoid()
+    choice = scores + correction_bias
+    per_group = routing.num_experts // routing.num_groups
+    group_scores = choice.view(num_tokens, routing.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_ids = torch.topk(group_scores, k=routing.topk_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, per_group).reshape(num_tokens, routing.num_experts)
+    choice = choice.masked_fill(~expert_mask, float("-inf"))
+    topk_ids = torch.topk(choice, k=routing.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if routing.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routing.routed_scaling_factor, topk_ids
+
+
+def grouped_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Interim: the (token, expert) pairs sorted by expert, one matmul per expert hit."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    rows = x[token_of]
+    out_rows = torch.empty_like(rows)
+    start = 0
+    inter = down.shape[-1]
+    for expert, n in enumerate(counts):
+        if n:
+            h = rows[start : start + n] @ gate_up[expert].T
+            h = F.silu(h[:, :inter]) * h[:, inter:]
+            out_rows[start : start + n] = h @ down[expert].T
+        start += n
+    weights = topk_weights.reshape(-1)[order].unsqueeze(-1)
+    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, token_of, out_rows.float() * weights)
+    return out.to(x.dtype)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP with the checkpoint's own names (gate_proj / up_proj / down_proj)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gate(nn.Module):
+    """The router's parameters, kept in fp32 whatever the model dtype (as transformers
+    keeps `gate.weight` and `e_score_correction_bias`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
+
+
+class StackedExperts(nn.Module):
+    """The routed experts stacked for grouped matmuls: gate_up_proj (E, 2I, hidden) holds
+    [gate; up] rows per expert, down_proj (E, hidden, I). Checkpoint parts (one tensor
+    per expert and projection): gate_up_proj part 2e = expert e's gate_proj, 2e + 1 its
+    up_proj; down_proj part e = expert e's down_proj."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def num_load_parts(self, kind: str) -> int:
+        num_experts = self.down_proj.shape[0]
+        return 2 * num_experts if kind == "gate_up_proj" else num_experts
+
+    def load_checkpoint_tensor(self, f: Any, name: str, kind: str, part: int, dest: torch.Tensor) -> torch.Tensor:
+        tensor = f.get_tensor(name)
+        if kind == "down_proj":
+            dest[part].copy_(tensor)
+        else:
+            inter = self.intermediate_size
+            expert, half = divmod(part, 2)
+            dest[expert, half * inter : (half + 1) * inter].copy_(tensor)
+        return tensor
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, hidden_size: int, routing: RoutingArch) -> None:
+        super().__init__()
+        self.routing = routing
+        inter = routing.moe_intermediate_size
+        self.gate = Gate(hidden_size, routing.num_experts)
+        self.experts = StackedExperts(routing.num_experts, hidden_size, inter)
+        self.shared_experts = (
+            DenseMLP(hidden_size, inter * routing.num_shared_experts) if routing.num_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate.weight.float())
+        weights, ids = grouped_topk(logits, self.gate.e_score_correction_bias.float(), self.routing)
+        out = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
