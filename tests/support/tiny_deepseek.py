@@ -32,9 +32,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # q_proj straight from the hidden state; every layer MoE; rotate-half RoPE.
     "ds_qproj": dict(q_lora_rank=None, first_k_dense_replace=0, rope_interleave=False),
     # one group (plain top-k over all experts), no normalisation of the top-k weights,
-    # two shared experts, a tied LM head.
+    # two shared experts, attention biases, a tied LM head.
     "ds_flat": dict(n_group=1, topk_group=1, norm_topk_prob=False, n_shared_experts=2,
-                    num_experts_per_tok=3, tie_word_embeddings=True),
+                    num_experts_per_tok=3, attention_bias=True, tie_word_embeddings=True),
     # YaRN RoPE: the softmax scale carries mscale_all_dim (transformers' yarn_apply_mscale).
     "ds_yarn": dict(q_lora_rank=None, rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,

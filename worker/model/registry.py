@@ -29,6 +29,7 @@ MODEL_CLASSES: dict[str, str] = {
     "mistral": "worker.model.llama:LlamaForCausalLM",
     "qwen2": "worker.model.llama:LlamaForCausalLM",
     "qwen3": "worker.model.llama:LlamaForCausalLM",
+    "deepseek_v3": "worker.model.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 
