@@ -72,3 +72,28 @@ def make_tiny_deepseek(variant: str, out: Path, seed: int = 0, **overrides: Any)
                 buf.uniform_(-0.3, 0.3)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+class DeepseekReference:
+    """Each variant's checkpoint, written on first use, and transformers' greedy outputs on
+    it (fp32, one request at a time), memoised per (variant, prompt, max_tokens)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._dirs: dict[str, Path] = {}
+        self._outputs: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+    def checkpoint(self, variant: str) -> Path:
+        if variant not in self._dirs:
+            self._dirs[variant] = make_tiny_deepseek(variant, self.root / variant)
+        return self._dirs[variant]
+
+    def greedy(self, variant: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        from tests.support.tiny_models import hf_greedy
+
+        keys = [(variant, tuple(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
+        missing = list(dict.fromkeys(k for k in keys if k not in self._outputs))
+        if missing:
+            outs = hf_greedy(self.checkpoint(variant), [list(k[1]) for k in missing], [k[2] for k in missing])
+            self._outputs.update(zip(missing, outs))
+        return [list(self._outputs[k]) for k in keys]
