@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.model.moe import SILU, FusedExperts
+
 
 
 @dataclass(frozen=True)
@@ -70,31 +72,6 @@ def grouped_topk(
     return topk_weights * routing.routed_scaling_factor, topk_ids
 
 
-def grouped_experts(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-) -> torch.Tensor:
-    """Interim: the (token, expert) pairs sorted by expert, one matmul per expert hit."""
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    token_of = order // top_k
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
-    rows = x[token_of]
-    out_rows = torch.empty_like(rows)
-    start = 0
-    inter = down.shape[-1]
-    for expert, n in enumerate(counts):
-        if n:
-            h = rows[start : start + n] @ gate_up[expert].T
-            h = F.silu(h[:, :inter]) * h[:, inter:]
-            out_rows[start : start + n] = h @ down[expert].T
-        start += n
-    weights = topk_weights.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, out_rows.float() * weights)
-    return out.to(x.dtype)
-
-
 class DenseMLP(nn.Module):
     """SwiGLU MLP with the checkpoint's own names (gate_proj / up_proj / down_proj)."""
 
@@ -118,43 +95,13 @@ class Gate(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32))
 
 
-class StackedExperts(nn.Module):
-    """The routed experts stacked for grouped matmuls: gate_up_proj (E, 2I, hidden) holds
-    [gate; up] rows per expert, down_proj (E, hidden, I). Checkpoint parts (one tensor
-    per expert and projection): gate_up_proj part 2e = expert e's gate_proj, 2e + 1 its
-    up_proj; down_proj part e = expert e's down_proj."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-
-    def num_load_parts(self, kind: str) -> int:
-        num_experts = self.down_proj.shape[0]
-        return 2 * num_experts if kind == "gate_up_proj" else num_experts
-
-    def load_checkpoint_tensor(self, f: Any, name: str, kind: str, part: int, dest: torch.Tensor) -> torch.Tensor:
-        tensor = f.get_tensor(name)
-        if kind == "down_proj":
-            dest[part].copy_(tensor)
-        else:
-            inter = self.intermediate_size
-            expert, half = divmod(part, 2)
-            dest[expert, half * inter : (half + 1) * inter].copy_(tensor)
-        return tensor
-
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return grouped_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
-
-
 class DeepseekMoE(nn.Module):
     def __init__(self, hidden_size: int, routing: RoutingArch) -> None:
         super().__init__()
         self.routing = routing
         inter = routing.moe_intermediate_size
         self.gate = Gate(hidden_size, routing.num_experts)
-        self.experts = StackedExperts(routing.num_experts, hidden_size, inter)
+        self.experts = FusedExperts(routing.num_experts, hidden_size, inter, bias=False)
         self.shared_experts = (
             DenseMLP(hidden_size, inter * routing.num_shared_experts) if routing.num_shared_experts else None
         )
@@ -162,7 +109,7 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())
         weights, ids = grouped_topk(logits, self.gate.e_score_correction_bias.float(), self.routing)
-        out = self.experts(x, ids, weights)
+        out = self.experts(x, ids, weights, SILU)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -143,8 +143,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         if rest.startswith("mlp.experts."):  # mlp.experts.<e>.<gate|up|down>_proj.weight
             _, _, expert, proj, _ = rest.split(".")
             if proj == "down_proj":
-                return prefix + "mlp.experts", "down_proj", int(expert)
-            return prefix + "mlp.experts", "gate_up_proj", 2 * int(expert) + (proj == "up_proj")
+                return prefix + "mlp.experts", "w2", int(expert)
+            return prefix + "mlp.experts", "w13", 2 * int(expert) + (proj == "up_proj")
         module, _, kind = rest.rpartition(".")
         return prefix + module, kind, 0
 
