@@ -27,10 +27,11 @@ from worker.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.forward_timer import ForwardTimer
 from worker.lora.model_lora import ModelLoRA, adapter_loader
 from worker.memory_profile import activation_peak_bytes
+from worker.model.kv_geometry import attention_backend_name, is_latent, kv_cache_spec_for
 from worker.model.loader import load_model
 from worker.model.registry import arch_for
 from worker.model_path import resolve_model_path
-from worker.model.parallel import SINGLE, TPContext, kv_head_range
+from worker.model.parallel import SINGLE, TPContext
 from worker import prompt_logprobs
 from worker.api import TokenLogprob
 from worker.runner_batches import HostBatch, LaunchedBatch
@@ -76,19 +77,19 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.arch = arch_for(hf_config)
         self.block_size = config.cache.block_size
-        self.backend = select_backend(self._backend_name(config), self.device)
+        self.backend = select_backend(attention_backend_name(self.arch, config.model.attention_backend), self.device)
         path = resolve_model_path(config.model.model)
         self.model = load_model(path, hf_config, self.backend, max_model_len, self.dtype, self.device, tp)
         # Multi-LoRA (worker/lora/): wrapped projections with device slots (allocated before the KV budget is taken); the engine sets
         # lora_adapters (name -> host copy) to fill the slots a plan lists.
         lora = config.lora
-        if lora.enabled and self._latent_kv:
+        if lora.enabled and is_latent(self.arch):
             raise ValueError("LoRA is not built for multi-head latent attention models (DeepSeek-V3); "
                              "serve this model with lora disabled")
         self.lora = ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank) if lora.enabled else None
         self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank)
         self.lora_adapters: Callable[[str], Any] | None = None
-        self.spec = self._kv_spec(tp)
+        self.spec = kv_cache_spec_for(self.arch, self.block_size, self.dtype, tp)
         self.num_blocks = self._num_blocks(max_model_len)
         use_graphs = self._use_cuda_graphs()
         # With graphs, one scratch block past the pool's num_blocks takes the padded rows'
@@ -111,36 +112,6 @@ class ModelRunner:
 
     def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
         scatter_blocks(self.kv_caches, block_ids, kv)
-
-    @property
-    def _latent_kv(self) -> bool:
-        """An MLA model: its pool holds latent rows and its layers attend themselves."""
-        return bool(getattr(self.arch, "latent_kv", False))
-
-    def _backend_name(self, config: EngineConfig) -> str:
-        """MLA layers attend over the latent pool in torch (worker/attention/mla_paged.py)
-        and read the torch backend's metadata; another backend asked for is refused."""
-        name = config.model.attention_backend
-        if not self._latent_kv:
-            return name
-        if name not in ("auto", "torch"):
-            raise ValueError(f"attention_backend={name}: multi-head latent attention (DeepSeek-V3) "
-                             "runs on its own torch path; use auto or torch")
-        return "torch"
-
-    def _kv_spec(self, tp: TPContext) -> KVCacheSpec:
-        """The pool's geometry: the model's own (MLA: one latent row per token per layer),
-        else this rank's share of the K/V heads."""
-        if self._latent_kv:
-            return self.arch.kv_cache_spec(self.block_size, self.dtype)
-        kv_lo, kv_hi = kv_head_range(self.arch.num_heads, self.arch.num_kv_heads, tp)
-        return KVCacheSpec(
-            num_layers=self.arch.num_layers,
-            num_kv_heads=kv_hi - kv_lo,
-            head_dim=self.arch.head_dim,
-            block_size=self.block_size,
-            dtype=self.dtype,
-        )
 
     def _num_blocks(self, max_model_len: int) -> int:
         cache = self.config.cache
