@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kv.cache_manager import cdiv
 from tests.support.tiny_deepseek import VOCAB, DeepseekReference
@@ -53,10 +54,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeepseekRefe
 
 
 def _engine(model_dir: Path, num_blocks: int = 256, max_num_batched_tokens: int = 1024,
-            enable_prefix_caching: bool = True) -> Engine:
+            enable_prefix_caching: bool = True, device: str = "cpu") -> Engine:
     return Engine.from_config(
         EngineConfig(
-            ModelConfig(str(model_dir), dtype="float32", device="cpu"),
+            ModelConfig(str(model_dir), dtype="float32", device=device),
             CacheConfig(block_size=BLOCK, num_blocks_override=num_blocks, enable_prefix_caching=enable_prefix_caching),
             SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=max_num_batched_tokens),
         )
@@ -143,4 +144,18 @@ def test_chunks_preemption_and_prefix_cache_together(reference: DeepseekReferenc
     assert _run(run_engine, engine, ALL) == _expected(reference, variant, ALL)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.kv.prefix_cache_hits > 0
+    _assert_free(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["ds_qlora", "ds_qproj"])
+def test_on_cuda_mixed_and_chunked(variant: str, reference: DeepseekReference, run_engine: Callable) -> None:
+    """The CUDA runner (MLA's torch path, the routed experts on the fused-MoE kernel)
+    against the same CPU reference: every prompt at once, then small prompt chunks."""
+    engine = _engine(reference.checkpoint(variant), device="cuda")
+    assert _run(run_engine, engine, ALL) == _expected(reference, variant, ALL)
+    _assert_free(engine)
+    engine = _engine(reference.checkpoint(variant), device="cuda", max_num_batched_tokens=24)
+    assert _run(run_engine, engine, CHUNKED, prefix="c") == _expected(reference, variant, CHUNKED)
     _assert_free(engine)
