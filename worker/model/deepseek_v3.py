@@ -160,11 +160,12 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """kv_caches: (num_layers, 1, num_blocks, block_size, 1, R + rope), the latent pool
-        (KVCacheSpec.latent); layer i attends over kv_caches[i, 0, :, :, 0]."""
+        """kv_caches: the latent pool (KVCacheSpec.latent), indexed by layer: kv_caches[i]
+        is (1, num_blocks, block_size, 1, R + rope) and layer i attends over its
+        (num_blocks, block_size, R + rope) view."""
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_caches[i, 0, :, :, 0], meta)
+            x = layer(x, positions, kv_caches[i][0, :, :, 0], meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
