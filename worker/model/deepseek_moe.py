@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.moe import SILU, FusedExperts
+from worker.model.parallel import SINGLE, MergedColumnParallelLinear, RowParallelLinear, TPContext, all_reduce
 
 
 
@@ -73,16 +74,20 @@ def grouped_topk(
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP with the checkpoint's own names (gate_proj / up_proj / down_proj)."""
+    """SwiGLU MLP: gate_up_proj = [gate; up] rows (the checkpoint's gate_proj / up_proj
+    as parts 0 / 1), down_proj; under TP split by the intermediate size."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPContext = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, intermediate_size, 2, False, tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
+        self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial sum (the caller all-reduces it with others)."""
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.part_size, dim=-1)
+        out = F.linear(F.silu(gate) * up, self.down_proj.weight)
+        return all_reduce(out, self.tp) if reduce else out
 
 
 class Gate(nn.Module):
@@ -96,20 +101,25 @@ class Gate(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, hidden_size: int, routing: RoutingArch) -> None:
+    """Under TP the routed experts split within each expert (worker/model/moe.py) and the
+    shared experts by their intermediate size; the gate is replicated; both partial sums
+    leave in ONE all-reduce."""
+
+    def __init__(self, hidden_size: int, routing: RoutingArch, tp: TPContext = SINGLE) -> None:
         super().__init__()
         self.routing = routing
         inter = routing.moe_intermediate_size
         self.gate = Gate(hidden_size, routing.num_experts)
-        self.experts = FusedExperts(routing.num_experts, hidden_size, inter, bias=False)
+        self.experts = FusedExperts(routing.num_experts, hidden_size, inter, bias=False, tp=tp)
         self.shared_experts = (
-            DenseMLP(hidden_size, inter * routing.num_shared_experts) if routing.num_shared_experts else None
+            DenseMLP(hidden_size, inter * routing.num_shared_experts, tp) if routing.num_shared_experts else None
         )
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())
         weights, ids = grouped_topk(logits, self.gate.e_score_correction_bias.float(), self.routing)
         out = self.experts(x, ids, weights, SILU)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            out = out + self.shared_experts(x, reduce=False)
+        return all_reduce(out, self.tp)

@@ -12,7 +12,9 @@ Checkpoint names are transformers' own (per-expert tensors `mlp.experts.<e>.gate
 etc.); `checkpoint_target` maps them here. Multi-token-prediction layers
 (num_nextn_predict_layers, stored as layers past num_hidden_layers) are not loaded:
 transformers' model does not run them either, and greedy outputs do not depend on them.
-Tensor parallelism is refused (validate_tp).
+Tensor parallelism splits attention by query heads (the latent pool is replicated on every
+rank: worker/model/mla.py), the dense and shared MLPs by intermediate size and the routed
+experts within each expert (worker/model/moe.py).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from torch import nn
 
 from kv.kv_cache import KVCacheSpec
 from worker.attention.base import AttentionBackend, AttentionMetadata
-from worker.model.checkpoint_names import Target, split_layer_name, top_level_target
+from worker.model.checkpoint_names import DENSE_MLP_PARTS, Target, layer_target, split_layer_name, top_level_target
 from worker.model.deepseek_moe import DeepseekMoE, DenseMLP, RoutingArch
 from worker.model.deepseek_v3_config import check_deepseek_v3
 from worker.model.layers import RMSNorm, RotaryEmbedding
@@ -80,23 +82,41 @@ class DeepseekV3Arch:
         )
 
     def validate_tp(self, size: int) -> None:
-        if size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={size}: DeepSeek-V3 (multi-head latent attention, MoE) is "
-                "served on one device; tensor parallelism is not built for it (use 1)"
-            )
+        """ValueError (clear message) when the model cannot be split over `size` ranks."""
+        if size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+        sizes = {
+            "attention heads": self.num_heads,
+            "intermediate_size": self.intermediate_size,
+            "moe_intermediate_size": self.routing.moe_intermediate_size,
+        }
+        for name, value in sizes.items():
+            if value % size:
+                raise ValueError(f"tensor_parallel_size={size} does not divide the model's {name} {value}")
+        if size > 1 and self.mla.attention_bias:
+            raise ValueError(f"tensor_parallel_size={size}: attention_bias (an o_proj bias) is served "
+                             "on one device only")
+
+
+# The dense layers' MLP and the MoE layers' shared experts load gate/up into one fused
+# projection; every other name loads into the module of the same name.
+_MLP_PARTS = {
+    **DENSE_MLP_PARTS,
+    "mlp.shared_experts.gate_proj": ("mlp.shared_experts.gate_up_proj", 0),
+    "mlp.shared_experts.up_proj": ("mlp.shared_experts.gate_up_proj", 1),
+}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: DeepseekV3Arch, index: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, arch: DeepseekV3Arch, index: int, rope: RotaryEmbedding, tp: TPContext = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = MLAttention(arch.mla, rope)
+        self.self_attn = MLAttention(arch.mla, rope, tp)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp: nn.Module = (
-            DenseMLP(arch.hidden_size, arch.intermediate_size)
+            DenseMLP(arch.hidden_size, arch.intermediate_size, tp)
             if index < arch.first_k_dense_replace
-            else DeepseekMoE(arch.hidden_size, arch.routing)
+            else DeepseekMoE(arch.hidden_size, arch.routing, tp)
         )
 
     def forward(
@@ -120,7 +140,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.arch = arch
         self.rope = RotaryEmbedding(hf_config, arch.mla.qk_rope_head_dim, max_positions or arch.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, self.rope) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, self.rope, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         if not arch.tie_word_embeddings:
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
@@ -145,8 +165,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             if proj == "down_proj":
                 return prefix + "mlp.experts", "w2", int(expert)
             return prefix + "mlp.experts", "w13", 2 * int(expert) + (proj == "up_proj")
-        module, _, kind = rest.rpartition(".")
-        return prefix + module, kind, 0
+        return layer_target(prefix, rest, _MLP_PARTS)
 
     def to(self, *args: Any, **kwargs: Any) -> DeepseekV3ForCausalLM:
         """Casts like nn.Module.to, except the router (gate weight, correction bias), which

@@ -14,11 +14,17 @@ Projections, as in transformers' DeepseekV3Attention:
 
 The latent rows [c | k_pe] go to the paged latent cache; attention over it is
 worker/attention/mla_paged.py. The output (T, H * v_head_dim) goes through o_proj.
+
+Tensor parallelism splits the query heads: q_proj / q_b_proj / kv_b_proj are column-parallel
+by head (their rows are per-head blocks, so an even split of rows is a split of heads),
+o_proj row-parallel (one all-reduce). The latent path (q_a_proj, kv_a_proj_with_mqa, the
+two norms) is replicated, so every rank writes the same latent rows to its own copy of
+the pool, which every one of its heads reads.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,6 +33,7 @@ from torch import nn
 from worker.attention.base import AttentionMetadata
 from worker.attention.mla_paged import MLADims, TorchPagedMLA
 from worker.model.layers import RMSNorm, RotaryEmbedding
+from worker.model.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPContext, shard_range
 
 
 @dataclass(frozen=True)
@@ -78,26 +85,36 @@ def softmax_scale(hf_config: Any, qk_head_dim: int) -> float:
     return scale
 
 
+def _by_heads(in_features: int, rows_per_head: int, num_heads: int, tp: TPContext) -> ColumnParallelLinear:
+    """A projection whose rows are per-head blocks, split by heads over the ranks."""
+    return ColumnParallelLinear(in_features, [shard_range(num_heads * rows_per_head, tp)], False, tp)
+
+
 class MLAttention(nn.Module):
-    def __init__(self, arch: MLAArch, rope: RotaryEmbedding) -> None:
+    def __init__(self, arch: MLAArch, rope: RotaryEmbedding, tp: TPContext = SINGLE) -> None:
         super().__init__()
         self.arch = arch
         heads, qk_head_dim = arch.num_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim
+        self.num_heads = heads // tp.size  # this rank's query heads
         if arch.q_lora_rank is None:
-            self.q_proj = nn.Linear(arch.hidden_size, heads * qk_head_dim, bias=False)
+            self.q_proj = _by_heads(arch.hidden_size, qk_head_dim, heads, tp)
         else:
             self.q_a_proj = nn.Linear(arch.hidden_size, arch.q_lora_rank, bias=arch.attention_bias)
             # transformers builds both latent norms with their default eps (1e-6), not rms_norm_eps
             self.q_a_layernorm = RMSNorm(arch.q_lora_rank, 1e-6)
-            self.q_b_proj = nn.Linear(arch.q_lora_rank, heads * qk_head_dim, bias=False)
+            self.q_b_proj = _by_heads(arch.q_lora_rank, qk_head_dim, heads, tp)
         self.kv_a_proj_with_mqa = nn.Linear(
             arch.hidden_size, arch.kv_lora_rank + arch.qk_rope_head_dim, bias=arch.attention_bias
         )
         self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(arch.kv_lora_rank, heads * (arch.qk_nope_head_dim + arch.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(heads * arch.v_head_dim, arch.hidden_size, bias=arch.attention_bias)
+        self.kv_b_proj = _by_heads(arch.kv_lora_rank, arch.qk_nope_head_dim + arch.v_head_dim, heads, tp)
+        # RowParallelLinear carries no bias: attention_bias is single-device only (validate_tp)
+        self.o_proj: nn.Module = (
+            nn.Linear(heads * arch.v_head_dim, arch.hidden_size, bias=True)
+            if arch.attention_bias else RowParallelLinear(heads * arch.v_head_dim, arch.hidden_size, tp)
+        )
         self.rope = rope
-        self.attn = TorchPagedMLA(arch.dims)
+        self.attn = TorchPagedMLA(replace(arch.dims, num_heads=self.num_heads))
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
@@ -108,13 +125,13 @@ class MLAttention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(num_tokens, arch.num_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim)
+        q = q.view(num_tokens, self.num_heads, arch.qk_nope_head_dim + arch.qk_rope_head_dim)
         q_nope, q_pe = q.split([arch.qk_nope_head_dim, arch.qk_rope_head_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([arch.kv_lora_rank, arch.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_pe, k_pe = self._rope(positions, q_pe, k_pe.unsqueeze(1))
         out = self.attn.forward(q_nope, q_pe, latent, k_pe.squeeze(1), self.kv_b_proj, cache, meta, arch.scale)
-        return self.o_proj(out.reshape(num_tokens, arch.num_heads * arch.v_head_dim))
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * arch.v_head_dim))
 
     def _rope(
         self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor

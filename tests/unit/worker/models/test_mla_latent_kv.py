@@ -153,9 +153,14 @@ def test_config_switches_not_built_are_refused(overrides: dict, message: str) ->
         check_supported(config)
 
 
-def test_tensor_parallel_is_refused() -> None:
-    with pytest.raises(ValueError, match="tensor parallelism is not built"):
-        DeepseekV3Arch.from_hf_config(deepseek_config("ds_qlora")).validate_tp(2)
+def test_tensor_parallel_sizes_that_do_not_split_are_refused() -> None:
+    DeepseekV3Arch.from_hf_config(deepseek_config("ds_qlora")).validate_tp(2)
+    with pytest.raises(ValueError, match="attention heads 4"):
+        DeepseekV3Arch.from_hf_config(deepseek_config("ds_qlora")).validate_tp(3)
+    with pytest.raises(ValueError, match="moe_intermediate_size 30"):
+        DeepseekV3Arch.from_hf_config(deepseek_config("ds_qlora", moe_intermediate_size=30)).validate_tp(4)
+    with pytest.raises(ValueError, match="attention_bias"):
+        DeepseekV3Arch.from_hf_config(deepseek_config("ds_flat")).validate_tp(2)
 
 
 @pytest.mark.parametrize("change,message", [
