@@ -77,7 +77,10 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.arch = arch_for(hf_config)
         self.block_size = config.cache.block_size
-        self.backend = select_backend(attention_backend_name(self.arch, config.model.attention_backend), self.device)
+        self.backend = select_backend(
+            attention_backend_name(self.arch, config.model.attention_backend), self.device,
+            needs_sinks=getattr(self.arch, "attention_sinks", False),
+        )
         path = resolve_model_path(config.model.model)
         self.model = load_model(path, hf_config, self.backend, max_model_len, self.dtype, self.device, tp)
         # Multi-LoRA (worker/lora/): wrapped projections with device slots (allocated before the KV budget is taken); the engine sets

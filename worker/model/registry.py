@@ -29,6 +29,9 @@ MODEL_CLASSES: dict[str, str] = {
     "mistral": "worker.model.llama:LlamaForCausalLM",
     "qwen2": "worker.model.llama:LlamaForCausalLM",
     "qwen3": "worker.model.llama:LlamaForCausalLM",
+    "qwen3_moe": "worker.model.moe_decoder:MoEForCausalLM",
+    "mixtral": "worker.model.moe_decoder:MoEForCausalLM",
+    "gpt_oss": "worker.model.moe_decoder:MoEForCausalLM",
     "deepseek_v3": "worker.model.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
