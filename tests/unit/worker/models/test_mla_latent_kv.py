@@ -173,3 +173,21 @@ def test_engine_refuses_what_mla_does_not_run(
     config = change(_config(reference.checkpoint("ds_qlora"), num_blocks_override=8))
     with pytest.raises(ValueError, match=message):
         Engine.from_config(config)
+
+
+def test_checkpoint_names() -> None:
+    """Per-expert tensors load into the fused experts' parts, gate/up of the dense and
+    shared MLPs into their fused projections, and multi-token-prediction layers (stored
+    past num_hidden_layers) are not loaded."""
+    from worker.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+    arch = DeepseekV3Arch.from_hf_config(deepseek_config("ds_qlora"))
+    target = DeepseekV3ForCausalLM.checkpoint_target
+    assert target("model.layers.2.mlp.experts.5.up_proj.weight", arch) == ("layers.2.mlp.experts", "w13", 11)
+    assert target("model.layers.2.mlp.experts.5.down_proj.weight", arch) == ("layers.2.mlp.experts", "w2", 5)
+    assert target("model.layers.0.mlp.up_proj.weight", arch) == ("layers.0.mlp.gate_up_proj", "weight", 1)
+    assert target("model.layers.1.mlp.shared_experts.gate_proj.weight", arch) == (
+        "layers.1.mlp.shared_experts.gate_up_proj", "weight", 0)
+    assert target("model.layers.1.mlp.gate.e_score_correction_bias", arch) == (
+        "layers.1.mlp.gate", "e_score_correction_bias", 0)
+    assert target(f"model.layers.{arch.num_layers}.self_attn.kv_b_proj.weight", arch) is None
