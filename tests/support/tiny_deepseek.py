@@ -97,3 +97,11 @@ class DeepseekReference:
             outs = hf_greedy(self.checkpoint(variant), [list(k[1]) for k in missing], [k[2] for k in missing])
             self._outputs.update(zip(missing, outs))
         return [list(self._outputs[k]) for k in keys]
+
+
+def make_served_deepseek(out: Path, variant: str = "ds_qlora") -> Path:
+    """A tiny DeepSeek-V3 with the served-model tokenizer and chat template: a complete
+    model directory `kvserve serve` can load."""
+    from tests.support.tiny_served_model import make_served_model
+
+    return make_served_model(out, weights=lambda o, vocab: make_tiny_deepseek(variant, o, vocab_size=vocab))
