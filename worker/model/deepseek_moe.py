@@ -27,7 +27,6 @@ from worker.model.moe import SILU, FusedExperts
 from worker.model.parallel import SINGLE, MergedColumnParallelLinear, RowParallelLinear, TPContext, all_reduce
 
 
-
 @dataclass(frozen=True)
 class RoutingArch:
     num_experts: int
