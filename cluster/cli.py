@@ -117,7 +117,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", metavar="DEVICE",
                         help="auto | cpu | cuda | sim:<profile> (simulated: h200, h100, a100-80gb, l4 or a profile JSON)")
     parser.add_argument("--model-shape", metavar="SHAPE",
-                        help="sim device: the model it simulates (llama-3-8b, llama-3-70b, qwen3-32b or a config.json)")
+                        help="sim device: the model it simulates (llama-3-8b, llama-3-70b, qwen3-32b, deepseek-v3 or a config.json)")
     parser.add_argument("--time-dilation", type=float, metavar="X", help="sim device: wall seconds per modelled second")
     parser.add_argument("--prefill-workers", type=int, metavar="N", help="prefill pool replicas (implies --disaggregate)")
     parser.add_argument("--decode-workers", type=int, metavar="N", help="decode pool replicas (implies --disaggregate)")

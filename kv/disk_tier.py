@@ -53,7 +53,7 @@ SUFFIX = ".kv"
 
 def layout_fingerprint(spec: KVCacheSpec, model_id: str) -> dict[str, object]:
     """What must match for an entry's KV to be valid here: the model and the KV layout."""
-    return {
+    fingerprint: dict[str, object] = {
         "model": model_id,
         "num_layers": spec.num_layers,
         "num_kv_heads": spec.num_kv_heads,
@@ -61,6 +61,9 @@ def layout_fingerprint(spec: KVCacheSpec, model_id: str) -> dict[str, object]:
         "block_size": spec.block_size,
         "dtype": dtype_name(spec.dtype),
     }
+    if spec.latent:  # keys of the K/V layouts stay what they were
+        fingerprint["latent"] = True
+    return fingerprint
 
 
 def fingerprint_key(fingerprint: dict[str, object]) -> str:
@@ -118,7 +121,7 @@ class DiskTier:
         self.spec = spec
         self.fingerprint = layout_fingerprint(spec, model_id)
         self.shared = shared
-        self.block_shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.block_shape = (spec.num_layers, spec.num_planes, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.writable = True
         self.num_dropped = 0  # entries that failed a check (deleted, recomputed)
         self.num_written = 0

@@ -27,7 +27,7 @@ class HostTier:
             raise ValueError(f"a host KV tier needs at least one block, got {num_slots}")
         self.spec = spec
         self.num_slots = num_slots
-        shape = (num_slots, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (num_slots, spec.num_layers, spec.num_planes, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.buffer = torch.zeros(shape, dtype=spec.dtype, pin_memory=pin_memory)
         self._slots: OrderedDict[int, int] = OrderedDict()  # hash -> slot, LRU first
         self._free_slots = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first

@@ -8,6 +8,13 @@ Layout (the flash-attention paged layout, which the torch backend uses too):
 so the K/V of token slot s = block_id * block_size + offset is
 kv_cache[layer][:, block_id, offset]. One tensor for all layers: one allocation, no
 fragmentation, and the block count follows from the bytes, never from a guess.
+
+The latent kind (MLA, `latent=True`): one row per token per layer and no value plane,
+
+    kv_cache[layer] : (1, num_blocks, block_size, 1, head_dim)   head_dim = kv_lora_rank + qk_rope_head_dim
+
+the same six-axis layout with one plane and one "head", so block gathers, exports and
+the host/disk tiers move latent blocks as they move K/V blocks.
 """
 from __future__ import annotations
 
@@ -26,11 +33,22 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    # MLA's latent rows instead of per-head K and V (num_kv_heads 1, no value plane).
+    latent: bool = False
+
+    @property
+    def num_planes(self) -> int:
+        """Planes per layer: K and V, or the one latent row."""
+        return 1 if self.latent else 2
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.num_planes * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The pool tensor's shape: (layers, planes, num_blocks, block_size, heads, head_dim)."""
+        return (self.num_layers, self.num_planes, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
 
 def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
@@ -51,7 +69,7 @@ def gpu_kv_budget(device: torch.device, utilization: float, activation_peak_byte
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
-    shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = spec.shape(num_blocks)
     logger.info(
         "KV cache: %d blocks x %d tokens, %.1f MiB on %s",
         num_blocks, spec.block_size, num_blocks * spec.bytes_per_block / 2**20, device,

@@ -73,6 +73,7 @@ class KVExport:
     # under one root is valid only for a request of the same root.
     hash_root: int = ROOT_HASH
     num_cached_tokens: int = 0  # prompt tokens the prefill side served from its prefix cache
+    num_planes: int = 2  # K and V; 1 for MLA's latent rows (KVCacheSpec.num_planes)
 
     @property
     def num_tokens(self) -> int:
@@ -94,11 +95,12 @@ class KVExport:
             "num_layers": spec.num_layers,
             "num_kv_heads": spec.num_kv_heads,
             "head_dim": spec.head_dim,
+            "num_planes": spec.num_planes,
         }
         theirs = {k: getattr(self, k) for k in mine}
         problems = [f"{k}: export has {theirs[k]}, this cache has {mine[k]}" for k in mine if theirs[k] != mine[k]]
         expected_shape = (
-            self.num_layers, 2, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim,
+            self.num_layers, self.num_planes, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim,
         )
         if tuple(self.kv.shape) != expected_shape:
             problems.append(f"tensor shape {tuple(self.kv.shape)} != {expected_shape} (from the declared layout)")

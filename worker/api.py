@@ -179,6 +179,12 @@ class LoRAAdapterError(RequestError):
     above max_lora_rank): HTTP 400 at load."""
 
 
+class UnsupportedModelError(ValueError):
+    """A checkpoint kvserve cannot serve exactly (caught by `kvserve serve` before Ray
+    starts). Here, not in model_config.py, so that the per-family checks model_config.py
+    runs can raise it without importing their caller."""
+
+
 class MissingDependencyError(ImportError):
     """A feature (or a checkpoint format) needs a package that does not import; the message
     says what to install. One class for every layer: cluster/deps.py builds its messages."""

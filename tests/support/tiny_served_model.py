@@ -2,6 +2,7 @@
 complete model directory the serving stack can load (HTTP/gRPC integration tests)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.tiny_models import make_tiny_model
@@ -24,7 +25,9 @@ CORPUS = [
 ] * 20
 
 
-def make_served_model(out: Path, vocab_size: int = 384) -> Path:
+def make_served_model(out: Path, vocab_size: int = 384,
+                      weights: Callable[[Path, int], object] | None = None) -> Path:
+    """The tokenizer, and the weights of a tiny Llama (or `weights(out, vocab_size)`'s)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -50,6 +53,9 @@ def make_served_model(out: Path, vocab_size: int = 384) -> Path:
         clean_up_tokenization_spaces=False,
     )
     wrapped.chat_template = CHAT_TEMPLATE
-    make_tiny_model("llama", out, vocab_size=tok.get_vocab_size())
+    if weights is None:
+        make_tiny_model("llama", out, vocab_size=tok.get_vocab_size())
+    else:
+        weights(out, tok.get_vocab_size())
     wrapped.save_pretrained(out)
     return out

@@ -301,3 +301,11 @@ def test_the_length_check_counts_from_def_to_last_line(tmp_path: Path) -> None:
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
     (tmp_path / "kv" / "m.py").write_text(f"def long():\n{body}\n\nasync def short():\n{body[:-len(body.splitlines()[-1]) - 1]}")
     assert long_functions(tmp_path, ("kv",)) == {"kv/m.py:long": MAX_FUNCTION_LINES}
+
+
+@pytest.mark.parametrize("package,limit", [("worker", 12), ("router/frontend", 16)])
+def test_packages_stay_grouped(package: str, limit: int) -> None:
+    """A package with many flat modules hides its architecture: past the limit, group the
+    new modules in a subpackage of the concept they serve (docs/architecture.md)."""
+    flat = sorted(p.name for p in (ROOT / package).glob("*.py"))
+    assert len(flat) <= limit, f"{package}/ has {len(flat)} top-level modules (at most {limit}): {flat}"

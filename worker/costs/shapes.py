@@ -11,6 +11,9 @@ Counting (Llama family, Qwen3 the same plus negligible q/k norms; biases ignored
     per layer:  q: hidden x heads*head_dim      k, v: hidden x kv_heads*head_dim each
                 o: heads*head_dim x hidden      gate, up: hidden x inter each   down: inter x hidden
     embedding:  vocab x hidden                  LM head: vocab x hidden (the same matrix when tied)
+MLA attention and MoE layers (DeepSeek-V3) count as worker/costs/shape_parts.py says; an MLA
+model's KV is one latent row per token per layer, and its matmul_params are the ACTIVE
+weights a token multiplies by (shared + top-k experts), its weight_bytes all of them.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.api import is_gguf
+from worker.costs.shape_parts import MLAShape, MoEShape
 
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
 
@@ -42,6 +46,8 @@ class ModelShape:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    mla: MLAShape | None = None  # multi-head latent attention (head_dim: qk_nope + qk_rope)
+    moe: MoEShape | None = None  # mixture-of-experts feed-forward layers
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -57,6 +63,8 @@ class ModelShape:
         """`dtype_bytes` None: from the config's torch_dtype/dtype, else bf16's 2 bytes."""
         try:
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            mla = MLAShape.from_hf_config(cfg)
+            head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else cfg.get("head_dim") or hidden // heads
             if dtype_bytes is None:
                 dtype = cfg.get("torch_dtype") or cfg.get("dtype")
                 dtype_bytes = _DTYPE_BYTES.get(str(dtype), DEFAULT_DTYPE_BYTES)
@@ -68,13 +76,15 @@ class ModelShape:
                 hidden_size=hidden,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                head_dim=int(head_dim),
                 intermediate_size=int(cfg["intermediate_size"]),
                 vocab_size=int(cfg["vocab_size"]),
                 dtype_bytes=dtype_bytes,
                 max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 eos_token_ids=eos_ids,
+                mla=mla,
+                moe=MoEShape.from_hf_config(cfg),
             )
         except KeyError as e:
             raise ValueError(f"model config {name!r} lacks {e.args[0]!r} (a Llama-family config.json is expected)") from None
@@ -90,11 +100,23 @@ class ModelShape:
 
     @property
     def layer_params(self) -> int:
-        h, i = self.hidden_size, self.intermediate_size
-        attention = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
-        mlp = 3 * h * i
-        norms = 2 * h
-        return attention + mlp + norms
+        """A dense layer's weights (attention, the dense MLP, the two norms)."""
+        return self.attention_params + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+
+    @property
+    def attention_params(self) -> int:
+        h = self.hidden_size
+        if self.mla is not None:
+            return self.mla.attention_params(h, self.num_heads)
+        return h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+
+    def _layers_params(self, active: bool) -> int:
+        """Every layer's weights (all, or those one token multiplies by), norms included."""
+        if self.moe is None:
+            return self.num_layers * self.layer_params
+        dense = min(self.moe.num_dense_layers, self.num_layers)
+        moe_layer = self.attention_params + self.moe.layer_params(self.hidden_size, active) + 2 * self.hidden_size
+        return dense * self.layer_params + (self.num_layers - dense) * moe_layer
 
     @property
     def lm_head_params(self) -> int:
@@ -105,7 +127,7 @@ class ModelShape:
         """Every weight the device holds: layers, embedding, LM head (once when tied), final norm."""
         embedding = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else self.lm_head_params
-        return self.num_layers * self.layer_params + embedding + lm_head + self.hidden_size
+        return self._layers_params(active=False) + embedding + lm_head + self.hidden_size
 
     @property
     def weight_bytes(self) -> int:
@@ -116,9 +138,11 @@ class ModelShape:
     def matmul_params(self) -> int:
         """Weights every token multiplies by in the layers (not the LM head, which only
         sampled rows see, nor the embedding, which is a row lookup)."""
-        return self.num_layers * (self.layer_params - 2 * self.hidden_size)
+        return self._layers_params(active=True) - self.num_layers * 2 * self.hidden_size
 
     def kv_bytes_per_token(self) -> int:
+        if self.mla is not None:  # one latent row per token per layer
+            return self.num_layers * self.mla.latent_dim * self.dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
 

@@ -212,6 +212,7 @@ class KVTransferConnector:
             num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
+            num_planes=spec.num_planes,
             block_hashes=hash_full_blocks(seq.token_ids[:n], block_size, root=seq.hash_root),
             hash_root=seq.hash_root,
             num_cached_tokens=seq.num_cached_tokens,

@@ -27,10 +27,11 @@ from worker.runner.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_s
 from worker.runner.forward_timer import ForwardTimer
 from worker.lora.model_lora import ModelLoRA, adapter_loader
 from worker.runner.memory_profile import activation_peak_bytes
-from worker.model.llama import LlamaArch
+from worker.model.kv_geometry import attention_backend_name, is_latent, kv_cache_spec_for
 from worker.model.loader import load_model
+from worker.model.registry import arch_for
 from worker.model_path import resolve_model_path
-from worker.model.parallel import SINGLE, TPContext, kv_head_range
+from worker.model.parallel import SINGLE, TPContext
 from worker.sampling import prompt_logprobs
 from worker.api import TokenLogprob
 from worker.runner.batches import HostBatch, LaunchedBatch
@@ -74,25 +75,24 @@ class ModelRunner:
         if config.model.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.model.num_threads)
         torch.manual_seed(config.model.seed)
-        self.arch = LlamaArch.from_hf_config(hf_config)
+        self.arch = arch_for(hf_config)
         self.block_size = config.cache.block_size
-        self.backend = select_backend(config.model.attention_backend, self.device)
+        self.backend = select_backend(
+            attention_backend_name(self.arch, config.model.attention_backend), self.device,
+            needs_sinks=getattr(self.arch, "attention_sinks", False),
+        )
         path = resolve_model_path(config.model.model)
         self.model = load_model(path, hf_config, self.backend, max_model_len, self.dtype, self.device, tp)
         # Multi-LoRA (worker/lora/): wrapped projections with device slots (allocated before the KV budget is taken); the engine sets
         # lora_adapters (name -> host copy) to fill the slots a plan lists.
         lora = config.lora
+        if lora.enabled and is_latent(self.arch):
+            raise ValueError("LoRA is not built for multi-head latent attention models (DeepSeek-V3); "
+                             "serve this model with lora disabled")
         self.lora = ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank) if lora.enabled else None
         self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank)
         self.lora_adapters: Callable[[str], Any] | None = None
-        kv_lo, kv_hi = kv_head_range(self.arch.num_heads, self.arch.num_kv_heads, tp)
-        self.spec = KVCacheSpec(
-            num_layers=self.arch.num_layers,
-            num_kv_heads=kv_hi - kv_lo,
-            head_dim=self.arch.head_dim,
-            block_size=self.block_size,
-            dtype=self.dtype,
-        )
+        self.spec = kv_cache_spec_for(self.arch, self.block_size, self.dtype, tp)
         self.num_blocks = self._num_blocks(max_model_len)
         use_graphs = self._use_cuda_graphs()
         # With graphs, one scratch block past the pool's num_blocks takes the padded rows'

@@ -45,7 +45,7 @@ def split_heads(kv: torch.Tensor, ranges: list[tuple[int, int]]) -> list[torch.T
 
 def local_shape(spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
     """The shape of one rank's share of `num_blocks` blocks (spec = that rank's cache)."""
-    return (spec.num_layers, 2, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return (spec.num_layers, spec.num_planes, num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
