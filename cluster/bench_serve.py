@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from cluster.bench.report import DEFAULT_PERCENTILES, format_summary, jsonable
 from cluster.bench.stream import ENDPOINTS
-from cluster.bench.workload import DATASETS, PromptCalibration, generate_workload
+from cluster.workload.text_prompts import DATASETS, PromptCalibration, generate_workload
 from cluster.config import HTTPSection
 
 # Where `kvserve serve` listens by default (the config schema's defaults).

@@ -7,7 +7,7 @@ import pytest
 from cluster.sim.autoscale import AutoscaleOptions
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.run import SimConfig, simulate
-from cluster.sim.workloads import SimRequest, make_workload
+from cluster.workload.sim_kinds import SimRequest, make_workload
 from worker.sim.cost_model import SeqWork, StepCostModel
 from worker.sim.profiles import load_profile
 from worker.sim.shapes import load_shape
