@@ -241,7 +241,8 @@ def report(runs: list[dict[str, RunResult]]) -> list[str]:
         for router in run_order(repeat):  # in the order they ran
             r = pair[router]
             tput = r.num_output_tokens / r.duration_s if r.duration_s > 0 else 0.0
-            lines.append(f"{repeat + 1:>6} {router:<12} {1000 * percentile(r.ttft_s, 50, method='nearest_rank'):>11.1f} "
+            p50_ms = 1000 * percentile(r.ttft_s, 50, method="nearest_rank")
+            lines.append(f"{repeat + 1:>6} {router:<12} {p50_ms:>11.1f} "
                          f"{1000 * r.ttft_p99_s():>11.1f} {r.goodput_rps:>11.2f} {r.num_good:>5} {r.num_failed:>6} "
                          f"{r.num_shed:>5} {tput:>9.0f} {r.cached_tokens:>10}")
     for router in ROUTERS:

@@ -242,10 +242,10 @@ def report(alone: list[Outcome], overload: list[Outcome], dilation: float,
                 continue
             ttft = [o.ttft_s for o in mine]
             other = sum(1 for o in mine if not o.finished and o.status not in (429, 503))
+            p50, p99 = (1000 * percentile(ttft, q, method="nearest_rank") for q in (50, 99))
             lines.append(f"{phase:<9} {name:<12} {len(mine):>4} {sum(o.finished for o in mine):>4} "
                          f"{sum(o.good for o in mine):>4} {sum(o.status == 429 for o in mine):>4} "
-                         f"{sum(o.status == 503 for o in mine):>4} {other:>5} {1000 * percentile(ttft, 50, method='nearest_rank'):>11.1f} "
-                         f"{1000 * percentile(ttft, 99, method='nearest_rank'):>11.1f}")
+                         f"{sum(o.status == 503 for o in mine):>4} {other:>5} {p50:>11.1f} {p99:>11.1f}")
     for o in alone + overload + (baseline or []):
         if not o.finished and o.status not in (429, 503):
             lines.append(f"lost: {o.key}: status {o.status}, {o.error}")
@@ -292,8 +292,9 @@ def trace_breakdown(spans: list[Any], start_ns: int, end_ns: int, dilation: floa
              + f" {'preempted':>9}  (modelled ms)"]
     for band in sorted(rows):
         r = rows[band]
-        cols = " ".join(f"{percentile([x[i] for x in r], 50, method='nearest_rank'):>12.1f} {percentile([x[i] for x in r], 99, method='nearest_rank'):>12.1f}"
-                        for i in range(len(PHASES)))
+        columns = [[x[i] for x in r] for i in range(len(PHASES))]
+        cols = " ".join(f"{percentile(c, 50, method='nearest_rank'):>12.1f} {percentile(c, 99, method='nearest_rank'):>12.1f}"
+                        for c in columns)
         lines.append(f"{band:>4} {len(r):>4} {cols} {sum(x[-1] > 0 for x in r):>9}")
     worst = sorted(rows.get(min(rows), []) if rows else [], key=lambda x: -x[4])[:5]
     for x in worst:

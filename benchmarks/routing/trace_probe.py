@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             result = simulate(config, requests, device)
         s = result.summary()
         ttft = [r.ttft_s for r in result.ok_records()]
+        p50, p90, p99 = (percentile(ttft, q, method="strict_rank") for q in (50, 90, 99))
         log(f"{router:16s} within SLO {s['goodput_fraction']:6.1%} goodput {s['goodput_rps']:5.2f} "
-            f"TTFT p50/p90/p99 {percentile(ttft, 50, method='strict_rank'):.2f}/{percentile(ttft, 90, method='strict_rank'):.2f}/{percentile(ttft, 99, method='strict_rank'):.2f} s "
+            f"TTFT p50/p90/p99 {p50:.2f}/{p90:.2f}/{p99:.2f} s "
             f"ITL p99 {1000 * s['itl_s']['p99']:.0f} ms hit {s['prefix_cache_hit_rate']:.1%} "
             f"imbalance {s['load_imbalance']:.2f} ({time.perf_counter() - t0:.0f} s)")
         if router != HEADROOM:

@@ -65,12 +65,13 @@ def _draw_token(rng: random.Random, spec: WorkloadSpec) -> int:
 
 
 def describe(requests: list[Request]) -> str:
+    """One line: the prompt and output lengths of a workload, and its useful tokens."""
     prompts = sorted(len(r.prompt_token_ids) for r in requests)
     outs = sorted(r.max_tokens for r in requests)
-
+    p50, p90 = (int(percentile(outs, q, method="strict_rank")) for q in (50, 90))
     return (
         f"{len(requests)} requests; prompt tokens min/mean/max {prompts[0]}/"
         f"{sum(prompts) / len(prompts):.0f}/{prompts[-1]}; output tokens min/p50/mean/p90/max "
-        f"{outs[0]}/{int(percentile(outs, 50, method='strict_rank'))}/{sum(outs) / len(outs):.1f}/{int(percentile(outs, 90, method='strict_rank'))}/{outs[-1]}; "
+        f"{outs[0]}/{p50}/{sum(outs) / len(outs):.1f}/{p90}/{outs[-1]}; "
         f"useful output tokens {sum(outs)}"
     )
