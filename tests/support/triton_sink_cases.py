@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from tests.unit.worker.test_attention import D, HKV, HQ, _build_batch
+from tests.unit.worker.runner.test_attention import D, HKV, HQ, _build_batch
 from worker.attention.base import AttentionMetadata
 
 # (cached_tokens, new_tokens) per sequence, decodes first; the window of a case (or None).

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.support.triton_sink_cases import CASES, dense_with_sinks, sinks_for
-from tests.unit.worker.test_attention import D, _build_batch
+from tests.unit.worker.runner.test_attention import D, _build_batch
 from worker.attention import select_backend
 from worker.attention.torch_paged import TorchPagedAttention
 

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.support.tiny_deepseek import make_tiny_deepseek
-from tests.unit.worker.test_tp_layers import _model_logits
+from tests.unit.worker.tp.test_tp_layers import _model_logits
 from worker.model.parallel import TPContext
 
 SIZE = 2

@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.support.tiny_moe import make_tiny_moe
-from tests.unit.worker.test_tp_layers import _model_logits
+from tests.unit.worker.tp.test_tp_layers import _model_logits
 from worker.model.parallel import TPContext
 
 SIZE = 2

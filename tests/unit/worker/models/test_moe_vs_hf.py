@@ -17,7 +17,7 @@ import torch
 
 from kv.cache_manager import cdiv
 from tests.support.tiny_models import SLIDING_WINDOW
-from tests.unit.worker.test_engine_vs_hf import (
+from tests.unit.worker.models.test_engine_vs_hf import (
     BLOCK, MAX_TOKENS, PREFIX_GROUP, PREFIX_LEN, PROMPTS, _assert_free, _engine, _greedy,
 )
 from worker.api import RequestOutput
