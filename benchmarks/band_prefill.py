@@ -34,7 +34,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from benchmarks.router import percentile
+from cluster.percentile import percentile
 
 KEYS = {"premium-1": (0, 0.1), "premium-2": (0, 0.1), "standard-1": (5, 0.1), "standard-2": (5, 0.1),
         "batch-1": (10, 0.1), "batch-flood": (10, 0.5)}
@@ -56,7 +56,7 @@ class Figures:
 
 def workload(num_requests: int, rate: float, seed: int) -> list[tuple[float, str, int, object]]:
     """(arrival, request id, band, SimRequest) in arrival order, each key at its share of `rate`."""
-    from cluster.sim.workloads import make_workload
+    from cluster.workload.sim_kinds import make_workload
 
     out = []
     for i, (key, (band, share)) in enumerate(KEYS.items()):
@@ -117,10 +117,10 @@ def run(requests: list, limit: int, max_step_time_s: float | None) -> Figures:
     last = max((arrival[r] for r in premium), default=0.0)
     behind = [dt for t, dt in worse_steps if t <= last]
     return Figures(
-        1e3 * percentile(behind, 0.99) if behind else 0.0, 1e3 * max(behind, default=0.0),
-        1e3 * percentile([started[r] - arrival[r] for r in premium], 0.99),
-        1e3 * percentile([first[r] - arrival[r] for r in premium], 0.99),
-        1e3 * percentile([first[r] - arrival[r] for r in first if band[r] == 10], 0.5),
+        1e3 * percentile(behind, 99, method="nearest_rank") if behind else 0.0, 1e3 * max(behind, default=0.0),
+        1e3 * percentile([started[r] - arrival[r] for r in premium], 99, method="nearest_rank"),
+        1e3 * percentile([first[r] - arrival[r] for r in premium], 99, method="nearest_rank"),
+        1e3 * percentile([first[r] - arrival[r] for r in first if band[r] == 10], 50, method="nearest_rank"),
         num_tokens / now[0], num_steps / now[0])
 
 

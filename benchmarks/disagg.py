@@ -10,7 +10,7 @@ chunked-prefill token budget (--mixed-budgets, default 256,512,2048: sides "mixe
 "mixed512", "mixed2048"), since a small budget is the standard answer to the interference
 disaggregation targets; the disaggregated pools keep --max-num-batched-tokens (2048). Both are driven over streaming HTTP
 (the `kvserve bench serve` client, cluster/bench/) with the workload of
-benchmarks/disagg_workload.py: a steady population of decode-heavy streams while long
+cluster/workload/disagg.py: a steady population of decode-heavy streams while long
 prompts arrive periodically. The order of the sides rotates by one each round so that
 drift in the machine's load hits every side alike.
 
@@ -41,22 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks.disagg_workload import (
-    QUICK,
-    DisaggSpec,
-    decode_stream_requests,
-    gaps_in_window,
-    interference_window,
-    long_arrivals,
-    long_requests,
-    percentile_ms,
-    ratio,
-    round_seed,
-)
+from benchmarks.disagg_metrics import gaps_in_window, interference_window, ratio
 from cluster.bench.probe import calibrate_prompt_tokens, fetch_models
 from cluster.bench.client import CLIENT_ERRORS, make_client
 from cluster.bench.stream import RequestResult, completions_url, request_body, send_request
-from cluster.bench.workload import BenchRequest, PromptCalibration
+from cluster.percentile import percentile
+from cluster.workload.disagg import QUICK, DisaggSpec, decode_stream_requests, long_arrivals, long_requests, round_seed
+from cluster.workload.text_prompts import BenchRequest, PromptCalibration
 from cluster.serve_env import controller_options, job_runtime_env
 
 DISAGG = "disagg"
@@ -250,10 +241,12 @@ def format_report(spec: DisaggSpec, results: dict[str, SideResult], wall_s: floa
         header,
     ]
     for side in sides(spec):
-        s, ms = results[side], percentile_ms
+        s = results[side]
+        ttft50, ttft99, itl50, itl99, itl99_all = (1000.0 * percentile(values, q) for values, q in (
+            (s.long_ttft_s, 50), (s.long_ttft_s, 99), (s.itl_window_s, 50), (s.itl_window_s, 99), (s.itl_all_s, 99)))
         lines.append(
-            f"{side:<10} {ms(s.long_ttft_s, 50):>11.1f} {ms(s.long_ttft_s, 99):>11.1f} {ms(s.itl_window_s, 50):>10.1f} "
-            f"{ms(s.itl_window_s, 99):>10.1f} {ms(s.itl_all_s, 99):>11.1f} {s.decode_tokens_per_s:>12.1f} "
+            f"{side:<10} {ttft50:>11.1f} {ttft99:>11.1f} {itl50:>10.1f} "
+            f"{itl99:>10.1f} {itl99_all:>11.1f} {s.decode_tokens_per_s:>12.1f} "
             f"{len(s.long):>5} {len(s.decode):>6} {len(s.itl_window_s):>6} {s.errors:>6}"
         )
     lines.append("errors: " + " ".join(f"{side}={results[side].errors}" for side in sides(spec)))
@@ -265,14 +258,14 @@ def format_report(spec: DisaggSpec, results: dict[str, SideResult], wall_s: floa
 
 def _ratios(mixed: SideResult, disagg: SideResult) -> tuple[float, float]:
     """(ITL p99, TTFT p99) of mixed over disagg."""
-    itl = ratio(percentile_ms(mixed.itl_window_s, 99), percentile_ms(disagg.itl_window_s, 99))
-    ttft = ratio(percentile_ms(mixed.long_ttft_s, 99), percentile_ms(disagg.long_ttft_s, 99))
+    itl = ratio(percentile(mixed.itl_window_s, 99), percentile(disagg.itl_window_s, 99))
+    ttft = ratio(percentile(mixed.long_ttft_s, 99), percentile(disagg.long_ttft_s, 99))
     return itl, ttft
 
 
 def best_mixed_budget(spec: DisaggSpec, results: dict[str, SideResult]) -> int | None:
     """The budget whose mixed pool had the lowest ITL p99 in the window (None: no data)."""
-    measured = {b: percentile_ms(results[mixed_side(b)].itl_window_s, 99) for b in spec.mixed_budgets}
+    measured = {b: percentile(results[mixed_side(b)].itl_window_s, 99) for b in spec.mixed_budgets}
     finite = {b: v for b, v in measured.items() if math.isfinite(v)}
     return min(finite, key=lambda b: (finite[b], b)) if finite else None
 

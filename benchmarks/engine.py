@@ -3,7 +3,7 @@
     python -m benchmarks.engine [--quick] [--requests N] [--seed S] [--model DIR]
                                 [--systems kvserve,hf_static,hf_cb,hf_cb_matched] [--profile]
 
-One fixed, seeded workload (benchmarks/workload.py: 128 requests, --quick 64; prompts
+One fixed, seeded workload (cluster/workload/token_prompts.py: 128 requests, --quick 64; prompts
 uniform 16-256 random token ids; outputs lognormal mean ~96, capped at 384) runs on the
 same model (benchmarks/bench_model.py, ~31M Llama, fp32, built once) on the same
 machine, one system after another, with torch.set_num_threads(2) everywhere. All
@@ -77,7 +77,7 @@ from benchmarks.engine_systems import (
     run_hf_static,
     run_kvserve,
 )
-from benchmarks.workload import WorkloadSpec, describe, make_workload
+from cluster.workload.token_prompts import WorkloadSpec, describe, make_workload
 
 ALL_SYSTEMS = ("kvserve", "hf_static", "hf_cb", "hf_cb_matched")
 

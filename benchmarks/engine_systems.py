@@ -22,7 +22,7 @@ from benchmarks.hf_peers import (
     reference_generate,
     static_generate,
 )
-from benchmarks.workload import Request
+from cluster.workload.token_prompts import Request
 
 CONCURRENCY = 32
 MAX_BATCHED_TOKENS = 2048

@@ -15,7 +15,7 @@ Reported, in one run:
 1. decode tokens/s at batch 1, 64, 256 with ~1k context (timed over decode-only steps of
    the engine), against the roofline of benchmarks/roofline.py, as a percentage;
 2. TTFT of a 512-token prompt on an idle engine (median of a few);
-3. one seeded mixed workload (benchmarks/workload.py) through kvserve and through the
+3. one seeded mixed workload (cluster/workload/token_prompts.py) through kvserve and through the
    peers (benchmarks/hf_peers.py, the same code benchmarks/engine.py uses): useful output
    tokens/s and kvserve/peer ratios;
 4. the scheduler's share of kvserve step time over that workload: time in
@@ -44,7 +44,7 @@ from worker.engine.build import build_engine
 
 from benchmarks.hf_peers import PeerRun, cb_num_blocks, cb_page_size, continuous_batching_generate, static_generate
 from benchmarks.roofline import H200_HBM_BYTES_PER_S, ModelShape, decode_floor_s, roofline_pct
-from benchmarks.workload import Request, WorkloadSpec, describe, make_workload
+from cluster.workload.token_prompts import Request, WorkloadSpec, describe, make_workload
 
 LLAMA3_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

@@ -59,7 +59,7 @@ from benchmarks.routing.setup import (
 )
 from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.sim.tiers import SimTierOptions
-from cluster.sim.workloads import AGENTIC_TURNS, B2B_PREFIX_LEN, B2B_QUESTION_LEN, make_workload
+from cluster.workload.sim_kinds import AGENTIC_TURNS, B2B_PREFIX_LEN, B2B_QUESTION_LEN, make_workload
 
 SEED = 0
 HOST_SHARE = 2.0  # host tier / device KV (DGX H200: 256 GB of host memory per GPU / ~110 GB)

@@ -6,7 +6,7 @@ adapter loads it causes, and the real CPU engine's step overhead with adapters.
 Cluster (cluster/sim: the real engine, scheduler, adapter slots and routing policies on a
 virtual clock): 8 simulated H200 replicas of llama-3-8b with benchmarks.routing's limits
 (benchmarks/routing/setup.py), each with max_loras = 4 device slots and max_cpu_loras = 16
-adapters in host memory. Workload: `lora` (cluster/sim/workloads.py): ShareGPT lengths,
+adapters in host memory. Workload: `lora` (cluster/workload/sim_kinds.py): ShareGPT lengths,
 Poisson arrivals, 64 rank-16 adapters on all seven projections with Zipf(1) popularity,
 after a warm-up of the same traffic. Loads (cluster/sim/lora.py): a cold load reads the
 adapter's bytes from storage, a slot load copies them over the H200's host link; the
@@ -38,7 +38,7 @@ from benchmarks.routing.search import RunFigures, Runner, Search, Window, collec
 from benchmarks.routing.setup import MIN_REQUESTS, MAX_REQUESTS, RATE_STEP, STATS_PERIOD_S, log, sim_config
 from cluster.sim.lora import SimLoRA
 from cluster.sim.run import SimConfig, SimDevice, simulate
-from cluster.sim.workloads import make_workload
+from cluster.workload.sim_kinds import make_workload
 from worker.config import LoRAConfig
 
 WORKLOAD = "lora"
@@ -58,7 +58,7 @@ SEED = 0
 @dataclass(frozen=True)
 class LoraPlan:
     window_s: float  # measured arrivals per run
-    warmup_s: float  # arrivals before them (cluster/sim/workloads.py _lora)
+    warmup_s: float  # arrivals before them (cluster/workload/sim_kinds.py _lora)
     bisect_steps: int
     max_steps_out: int
 

@@ -16,7 +16,7 @@ async def replay(url: str, model: str, requests: Sequence[Any], dilation: float,
     prompt_token_ids, max_tokens and arrival_s in modelled seconds)."""
     from cluster.bench.client import make_client
     from cluster.bench.stream import send_request
-    from cluster.bench.workload import BenchRequest
+    from cluster.workload.text_prompts import BenchRequest
 
     client = make_client(None, timeout_s)
     loop = asyncio.get_running_loop()

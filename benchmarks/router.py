@@ -11,7 +11,7 @@ llama-3-8b shape's step times from the H200 cost model, slept x the time dilatio
 headroom, or pow2 (Serve's default algorithm, through kvserve's PolicyRouter; kvserve's admission control then never holds a
 request: it has no headroom view to judge with).
 
-Workload: b2b (cluster/sim/workloads.py: G customer groups, each request = its group's
+Workload: b2b (cluster/workload/sim_kinds.py: G customer groups, each request = its group's
 long shared prefix + a question), Poisson arrivals, sent as token ids over HTTP streaming
 (cluster/bench's client) at the arrival times x dilation. Each worker's KV pool is set to
 --num-blocks, small enough that not every replica can keep every group's prefix cached:
@@ -53,6 +53,7 @@ from typing import Any
 
 from benchmarks import serve_cluster
 from benchmarks.open_loop import replay
+from cluster.percentile import percentile
 
 ROUTERS = ("headroom", "pow2")
 SIM_POLICY = {"headroom": "headroom", "pow2": "pow2"}  # the same code in the simulator
@@ -104,15 +105,7 @@ class RunResult:
         return self.num_good / self.duration_s if self.duration_s > 0 else 0.0
 
     def ttft_p99_s(self) -> float:
-        return percentile(self.ttft_s, 0.99)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (inf values count: a failed request is a missed TTFT)."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+        return percentile(self.ttft_s, 99, method="nearest_rank")
 
 
 def run_order(repeat: int) -> tuple[str, ...]:
@@ -179,7 +172,7 @@ def sim_config(spec: BenchSpec, router: str) -> Any:
 def modelled_capacity_rps(spec: BenchSpec) -> float:
     """Requests/s the cluster completes under pow2 with every request waiting at once."""
     from cluster.sim.run import simulate
-    from cluster.sim.workloads import make_workload
+    from cluster.workload.sim_kinds import make_workload
 
     burst = make_workload("b2b", spec.num_requests, spec.num_requests / 1e-3, spec.seed, **spec.workload_kw())
     return spec.num_requests / simulate(sim_config(spec, "pow2"), burst).summary()["duration_s"]
@@ -220,7 +213,7 @@ def deploy(spec: BenchSpec, router: str) -> str:
 def warm_up(spec: BenchSpec, url: str) -> None:
     """One short request per replica and ingress (distinct prompts: no prefix to share),
     then two report periods, so that every router starts with fresh stats."""
-    from cluster.sim.workloads import make_workload
+    from cluster.workload.sim_kinds import make_workload
 
     warm = make_workload("sharegpt", spec.num_replicas * spec.num_ingress, 1.0, 999, input_mean=16.0, output_mean=2.0)
     asyncio.run(drive(url, [replace(r, arrival_s=0.0) for r in warm], 1.0))
@@ -230,7 +223,7 @@ def warm_up(spec: BenchSpec, url: str) -> None:
 def repeat_workload(spec: BenchSpec, rate: float, repeat: int) -> list[Any]:
     """Repeat i replays seed + i: new group prefixes, so that what the replicas cached in
     earlier repeats never helps (both sides of a repeat get the same requests)."""
-    from cluster.sim.workloads import make_workload
+    from cluster.workload.sim_kinds import make_workload
 
     return make_workload("b2b", spec.num_requests, rate, spec.seed + repeat, **spec.workload_kw())
 
@@ -248,7 +241,8 @@ def report(runs: list[dict[str, RunResult]]) -> list[str]:
         for router in run_order(repeat):  # in the order they ran
             r = pair[router]
             tput = r.num_output_tokens / r.duration_s if r.duration_s > 0 else 0.0
-            lines.append(f"{repeat + 1:>6} {router:<12} {1000 * percentile(r.ttft_s, 0.5):>11.1f} "
+            p50_ms = 1000 * percentile(r.ttft_s, 50, method="nearest_rank")
+            lines.append(f"{repeat + 1:>6} {router:<12} {p50_ms:>11.1f} "
                          f"{1000 * r.ttft_p99_s():>11.1f} {r.goodput_rps:>11.2f} {r.num_good:>5} {r.num_failed:>6} "
                          f"{r.num_shed:>5} {tput:>9.0f} {r.cached_tokens:>10}")
     for router in ROUTERS:

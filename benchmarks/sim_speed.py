@@ -20,7 +20,7 @@ import resource
 import time
 
 from cluster.sim.run import SimConfig, simulate
-from cluster.sim.workloads import WORKLOAD_NAMES, make_workload
+from cluster.workload.sim_kinds import WORKLOAD_NAMES, make_workload
 
 
 def main(argv: list[str] | None = None) -> int:

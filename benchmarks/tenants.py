@@ -8,7 +8,7 @@ one ingress replica (admission control on), --num-replicas worker replicas with
 engine.device sim:h200 and --max-num-seqs running sequences each (the real scheduler, KV manager and prefix cache; the llama-3-8b
 shape's step times from the H200 cost model, slept x the time dilation). Six API keys in
 three priority bands (ingress.key_priorities): premium-1/2 (band 0), standard-1/2 (band 5),
-batch-1 and batch-flood (band 10). Workload: ShareGPT-like lengths (cluster/sim/workloads.py),
+batch-1 and batch-flood (band 10). Workload: ShareGPT-like lengths (cluster/workload/sim_kinds.py),
 Poisson arrivals per key, sent as token ids over HTTP streaming with each key's
 Authorization header, at the arrival times x dilation.
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from benchmarks import serve_cluster
-from benchmarks.router import percentile
+from cluster.percentile import percentile
 
 APP_NAME = "bench-tenants"
 MODEL = "sim"
@@ -119,7 +119,7 @@ def app_config(spec: BenchSpec, otlp_endpoint: str | None = None) -> Any:
 def modelled_capacity_rps(spec: BenchSpec) -> float:
     """Requests/s the cluster completes with every request waiting at once (the simulator)."""
     from cluster.sim.run import SimConfig, simulate
-    from cluster.sim.workloads import make_workload
+    from cluster.workload.sim_kinds import make_workload
 
     d = spec.time_dilation
     config = SimConfig(shape="llama-3-8b", profile="h200", num_replicas=spec.num_replicas, router="headroom",
@@ -132,7 +132,7 @@ def modelled_capacity_rps(spec: BenchSpec) -> float:
 
 def key_workloads(spec: BenchSpec, rate: float) -> dict[str, list[Any]]:
     """Each key's requests (modelled arrivals) at its share of `rate`."""
-    from cluster.sim.workloads import make_workload
+    from cluster.workload.sim_kinds import make_workload
 
     out = {}
     for i, (name, (_, share)) in enumerate(KEYS.items()):
@@ -161,7 +161,7 @@ async def drive(url: str, workloads: dict[str, list[Any]], dilation: float, slo_
     prompts does not find their KV cached (each phase prefills as if first)."""
     from cluster.bench.client import make_client
     from cluster.bench.stream import send_request
-    from cluster.bench.workload import BenchRequest
+    from cluster.workload.text_prompts import BenchRequest
 
     client = make_client(None, 3600.0)
     loop = asyncio.get_running_loop()
@@ -220,8 +220,8 @@ class Figures:
 
 
 def figures(alone: list[Outcome], overload: list[Outcome], dilation: float) -> Figures:
-    p99_alone = percentile([o.ttft_s for o in alone], 0.99)
-    p99_over = percentile([o.ttft_s for o in overload if o.key in PREMIUM], 0.99)
+    p99_alone = percentile([o.ttft_s for o in alone], 99, method="nearest_rank")
+    p99_over = percentile([o.ttft_s for o in overload if o.key in PREMIUM], 99, method="nearest_rank")
     duration = max(o.end_s for o in overload) / dilation
     return Figures(
         p99_alone, p99_over, p99_over / p99_alone if p99_alone > 0 else math.nan,
@@ -242,10 +242,10 @@ def report(alone: list[Outcome], overload: list[Outcome], dilation: float,
                 continue
             ttft = [o.ttft_s for o in mine]
             other = sum(1 for o in mine if not o.finished and o.status not in (429, 503))
+            p50, p99 = (1000 * percentile(ttft, q, method="nearest_rank") for q in (50, 99))
             lines.append(f"{phase:<9} {name:<12} {len(mine):>4} {sum(o.finished for o in mine):>4} "
                          f"{sum(o.good for o in mine):>4} {sum(o.status == 429 for o in mine):>4} "
-                         f"{sum(o.status == 503 for o in mine):>4} {other:>5} {1000 * percentile(ttft, 0.5):>11.1f} "
-                         f"{1000 * percentile(ttft, 0.99):>11.1f}")
+                         f"{sum(o.status == 503 for o in mine):>4} {other:>5} {p50:>11.1f} {p99:>11.1f}")
     for o in alone + overload + (baseline or []):
         if not o.finished and o.status not in (429, 503):
             lines.append(f"lost: {o.key}: status {o.status}, {o.error}")
@@ -292,8 +292,9 @@ def trace_breakdown(spans: list[Any], start_ns: int, end_ns: int, dilation: floa
              + f" {'preempted':>9}  (modelled ms)"]
     for band in sorted(rows):
         r = rows[band]
-        cols = " ".join(f"{percentile([x[i] for x in r], 0.5):>12.1f} {percentile([x[i] for x in r], 0.99):>12.1f}"
-                        for i in range(len(PHASES)))
+        columns = [[x[i] for x in r] for i in range(len(PHASES))]
+        cols = " ".join(f"{percentile(c, 50, method='nearest_rank'):>12.1f} {percentile(c, 99, method='nearest_rank'):>12.1f}"
+                        for c in columns)
         lines.append(f"{band:>4} {len(r):>4} {cols} {sum(x[-1] > 0 for x in r):>9}")
     worst = sorted(rows.get(min(rows), []) if rows else [], key=lambda x: -x[4])[:5]
     for x in worst:

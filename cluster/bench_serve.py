@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from cluster.bench.report import DEFAULT_PERCENTILES, format_summary, jsonable
 from cluster.bench.stream import ENDPOINTS
-from cluster.bench.workload import DATASETS, BenchRequest, PromptCalibration, generate_workload
+from cluster.workload.text_prompts import DATASETS, BenchRequest, PromptCalibration, generate_workload
 from cluster.config import HTTPSection
 
 if TYPE_CHECKING:

@@ -106,7 +106,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     front = parser.add_mutually_exclusive_group()
     front.add_argument("--direct-ingress", action="store_true",
                        help="insist on HAProxy straight to the ingress replicas (the default wherever it can "
-                            "run; an error where it cannot) (http.direct_ingress; docs/architecture.md)")
+                            "run; an error where it cannot) (http.direct_ingress; docs/operations.md)")
     front.add_argument("--serve-proxy", action="store_true",
                        help="Serve's HTTP and gRPC proxies in front instead of direct ingress "
                             "(http.direct_ingress: false)")

@@ -32,7 +32,7 @@ import sys
 from benchmarks.routing.engine_grid import ENGINE_CLOCK, ENGINE_NUM_THREADS, workload_grid
 from benchmarks.routing.validate import ENGINE_REQUESTS, ENGINE_WORKLOAD
 from cluster.calibrate import NUM_DECODE_STEPS, NUM_REPEATS, WARMUP_DECODE_STEPS, start_measurement
-from cluster.sim.workloads import make_workload
+from cluster.workload.sim_kinds import make_workload
 
 WARM_STEPS = 12  # decode steps after the prefill before the steady stretch
 STEADY_STEPS = 24

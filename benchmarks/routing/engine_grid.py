@@ -9,7 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 
-from cluster.sim.workloads import SimRequest
+from cluster.workload.sim_kinds import SimRequest
 
 Log = Callable[[str], None]
 

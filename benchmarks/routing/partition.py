@@ -23,7 +23,7 @@ from benchmarks.routing.search import RunFigures, collector_paused, goodput_at_s
 from benchmarks.routing.setup import HEADROOM, Plan, sim_config
 from cluster.sim.metrics import SimResult
 from cluster.sim.run import SimConfig, SimDevice, simulate
-from cluster.sim.workloads import SimRequest, make_workload
+from cluster.workload.sim_kinds import SimRequest, make_workload
 
 Log = Callable[[str], None]
 

@@ -25,7 +25,7 @@ import sys
 from benchmarks.routing.engine_grid import ENGINE_CLOCK, ENGINE_NUM_THREADS, workload_grid
 from benchmarks.routing.validate import ENGINE_REQUESTS, ENGINE_WORKLOAD
 from cluster.calibrate import start_measurement
-from cluster.sim.workloads import make_workload
+from cluster.workload.sim_kinds import make_workload
 
 
 def main(argv: list[str] | None = None) -> int:

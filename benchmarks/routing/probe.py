@@ -25,7 +25,7 @@ from benchmarks.routing.search import RunFigures, collector_paused
 from benchmarks.routing.setup import HEADROOM, QUICK, sim_config, workload_kw
 from cluster.sim.metrics import SimResult
 from cluster.sim.run import SimConfig, SimDevice, simulate
-from cluster.sim.workloads import SimRequest, make_workload
+from cluster.workload.sim_kinds import SimRequest, make_workload
 
 
 def moved_turns(result: SimResult, requests: list[SimRequest]) -> str:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from cluster.sim.run import SimConfig, SimDevice, simulate
-from cluster.sim.workloads import make_workload
+from cluster.workload.sim_kinds import make_workload
 
 # Stepping down: a miss whose shortfall (RunFigures.shortfall: its TTFT p99, or its share
 # outside the SLO) is not at least this much lower than the previous miss's ends the search (queueing is not the cause, so no rate will meet the SLO).

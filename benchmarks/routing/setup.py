@@ -9,7 +9,7 @@ from pathlib import Path
 
 from benchmarks.routing.search import Search, Window
 from cluster.sim.run import SimConfig, SimDevice
-from cluster.sim.workloads import (
+from cluster.workload.sim_kinds import (
     AGENTIC_THINK_S,
     AGENTIC_TURNS,
     B2B_KV_SHARE,
@@ -62,7 +62,7 @@ NUM_INGRESS = 4
 PARTITION_WORKLOADS = ("b2b", "agentic")
 # The trace cells: the first requests of the Mooncake FAST'25 conversation trace (committed
 # with its notice, so the benchmark downloads nothing), their arrivals scaled to the searched
-# rate with the recorded bursts and lulls kept in proportion (cluster/sim/workloads.py).
+# rate with the recorded bursts and lulls kept in proportion (cluster/workload/sim_kinds.py).
 TRACE = "trace"
 TRACE_PATH = Path(__file__).resolve().parent.parent / "traces" / "mooncake-conversation-3000.jsonl"
 # The trace's prompts reach 126k tokens: ~2% exceed 80k, whose prefill alone takes longer

@@ -18,14 +18,10 @@ from dataclasses import replace
 
 from benchmarks.routing.search import collector_paused
 from benchmarks.routing.setup import HEADROOM, log, sim_config
+from cluster.percentile import percentile
 from cluster.sim.run import SimDevice, simulate
-from cluster.sim.workloads import make_workload
+from cluster.workload.sim_kinds import make_workload
 from router.routing.policies.headroom import HeadroomPolicy
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
             result = simulate(config, requests, device)
         s = result.summary()
         ttft = [r.ttft_s for r in result.ok_records()]
+        p50, p90, p99 = (percentile(ttft, q, method="strict_rank") for q in (50, 90, 99))
         log(f"{router:16s} within SLO {s['goodput_fraction']:6.1%} goodput {s['goodput_rps']:5.2f} "
-            f"TTFT p50/p90/p99 {_pct(ttft, .5):.2f}/{_pct(ttft, .9):.2f}/{_pct(ttft, .99):.2f} s "
+            f"TTFT p50/p90/p99 {p50:.2f}/{p90:.2f}/{p99:.2f} s "
             f"ITL p99 {1000 * s['itl_s']['p99']:.0f} ms hit {s['prefix_cache_hit_rate']:.1%} "
             f"imbalance {s['load_imbalance']:.2f} ({time.perf_counter() - t0:.0f} s)")
         if router != HEADROOM:

@@ -35,8 +35,9 @@ from worker.engine.build import build_engine
 from benchmarks.routing.engine_grid import (ENGINE_CLOCK, ENGINE_NUM_THREADS, engine_profile, fit_summary,
                                            grid_moment, workload_grid)
 from cluster.calibrate import CLOCKS, age_pool
+from cluster.percentile import percentile
 from cluster.sim.run import SimConfig, SimDevice, simulate
-from cluster.sim.workloads import SimRequest, make_workload
+from cluster.workload.sim_kinds import SimRequest, make_workload
 
 Log = Callable[[str], None]
 # Validation 2's outcome from its own process: its errors (None if it failed), its log lines
@@ -55,7 +56,7 @@ class Figures:
            num_output_tokens: int) -> Figures:
         ttft = np.asarray(first_tokens) - np.asarray(arrivals)
         duration = max(finishes) - min(arrivals)
-        return cls(float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99)), num_output_tokens / duration)
+        return cls(percentile(ttft, 50), percentile(ttft, 99), num_output_tokens / duration)
 
     @classmethod
     def of_sim(cls, summary: dict) -> Figures:

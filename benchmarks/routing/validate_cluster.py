@@ -22,9 +22,10 @@ import numpy as np
 
 from benchmarks.open_loop import replay
 from benchmarks.routing.validate import Figures, Log, compare
+from cluster.percentile import percentile
 from cluster.serve_env import controller_options, job_runtime_env
 from cluster.sim.run import SimConfig, simulate
-from cluster.sim.workloads import SimRequest, make_workload
+from cluster.workload.sim_kinds import SimRequest, make_workload
 
 CLUSTER_REPLICAS = 8
 CLUSTER_ROUTER = CLUSTER_POLICY = "headroom"
@@ -111,7 +112,7 @@ def calibrate_dispatch_latency(url: str, dilation: float, requests: Sequence[Sim
     residuals = np.array([res.ttft_s / dilation - by_id[req.request_id].ttft_s
                           for req, res in zip(requests, results)])
     samples = tuple(float(x) for x in np.maximum(residuals, 0.0))
-    p10, p50, p90 = np.percentile(samples, [10, 50, 90])
+    p10, p50, p90 = (percentile(samples, q) for q in (10, 50, 90))
     log(f"  dispatch path under load: calibration run of {len(requests)} requests (seed {CALIBRATION_SEED}): "
         f"real TTFT - simulated engine TTFT per request: p10 {1000 * p10:.2f}, median {1000 * p50:.2f}, mean "
         f"{1000 * float(np.mean(samples)):.2f}, p90 {1000 * p90:.2f} ms modelled ({1000 * p50 * dilation:.0f} ms real "

@@ -8,7 +8,7 @@ from typing import Any
 
 from cluster.bench.client import get_json, post_json
 from cluster.bench.stream import auth_headers, completions_url, error_of, request_body
-from cluster.bench.workload import WORDS, BenchRequest, PromptCalibration
+from cluster.workload.text_prompts import WORDS, BenchRequest, PromptCalibration
 
 
 async def fetch_models(client: Any, base_url: str, api_key: str | None = None) -> list[dict[str, Any]]:

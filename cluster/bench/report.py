@@ -1,4 +1,4 @@
-"""The summary of a benchmark run: percentiles and distributions in ms, the aggregate
+"""The summary of a benchmark run: distributions in ms, the aggregate
 metrics (throughput, goodput, TTFT / TPOT / ITL / e2e), a vLLM-style text table, and
 strict-JSON conversion."""
 from __future__ import annotations
@@ -9,20 +9,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cluster.bench.stream import RequestResult
+from cluster.percentile import percentile
 
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between closest ranks
-    (numpy's default): position (n - 1) * q / 100 in the sorted values."""
-    if not values:
-        raise ValueError("percentile of no values")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def _pkey(q: float) -> str:

@@ -15,7 +15,8 @@ from typing import Any, TextIO
 from cluster.bench.client import make_client
 from cluster.bench.report import summarize
 from cluster.bench.stream import RequestResult, auth_headers, completions_url, request_body, send_request
-from cluster.bench.workload import BenchRequest, arrival_times
+from cluster.workload.draws import arrival_times
+from cluster.workload.text_prompts import BenchRequest
 
 
 @dataclass

@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from cluster.bench.workload import BenchRequest
+from cluster.workload.text_prompts import BenchRequest
 
 ENDPOINTS = ("completions", "chat")
 

@@ -26,7 +26,7 @@ from cluster.sim.run import SimConfig, simulate
 from cluster.sim.serving_cost import ServingCost, describe
 from cluster.sim.lora import SimLoRA
 from cluster.sim.tiers import SimTierOptions
-from cluster.sim.workloads import WORKLOAD_NAMES, make_workload
+from cluster.workload.sim_kinds import WORKLOAD_NAMES, make_workload
 from worker.config import LoRAConfig
 
 _DEFAULTS = SimConfig()

@@ -19,7 +19,7 @@ from cluster.sim.ingress import Pending, SimRouter
 from cluster.sim.lora import sim_lora_path
 from cluster.sim.metrics import RequestRecord
 from cluster.sim.replica import SimReplica
-from cluster.sim.workloads import SimRequest
+from cluster.workload.sim_kinds import SimRequest
 from kv.transfer import KVExport
 from router.routing.policies import RoutingRequest
 from router.routing.types import request_hash_root

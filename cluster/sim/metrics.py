@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from cluster.percentile import percentile
 from cluster.sim.replica import SimReplica
 from worker.api import RequestOutput
 
@@ -41,8 +42,9 @@ PERCENTILES = (50, 90, 99)
 
 def late_requests_proving_p99_miss(num_requests: int) -> int:
     """How many requests over the TTFT SLO make the run's TTFT p99 exceed it whatever the
-    others do. np.percentile (linear) puts p99 between the sorted values at floor(i) and
-    floor(i) + 1, i = 0.99 (n - 1); once the value at floor(i) is late, so is p99."""
+    others do. The linear percentile (cluster/percentile.py) puts p99 between the sorted
+    values at floor(i) and floor(i) + 1, i = 0.99 (n - 1); once the value at floor(i) is
+    late, so is p99."""
     return num_requests - math.floor(0.99 * (num_requests - 1))
 
 
@@ -149,10 +151,8 @@ class Tracker:
 
 def _percentiles(values: Any) -> dict[str, float]:
     arr = np.asarray(values, dtype=np.float64)
-    if arr.size == 0:
-        return {f"p{p}": float("nan") for p in PERCENTILES} | {"mean": float("nan")}
-    out = {f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}
-    out["mean"] = float(arr.mean())
+    out = {f"p{p}": percentile(arr, p) for p in PERCENTILES}
+    out["mean"] = float(arr.mean()) if arr.size else float("nan")
     return out
 
 

@@ -32,7 +32,7 @@ from cluster.sim.shared_view import pool_views
 from cluster.sim.metrics import SimResult, Tracker, late_requests_proving_p99_miss
 from cluster.sim.replica import SimReplica, VirtualDevice
 from cluster.sim.tiers import BlockLRU, SharedStore, SimTierManager, SimTierOptions
-from cluster.sim.workloads import SimRequest
+from cluster.workload.sim_kinds import SimRequest
 from router.routing.kv_index import KVIndex
 from router.routing.types import RoutingParams, ReplicaReport
 from router.routing.policies.base import check_options

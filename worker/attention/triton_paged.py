@@ -65,6 +65,18 @@ def _next_pow2(n: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _softmax_start(sinks_ptr, head, row_ok, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr):
+        """The online softmax's running max and sum before the first key: empty, or each
+        head's sink logit (gpt-oss), in log2 units like the scores; padding rows keep -inf / 0."""
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+            m_i = sink * 1.4426950408889634
+            l_i = tl.where(row_ok, 1.0, 0.0)
+        return m_i, l_i
+
+    @triton.jit
     def _paged_attention_kernel(
         out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
         block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr, sinks_ptr,
@@ -101,12 +113,7 @@ if triton is not None:
             q_offs = (q_start + tok)[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :]
             q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-            if HAS_SINKS:  # in log2 units, like the scores; padding rows keep -inf / 0
-                sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
-                m_i = sink * 1.4426950408889634
-                l_i = tl.where(row_ok, 1.0, 0.0)
+            m_i, l_i = _softmax_start(sinks_ptr, head, row_ok, BLOCK_M, HAS_SINKS)
             acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, tl.float32)
             # The tile's last real token bounds the keys any of its rows may see.
             last_tok = tl.minimum(first_tok + BLOCK_Q, query_len) - 1

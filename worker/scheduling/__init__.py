@@ -8,11 +8,8 @@ to a request after the step.
     band_prefill.py    short prompt steps for worse bands
     prefill_caps.py    what one prompt chunk may add beyond the token budget
     step_budget.py     the step-time budget (ITL target) priced by worker/costs
-    request_waits.py   requests waiting on a grammar compile, a KV import, a tier load
+    async_scheduler.py AsyncScheduler: plans made and launched ahead while the device works
+    requests.py        Requests: the request table, its waits, failures, outputs and aborts
     stop_check.py      when a sequence stops
     step_apply.py      a step's tokens applied to its sequences
-    step_results.py    a step's result as the engine's callers see it
-    step_overlap.py    async scheduling: plan ahead (step N+1 planned while N runs)
-    decode_ahead.py    async scheduling: the decode-only plan made ahead
-    launch_ahead.py    async scheduling: step N+1 launched before N's tokens are back
 """

@@ -10,7 +10,7 @@ from worker.engine.build import build_engine
 from benchmarks.routing.search import RunFigures, Search, Window, goodput_at_slo
 from benchmarks.routing.engine_grid import workload_grid
 from benchmarks.routing.validate import Figures, into_vocab, median_pair_errors, pair_error_spread, relative_errors
-from cluster.sim.workloads import SimRequest
+from cluster.workload.sim_kinds import SimRequest
 
 
 def fake_run(capacity: float, calls: list[float]):
@@ -119,7 +119,7 @@ def test_b2b_is_sized_to_llm_ds_share_of_the_clusters_kv_with_a_warm_up() -> Non
         workload_kw,
     )
     from cluster.sim.run import SimDevice
-    from cluster.sim.workloads import B2B_KV_SHARE, B2B_PREFIX_LEN, B2B_QUESTION_LEN
+    from cluster.workload.sim_kinds import B2B_KV_SHARE, B2B_PREFIX_LEN, B2B_QUESTION_LEN
 
     assert workload_kw("sharegpt", 4) == {} and workload_kw("agentic", 8) == {"warmup_s": 24.0}
     for n in (4, 8):

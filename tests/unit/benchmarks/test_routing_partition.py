@@ -9,7 +9,7 @@ import pytest
 from benchmarks.routing.partition import deal_shares, merge_results
 from benchmarks.routing.setup import HEADROOM, sim_config
 from cluster.sim.run import SimDevice, simulate
-from cluster.sim.workloads import SimRequest, make_workload
+from cluster.workload.sim_kinds import SimRequest, make_workload
 
 
 def req(request_id: str, t: float, session: str | None) -> SimRequest:

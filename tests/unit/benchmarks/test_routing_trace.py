@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.routing.search import RunFigures, Runner, Search, Window, goodput_at_slo
 from benchmarks.routing.setup import TRACE, TRACE_ATTAINMENT, TRACE_PATH, slo_attainment, sim_config, workload_kw
-from cluster.sim.workloads import MOONCAKE_BLOCK_TOKENS, make_workload
+from cluster.workload.sim_kinds import MOONCAKE_BLOCK_TOKENS, make_workload
 
 
 def test_the_committed_slice_and_its_notice_are_there() -> None:

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from cluster import bench_serve
-from cluster.bench import report, run, stream, workload
+from cluster.bench import report, run, stream
+from cluster.workload import draws
+from cluster.workload import text_prompts as workload
 from cluster.bench.client import lines, make_client
 
 import uvicorn
@@ -28,18 +30,6 @@ from starlette.routing import Route
 
 
 # -- metrics -------------------------------------------------------------------------------
-def test_percentile_is_linear_interpolation() -> None:
-    xs = [10.0, 20.0, 30.0, 40.0]
-    assert report.percentile(xs, 0) == 10.0
-    assert report.percentile(xs, 100) == 40.0
-    assert report.percentile(xs, 50) == 25.0  # position 1.5
-    assert report.percentile(xs, 90) == pytest.approx(37.0)  # position 2.7
-    assert report.percentile([3.0, 1.0, 2.0], 50) == 2.0  # sorts
-    assert report.percentile([7.0], 99) == 7.0
-    with pytest.raises(ValueError):
-        report.percentile([], 50)
-
-
 def _done(index: int, ttft: float, e2e: float, out: int, itl: list[float], prompt: int | None, max_tokens: int | None = None) -> stream.RequestResult:
     return stream.RequestResult(
         index=index, success=True, status=200, prompt_len=50, max_tokens=out if max_tokens is None else max_tokens,
@@ -143,9 +133,9 @@ def test_format_summary_lines() -> None:
 
 # -- arrivals ------------------------------------------------------------------------------
 def test_poisson_arrivals_seeded_with_the_right_rate() -> None:
-    a = workload.arrival_times(20000, request_rate=50.0, seed=3)
-    assert a == workload.arrival_times(20000, request_rate=50.0, seed=3)
-    assert a != workload.arrival_times(20000, request_rate=50.0, seed=4)
+    a = draws.arrival_times(20000, request_rate=50.0, seed=3)
+    assert a == draws.arrival_times(20000, request_rate=50.0, seed=3)
+    assert a != draws.arrival_times(20000, request_rate=50.0, seed=4)
     assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:]))
     gaps = [y - x for x, y in zip(a, a[1:])]
     mean_gap = sum(gaps) / len(gaps)
@@ -157,16 +147,16 @@ def test_poisson_arrivals_seeded_with_the_right_rate() -> None:
 
 
 def test_arrivals_inf_and_burstiness() -> None:
-    assert workload.arrival_times(5, math.inf) == [0.0] * 5
-    assert workload.arrival_times(0, 10.0) == []
-    bursty = workload.arrival_times(20000, request_rate=10.0, seed=0, burstiness=0.5)
+    assert draws.arrival_times(5, math.inf) == [0.0] * 5
+    assert draws.arrival_times(0, 10.0) == []
+    bursty = draws.arrival_times(20000, request_rate=10.0, seed=0, burstiness=0.5)
     gaps = [y - x for x, y in zip(bursty, bursty[1:])]
     mean_gap = sum(gaps) / len(gaps)
     assert mean_gap == pytest.approx(0.1, rel=0.05)  # same mean rate
     std = math.sqrt(sum((g - mean_gap) ** 2 for g in gaps) / len(gaps))
     assert std > 1.2 * mean_gap  # gamma(0.5): cv = sqrt(2)
     with pytest.raises(ValueError):
-        workload.arrival_times(3, 0.0)
+        draws.arrival_times(3, 0.0)
 
 
 # -- workloads -----------------------------------------------------------------------------
@@ -399,7 +389,7 @@ async def test_poisson_run_sends_at_the_arrival_times() -> None:
     rate, seed = 20.0, 5
     async with serving(fake) as url:
         result = await run.run_benchmark(requests, base_url=url, model=fake.MODEL, request_rate=rate, seed=seed)
-    planned = workload.arrival_times(5, rate, seed)
+    planned = draws.arrival_times(5, rate, seed)
     assert all(r.success for r in result.requests)
     for r, at in zip(result.requests, planned):
         assert r.start_s >= at - 0.005  # never early (the loop's clock granularity aside)

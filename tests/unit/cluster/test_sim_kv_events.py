@@ -8,7 +8,7 @@ from dataclasses import replace
 from cluster.sim.replica import SimReplica
 from cluster.sim.run import SimConfig, SimDevice, Simulation, simulate
 from cluster.sim.tiers import SimTierOptions
-from cluster.sim.workloads import make_workload
+from cluster.workload.sim_kinds import make_workload
 from kv.block_hash import hash_full_blocks
 from kv.kv_events import DEVICE, DISK, HOST
 from router.routing.kv_index import APPLIED, REBUILT, KVIndex

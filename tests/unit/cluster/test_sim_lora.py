@@ -11,7 +11,7 @@ import pytest
 from cluster.sim.clock import EventQueue
 from cluster.sim.lora import SimLoRA, VirtualLoader, lora_adapter_bytes
 from cluster.sim.run import SimConfig, Simulation, SimDevice, simulate
-from cluster.sim.workloads import SimRequest
+from cluster.workload.sim_kinds import SimRequest
 from worker.config import LoRAConfig
 from worker.costs.profiles import load_profile
 from worker.costs.shapes import load_shape

@@ -7,7 +7,7 @@ from collections import Counter
 
 from cluster.sim.lora import SimLoRA
 from cluster.sim.run import SimConfig, simulate
-from cluster.sim.workloads import lora_adapter_name, make_workload
+from cluster.workload.sim_kinds import lora_adapter_name, make_workload
 from worker.config import LoRAConfig
 
 LORA = SimLoRA(LoRAConfig(enable=True, max_loras=2, max_cpu_loras=4))

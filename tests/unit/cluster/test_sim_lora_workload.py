@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from cluster.sim.workloads import LORA_NUM_ADAPTERS, lora_adapter_name, make_workload, zipf_probabilities
+from cluster.workload.sim_kinds import LORA_NUM_ADAPTERS, lora_adapter_name, make_workload, zipf_probabilities
 
 
 def test_zipf_probabilities_fall_as_one_over_the_rank() -> None:

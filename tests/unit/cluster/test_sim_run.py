@@ -7,7 +7,7 @@ import pytest
 from cluster.sim.autoscale import AutoscaleOptions
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.run import SimConfig, simulate
-from cluster.sim.workloads import SimRequest, make_workload
+from cluster.workload.sim_kinds import SimRequest, make_workload
 from worker.costs.cost_model import SeqWork, StepCostModel
 from worker.costs.profiles import load_profile
 from worker.costs.shapes import load_shape

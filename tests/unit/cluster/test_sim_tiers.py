@@ -9,7 +9,7 @@ import pytest
 
 from cluster.sim.run import SimConfig, SimDevice, Simulation, simulate
 from cluster.sim.tiers import SimTierManager, SimTierOptions
-from cluster.sim.workloads import SimRequest, make_workload
+from cluster.workload.sim_kinds import SimRequest, make_workload
 from worker.api import SamplingParams
 from worker.scheduling.scheduler import TierLoad
 from worker.sequence import Sequence, SequenceStatus

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from cluster.sim.workloads import (
+from cluster.workload.sim_kinds import (
     B2B_PREFIX_LEN,
     CODE_REPO_LEN,
     MOONCAKE_BLOCK_TOKENS,

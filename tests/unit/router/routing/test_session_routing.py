@@ -188,7 +188,7 @@ def test_headroom_deals_agentic_sessions_evenly_and_keeps_each_on_its_replica() 
     of changing headroom; each replica gets 6 (dealt by count) and no turn leaves its
     session's replica (the gate's move cost keeps the histories where they are cached)."""
     from cluster.sim.run import SimConfig, simulate
-    from cluster.sim.workloads import make_workload
+    from cluster.workload.sim_kinds import make_workload
 
     requests = make_workload("agentic", 96, 12.0, seed=0, turns=4, system_len=512, turn_len=128, output_len=16)
     result = simulate(SimConfig(num_replicas=4, router="headroom", seed=0, max_model_len=8192), requests)

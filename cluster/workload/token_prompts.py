@@ -14,9 +14,11 @@ throughput figures compare like with like.
 """
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
+
+from cluster.percentile import percentile
+from cluster.workload.draws import lognormal_mu
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,7 @@ class WorkloadSpec:
 
 def make_workload(spec: WorkloadSpec) -> list[Request]:
     rng = random.Random(spec.seed)
-    # lognormal mean = exp(mu + sigma^2 / 2)  =>  mu = ln(mean) - sigma^2 / 2
-    mu = math.log(spec.output_mean) - spec.output_sigma**2 / 2
+    mu = lognormal_mu(spec.output_mean, spec.output_sigma)
     requests = []
     for i in range(spec.num_requests):
         prompt_len = rng.randint(spec.prompt_min, spec.prompt_max)
@@ -64,15 +65,13 @@ def _draw_token(rng: random.Random, spec: WorkloadSpec) -> int:
 
 
 def describe(requests: list[Request]) -> str:
+    """One line: the prompt and output lengths of a workload, and its useful tokens."""
     prompts = sorted(len(r.prompt_token_ids) for r in requests)
     outs = sorted(r.max_tokens for r in requests)
-
-    def pct(xs: list[int], q: float) -> int:
-        return xs[min(len(xs) - 1, int(q * len(xs)))]
-
+    p50, p90 = (int(percentile(outs, q, method="strict_rank")) for q in (50, 90))
     return (
         f"{len(requests)} requests; prompt tokens min/mean/max {prompts[0]}/"
         f"{sum(prompts) / len(prompts):.0f}/{prompts[-1]}; output tokens min/p50/mean/p90/max "
-        f"{outs[0]}/{pct(outs, 0.5)}/{sum(outs) / len(outs):.1f}/{pct(outs, 0.9)}/{outs[-1]}; "
+        f"{outs[0]}/{p50}/{sum(outs) / len(outs):.1f}/{p90}/{outs[-1]}; "
         f"useful output tokens {sum(outs)}"
     )

@@ -1,5 +1,5 @@
-"""The seeded workload and the metrics of `python -m benchmarks.disagg` (no Ray, no HTTP:
-unit-testable).
+"""The seeded workload of `python -m benchmarks.disagg` (its metrics:
+benchmarks/disagg_metrics.py).
 
 One round of the workload, the same for both sides (mixed pool, disaggregated pools):
 
@@ -10,22 +10,15 @@ One round of the workload, the same for both sides (mixed pool, disaggregated po
                `long_period_s` (+- `long_jitter` of it, seeded);
     end        once every long prompt is answered the slots send nothing new; the streams
                in flight finish.
-
-What disaggregation is meant to protect is the decode streams' inter-token latency while
-prompts are being prefilled, so ITL is taken over the decode streams' gaps that END inside
-the interference window (from the first long prompt sent to the last one answered); the
-long prompts' own number is their time to first token.
 """
 from __future__ import annotations
 
-import math
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cluster.bench.report import percentile
-from cluster.bench.stream import RequestResult
-from cluster.bench.workload import BenchRequest, PromptCalibration, generate_workload, random_text, sample_lengths
+from cluster.workload.draws import sample_lengths
+from cluster.workload.text_prompts import BenchRequest, PromptCalibration, generate_workload, random_text
 
 
 @dataclass(frozen=True)
@@ -102,46 +95,3 @@ def long_arrivals(spec: DisaggSpec, seed: int) -> list[float]:
         spec.ramp_s + i * spec.long_period_s + (rng.uniform(0.0, jitter) if i == 0 else rng.uniform(-jitter, jitter))
         for i in range(spec.num_long_prompts)
     ]
-
-
-def token_times(result: RequestResult) -> list[float]:
-    """Arrival times (from the round's start) of a result's content chunks."""
-    if result.ttft_s is None:
-        return []
-    t = result.start_s + result.ttft_s
-    times = [t]
-    for gap in result.itl_s:
-        t += gap
-        times.append(t)
-    return times
-
-
-def gaps_in_window(results: Sequence[RequestResult], start_s: float, end_s: float) -> list[float]:
-    """Inter-token gaps of successful results whose later chunk arrived in [start_s, end_s]."""
-    gaps = []
-    for r in results:
-        if not r.success:
-            continue
-        times = token_times(r)
-        gaps += [gap for gap, t in zip(r.itl_s, times[1:]) if start_s <= t <= end_s]
-    return gaps
-
-
-def interference_window(long_results: Sequence[RequestResult]) -> tuple[float, float] | None:
-    """From the first long prompt sent to the last one answered (None: none answered)."""
-    done = [r for r in long_results if r.success and r.e2e_s is not None]
-    if not done:
-        return None
-    return min(r.start_s for r in long_results), max(r.start_s + (r.e2e_s or 0.0) for r in done)
-
-
-def percentile_ms(values: Sequence[float], q: float) -> float:
-    """The q-th percentile in ms (nan for no values: printed, never hidden)."""
-    return percentile(values, q) * 1000.0 if values else math.nan
-
-
-def ratio(mixed: float, disagg: float) -> float:
-    """mixed / disagg: > 1 means the disaggregated pools did better on a latency."""
-    if not (math.isfinite(mixed) and math.isfinite(disagg)) or disagg <= 0:
-        return math.nan
-    return mixed / disagg

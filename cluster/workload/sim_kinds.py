@@ -21,12 +21,13 @@ Arrivals are Poisson at `rate_rps` except for bursty (gamma) and trace (the file
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+
+from cluster.workload.draws import around, gamma_arrivals, lognormal_lengths, poisson_arrivals
 
 # Token ids are drawn from [1, DEFAULT_VOCAB); every shape we ship has a larger vocabulary.
 DEFAULT_VOCAB = 32000
@@ -68,27 +69,6 @@ def _tokens(rng: np.random.Generator, n: int, vocab: int = DEFAULT_VOCAB) -> tup
     return tuple(rng.integers(1, vocab, size=int(n)).tolist())
 
 
-def _lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float, lo: int, hi: int) -> np.ndarray:
-    """Lognormal lengths with the given MEAN (mu = ln(mean) - sigma^2 / 2), clipped to [lo, hi]."""
-    mu = math.log(mean) - sigma * sigma / 2.0
-    return np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), lo, hi).astype(int)
-
-
-def _poisson_arrivals(rng: np.random.Generator, n: int, rate_rps: float) -> np.ndarray:
-    return np.cumsum(rng.exponential(1.0 / rate_rps, size=n))
-
-
-def _gamma_arrivals(rng: np.random.Generator, n: int, rate_rps: float, shape: float) -> np.ndarray:
-    """Gamma inter-arrival gaps with mean 1/rate; shape < 1 gives CV = 1/sqrt(shape) > 1
-    (bursts of near-simultaneous arrivals separated by long lulls)."""
-    return np.cumsum(rng.gamma(shape, 1.0 / (rate_rps * shape), size=n))
-
-
-def _around(rng: np.random.Generator, mean: int, size: int | None = None) -> np.ndarray | np.integer:
-    """Uniform integers within +-50% of `mean` (at least 1): distinct draws of a similar size."""
-    return rng.integers(max(1, mean // 2), mean * 3 // 2 + 1, size=size)
-
-
 def _shared_prefix_requests(rng: np.random.Generator, kind: str, group_name: str, n: int, rate_rps: float,
                             num_groups: int, prefix_len: int,
                             lengths: Callable[[np.random.Generator, int], tuple[np.ndarray, np.ndarray]],
@@ -108,7 +88,7 @@ def _shared_prefix_requests(rng: np.random.Generator, kind: str, group_name: str
     caches and the routers' ownership, and its answers' decode, which costs a simulation as
     much as the measured requests', has mostly ended before the window opens anyway."""
     prefixes = [_tokens(rng, prefix_len) for _ in range(num_groups)]
-    arrivals = _poisson_arrivals(rng, n, rate_rps)
+    arrivals = poisson_arrivals(rng, n, rate_rps)
     groups = rng.integers(0, num_groups, size=n)
     suffixes, outputs = lengths(rng, n)
     out = [SimRequest(f"{kind}-{i}", warmup_s + float(arrivals[i]), prefixes[groups[i]] + _tokens(rng, suffixes[i]),
@@ -141,8 +121,8 @@ def _sharegpt_requests(rng: np.random.Generator, kind: str, arrivals: np.ndarray
                        output_mean: float, sigma: float, max_len: int) -> list[SimRequest]:
     """One request per arrival, ShareGPT-like lognormal lengths, no shared prefix."""
     n = len(arrivals)
-    inputs = _lognormal_lengths(rng, n, input_mean, sigma, 4, max_len)
-    outputs = _lognormal_lengths(rng, n, output_mean, sigma, 1, max_len)
+    inputs = lognormal_lengths(rng, n, input_mean, sigma, 4, max_len)
+    outputs = lognormal_lengths(rng, n, output_mean, sigma, 1, max_len)
     return [SimRequest(f"{kind}-{i}", float(arrivals[i]), _tokens(rng, inputs[i]), int(outputs[i]))
             for i in range(n)]
 
@@ -150,14 +130,14 @@ def _sharegpt_requests(rng: np.random.Generator, kind: str, arrivals: np.ndarray
 def _sharegpt(rng: np.random.Generator, n: int, rate_rps: float, input_mean: float = SHAREGPT_INPUT_MEAN,
               output_mean: float = SHAREGPT_OUTPUT_MEAN, sigma: float = SHAREGPT_SIGMA,
               max_len: int = SHAREGPT_MAX_LEN) -> list[SimRequest]:
-    arrivals = _poisson_arrivals(rng, n, rate_rps)
+    arrivals = poisson_arrivals(rng, n, rate_rps)
     return _sharegpt_requests(rng, "sharegpt", arrivals, input_mean, output_mean, sigma, max_len)
 
 
 def _bursty(rng: np.random.Generator, n: int, rate_rps: float, gamma_shape: float = 0.1,
             input_mean: float = SHAREGPT_INPUT_MEAN, output_mean: float = SHAREGPT_OUTPUT_MEAN,
             sigma: float = SHAREGPT_SIGMA, max_len: int = SHAREGPT_MAX_LEN) -> list[SimRequest]:
-    arrivals = _gamma_arrivals(rng, n, rate_rps, gamma_shape)
+    arrivals = gamma_arrivals(rng, n, rate_rps, gamma_shape)
     return _sharegpt_requests(rng, "bursty", arrivals, input_mean, output_mean, sigma, max_len)
 
 
@@ -182,7 +162,7 @@ def _b2b(rng: np.random.Generator, n: int, rate_rps: float, num_groups: int = B2
     # Questions and answers vary +-50% around their means (uniform): distinct, similar size.
     out = _shared_prefix_requests(
         rng, "b2b", "group", n, rate_rps, num_groups, prefix_len,
-        lambda rng, n: (_around(rng, question_len, n), _around(rng, output_len, n)), warmup_s, warmup_max_tokens,
+        lambda rng, n: (around(rng, question_len, n), around(rng, output_len, n)), warmup_s, warmup_max_tokens,
     )
     return out if sessions else [replace(r, session_id=None) for r in out]
 
@@ -216,7 +196,7 @@ def _agentic(rng: np.random.Generator, n: int, rate_rps: float, turns: int = AGE
     measured; `n` counts the measured ones), so the measured window starts with sessions
     already in flight, as a long-running cluster has them, instead of an empty cluster."""
     num_sessions = -(-n // turns)
-    starts = list(_poisson_arrivals(rng, num_sessions, rate_rps / turns))
+    starts = list(poisson_arrivals(rng, num_sessions, rate_rps / turns))
     out: list[SimRequest] = []
     measured = 0
     s = 0
@@ -228,8 +208,8 @@ def _agentic(rng: np.random.Generator, n: int, rate_rps: float, turns: int = AGE
         for k in range(turns):
             if measured == n:
                 break
-            history = history + _tokens(rng, _around(rng, turn_len))
-            max_tokens = int(_around(rng, output_len))
+            history = history + _tokens(rng, around(rng, turn_len))
+            max_tokens = int(around(rng, output_len))
             warm = t < warmup_s
             out.append(SimRequest(f"agentic-{s}-{k}", t, history, max_tokens, session_id=f"session-{s}", warmup=warm))
             measured += not warm
@@ -253,8 +233,8 @@ def _code(rng: np.random.Generator, n: int, rate_rps: float, num_repos: int = CO
           output_mean: float = CODE_OUTPUT_MEAN, max_len: int = CODE_MAX_LEN) -> list[SimRequest]:
     return _shared_prefix_requests(
         rng, "code", "repo", n, rate_rps, num_repos, repo_len,
-        lambda rng, n: (_lognormal_lengths(rng, n, files_mean, 0.8, 256, max(256, max_len - repo_len - 1)),
-                        _lognormal_lengths(rng, n, output_mean, 0.8, 1, 1024)),
+        lambda rng, n: (lognormal_lengths(rng, n, files_mean, 0.8, 256, max(256, max_len - repo_len - 1)),
+                        lognormal_lengths(rng, n, output_mean, 0.8, 1, 1024)),
     )
 
 
@@ -341,7 +321,7 @@ def _lora(rng: np.random.Generator, n: int, rate_rps: float, num_adapters: int =
         raise ValueError("num_adapters must be >= 1, zipf_s >= 0 and warmup_s >= 0")
     num_warmup = round(rate_rps * warmup_s)
     total = n + num_warmup
-    arrivals = _poisson_arrivals(rng, total, rate_rps)
+    arrivals = poisson_arrivals(rng, total, rate_rps)
     requests = _sharegpt_requests(rng, "lora", arrivals, input_mean, output_mean, sigma, max_len)
     ranks = rng.choice(num_adapters, size=total, p=zipf_probabilities(num_adapters, zipf_s))
     return [replace(r, lora_name=lora_adapter_name(int(k)), warmup=i < num_warmup,

@@ -3,9 +3,10 @@
 Poisson arrival times at which they are sent."""
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
+
+from cluster.workload.draws import sample_lengths
 
 DATASETS = ("random", "shared-prefix")
 
@@ -59,16 +60,6 @@ class PromptCalibration:
 
     def words_for(self, tokens: float) -> int:
         return max(1, round(tokens / self.tokens_per_word))
-
-
-def sample_lengths(rng: random.Random, n: int, mean_len: int, range_ratio: float, minimum: int = 1) -> list[int]:
-    """Lengths uniform in [mean * (1 - r), mean * (1 + r)] (vLLM's --random-range-ratio),
-    at least `minimum`."""
-    if not 0.0 <= range_ratio < 1.0:
-        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
-    low = max(minimum, math.floor(mean_len * (1.0 - range_ratio)))
-    high = max(low, math.ceil(mean_len * (1.0 + range_ratio)))
-    return [rng.randint(low, high) for _ in range(n)]
 
 
 def random_text(rng: random.Random, num_words: int, first_word: str | None = None) -> str:
@@ -130,24 +121,3 @@ def generate_workload(
             requests.append(BenchRequest(i, prompt, prefix_len + s, m, group=g, prefix_len=prefix_len))
         return requests
     raise ValueError(f"unknown dataset {dataset!r} (one of {', '.join(DATASETS)})")
-
-
-def arrival_times(num: int, request_rate: float, seed: int = 0, burstiness: float = 1.0) -> list[float]:
-    """Seconds from the start at which each request is sent. Poisson process at
-    `request_rate` req/s (gamma gaps with shape `burstiness`; 1.0 = exponential, as in
-    vLLM); `inf` sends everything at t = 0. The first request goes at t = 0."""
-    if num <= 0:
-        return []
-    if math.isinf(request_rate):
-        return [0.0] * num
-    if request_rate <= 0:
-        raise ValueError("request_rate must be > 0 (or inf)")
-    if burstiness <= 0:
-        raise ValueError("burstiness must be > 0")
-    rng = random.Random(f"kvserve-bench-arrivals:{seed}")
-    theta = 1.0 / (request_rate * burstiness)  # mean gap = shape * scale = 1 / rate
-    times, t = [0.0], 0.0
-    for _ in range(num - 1):
-        t += rng.gammavariate(burstiness, theta)
-        times.append(t)
-    return times

@@ -6,7 +6,7 @@
 # at a size that fits a few minutes. Logs go to $OUT (default ./gpu-check-out): the
 # machine, the tests, the benchmark.
 #
-#   TESTS_S=150 BENCH_S=300 bash benchmarks/results/device_run.sh   # each stage's time limit
+#   TESTS_S=150 BENCH_S=300 bash scripts/gpu_check.sh   # each stage's time limit
 #
 # Needs torch with CUDA, triton, transformers (the version pyproject.toml pins: an older
 # one lacks what the peers configure) and the `redis` Python package (tests/conftest.py
