@@ -27,8 +27,8 @@ from worker.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.forward_timer import ForwardTimer
 from worker.lora.model_lora import ModelLoRA, adapter_loader
 from worker.memory_profile import activation_peak_bytes
-from worker.model.llama import LlamaArch
 from worker.model.loader import load_model
+from worker.model.registry import arch_for
 from worker.model_path import resolve_model_path
 from worker.model.parallel import SINGLE, TPContext, kv_head_range
 from worker import prompt_logprobs
@@ -74,7 +74,7 @@ class ModelRunner:
         if config.model.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.model.num_threads)
         torch.manual_seed(config.model.seed)
-        self.arch = LlamaArch.from_hf_config(hf_config)
+        self.arch = arch_for(hf_config)
         self.block_size = config.cache.block_size
         self.backend = select_backend(config.model.attention_backend, self.device)
         path = resolve_model_path(config.model.model)

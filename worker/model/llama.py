@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
+from worker.model.checkpoint_names import Target, llama_target
 from worker.model.layers import RMSNorm, RotaryEmbedding
 from worker.model.parallel import (
     SINGLE, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear, TPContext,
-    VocabParallelEmbedding,
+    VocabParallelEmbedding, validate_tp,
 )
 from worker.model_config import SUPPORTED_ARCHITECTURES, check_supported, family_of, layer_sliding_windows
 
@@ -69,6 +70,10 @@ class LlamaArch:
             max_position_embeddings=hf_config.max_position_embeddings,
             sliding_windows=layer_sliding_windows(hf_config, hf_config.num_hidden_layers),
         )
+
+    def validate_tp(self, size: int) -> None:
+        """ValueError (clear message) when the model cannot be split over `size` ranks."""
+        validate_tp(self.num_heads, self.num_kv_heads, size, self.intermediate_size)
 
 
 class Attention(nn.Module):
@@ -169,6 +174,13 @@ class LlamaForCausalLM(nn.Module):
         if not arch.tie_word_embeddings:
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
 
+    @classmethod
+    def arch_from_hf_config(cls, hf_config: object) -> LlamaArch:
+        return LlamaArch.from_hf_config(hf_config)
+
+    @classmethod
+    def checkpoint_target(cls, name: str, arch: LlamaArch) -> Target | None:
+        return llama_target(name, arch.tie_word_embeddings)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor, meta: AttentionMetadata

@@ -3,18 +3,21 @@ into our model.
 
 The model is built on the `meta` device (no memory, no random init), materialised empty
 on the target device, then every tensor is copied once from safetensors into place.
+The model class comes from the registry (worker/model/registry.py), and so does the
+mapping of checkpoint names to its parameters (its `checkpoint_target`).
 Fused projections receive the HF tensors into their row ranges:
     qkv_proj rows:     [0, q) <- q_proj   [q, q+kv) <- k_proj   [q+kv, q+2kv) <- v_proj
     gate_up_proj rows: [0, I) <- gate_proj  [I, 2I) <- up_proj
 Under tensor parallelism q, kv, I are this rank's local sizes and each rank reads only
 its rows (column-parallel) or cols (row-parallel) of each tensor (worker/model/parallel.py).
+A module with its own layout (the experts of worker/model/moe.py) reads its pieces itself
+through `load_checkpoint_tensor` and says how many parts a parameter has (`num_load_parts`).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,15 +27,15 @@ import torch
 from safetensors import safe_open
 
 from worker.attention.base import AttentionBackend
-from worker.model.llama import LlamaArch, LlamaForCausalLM
+from worker.model.checkpoint_names import ALL_PARTS
+from worker.model.layers import RotaryEmbedding
+from worker.model.registry import model_class_for
 from worker.model_config import is_gguf
 from worker.model.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
 
 logger = logging.getLogger(__name__)
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -62,37 +65,45 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPContext = SINGLE,
-) -> LlamaForCausalLM:
+) -> torch.nn.Module:
     """Build the model for rank `tp.rank` and fill it from safetensors. Each sharded tensor
     is read through `get_slice` for just this rank's rows / cols (never the whole tensor);
     `model.load_stats` records what was read."""
-    arch = LlamaArch.from_hf_config(hf_config)
+    cls = model_class_for(hf_config)
+    arch = cls.arch_from_hf_config(hf_config)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, hf_config, backend, max_positions, tp)
+        model = cls(arch, hf_config, backend, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
-    model.rope.reset_tables()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_tables()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     stats = LoadStats()
     for f in _checkpoints(path, arch):
         for name in f.keys():
-            target = _map_name(name, arch)
+            target = cls.checkpoint_target(name, arch)
             if target is None:
                 continue
             module_name, kind, part = target
             module = model.get_submodule(module_name)
             dest = params[f"{module_name}.{kind}"]
-            tensor = _read_shard(f, name, module, kind, part, dest)
+            if hasattr(module, "load_checkpoint_tensor"):
+                with torch.no_grad():
+                    tensor = module.load_checkpoint_tensor(f, name, kind, part, dest)
+            else:
+                tensor = _read_shard(f, name, module, kind, part, dest)
             stats.num_tensors += 1
             stats.num_bytes += tensor.numel() * tensor.element_size()
-            loaded.add(f"{module_name}.{kind}@{part}")
+            parts = range(_num_parts(module, kind)) if part == ALL_PARTS else (part,)
+            loaded.update(f"{module_name}.{kind}@{p}" for p in parts)
     _check_complete(model, params, loaded)
     model.load_stats = stats
     model.eval()
     return model
 
 
-def _checkpoints(path: Path, arch: LlamaArch) -> Iterator[Any]:
+def _checkpoints(path: Path, arch: Any) -> Iterator[Any]:
     """The checkpoint's tensor files, each open in turn, behind safetensors' reader
     interface (keys / get_slice / get_tensor): the .safetensors files of a directory,
     or one .gguf file (dequantized, HF names: worker/model/gguf_checkpoint.py)."""
@@ -131,41 +142,18 @@ def _read_shard(
     return tensor
 
 
-def _map_name(name: str, arch: LlamaArch) -> tuple[str, str, int] | None:
-    """HF tensor name -> (our module, "weight" | "bias", part of a fused projection).
-    None = not ours. Parts: qkv_proj 0/1/2 = q/k/v_proj, gate_up_proj 0/1 = gate/up_proj."""
-    if name == "model.embed_tokens.weight":
-        return "embed_tokens", "weight", 0
-    if name == "model.norm.weight":
-        return "norm", "weight", 0
-    if name == "lm_head.weight":
-        return None if arch.tie_word_embeddings else ("lm_head", "weight", 0)
-    m = _LAYER.match(name)
-    if m is None:
-        return None
-    prefix, rest = f"layers.{m.group(1)}.", m.group(2)
-    fused = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    }
-    module, _, kind = rest.rpartition(".")
-    if module in fused:
-        dest, part = fused[module]
-        return prefix + dest, kind, part
-    if "rotary_emb" in rest:
-        return None
-    return prefix + module, kind, 0
+def _num_parts(module: torch.nn.Module, kind: str) -> int:
+    """How many checkpoint pieces fill parameter `kind` of `module`."""
+    if hasattr(module, "num_load_parts"):
+        return module.num_load_parts(kind)
+    return len(module.part_ranges) if isinstance(module, ColumnParallelLinear) else 1
 
 
 def _check_complete(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], loaded: set[str]) -> None:
     missing = []
     for name in params:
         module_name, _, _ = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        num_parts = len(module.part_ranges) if isinstance(module, ColumnParallelLinear) else 1
+        num_parts = _num_parts(model.get_submodule(module_name), name.rpartition(".")[2])
         missing += [f"{name}@{p}" for p in range(num_parts) if f"{name}@{p}" not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

@@ -63,16 +63,15 @@ class TPModelRunner:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from worker.model.llama import LlamaArch
-        from worker.model.parallel import validate_tp
+        from worker.model.registry import arch_for
         from worker.tp.group import agree_num_blocks, free_port, init_tp_group
         from worker.tp.kv_exchange import head_ranges
         from worker.tp.plan_codec import PlanEncoder
         from worker.tp.rank_worker import TPRankWorker, _shrink_kv
 
         size = tensor_parallel_size
-        arch = LlamaArch.from_hf_config(hf_config)
-        validate_tp(arch.num_heads, arch.num_kv_heads, size, arch.intermediate_size)  # fail before spawning
+        arch = arch_for(hf_config)
+        arch.validate_tp(size)  # fail before spawning
         device = resolve_device(config.model.device)
         host = ray.util.get_node_ip_address()
         port = free_port(host)
