@@ -76,11 +76,17 @@ class KVConnector(Protocol):
 
 
 class NullConnector:
-    """For a runner without KV transfer: no request may export or import."""
+    """For a runner without KV transfer, or a KV layout it cannot carry: no request may
+    export or import (`reason` says why, when it is not the runner)."""
+
+    def __init__(self, reason: str | None = None) -> None:
+        self.reason = reason
 
     def check_request(
         self, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool, kv_import: KVExport | None
     ) -> None:
+        if (export_kv or kv_import is not None) and self.reason is not None:
+            raise KVTransferError(self.reason)
         if export_kv:
             raise KVTransferError("this engine's runner cannot export its KV cache")
         if kv_import is not None:
@@ -266,6 +272,10 @@ class KVTransferConnector:
 
 def make_connector(runner: Runner, kv: KVCacheManager, vocab_size: int) -> KVConnector:
     """The connector a runner supports: KV transfer when it can copy blocks out and in."""
+    if kv.layout is not None and kv.layout.frees_blocks:
+        return NullConnector(f"KV export/import is not supported for models with sliding-window layers "
+                             f"(KV layout: {kv.layout.describe()}): their tables no longer hold the "
+                             f"blocks that left the window")
     if isinstance(runner, KVTransferRunner):
         return KVTransferConnector(runner, kv, vocab_size)
     return NullConnector()

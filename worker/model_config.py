@@ -23,9 +23,15 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text): worker/model/gemma3.py
+}
+# Architectures refused with a reason of their own (what to serve instead).
+REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower + language model) is not "
+    "supported; kvserve serves Gemma 3 text checkpoints (Gemma3ForCausalLM, model_type gemma3_text)",
 }
 # A config without `architectures` (a GGUF file's) names its family by model_type.
-_MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}
+_MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()} | {"gemma3_text": "gemma3"}
 # RoPE types whose frequencies do not depend on the sequence length (built once, as
 # transformers builds them). dynamic and longrope switch frequencies with the length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -57,12 +63,16 @@ def family_of(hf_config: Any) -> str:
     archs = getattr(hf_config, "architectures", None)
     if archs:
         family = SUPPORTED_ARCHITECTURES.get(archs[0])
+        if archs[0] in REFUSED_ARCHITECTURES:
+            raise UnsupportedModelError(REFUSED_ARCHITECTURES[archs[0]])
         if family is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs[0]!r}; kvserve serves {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         return family
     model_type = getattr(hf_config, "model_type", None) or "llama"
+    if model_type == "gemma3":  # the multimodal config's model_type
+        raise UnsupportedModelError(REFUSED_ARCHITECTURES["Gemma3ForConditionalGeneration"])
     if model_type not in _MODEL_TYPES:
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}; kvserve serves {', '.join(sorted(_MODEL_TYPES))}"
@@ -88,7 +98,11 @@ def check_supported(hf_config: Any, gguf: bool = False) -> None:
             "(dequantized at load)"
         )
     act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
+    if family == "gemma3":  # its own switches: worker/model/gemma3.py's check_gemma3
+        from worker.model.gemma3_config import check_gemma3
+
+        check_gemma3(hf_config)
+    elif act != "silu":
         raise UnsupportedModelError(f"unsupported activation {act!r}; the Llama family kvserve serves uses silu")
     rope_type = rope_type_of(hf_config)
     if rope_type not in SUPPORTED_ROPE_TYPES:

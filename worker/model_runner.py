@@ -25,6 +25,7 @@ from worker.decode_groups import decode_group_bounds
 from worker.config import EngineConfig
 from worker.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.forward_timer import ForwardTimer
+from worker.kv_group_binding import bind_groups, group_table_tensor, layer_caches, model_kv_layout
 from worker.lora.model_lora import ModelLoRA, adapter_loader
 from worker.memory_profile import activation_peak_bytes
 from worker.model.loader import load_model
@@ -86,8 +87,13 @@ class ModelRunner:
         self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank)
         self.lora_adapters: Callable[[str], Any] | None = None
         kv_lo, kv_hi = kv_head_range(self.arch.num_heads, self.arch.num_kv_heads, tp)
+        # Layers grouped by cache kind (kv/kv_groups.py): the KV tensor has one layer slot
+        # per layer of a group, and each layer's attention reads its group's tables.
+        self.kv_layout = model_kv_layout(self.arch)
+        self._num_groups = self.kv_layout.num_groups
+        bind_groups(self.model, self.kv_layout)
         self.spec = KVCacheSpec(
-            num_layers=self.arch.num_layers,
+            num_layers=self.kv_layout.layers_per_group,
             num_kv_heads=kv_hi - kv_lo,
             head_dim=self.arch.head_dim,
             block_size=self.block_size,
@@ -98,6 +104,7 @@ class ModelRunner:
         # With graphs, one scratch block past the pool's num_blocks takes the padded rows'
         # K/V (worker/cuda_graphs.py); the block pool never hands it out.
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks + int(use_graphs), self.device)
+        self._layer_caches = layer_caches(self.kv_caches, self.kv_layout)
         self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
         self.masks = MaskPrefetcher(self.device)
         self.timer = ForwardTimer(self.device)
@@ -144,6 +151,8 @@ class ModelRunner:
             why_not = f"the {self.backend.name} attention backend is not shape-static per batch size"
         elif self.tp.size > 1:
             why_not = "tensor parallelism"
+        elif self._num_groups > 1:
+            why_not = "the model's layers keep KV in several groups (kv/kv_groups.py)"
         if why_not is not None:
             logger.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
         return why_not is None
@@ -298,7 +307,9 @@ class ModelRunner:
         input_ids = batch.input_ids.to(dev, non_blocking=True)
         positions = batch.positions.to(dev, non_blocking=True)
         self.timer.start()
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        # One group: the tensor itself (a TP rank may re-allocate it); several: the layer views.
+        caches = self.kv_caches if self._num_groups == 1 else self._layer_caches
+        return self.model(input_ids, positions, caches, meta)
 
     def _host_batch(self, plan: SchedulerOutput, order: list[int]) -> HostBatch:
         bs = self.block_size
@@ -318,17 +329,20 @@ class ModelRunner:
             lens.append(n)
             tables.append(plan.block_ids[i])
         num_seqs = len(order)
-        max_blocks = max(len(t) for t in tables)
-        # One tensor from padded rows, not one small tensor per row: each tensor built costs
-        # a fixed overhead that would be paid per sequence per step.
-        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        if self._num_groups > 1:  # (groups, S, max_blocks): one table per KV group
+            table = group_table_tensor(tables, self._num_groups)  # type: ignore[arg-type]
+        else:
+            max_blocks = max(len(t) for t in tables)
+            # One tensor from padded rows, not one small tensor per row: each tensor built costs
+            # a fixed overhead that would be paid per sequence per step.
+            table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         lens_t = torch.tensor(lens, dtype=torch.long)
         starts_t = torch.tensor(starts, dtype=torch.long)
         query_start = torch.cumsum(lens_t, 0) - lens_t
         # position of flat token j = starts[seq(j)] + (j - query_start[seq(j)])
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lens_t)
         positions = torch.arange(len(flat_ids)) + (starts_t - query_start)[seq_of_token]
-        slots = table[seq_of_token, positions // bs] * bs + positions % bs
+        slots = table[..., seq_of_token, positions // bs] * bs + positions % bs  # (T,) or (groups, T)
         qs = query_start.tolist()
         # Sample where a seq reaches its last token; its logits come from that token.
         sample_rows: list[int] = []
@@ -352,13 +366,23 @@ class ModelRunner:
         )
 
     def _metadata(self, batch: HostBatch) -> AttentionMetadata:
-        """The attention metadata on the device: decode groups and prefill infos for the
-        torch backend, the varlen fields for the flash and triton backends."""
+        """The attention metadata on the device; with several KV groups, group 0's, listing
+        every group's in `groups` (worker/kv_group_binding.py)."""
+        if self._num_groups == 1:
+            return self._group_metadata(batch, batch.block_table, batch.slot_mapping)
+        metas = [self._group_metadata(batch, batch.block_table[g], batch.slot_mapping[g])
+                 for g in range(self._num_groups)]
+        metas[0].groups = metas
+        return metas[0]
+
+    def _group_metadata(self, batch: HostBatch, table: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """One group's metadata: decode groups and prefill infos for the torch backend, the
+        varlen fields for the flash and triton backends."""
         bs, dev = self.block_size, self.device
-        starts, lens, table, context_lens = batch.starts, batch.lens, batch.block_table, batch.context_lens
+        starts, lens, context_lens = batch.starts, batch.lens, batch.context_lens
         num_decodes = batch.num_decodes
         meta = AttentionMetadata(
-            slot_mapping=batch.slot_mapping.to(dev, non_blocking=True), num_decode_tokens=num_decodes
+            slot_mapping=slot_mapping.to(dev, non_blocking=True), num_decode_tokens=num_decodes
         )
         if self.backend.varlen:
             lens_t = torch.tensor(lens, dtype=torch.int32)

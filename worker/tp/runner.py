@@ -72,6 +72,14 @@ class TPModelRunner:
         size = tensor_parallel_size
         arch = arch_for(hf_config)
         arch.validate_tp(size)  # fail before spawning
+        from worker.kv_group_binding import model_kv_layout
+        from worker.model_config import UnsupportedModelError
+
+        layout = model_kv_layout(arch)
+        if layout.num_groups > 1:  # the plan codec carries one block table per sequence
+            raise UnsupportedModelError(
+                f"tensor parallelism is not supported for models whose layers keep KV in several "
+                f"groups ({layout.describe()}); serve it with tensor_parallel_size=1")
         device = resolve_device(config.model.device)
         host = ray.util.get_node_ip_address()
         port = free_port(host)
@@ -106,6 +114,7 @@ class TPModelRunner:
         if ray.get(setup_refs) != [num_blocks] * (size - 1):
             raise TensorParallelError("tensor-parallel ranks disagree on the KV block count")
         self.num_blocks = num_blocks
+        self.kv_layout = self.runner.kv_layout
         # An export carries all of the model's KV heads (any decode pool can import it).
         self.kv_spec = replace(self.runner.spec, num_kv_heads=arch.num_kv_heads)
         self._head_ranges = head_ranges(arch.num_heads, arch.num_kv_heads, size)
