@@ -117,6 +117,11 @@ class ModelRunner:
         """The layout an export of this engine has (all of the model's KV heads)."""
         return self.spec
 
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """One pool block on this rank (every layer slot of a KV group)."""
+        return self.spec.bytes_per_block
+
     def export_kv(self, block_ids: list[int]) -> torch.Tensor:
         return gather_blocks(self.kv_caches, block_ids)
 

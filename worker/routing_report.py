@@ -79,8 +79,7 @@ def engine_geometry(engine: Engine) -> KVGeometry | None:
     layout = engine.kv.layout
     if layout is None or layout.num_groups == 1 and not layout.frees_blocks:
         return None
-    spec = getattr(engine.runner, "kv_spec", None)
-    bytes_per_block = int(getattr(spec, "bytes_per_block", 0) or 0)
+    bytes_per_block = int(getattr(engine.runner, "kv_bytes_per_block", 0) or 0)
     return KVGeometry.from_layout(layout, engine.kv.block_size, bytes_per_block)
 
 

@@ -259,7 +259,8 @@ class StepCostModel:
 
     # -- KV sizing ---------------------------------------------------------------------------
     def block_bytes(self, block_size: int) -> int:
-        return block_size * self._kv_bytes_per_token
+        """One pool block (a group's layer slots; every layer for a full-attention model)."""
+        return self.shape.kv_block_bytes(block_size)
 
     def num_kv_blocks(self, block_size: int, memory_fraction: float = 0.9) -> int:
         """KV blocks that fit in the device's memory * fraction after the weights."""

@@ -11,6 +11,11 @@ Counting (Llama family, Qwen3 the same plus negligible q/k norms; biases ignored
     per layer:  q: hidden x heads*head_dim      k, v: hidden x kv_heads*head_dim each
                 o: heads*head_dim x hidden      gate, up: hidden x inter each   down: inter x hidden
     embedding:  vocab x hidden                  LM head: vocab x hidden (the same matrix when tied)
+
+KV sizing follows the layers' cache kinds (kv/kv_groups.py): a config with sliding-window
+layers (`layer_types` "sliding_attention", or Mistral's `sliding_window` on every layer)
+gets the engine's layout, one pool block covering layers_per_group layers, and its
+sliding groups hold only their window's blocks, as on a real device.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kv.kv_groups import KVLayout, full_layout, layout_for_windows
 from worker.api import is_gguf
 
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
@@ -42,6 +48,8 @@ class ModelShape:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    # Per layer: its sliding window, None for full attention (() : every layer full).
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -75,6 +83,7 @@ class ModelShape:
                 max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 eos_token_ids=eos_ids,
+                layer_windows=_layer_windows(cfg),
             )
         except KeyError as e:
             raise ValueError(f"model config {name!r} lacks {e.args[0]!r} (a Llama-family config.json is expected)") from None
@@ -119,7 +128,34 @@ class ModelShape:
         return self.num_layers * (self.layer_params - 2 * self.hidden_size)
 
     def kv_bytes_per_token(self) -> int:
+        """K and V of one token over every layer (what a full-attention sequence holds per
+        token, and what a transfer of its whole KV moves)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def kv_layout(self) -> KVLayout:
+        """The engine's KV groups for this model (kv/kv_groups.py)."""
+        if not self.layer_windows or all(w is None for w in self.layer_windows):
+            return full_layout(self.num_layers)
+        return layout_for_windows(self.layer_windows)
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one pool block: block_size tokens over the layer slots of one group."""
+        return 2 * self.kv_layout().layers_per_group * self.num_kv_heads * self.head_dim * self.dtype_bytes * block_size
+
+
+def _layer_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's window from a config.json (as worker/model_config.layer_sliding_windows
+    reads a loaded config): `layer_types` where given, Mistral's window on every layer."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return ()
+    num_layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(int(window) if t == "sliding_attention" else None for t in types[:num_layers])
+    if cfg.get("model_type") == "mistral":
+        return (int(window),) * num_layers
+    return ()
 
 
 def named_shapes() -> list[str]:
