@@ -9,6 +9,10 @@ Block table of a request (block_size = 4 in this picture):
                                                      last block has no hash yet
 Token i lives in slot block_ids[i // 4] * 4 + i % 4. Only full blocks whose tokens are
 all computed are registered in the prefix cache.
+
+A model whose layers keep KV in several groups (kv/kv_groups.py: full attention beside
+sliding windows) has one such table per group, all the same length, drawn from the one
+pool; a sliding group's entries behind its window name the null block once released.
 """
 from __future__ import annotations
 
@@ -206,7 +210,7 @@ class KVCacheManager:
         for gi, blocks in enumerate(self._blocks[request_id]):
             for i in range(done, num_full):
                 if blocks[i] is not null:
-                    cache_block(blocks[i], group_key(hashes[i], gi))
+                    cache_block(blocks[i], group_key(hashes[i], gi), gi > 0)
         self._num_registered[request_id] = num_full
 
     def _release_outside_window(self, request_id: str, num_computed_tokens: int) -> None:
@@ -286,7 +290,10 @@ class KVCacheManager:
         """Up to `limit` cached block hashes, most recently cached first (for routing on
         prefix overlap). Call it from the thread that owns the pool."""
         out = []
+        private = self.pool.private
         for block_hash in reversed(self.pool.cached):
+            if private and block_hash in private:
+                continue  # another group's key: no prefix the router can look up
             out.append(block_hash)
             if len(out) >= limit:
                 break

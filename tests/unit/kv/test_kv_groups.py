@@ -184,3 +184,18 @@ def test_evicted_window_block_shortens_the_mixed_hit() -> None:
 def test_request_limit_counts_every_group() -> None:
     kv = _mixed()
     assert kv.max_blocks_for(400) == cdiv(400, BS) + cdiv(W - 1, BS) + 2
+
+
+def test_other_groups_keys_stay_private() -> None:
+    """Group 0's hashes are the prefix the router and the KV events see; the salted keys of
+    other groups are looked up by this pool only."""
+    kv = _mixed()
+    toks = _tokens(12)
+    kv.allocate("a", 12)
+    kv.cache_computed("a", toks, 12)
+    h = kv.block_hashes("a")
+    assert kv.cached_block_hashes(10) == list(reversed(h))
+    assert kv.pool.private == {group_key(x, 1) for x in h}
+    kv.free("a")
+    kv.pool.allocate(19)  # evicts everything: the private keys go with their blocks
+    assert not kv.pool.private and not kv.pool.cached
