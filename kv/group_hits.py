@@ -66,24 +66,30 @@ def longest_hit(groups: tuple[KVGroupSpec, ...], keys_of: Callable[[int], list[i
                 null_block: Block | None) -> list[list[Block]]:
     """Per group, the hit blocks of the longest prefix every group serves (the null block
     where a sliding group reads nothing). `keys_of(g)`: group g's keys, at least
-    `max_blocks` of them."""
+    `max_blocks` of them (each asked for once)."""
+    memo: dict[int, list[int]] = {}
+
+    def keys(group: int) -> list[int]:
+        if group not in memo:
+            memo[group] = keys_of(group)
+        return memo[group]
+
     n = max_blocks
     for gi, spec in enumerate(groups):
         if not spec.frees_blocks:
-            n = min(n, _full_run(keys_of(gi), lookup, n))
+            n = min(n, _full_run(keys(gi), lookup, n))
     changed = True
     while changed and n > 0:
         changed = False
         for gi, spec in enumerate(groups):
             if spec.frees_blocks:
-                m = _sliding_best(spec, keys_of(gi), lookup, n, block_size)
+                m = _sliding_best(spec, keys(gi), lookup, n, block_size)
                 if m < n:
                     n, changed = m, True
     hits: list[list[Block]] = []
     for gi, spec in enumerate(groups):
-        keys = keys_of(gi)
         first = spec.first_needed_block(n * block_size, block_size) if spec.frees_blocks else 0
         assert first == 0 or null_block is not None
-        row = [null_block] * first + [lookup(keys[i]) for i in range(first, n)]
+        row = [null_block] * first + [lookup(k) for k in keys(gi)[first:n]]
         hits.append(row)  # type: ignore[arg-type]
     return hits
