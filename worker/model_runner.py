@@ -105,6 +105,7 @@ class ModelRunner:
         # K/V (worker/cuda_graphs.py); the block pool never hands it out.
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks + int(use_graphs), self.device)
         self._layer_caches = layer_caches(self.kv_caches, self.kv_layout)
+        self._layer_caches_of = self.kv_caches  # a TP rank may re-allocate kv_caches
         self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
         self.masks = MaskPrefetcher(self.device)
         self.timer = ForwardTimer(self.device)
@@ -312,8 +313,11 @@ class ModelRunner:
         input_ids = batch.input_ids.to(dev, non_blocking=True)
         positions = batch.positions.to(dev, non_blocking=True)
         self.timer.start()
-        # One group: the tensor itself (a TP rank may re-allocate it); several: the layer views.
-        caches = self.kv_caches if self._num_groups == 1 else self._layer_caches
+        # One group: the tensor itself; several: each layer's slot view.
+        if self._layer_caches_of is not self.kv_caches:
+            self._layer_caches = layer_caches(self.kv_caches, self.kv_layout)
+            self._layer_caches_of = self.kv_caches
+        caches = self._layer_caches
         return self.model(input_ids, positions, caches, meta)
 
     def _host_batch(self, plan: SchedulerOutput, order: list[int]) -> HostBatch:

@@ -67,7 +67,7 @@ class TPRankWorker:
 
         from worker.tp.plan_codec import KVOp
 
-        decoder = PlanDecoder()
+        decoder = PlanDecoder(self.runner.kv_layout.num_groups)
         num_steps = 0
         try:
             while True:

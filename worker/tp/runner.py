@@ -72,14 +72,6 @@ class TPModelRunner:
         size = tensor_parallel_size
         arch = arch_for(hf_config)
         arch.validate_tp(size)  # fail before spawning
-        from worker.kv_group_binding import model_kv_layout
-        from worker.model_config import UnsupportedModelError
-
-        layout = model_kv_layout(arch)
-        if layout.num_groups > 1:  # the plan codec carries one block table per sequence
-            raise UnsupportedModelError(
-                f"tensor parallelism is not supported for models whose layers keep KV in several "
-                f"groups ({layout.describe()}); serve it with tensor_parallel_size=1")
         device = resolve_device(config.model.device)
         host = ray.util.get_node_ip_address()
         port = free_port(host)
