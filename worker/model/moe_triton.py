@@ -93,7 +93,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount on CUDA reads the max id on the host (a sync that
+    # would also break CUDA graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
