@@ -238,6 +238,11 @@ class KVCacheManager:
         ids = self._group_ids.get(request_id)
         return ids[0] if ids is not None else []
 
+    def table_prefix(self, request_id: str, num_blocks: int) -> list[int] | list[list[int]]:
+        """The first `num_blocks` entries of the request's table (as the runner gets it)."""
+        ids = self._group_ids.get(request_id, [[] for _ in self.groups])
+        return [row[:num_blocks] for row in ids] if self._multi else ids[0][:num_blocks]
+
     def tables(self, request_id: str) -> list[list[int]]:
         """The request's block ids, one list per group."""
         return self._group_ids.get(request_id, [[] for _ in self.groups])
@@ -265,11 +270,9 @@ class KVCacheManager:
     def pin(self, request_id: str) -> list[Block]:
         """Take one more reference on each of the request's blocks, so that they outlive
         `free(request_id)` (an exported request's blocks stay put until the decode side has
-        them). Give them back with `unpin`. One full-attention group only: KV transfer
-        refuses layouts that release blocks (worker/kv_connector.py)."""
-        if self._sliding:
-            raise ValueError("pinning a request's blocks needs one full-attention KV group")
-        blocks = list(self._blocks.get(request_id, [[]])[0])
+        them). Give them back with `unpin`. Every group's blocks (not the null block)."""
+        null = self.null_block
+        blocks = [b for row in self._blocks.get(request_id, ()) for b in row if b is not null]
         self.pool.touch(blocks)
         return blocks
 

@@ -75,3 +75,56 @@ def group_table_tensor(tables: list[list[list[int]]], num_groups: int) -> torch.
     max_blocks = max(len(t[0]) for t in tables)
     rows = [[row + [0] * (max_blocks - len(row)) for row in t] for t in tables]
     return torch.tensor(rows, dtype=torch.long).reshape(len(tables), num_groups, max_blocks).transpose(0, 1)
+
+
+def is_group_table(table: Any) -> bool:
+    """A table of several KV groups (a list of per-group id lists), not one list of ids."""
+    return bool(table) and isinstance(table[0], list)
+
+
+def flat_table(table: Any) -> list[int]:
+    """Position-major ids ([g0[0], g1[0], ..., g0[1], ...]; one group: the list itself), the
+    form a table crosses to other tensor-parallel ranks in."""
+    if not is_group_table(table):
+        return list(table)
+    return [block for position in zip(*table) for block in position]
+
+
+def unflat_table(flat: list[int], num_groups: int) -> Any:
+    return flat if num_groups == 1 else [flat[g::num_groups] for g in range(num_groups)]
+
+
+def gather_table(kv: torch.Tensor, layout: KVLayout, table: Any) -> torch.Tensor:
+    """A request's KV in model layer order, (num_layers, 2, len * block_size, Hkv, D), from
+    its table (one id list, or one per group). A sliding group's released entries read the
+    null block: positions no query reads again."""
+    from kv.transfer import gather_blocks
+
+    if layout.num_groups == 1:
+        return gather_blocks(kv, table)
+    parts = [gather_blocks(kv, ids) for ids in table]
+    out = parts[0].new_empty((layout.num_layers, *parts[0].shape[1:]))
+    for group, part in zip(layout.groups, parts):
+        out[list(group.layer_ids)] = part
+    return out
+
+
+def scatter_table(kv: torch.Tensor, layout: KVLayout, table: Any, data: torch.Tensor) -> None:
+    """Write KV in model layer order (gather_table's form) into a request's table."""
+    from kv.transfer import scatter_blocks
+
+    if layout.num_groups == 1:
+        scatter_blocks(kv, table, data)
+        return
+    for group, ids in zip(layout.groups, table):
+        scatter_blocks(kv, ids, data[list(group.layer_ids)])
+
+
+def table_prefix(table: Any, num_blocks: int) -> Any:
+    """The first `num_blocks` entries of a table (of every group's)."""
+    return [ids[:num_blocks] for ids in table] if is_group_table(table) else table[:num_blocks]
+
+
+def table_length(table: Any) -> int:
+    """Entries (positions) of a table."""
+    return len(table[0]) if is_group_table(table) else len(table)

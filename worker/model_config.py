@@ -17,12 +17,15 @@ from worker.model_path import is_hub_id, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
-# HF architecture -> our family (worker/model/llama.py implements all four).
+# HF architecture -> our family (worker/model/registry.py: family -> model class).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
     "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text): worker/model/gemma3.py
 }
 # Architectures refused with a reason of their own (what to serve instead).
@@ -30,6 +33,8 @@ REFUSED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower + language model) is not "
     "supported; kvserve serves Gemma 3 text checkpoints (Gemma3ForCausalLM, model_type gemma3_text)",
 }
+# Families whose `sliding_window` applies to every layer (no per-layer types).
+_EVERY_LAYER_WINDOW = ("mistral", "mixtral", "qwen3_moe")
 # A config without `architectures` (a GGUF file's) names its family by model_type.
 _MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()} | {"gemma3_text": "gemma3"}
 # RoPE types whose frequencies do not depend on the sequence length (built once, as
@@ -109,13 +114,17 @@ def check_supported(hf_config: Any, gguf: bool = False) -> None:
         raise UnsupportedModelError(
             f"unsupported RoPE type {rope_type!r}; kvserve supports {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if family in ("llama", "mistral") and getattr(hf_config, "layer_types", None):
+    if family in ("llama", "mistral", "mixtral", "qwen3_moe") and getattr(hf_config, "layer_types", None):
         kinds = set(hf_config.layer_types) - {"full_attention"}
-        if kinds:  # transformers' Llama/Mistral models ignore layer_types; so would we, silently
+        if kinds:  # transformers' models of these families ignore layer_types; so would we, silently
             raise UnsupportedModelError(
                 f"per-layer attention types {sorted(kinds)} in a {family} config are not supported "
                 "(Mistral-style sliding windows use `sliding_window`; Qwen2/Qwen3 use layer_types)"
             )
+    if family in ("qwen3_moe", "mixtral", "gpt_oss"):
+        from worker.model.moe_checks import check_moe_config
+
+        check_moe_config(family, hf_config)
 
 
 def rope_type_of(hf_config: Any) -> str:
@@ -125,14 +134,15 @@ def rope_type_of(hf_config: Any) -> str:
 
 def layer_sliding_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: full attention), as transformers applies it:
-    Mistral: `sliding_window` on every layer; Qwen2/Qwen3: `sliding_window` on the layers
-    that `layer_types` marks "sliding_attention" (with use_sliding_window, the layers from
-    max_window_layers on); Llama: none. A query at position p sees keys p - window < k <= p."""
+    Mistral, Mixtral, Qwen3-MoE: `sliding_window` on every layer (Qwen3-MoE's config keeps
+    it only with use_sliding_window); Qwen2/Qwen3/gpt-oss: `sliding_window` on the layers
+    that `layer_types` marks "sliding_attention" (Qwen2/3 with use_sliding_window: the
+    layers from max_window_layers on); Llama: none. A query at position p sees keys p - window < k <= p."""
     family = family_of(hf_config)
     window = getattr(hf_config, "sliding_window", None)
     if family == "llama" or window is None:
         return (None,) * num_layers
-    if family == "mistral":
+    if family in _EVERY_LAYER_WINDOW:
         return (int(window),) * num_layers
     types = getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers
     return tuple(int(window) if t == "sliding_attention" else None for t in types[:num_layers])

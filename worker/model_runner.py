@@ -12,20 +12,23 @@ last token of each sequence that samples, and sample the whole batch at once.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_blocks_for_budget
-from kv.transfer import gather_blocks, scatter_blocks
 from worker.api import RunnerOutput
 from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo, select_backend
 from worker.decode_groups import decode_group_bounds
 from worker.config import EngineConfig
 from worker.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.forward_timer import ForwardTimer
-from worker.kv_group_binding import bind_groups, group_table_tensor, layer_caches, model_kv_layout
+from worker.kv_group_binding import (
+    bind_groups, gather_table, group_table_tensor, layer_caches, model_kv_layout, scatter_table,
+)
+from kv.kv_groups import full_layout
 from worker.lora.model_lora import ModelLoRA, adapter_loader
 from worker.memory_profile import activation_peak_bytes
 from worker.model.loader import load_model
@@ -77,7 +80,9 @@ class ModelRunner:
         torch.manual_seed(config.model.seed)
         self.arch = arch_for(hf_config)
         self.block_size = config.cache.block_size
-        self.backend = select_backend(config.model.attention_backend, self.device)
+        self.backend = select_backend(
+            config.model.attention_backend, self.device, needs_sinks=getattr(self.arch, "attention_sinks", False)
+        )
         path = resolve_model_path(config.model.model)
         self.model = load_model(path, hf_config, self.backend, max_model_len, self.dtype, self.device, tp)
         # Multi-LoRA (worker/lora/): wrapped projections with device slots (allocated before the KV budget is taken); the engine sets
@@ -90,6 +95,11 @@ class ModelRunner:
         # Layers grouped by cache kind (kv/kv_groups.py): the KV tensor has one layer slot
         # per layer of a group, and each layer's attention reads its group's tables.
         self.kv_layout = model_kv_layout(self.arch)
+        if self.kv_layout.frees_blocks and config.cache.host_kv_cache_bytes:
+            # A tier block holds every layer's KV of its tokens: one group, nothing released.
+            logger.warning("KV tiers are on: the sliding-window layers keep every block (no release), "
+                           "one block table for all layers")
+            self.kv_layout = full_layout(self.arch.num_layers)
         self._num_groups = self.kv_layout.num_groups
         bind_groups(self.model, self.kv_layout)
         self.spec = KVCacheSpec(
@@ -115,19 +125,21 @@ class ModelRunner:
     # -- disaggregation: the engine moves a request's KV through these, never kv_caches --
     @property
     def kv_spec(self) -> KVCacheSpec:
-        """The layout an export of this engine has (all of the model's KV heads)."""
-        return self.spec
+        """The layout an export of this engine has (all of the model's KV heads, every layer
+        in model order, whatever its KV groups)."""
+        return replace(self.spec, num_layers=self.kv_layout.num_layers)
 
     @property
     def kv_bytes_per_block(self) -> int:
         """One pool block on this rank (every layer slot of a KV group)."""
         return self.spec.bytes_per_block
 
-    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
-        return gather_blocks(self.kv_caches, block_ids)
+    def export_kv(self, block_ids: list[int] | list[list[int]]) -> torch.Tensor:
+        """The KV of a table (one id list, or one per KV group) in model layer order."""
+        return gather_table(self.kv_caches, self.kv_layout, block_ids)
 
-    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        scatter_blocks(self.kv_caches, block_ids, kv)
+    def import_kv(self, block_ids: list[int] | list[list[int]], kv: torch.Tensor) -> None:
+        scatter_table(self.kv_caches, self.kv_layout, block_ids, kv)
 
     def _num_blocks(self, max_model_len: int) -> int:
         cache = self.config.cache

@@ -27,12 +27,18 @@ def _load(name: str, device: torch.device) -> tuple[AttentionBackend | None, str
     return load_triton_backend(device)
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, needs_sinks: bool = False) -> AttentionBackend:
     """`auto`: flash if it loads on this device, else triton if it loads, else torch (on CPU
     always torch); the choice is logged once, with why the faster ones were not used.
-    `flash` / `triton` insist: a clear error when they cannot be used."""
+    `flash` / `triton` insist: a clear error when they cannot be used. A model with
+    attention sinks (`needs_sinks`) never gets flash, which has no sink term."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} ({', '.join(BACKENDS)})")
+    if needs_sinks and name == "flash":
+        raise ValueError(
+            "attention_backend=flash cannot serve this model: it has attention sinks (gpt-oss), "
+            "which flash attention does not support; use triton, torch or auto"
+        )
     if name == "torch":
         return TorchPagedAttention()
     if name in ("flash", "triton"):
@@ -45,8 +51,8 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         logger.info("attention backend: torch (flash not used: flash attention needs CUDA; "
                     "triton not used: the triton kernel needs CUDA; device is %s)", device.type)
         return TorchPagedAttention()
-    reasons = []
-    for candidate in ("flash", "triton"):
+    reasons = ["flash not used: the model has attention sinks"] if needs_sinks else []
+    for candidate in ("triton",) if needs_sinks else ("flash", "triton"):
         backend, why = _load(candidate, device)
         if backend is not None:
             suffix = f"; {'; '.join(reasons)}" if reasons else ""

@@ -15,6 +15,10 @@ query at position p sees only keys p - window < k <= p, the last `window` positi
 in transformers. The KV manager gives blocks wholly outside every query's window back to
 the pool (kv/kv_groups.py); their block-table entries then name the null block, whose
 positions the window masks, so the backends never weigh what it holds.
+
+Attention sinks (gpt-oss; a per-layer argument): one learned logit per query head that
+joins every query's softmax denominator and attends to nothing,
+    out = sum_k exp(s_k) v_k / (exp(sink) + sum_k exp(s_k)).
 """
 from __future__ import annotations
 
@@ -67,6 +71,8 @@ class AttentionBackend(Protocol):
     # True: the backend reads the varlen fields (cu_seqlens_q, seqused_k, block_table), so
     # the runner fills them; False: it reads decode_groups / prefills.
     varlen: bool
+    # True: forward honours `sinks` (select_backend(needs_sinks=True) picks only these).
+    supports_sinks: bool
 
     def forward(
         self,
@@ -77,6 +83,7 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,  # this layer's window; None: full causal
+        sinks: torch.Tensor | None = None,  # (Hq,) this layer's sink logits; None: no sinks
     ) -> torch.Tensor:  # (T, Hq, D)
         ...
 

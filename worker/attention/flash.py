@@ -31,6 +31,7 @@ def _import_varlen() -> tuple[Callable[..., Any] | None, str]:
 class FlashAttention:
     name = "flash"
     varlen = True  # reads cu_seqlens_q / seqused_k / block_table
+    supports_sinks = False  # flash_attn_varlen_func has no sink term
 
     def __init__(self, varlen_func: Callable[..., Any]) -> None:
         self._varlen = varlen_func
@@ -44,7 +45,13 @@ class FlashAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:
+            raise ValueError(
+                "the flash attention backend does not support attention sinks (gpt-oss); "
+                "use attention_backend=triton or torch"
+            )
         key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
         window = (sliding_window - 1, 0) if sliding_window is not None else (-1, -1)
         return self._varlen(

@@ -31,6 +31,10 @@ Programs whose tile starts past their chunk exit at once, so the grid is shape-s
 given (S, max_query_len): a decode-only batch has num_q_tiles = 1, which is what CUDA graph
 capture needs (worker/cuda_graphs.py). Softmax runs online in fp32 (exp2 with the scale
 folded into log2 units); the output is written for every valid row, nothing else.
+
+Attention sinks (HAS_SINKS): a row's online softmax starts from its head's sink logit as
+if it were one more key with value 0 (m = sink, l = 1, acc = 0), so the sink joins the
+denominator and nothing else.
 """
 from __future__ import annotations
 
@@ -63,7 +67,7 @@ if triton is not None:
     @triton.jit
     def _paged_attention_kernel(
         out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
-        block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
+        block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr, sinks_ptr,
         scale_log2,
         stride_q_tok, stride_q_head,
         stride_o_tok, stride_o_head,
@@ -73,7 +77,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):
         seq = tl.program_id(0)
         q_tile = tl.program_id(1)
@@ -99,6 +103,10 @@ if triton is not None:
 
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+            if HAS_SINKS:  # in log2 units, like the scores; padding rows keep -inf / 0
+                sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+                m_i = sink * 1.4426950408889634
+                l_i = tl.where(row_ok, 1.0, 0.0)
             acc = tl.full([BLOCK_M, HEAD_DIM_PAD], 0.0, tl.float32)
             # The tile's last real token bounds the keys any of its rows may see.
             last_tok = tl.minimum(first_tok + BLOCK_Q, query_len) - 1
@@ -157,8 +165,10 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of every query token in the flat batch through the block table."""
+    """Attention of every query token in the flat batch through the block table; `sinks`
+    (Hq,) are the heads' sink logits (None: no sinks)."""
     if triton is None:
         raise RuntimeError(f"triton is not available ({TRITON_IMPORT_ERROR})")
     assert meta.cu_seqlens_q is not None and meta.seqused_k is not None and meta.block_table is not None
@@ -179,6 +189,7 @@ def paged_attention(
     _paged_attention_kernel[grid](
         out, q, key_cache, value_cache,
         meta.block_table, meta.cu_seqlens_q, meta.seqused_k,
+        sinks if sinks is not None else q,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
@@ -192,6 +203,7 @@ def paged_attention(
         # fp32 models multiply in full fp32: Triton's default for fp32 dots on NVIDIA is
         # TF32 (10-bit mantissa), enough to flip a greedy argmax against transformers.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SINKS=sinks is not None,
         **kwargs,
     )
     return out
@@ -203,6 +215,7 @@ class TritonPagedAttention:
 
     name = "triton"
     varlen = True
+    supports_sinks = True
 
     def forward(
         self,
@@ -213,9 +226,12 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
-        return paged_attention(q.contiguous(), key_cache, value_cache, meta, scale, sliding_window=sliding_window)
+        return paged_attention(
+            q.contiguous(), key_cache, value_cache, meta, scale, sliding_window=sliding_window, sinks=sinks
+        )
 
 
 def load_triton_backend(device: torch.device) -> tuple[TritonPagedAttention | None, str]:

@@ -138,7 +138,8 @@ class LoRARowLinear(_LoRALinear):
         return self.add_delta(x, F.linear(x, self.base.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.partial(x), self.tp)
+        out = all_reduce(self.partial(x), self.tp)
+        return out if self.base.bias is None else out + self.base.bias
 
     def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """A (r, in_full) and scaled B (out, r); this rank keeps its A columns."""

@@ -20,6 +20,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class ScaleFirstRMSNorm(RMSNorm):
+    """gpt-oss's RMSNorm: the weight scales the fp32 normalised values before the cast
+    back to the input dtype (transformers also keeps these weights in fp32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(dtype)
+
+
 def rope_inv_freq(hf_config: object, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the config's RoPE type (default,
     linear, llama3, yarn, ...), computed with transformers' own init functions."""

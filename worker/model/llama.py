@@ -21,7 +21,7 @@ from worker.model.checkpoint_names import Target, llama_target
 from worker.model.layers import RMSNorm, RotaryEmbedding
 from worker.model.parallel import (
     SINGLE, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear, TPContext,
-    VocabParallelEmbedding, validate_tp,
+    VocabParallelEmbedding, shard_range, validate_tp,
 )
 from worker.model_config import SUPPORTED_ARCHITECTURES, check_supported, family_of, layer_sliding_windows
 
@@ -47,6 +47,8 @@ class LlamaArch:
     max_position_embeddings: int
     # Per layer: the sliding window (None: full causal attention); see layer_sliding_windows.
     sliding_windows: tuple[int | None, ...] = ()
+    o_proj_bias: bool = False
+    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss; attention/base.py)
 
     @classmethod
     def from_hf_config(cls, hf_config: object) -> LlamaArch:
@@ -65,6 +67,7 @@ class LlamaArch:
             head_dim=head_dim,
             rms_norm_eps=hf_config.rms_norm_eps,
             qkv_bias=family == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            o_proj_bias=family in ("llama", "qwen3") and bool(getattr(hf_config, "attention_bias", False)),
             qk_norm=family == "qwen3",
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             max_position_embeddings=hf_config.max_position_embeddings,
@@ -98,7 +101,8 @@ class Attention(nn.Module):
         )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, tp)
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, tp, arch.o_proj_bias)
+        self.sinks = AttentionSinks(arch.num_heads, tp) if arch.attention_sinks else None
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.rope = rope
@@ -117,8 +121,32 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window)
+        if self.sinks is None:
+            out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window)
+        else:
+            out = self.backend.forward(
+                q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window, sinks=self.sinks.weight
+            )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class AttentionSinks(nn.Module):
+    """One sink logit per query head, this rank's heads (the q heads QKVParallelLinear
+    gives it). Loaded by its own rule: the checkpoint holds every head's."""
+
+    def __init__(self, num_heads: int, tp: TPContext = SINGLE) -> None:
+        super().__init__()
+        self.head_range = shard_range(num_heads, tp)
+        self.weight = nn.Parameter(torch.empty(self.head_range[1] - self.head_range[0]))
+
+    def num_load_parts(self, kind: str) -> int:
+        return 1
+
+    def load_checkpoint_tensor(self, f: object, name: str, kind: str, part: int, dest: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.head_range
+        tensor = f.get_slice(name)[lo:hi]
+        dest.copy_(tensor)
+        return tensor
 
 
 class MLP(nn.Module):
@@ -140,12 +168,15 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         tp: TPContext = SINGLE,
         sliding_window: int | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """`mlp`: the feed-forward block (default: the dense MLP; a sparse MoE one in the
+        MoE families, worker/model/moe_decoder.py)."""
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, rope, backend, tp, sliding_window)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch, tp)
+        self.mlp = mlp if mlp is not None else MLP(arch, tp)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -168,11 +199,20 @@ class LlamaForCausalLM(nn.Module):
         rope = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
         windows = arch.sliding_windows or (None,) * arch.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(arch, rope, backend, tp, windows[i]) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(
+            self.make_layer(i, arch, rope, backend, tp, windows[i]) for i in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rope = rope
         if not arch.tie_word_embeddings:
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, tp)
+
+    def make_layer(
+        self, index: int, arch: LlamaArch, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPContext,
+        sliding_window: int | None,
+    ) -> nn.Module:
+        """Decoder layer `index` (a subclass builds its own MLP or attention kinds)."""
+        return DecoderLayer(arch, rope, backend, tp, sliding_window)
 
     @classmethod
     def arch_from_hf_config(cls, hf_config: object) -> LlamaArch:

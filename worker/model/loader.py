@@ -127,7 +127,7 @@ def _read_shard(
             tensor = f.get_slice(name)[lo:hi]
             offset = module.part_offsets[part]
             dest[offset : offset + hi - lo].copy_(tensor)
-        elif isinstance(module, RowParallelLinear):
+        elif isinstance(module, RowParallelLinear) and kind == "weight":
             lo, hi = module.col_range
             tensor = f.get_slice(name)[:, lo:hi]
             dest.copy_(tensor)

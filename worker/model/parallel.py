@@ -157,16 +157,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_local @ W[:, lo:hi]^T); x arrives already sharded on its last dim."""
+    """y = all_reduce(x_local @ W[:, lo:hi]^T) (+ b); x arrives already sharded on its last
+    dim. The bias (replicated, whole) is added once, after the sum over ranks."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPContext = SINGLE) -> None:
+    def __init__(self, in_features: int, out_features: int, tp: TPContext = SINGLE, bias: bool = False) -> None:
         super().__init__()
         self.col_range = shard_range(in_features, tp)
         self.weight = nn.Parameter(torch.empty(out_features, self.col_range[1] - self.col_range[0]))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(F.linear(x, self.weight), self.tp)
+        out = all_reduce(F.linear(x, self.weight), self.tp)
+        return out if self.bias is None else out + self.bias
 
 
 class _VocabShard(nn.Module):

@@ -1,16 +1,58 @@
-"""Fixtures for the model-family tests: tiny Gemma 3 checkpoints and transformers' greedy
-outputs on them, each built once per session."""
+"""Fixtures of the model-family tests: tiny MoE checkpoints (tests/support/tiny_moe.py) and
+Gemma 3 checkpoints (tests/support/tiny_gemma.py), built once per session, and
+transformers' greedy outputs on them, memoised."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import HFReference
+
+
+class TinyMoEModels:
+    """`tiny_moe(family) -> Path`, built on first use. `reference_dir(family)` is the
+    checkpoint transformers runs for it (a rewritten checkpoint's original)."""
+
+    # Checkpoints that hold another family's weights in another layout.
+    SAME_WEIGHTS = {"qwen3_moe_fused": "qwen3_moe"}
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._dirs: dict[str, Path] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, family: str) -> Path:
+        from tests.support.tiny_moe import make_tiny_moe
+
+        with self._lock:
+            if family not in self._dirs:
+                self._dirs[family] = make_tiny_moe(family, self.root / family)
+            return self._dirs[family]
+
+
+class _ReferenceDirs:
+    def __init__(self, models: TinyMoEModels) -> None:
+        self.models = models
+
+    def __call__(self, family: str) -> Path:
+        return self.models(TinyMoEModels.SAME_WEIGHTS.get(family, family))
+
+
+@pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> TinyMoEModels:
+    return TinyMoEModels(tmp_path_factory.mktemp("tiny-moe"))
+
+
+@pytest.fixture(scope="session")
+def moe_reference(tiny_moe: TinyMoEModels) -> HFReference:
+    """`moe_reference(family, prompts, max_tokens) -> list[list[int]]` (cached per session)."""
+    return HFReference(_ReferenceDirs(tiny_moe))  # type: ignore[arg-type]
+
 
 class TinyGemma:
-    """Builds each Gemma 3 variant's checkpoint on first use (tests/support/tiny_gemma.py)."""
+    """`tiny_gemma(variant) -> Path`, built on first use (tests/support/tiny_gemma.py)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -26,22 +68,7 @@ class TinyGemma:
             return self._dirs[variant]
 
 
-class GemmaReference:
-    """transformers' greedy `generate` on a variant, memoised per (variant, prompt, max_tokens)."""
-
-    def __init__(self, models: TinyGemma) -> None:
-        self.models = models
-        self._cache: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
-
-    def __call__(self, variant: str, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> list[list[int]]:
-        from tests.support.tiny_models import hf_greedy
-
-        keys = [(variant, tuple(p), n) for p, n in zip(prompts, max_tokens, strict=True)]
-        missing = list(dict.fromkeys(k for k in keys if k not in self._cache))
-        if missing:
-            outs = hf_greedy(self.models(variant), [list(k[1]) for k in missing], [k[2] for k in missing])
-            self._cache.update(zip(missing, outs))
-        return [list(self._cache[k]) for k in keys]
+GemmaReference = HFReference
 
 
 @pytest.fixture(scope="session")
@@ -50,5 +77,6 @@ def tiny_gemma(tmp_path_factory: pytest.TempPathFactory) -> TinyGemma:
 
 
 @pytest.fixture(scope="session")
-def gemma_reference(tiny_gemma: TinyGemma) -> GemmaReference:
-    return GemmaReference(tiny_gemma)
+def gemma_reference(tiny_gemma: TinyGemma) -> HFReference:
+    """`gemma_reference(variant, prompts, max_tokens) -> list[list[int]]` (cached per session)."""
+    return HFReference(tiny_gemma)  # type: ignore[arg-type]

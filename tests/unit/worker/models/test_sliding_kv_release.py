@@ -1,7 +1,7 @@
 """Sliding-window layers give their blocks back as the sequence advances, on every family
 that has them (Mistral: one sliding group; Qwen2 with max_window_layers: a full and a
 sliding group; Gemma 3: tests/unit/worker/models/test_gemma3_vs_hf.py), outputs staying
-transformers' own; and what cannot carry such a layout refuses it clearly."""
+transformers' own; and what cannot carry such a layout refuses it clearly.""" 
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import pytest
 
 from kv.cache_manager import cdiv
-from worker.api import KVImportError
 from tests.support.tiny_gemma import gemma3_config
 from tests.support.tiny_models import SLIDING_WINDOW
 from tests.unit.worker.test_engine_vs_hf import ALL, BLOCK, MAX_TOKENS, PROMPTS, _assert_free, _engine, _greedy
@@ -57,14 +56,17 @@ def test_preempted_sliding_requests_resume_exactly(
     _assert_free(engine)
 
 
-def test_kv_export_refuses_a_layout_that_releases_blocks(tiny_gemma: TinyGemma) -> None:
-    engine = _engine(tiny_gemma("gemma3"))
-    with pytest.raises(KVImportError, match="sliding-window layers"):
-        engine.add_request("r", PROMPTS[3], _greedy(1), export_kv=True)
+def test_kv_tiers_keep_every_block_in_one_table(tiny_gemma: TinyGemma) -> None:
+    """A tier block holds every layer's KV: with tiers on, the layout is one table and no
+    sliding block is released (logged); without, a built engine refuses tiers."""
+    from tests.unit.worker import test_kv_tiers_vs_hf as tiers
 
-
-def test_kv_tiers_refuse_a_layout_that_releases_blocks(tiny_gemma: TinyGemma) -> None:
-    engine = _engine(tiny_gemma("gemma3"))
+    model_dir = tiny_gemma("gemma3")
+    with_tiers = tiers._engine(model_dir, 16, host_bytes=1 << 20)
+    assert with_tiers.kv.layout.num_groups == 1 and with_tiers.kv.null_block is None
+    with_tiers.tiers.close()
+    engine = _engine(model_dir)
+    assert engine.kv.layout.num_groups == 3
     with pytest.raises(ValueError, match="host/disk KV tiers are not supported"):
         engine.use_tiers(object())  # type: ignore[arg-type]
 
