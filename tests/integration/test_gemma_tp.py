@@ -56,6 +56,16 @@ class GemmaTPHost:
         assert self.engine.kv.num_free_blocks == self.engine.kv.num_total_blocks
         return {**first, **second}, stats
 
+    def prefill_exports(self, prompts: list[list[int]]) -> list[object]:
+        from tests.integration.test_tensor_parallel import _prefill_exports
+
+        return _prefill_exports(self.engine, prompts)
+
+    def decode_imports(self, prompts: list[list[int]], max_tokens: list[int], exports: list[object]) -> dict:
+        from tests.integration.test_tensor_parallel import _decode_imports
+
+        return _decode_imports(self.engine, prompts, max_tokens, exports)
+
     def shutdown(self) -> None:
         self.engine.runner.shutdown()
 
@@ -69,6 +79,34 @@ def test_gemma3_tp2_matches_transformers(serve_cluster: object, tmp_path_factory
         outputs, stats = ray.get(host.run.remote(prompts, max_tokens), timeout=600)
         assert outputs == expected
         assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+        ray.get(host.shutdown.remote(), timeout=120)
+    finally:
+        ray.kill(host)
+
+
+def test_gemma3_kv_moves_between_tp2_and_single_device(
+    serve_cluster: object, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Disaggregation across TP sizes on Gemma 3's groups: a TP=2 engine's exports (every
+    group's blocks, both ranks' heads, model layer order) decode on a single device, and a
+    single device's exports decode on TP=2; tokens are transformers'."""
+    from dataclasses import replace
+
+    from tests.integration.test_tensor_parallel import _decode_imports, _prefill_exports
+
+    model_dir = make_tiny_gemma3("gemma3", tmp_path_factory.mktemp("gemma-tp-kv") / "gemma3")
+    prompts, max_tokens = _workload()
+    expected = dict(zip(map(str, range(len(prompts))), hf_greedy(model_dir, prompts, max_tokens)))
+    config = replace(_config(model_dir), cache=CacheConfig(block_size=16, num_blocks_override=256))
+    single_config = replace(config, model=replace(config.model, tensor_parallel_size=1))
+    host = GemmaTPHost.remote(config)
+    try:
+        exports = ray.get(host.prefill_exports.remote(prompts), timeout=600)
+        single = Engine.from_config(single_config)
+        assert single.kv.layout.num_groups == 3
+        assert _decode_imports(single, prompts, max_tokens, exports) == expected  # TP=2 -> TP=1
+        local_exports = _prefill_exports(single, prompts)
+        assert ray.get(host.decode_imports.remote(prompts, max_tokens, local_exports), timeout=600) == expected
         ray.get(host.shutdown.remote(), timeout=120)
     finally:
         ray.kill(host)
