@@ -76,17 +76,11 @@ class KVConnector(Protocol):
 
 
 class NullConnector:
-    """For a runner without KV transfer, or a KV layout it cannot carry: no request may
-    export or import (`reason` says why, when it is not the runner)."""
-
-    def __init__(self, reason: str | None = None) -> None:
-        self.reason = reason
+    """For a runner without KV transfer: no request may export or import."""
 
     def check_request(
         self, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool, kv_import: KVExport | None
     ) -> None:
-        if (export_kv or kv_import is not None) and self.reason is not None:
-            raise KVTransferError(self.reason)
         if export_kv:
             raise KVTransferError("this engine's runner cannot export its KV cache")
         if kv_import is not None:
