@@ -108,8 +108,9 @@ class Engine:
         (worker/kv_tiers.py draws the path)."""
         if self.kv.layout is not None and self.kv.layout.frees_blocks:
             raise ValueError(
-                "host/disk KV tiers are not supported for models with sliding-window layers "
-                f"(KV layout: {self.kv.layout.describe()}); turn host_kv_cache_bytes off for this model")
+                "host/disk KV tiers are not supported for an engine whose sliding-window layers release "
+                f"blocks (KV layout: {self.kv.layout.describe()}); an engine built with "
+                "cache.host_kv_cache_bytes set keeps one table of every layer instead")
         self.tiers = tiers
         self.kv.pool.evicted = []
         if tiers.shared is not None:
