@@ -52,12 +52,12 @@ def gemma3_config(variant: str, vocab_size: int = 512) -> Any:
     return config
 
 
-def make_tiny_gemma3(variant: str, out: Path, seed: int = 0) -> Path:
+def make_tiny_gemma3(variant: str, out: Path, seed: int = 0, vocab_size: int = 512) -> Path:
     from transformers import Gemma3ForCausalLM
 
     base = "gemma3" if variant == "gemma3_full" else variant
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(gemma3_config(base)).to(torch.float32)
+    model = Gemma3ForCausalLM(gemma3_config(base, vocab_size)).to(torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:  # norm weights: scale by 1 + w
