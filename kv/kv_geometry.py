@@ -40,6 +40,18 @@ class KVGeometry:
             held += min(n, cdiv(window - 1, self.block_size) + 2)
         return held
 
+    def max_sequence_tokens(self, num_blocks: int, limit: int) -> int:
+        """The longest sequence (at most `limit` tokens) whose blocks_for_tokens fits in
+        `num_blocks` (a binary search: blocks_for_tokens only grows with n)."""
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_for_tokens(mid) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def token_capacity(self, num_blocks: int) -> int:
         """Tokens `num_blocks` pool blocks hold for long sequences: the full groups grow with
         every token; a model with none grows only into its windows (per sequence), so its

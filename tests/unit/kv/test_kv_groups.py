@@ -199,3 +199,14 @@ def test_other_groups_keys_stay_private() -> None:
     kv.free("a")
     kv.pool.allocate(19)  # evicts everything: the private keys go with their blocks
     assert not kv.pool.private and not kv.pool.cached
+
+
+def test_the_longest_sequence_a_pool_holds_counts_every_group() -> None:
+    from kv.kv_geometry import KVGeometry
+
+    gemma = KVGeometry.from_layout(layout_for_windows([None, W, W]), BS)  # 1 full + 2 sliding groups
+    n = gemma.max_sequence_tokens(100, 10_000)
+    assert gemma.blocks_for_tokens(n) <= 100 < gemma.blocks_for_tokens(n + 1)
+    assert n == (100 - 2 * (cdiv(W - 1, BS) + 2)) * BS
+    mistral = KVGeometry(BS, 0, (W,))
+    assert mistral.max_sequence_tokens(10, 10_000) == 10_000  # a window never outgrows the pool
