@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from kv.cache_manager import cdiv
-from tests.support.tiny_gemma import gemma3_config
+from tests.support.tiny_gemma import GEMMA_WINDOW, gemma3_config
 from tests.support.tiny_models import SLIDING_WINDOW
 from tests.unit.worker.test_engine_vs_hf import ALL, BLOCK, MAX_TOKENS, PROMPTS, _assert_free, _engine, _greedy
 from worker.model_config import UnsupportedModelError, check_supported
@@ -98,3 +98,22 @@ def test_the_multimodal_model_type_is_refused_too() -> None:
     config.model_type = "gemma3"
     with pytest.raises(UnsupportedModelError, match="Gemma3ForCausalLM"):
         check_supported(config)
+
+
+def test_gemma3_routing_report_carries_its_geometry(tiny_gemma: TinyGemma) -> None:
+    """The router reads the replica's own geometry: one global group, two local windows,
+    a pool block of two layers; reservations count every group's blocks."""
+    from router.routing.types import ReplicaReport
+    from worker.routing_report import build_routing_stats
+
+    engine = _engine(tiny_gemma("gemma3"), max_num_seqs=1)
+    engine.add_request("a", PROMPTS[8], _greedy(4))
+    engine.add_request("b", PROMPTS[9], _greedy(4))  # waits: one running slot
+    engine.step()
+    stats = build_routing_stats(engine, engine.stats(), [], timestamp=1.0)
+    assert (stats.kv_full_groups, stats.kv_sliding_windows) == (1, (GEMMA_WINDOW, GEMMA_WINDOW))
+    assert stats.kv_bytes_per_block == engine.runner.spec.bytes_per_block
+    waiting = len(PROMPTS[9])
+    assert stats.reserved_blocks == cdiv(waiting, BLOCK) + 2 * min(cdiv(waiting, BLOCK), cdiv(GEMMA_WINDOW - 1, BLOCK) + 2)
+    report = ReplicaReport.from_stats(stats.to_dict())
+    assert report is not None and report.geometry.num_full_groups == 1
