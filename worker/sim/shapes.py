@@ -139,8 +139,10 @@ class ModelShape:
         return layout_for_windows(self.layer_windows)
 
     def kv_block_bytes(self, block_size: int) -> int:
-        """Bytes of one pool block: block_size tokens over the layer slots of one group."""
-        return 2 * self.kv_layout().layers_per_group * self.num_kv_heads * self.head_dim * self.dtype_bytes * block_size
+        """Bytes of one pool block: block_size tokens over the layer slots of one group
+        (one layer's share of kv_bytes_per_token, whatever a layer's page holds)."""
+        per_layer = self.kv_bytes_per_token() // self.num_layers
+        return per_layer * self.kv_layout().layers_per_group * block_size
 
 
 def _layer_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
