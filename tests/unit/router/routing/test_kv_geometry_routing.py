@@ -111,3 +111,4 @@ def test_sliding_kv_blocks_vs_full_measures_what_the_geometry_says() -> None:
     result = sliding_kv_blocks_vs_full(prompt_tokens=2048, output_tokens=64)
     assert result["measured"] == pytest.approx(result["expected"])
     assert 0.5 < result["measured"] < 0.6  # half the layers hold a window's worth
+
