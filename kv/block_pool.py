@@ -103,6 +103,10 @@ class BlockPool:
         self._blocks: list[Block] = []  # handed out at least once, in id order
         self.free_queue = FreeBlockQueue((), num_untouched=num_blocks, make_block=self._make_block)
         self.cached: dict[int, Block] = {}  # block hash -> block holding that KV
+        # Cache keys kept from the router, the tiers and the KV events: a KV group's salted
+        # keys (kv/group_hits.py), which name one group's pages, not a prefix anyone else
+        # can look up. Always a subset of `cached`'s keys.
+        self.private: set[int] = set()
         self.num_evictions = 0
         # With KV tiers below the device (kv/host_tier.py): every cached block handed out
         # again is recorded here as (block hash, block id), in eviction order, so that its
@@ -175,16 +179,20 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_count += 1
 
-    def cache_block(self, block: Block, block_hash: int) -> bool:
+    def cache_block(self, block: Block, block_hash: int, private: bool = False) -> bool:
         """Register a full, computed block under its hash. Returns False when another
         block already holds that hash (two sequences computed the same block at once):
-        the first stays the cached copy, this one is freed normally later."""
+        the first stays the cached copy, this one is freed normally later. `private`: a
+        key only this pool looks up (no event, never reported or moved down a tier)."""
         if not self.enable_prefix_caching or block.block_hash is not None:
             return False
         if block_hash in self.cached:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if private:
+            self.private.add(block_hash)
+            return True
         if self.stored is not None:
             self.stored.append((block_hash, block.block_id))
         if self.events is not None:
@@ -193,6 +201,9 @@ class BlockPool:
 
     def _evict(self, block: Block, record: bool = True) -> None:
         if block.block_hash is not None:
+            if self.private and block.block_hash in self.private:
+                self.private.discard(block.block_hash)
+                record = False
             if record and self.evicted is not None:
                 self.evicted.append((block.block_hash, block.block_id))
             elif record and self.events is not None:
@@ -205,5 +216,6 @@ class BlockPool:
         """Forget every cached block (a clear, not an eviction: nothing moves down)."""
         for block in list(self.cached.values()):
             self._evict(block, record=False)
+        self.private.clear()
         if self.events is not None:
             self.events.cleared()

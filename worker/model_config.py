@@ -16,6 +16,7 @@ from worker.api import (  # noqa: F401
     GGUF_INSTALL_HINT, MissingDependencyError, UnsupportedModelError, is_gguf, load_tokenizer, require_gguf,
 )
 from worker.model.deepseek_v3_config import check_deepseek_v3
+from worker.model.gemma3_config import check_gemma3
 from worker.model.moe_checks import check_moe_config
 from worker.model_path import is_hub_id, resolve_model_path
 
@@ -31,11 +32,17 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Gemma3ForCausalLM": "gemma3",  # text only (model_type gemma3_text): worker/model/gemma3.py
+}
+# Architectures refused with a reason of their own (what to serve instead).
+REFUSED_ARCHITECTURES = {
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower + language model) is not "
+    "supported; kvserve serves Gemma 3 text checkpoints (Gemma3ForCausalLM, model_type gemma3_text)",
 }
 # Families whose `sliding_window` applies to every layer (no per-layer types).
 _EVERY_LAYER_WINDOW = ("mistral", "mixtral", "qwen3_moe")
 # A config without `architectures` (a GGUF file's) names its family by model_type.
-_MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()}
+_MODEL_TYPES = {family: family for family in SUPPORTED_ARCHITECTURES.values()} | {"gemma3_text": "gemma3"}
 # RoPE types whose frequencies do not depend on the sequence length (built once, as
 # transformers builds them). dynamic and longrope switch frequencies with the length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -64,12 +71,16 @@ def family_of(hf_config: Any) -> str:
     archs = getattr(hf_config, "architectures", None)
     if archs:
         family = SUPPORTED_ARCHITECTURES.get(archs[0])
+        if archs[0] in REFUSED_ARCHITECTURES:
+            raise UnsupportedModelError(REFUSED_ARCHITECTURES[archs[0]])
         if family is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs[0]!r}; kvserve serves {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         return family
     model_type = getattr(hf_config, "model_type", None) or "llama"
+    if model_type == "gemma3":  # the multimodal config's model_type
+        raise UnsupportedModelError(REFUSED_ARCHITECTURES["Gemma3ForConditionalGeneration"])
     if model_type not in _MODEL_TYPES:
         raise UnsupportedModelError(
             f"unsupported model_type {model_type!r}; kvserve serves {', '.join(sorted(_MODEL_TYPES))}"
@@ -95,7 +106,9 @@ def check_supported(hf_config: Any, gguf: bool = False) -> None:
             "(dequantized at load)"
         )
     act = getattr(hf_config, "hidden_act", "silu")
-    if act != "silu":
+    if family == "gemma3":  # its own switches: worker/model/gemma3_config.py
+        check_gemma3(hf_config, SUPPORTED_ROPE_TYPES)
+    elif act != "silu":
         raise UnsupportedModelError(f"unsupported activation {act!r}; the Llama family kvserve serves uses silu")
     rope_type = rope_type_of(hf_config)
     if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -64,6 +64,10 @@ class VirtualDevice:
     def __init__(self, runner: Any, block_size: int) -> None:
         self.runner = runner
         self.num_blocks: int = runner.num_blocks
+        # The model's KV groups (kv/kv_groups.py): the engine's KV manager releases
+        # sliding-window blocks as on a real device, and the routing report says so.
+        self.kv_layout = getattr(runner, "kv_layout", None)
+        self.kv_bytes_per_block: int = getattr(runner, "kv_bytes_per_block", 0)
         # A LoRA adapter's host-to-device copy (cluster/sim/lora.py): the step that admits a
         # sequence whose adapter is not in its slot yet first writes the slot, as the real
         # runner does, so each slot load adds this to that step.

@@ -222,12 +222,12 @@ class Simulation:
     # -- replicas --------------------------------------------------------------------------------
     def new_replica(self, role: str) -> SimReplica:
         dev = VirtualDevice(self.device.make_runner(self.device.num_blocks), self.config.block_size)
-        engine = Engine(self.scheduler_config, self.cache_config, dev, self.device.vocab_size)
+        engine = Engine(self.scheduler_config, self.cache_config, dev, self.device.vocab_size)  # dev.kv_layout: its groups
         # The engine times out unacknowledged KV exports on the WALL clock; here every export
         # is released explicitly when its transfer completes, so a timeout could only make
         # the run depend on how fast this machine is.
         engine.connector.pin_timeout_s = float("inf")
-        if self.config.tiers.enabled:
+        if self.config.tiers.enabled:  # refused for a shape with sliding-window layers (Engine.use_tiers)
             engine.use_tiers(self._tiers(dev))  # type: ignore[arg-type]
         replica = SimReplica(self._next_key, role, engine, dev, self.clock, self.orchestrator.on_output)
         lora = self.config.lora

@@ -117,7 +117,7 @@ def judge(
         need = 0
         for profile in profiles:
             cached = profile.cached_blocks(r.block_size, r.prefix_hashes)
-            need += max(profile.total_blocks(r.block_size, r.expected_output_tokens(params)) - cached, 0)
+            need += max(r.request_blocks(profile, r.expected_output_tokens(params)) - r.prefix_blocks(cached), 0)
         too_large = too_large and need > r.total_blocks
         # What its waiting prompts, the growth of its requests and the work sent there since
         # its report leave: router/routing/scoring.py's score, whole share. Not u.decode_blocks too:

@@ -12,7 +12,9 @@ Per fresh replica r and request q (KV in r's blocks, work in r's prompt tokens):
                      blocks as much as computed ones
     expected(q, r) = min(max_tokens, r's reported mean_output_tokens, or
                          params.expected_output_tokens while r has observed none)
-    need(q, r)     = blocks(prompt_len + expected(q, r)) - cached
+    need(q, r)     = blocks_r(prompt_len + expected(q, r)) - blocks_r(cached * block_size)
+                     (blocks_r: r's own KV geometry, kv/kv_geometry.py: every KV group's
+                     blocks, a sliding-window group's at most its window's)
     capacity(r)    = max(floor(free_blocks * headroom_share) - reserved_blocks
                          - decode_growth_blocks, 0)
                      (reserved: the waiting prompts' blocks; growth: what the requests
@@ -108,8 +110,14 @@ class Ranking:
     decode_blocks: int = 0
 
 
-def decode_blocks(request: RequestProfile, block_size: int, expected_output_tokens: int) -> int:
-    """Blocks the request's expected decode adds beyond its prompt's."""
+def decode_blocks(request: RequestProfile, block_size: int, expected_output_tokens: int,
+                  report: ReplicaReport | None = None) -> int:
+    """Blocks the request's expected decode adds beyond its prompt's (in `report`'s
+    geometry when given)."""
+    if report is not None:
+        geometry = report.geometry
+        return (geometry.blocks_for_tokens(request.num_tokens(expected_output_tokens))
+                - geometry.blocks_for_tokens(request.prompt_len))
     return request.total_blocks(block_size, expected_output_tokens) - -(-request.prompt_len // block_size)
 
 
@@ -136,7 +144,7 @@ def score_replica(
     bs = report.block_size
     cacheable = request.cacheable_blocks(bs)
     cached = max(request.cached_blocks(bs, report.prefix_hashes), min(hinted_blocks, cacheable))
-    need = max(request.total_blocks(bs, report.expected_output_tokens(params)) - cached, 0)
+    need = max(report.request_blocks(request, report.expected_output_tokens(params)) - report.prefix_blocks(cached), 0)
     capacity = max(report_headroom(report, params.headroom_share), 0)
     score = capacity - view.unreflected_blocks - need
     host, disk = request.tier_blocks(bs, cached, report.host_prefix_hashes, report.disk_prefix_hashes)
@@ -169,7 +177,7 @@ def score_replica(
         num_waiting=report.num_waiting,
         unreflected_requests=view.unreflected_requests,
         capacity_weight=report.capacity_weight,
-        total_blocks=report.total_blocks,
+        total_blocks=report.token_capacity // bs,  # in full-attention blocks: shares compare tokens
         ongoing=max(view.queue_len, report.num_running + report.num_waiting + view.unreflected_requests),
         adapter_s=adapter_s,
     )

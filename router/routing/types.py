@@ -11,6 +11,7 @@ from collections.abc import Hashable, Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field, fields
 
 from kv.block_hash import ROOT_HASH, hash_full_blocks, root_hash
+from kv.kv_geometry import KVGeometry
 from worker.api import lora_cache_key
 
 ReplicaKey = Hashable
@@ -183,6 +184,29 @@ class ReplicaReport:
     # routers learned of it before then (prefix hints) no longer holds.
     kv_exact: bool = False
     kv_since: float = 0.0
+    # Its KV geometry (kv/kv_geometry.py, worker.api.RoutingStats): blocks are its own, so
+    # what a request needs there is counted by its groups and windows, never assumed.
+    kv_full_groups: int = 1
+    kv_sliding_windows: tuple[int, ...] = ()
+    kv_bytes_per_block: int = 0
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return KVGeometry(self.block_size, self.kv_full_groups, self.kv_sliding_windows, self.kv_bytes_per_block)
+
+    def request_blocks(self, request: RequestProfile, expected_output_tokens: int) -> int:
+        """Blocks of this replica's pool the request will hold (prompt + expected decode),
+        by its geometry; one per block_size tokens on a plain full-attention replica."""
+        return self.geometry.blocks_for_tokens(request.num_tokens(expected_output_tokens))
+
+    def prefix_blocks(self, num_cached_blocks: int) -> int:
+        """Pool blocks a cached prefix of that many (group-0) blocks stands for here."""
+        return self.geometry.blocks_for_tokens(num_cached_blocks * self.block_size)
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens its whole pool holds for long sequences (load shares compare these)."""
+        return self.geometry.token_capacity(self.total_blocks)
 
     @property
     def free_seqs(self) -> int:
@@ -220,12 +244,17 @@ class ReplicaReport:
                 disk_prefix_hashes=frozenset(stats.get("disk_prefix_hashes") or ()),  # type: ignore[arg-type]
                 num_running_prompt_tokens=int(stats.get("num_running_prompt_tokens") or 0),  # type: ignore[arg-type]
                 kv_since=float(stats.get("kv_since") or 0.0),  # type: ignore[arg-type]
+                kv_full_groups=int(stats.get("kv_full_groups", 1)),  # type: ignore[arg-type]
+                kv_sliding_windows=tuple(int(w) for w in stats.get("kv_sliding_windows") or ()),  # type: ignore[attr-defined]
+                kv_bytes_per_block=int(stats.get("kv_bytes_per_block") or 0),  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError):
             return None
         if (report.block_size <= 0 or report.capacity_weight <= 0 or report.prefill_tokens_per_s < 0
                 or report.decode_growth_blocks < 0 or not report.mean_output_tokens >= 0
-                or report.num_running_prompt_tokens < 0):
+                or report.num_running_prompt_tokens < 0 or report.kv_full_groups < 0
+                or any(w < 1 for w in report.kv_sliding_windows)
+                or report.kv_full_groups + len(report.kv_sliding_windows) < 1):
             return None
         return report
 
@@ -304,11 +333,15 @@ class RequestProfile:
                 break
         return num_host, num_disk
 
+    def num_tokens(self, expected_output_tokens: int) -> int:
+        """Tokens the request will hold: prompt plus expected decode tokens."""
+        return self.prompt_len + min(max(self.max_tokens, 0), expected_output_tokens)
+
     def total_blocks(self, block_size: int, expected_output_tokens: int) -> int:
-        """Blocks the request will hold: prompt plus expected decode tokens (they share the
-        prompt's last partial block, hence one ceil over the sum)."""
-        num_tokens = self.prompt_len + min(max(self.max_tokens, 0), expected_output_tokens)
-        return -(-num_tokens // block_size)
+        """Blocks the request will hold on a plain full-attention replica (prompt and decode
+        share the prompt's last partial block, hence one ceil over the sum); a replica's own
+        geometry: ReplicaReport.request_blocks."""
+        return -(-self.num_tokens(expected_output_tokens) // block_size)
 
 
 @dataclass(frozen=True)

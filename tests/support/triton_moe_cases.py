@@ -20,7 +20,8 @@ from worker.model.moe import MoEActivation, grouped_experts_torch, softmax_topk
 CASES: dict[str, tuple[int, int, int, int, str, bool]] = {
     "one_token": (1, 4, 2, 32, "silu", False),
     "decode_batch": (5, 8, 2, 32, "silu", False),
-    "prefill_many_blocks": (70, 8, 2, 48, "silu", False),  # groups span several BLOCK_M blocks
+    "prefill_many_blocks": (70, 8, 2, 48, "silu", False),  # 140 pairs: 64-row blocks, some groups span two
+    "prefill_big_blocks": (200, 4, 2, 32, "silu", False),  # 400 pairs over 4 experts: groups of several blocks
     "top4_odd_sizes": (23, 6, 4, 24, "silu", False),
     "gpt_oss_bias_clamp": (33, 4, 2, 32, "swiglu_clamp", True),
 }

@@ -12,8 +12,9 @@ at positions context_len - query_len ... context_len - 1 and attend causally to 
 
 Sliding window (Mistral, Qwen2/3 `sliding_attention` layers; a per-layer argument): a
 query at position p sees only keys p - window < k <= p, the last `window` positions, as
-in transformers. Blocks wholly outside every query's window stay allocated (freeing them
-would be an optimisation of the block manager; the backends just do not attend to them).
+in transformers. The KV manager gives blocks wholly outside every query's window back to
+the pool (kv/kv_groups.py); their block-table entries then name the null block, whose
+positions the window masks, so the backends never weigh what it holds.
 
 Attention sinks (gpt-oss; a per-layer argument): one learned logit per query head that
 joins every query's softmax denominator and attends to nothing,
@@ -60,6 +61,9 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None
     max_query_len: int = 0
     max_context_len: int = 0
+    # A model with several KV groups (worker/runner/kv_group_binding.py): every group's metadata,
+    # this one being group 0's; each layer's backend reads its own group's.
+    groups: list[AttentionMetadata] | None = None
 
 
 class AttentionBackend(Protocol):

@@ -26,7 +26,10 @@ inside one kernel compute and memory traffic overlap, so each takes the max):
   Q read and the output written. Decode rows are memory-bound and prefill rows
   compute-bound on any GPU, and backends run them as separate kernels (this engine's
   torch backend does; varlen kernels split the work by the same line), so each half
-  gets its own max instead of one max hiding the other.
+  gets its own max instead of one max hiding the other. A sliding-window layer (a shape's
+  layer_windows) reads at most its window: a query at p sees min(p + 1, w) keys there, and
+  the context it reads is the window's, so those layers' share of the pairs and KV bytes
+  is clipped per row (all layers of a shape share one per-layer cost).
 The overheads are host work (scheduling, input building, the sampled-ids sync, output
 handling) that a serial step loop adds to every step, except after_prompt_overhead: the
 device's own, the caches a prompt chunk's activations took, refilled by the decode step
@@ -128,6 +131,13 @@ class RowSums:
                        num_prompt_seqs=self.num_prompt_seqs + 1)
 
 
+def _clipped_pairs(c: int, n: int, w: int) -> int:
+    """sum over j < n of min(c + j + 1, w): the keys queries c .. c+n-1 read in a window w."""
+    first = c + 1
+    below = max(min(n, w - first), 0)  # queries that still see their whole context
+    return below * first + below * (below - 1) // 2 + (n - below) * w
+
+
 class StepCostModel:
     def __init__(self, shape: ModelShape, profile: DeviceProfile) -> None:
         self.shape = shape
@@ -146,6 +156,11 @@ class StepCostModel:
         self._attn_flops_per_pair = 4.0 * s.num_heads * s.head_dim * s.num_layers
         self._qo_bytes_per_token = float(2 * s.q_size * s.num_layers * d)
         self._padded_decodes = profile.padded_decode_attention
+        # Sliding-window layers (gpt-oss, Gemma 3) read only their window: each window's
+        # share of the layers, the rest reading the whole context (worker/costs/shapes.py).
+        windows = [w for w in s.layer_windows if w is not None]
+        self._window_shares = tuple((w, windows.count(w) / s.num_layers) for w in sorted(set(windows)))
+        self._full_share = 1.0 - len(windows) / s.num_layers
 
     # -- the model ---------------------------------------------------------------------------
     def features(self, work: Iterable[SeqWork]) -> StepFeatures:
@@ -158,6 +173,35 @@ class StepCostModel:
         return self._features(self._sums(rows), follows_prompt)
 
     def _sums(self, rows: Iterable[tuple[int, int, bool]]) -> RowSums:
+        if self._window_shares:
+            return self._windowed_sums(rows)
+        return self._plain_sums(rows)
+
+    def _windowed_sums(self, rows: Iterable[tuple[int, int, bool]]) -> RowSums:
+        """Row sums with each sliding layer's share of the attention clipped to its window:
+        a query at p reads min(p + 1, w) keys there (the pairs and the KV read)."""
+        rows = list(rows)
+        sums = self._plain_sums(rows)
+        full = self._full_share
+        decode_pairs = decode_kv = prefill_pairs = prefill_kv = 0.0
+        for n, c, _ in rows:
+            for w, share in self._window_shares:
+                if n == 1:
+                    keys = min(c + 1, w)
+                    decode_pairs += share * keys
+                    decode_kv += share * keys
+                else:  # queries c .. c+n-1; the chunk reads keys from its first query's window on
+                    prefill_pairs += share * _clipped_pairs(c, n, w)
+                    prefill_kv += share * (min(c, w - 1) + n)
+        return replace(
+            sums,
+            decode_pairs=full * sums.decode_pairs + decode_pairs,
+            decode_kv_tokens=full * sums.decode_kv_tokens + decode_kv,
+            prefill_pairs=full * sums.prefill_pairs + prefill_pairs,
+            prefill_kv_tokens=full * sums.prefill_kv_tokens + prefill_kv,
+        )
+
+    def _plain_sums(self, rows: Iterable[tuple[int, int, bool]]) -> RowSums:
         # The simulator's hot path (every simulated step): plain locals, one object at the end.
         num_tokens = num_seqs = num_sampled = 0
         decode_pairs = decode_kv_tokens = 0
@@ -216,6 +260,9 @@ class StepCostModel:
         """predict_rows(planned + [row]) as a function of one more row, the planned rows
         summed once: the step-time budget (worker/scheduling/step_budget.py) prices up to ~8 candidate
         chunks beside the same few hundred decodes each time it cuts one."""
+        if self._window_shares:  # a window clips each row on its own: sum them again
+            rows = list(planned)
+            return lambda row: predict(self._features(self._sums([*rows, row])), self.profile)
         base = self._sums(planned)
         return lambda row: predict(self._features(base.plus(*row)), self.profile)
 
@@ -259,7 +306,8 @@ class StepCostModel:
 
     # -- KV sizing ---------------------------------------------------------------------------
     def block_bytes(self, block_size: int) -> int:
-        return block_size * self._kv_bytes_per_token
+        """One pool block (a group's layer slots; every layer for a full-attention model)."""
+        return self.shape.kv_block_bytes(block_size)
 
     def num_kv_blocks(self, block_size: int, memory_fraction: float = 0.9) -> int:
         """KV blocks that fit in the device's memory * fraction after the weights."""

@@ -14,6 +14,11 @@ Counting (Llama family, Qwen3 the same plus negligible q/k norms; biases ignored
 MLA attention and MoE layers (DeepSeek-V3) count as worker/costs/shape_parts.py says; an MLA
 model's KV is one latent row per token per layer, and its matmul_params are the ACTIVE
 weights a token multiplies by (shared + top-k experts), its weight_bytes all of them.
+
+KV sizing follows the layers' cache kinds (kv/kv_groups.py): a config with sliding-window
+layers (`layer_types` "sliding_attention", or Mistral's `sliding_window` on every layer)
+gets the engine's layout, one pool block covering layers_per_group layers, and its
+sliding groups hold only their window's blocks, as on a real device.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kv.kv_groups import KVLayout, full_layout, layout_for_windows
 from worker.api import is_gguf
 from worker.costs.shape_parts import MLAShape, MoEShape
 
@@ -48,6 +54,8 @@ class ModelShape:
     eos_token_ids: tuple[int, ...] = ()
     mla: MLAShape | None = None  # multi-head latent attention (head_dim: qk_nope + qk_rope)
     moe: MoEShape | None = None  # mixture-of-experts feed-forward layers
+    # Per layer: its sliding window, None for full attention (() : every layer full).
+    layer_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -85,6 +93,7 @@ class ModelShape:
                 eos_token_ids=eos_ids,
                 mla=mla,
                 moe=MoEShape.from_hf_config(cfg),
+                layer_windows=_layer_windows(cfg),
             )
         except KeyError as e:
             raise ValueError(f"model config {name!r} lacks {e.args[0]!r} (a Llama-family config.json is expected)") from None
@@ -141,9 +150,38 @@ class ModelShape:
         return self._layers_params(active=True) - self.num_layers * 2 * self.hidden_size
 
     def kv_bytes_per_token(self) -> int:
+        """K and V of one token over every layer (what a full-attention sequence holds per
+        token, and what a transfer of its whole KV moves)."""
         if self.mla is not None:  # one latent row per token per layer
             return self.num_layers * self.mla.latent_dim * self.dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def kv_layout(self) -> KVLayout:
+        """The engine's KV groups for this model (kv/kv_groups.py)."""
+        if not self.layer_windows or all(w is None for w in self.layer_windows):
+            return full_layout(self.num_layers)
+        return layout_for_windows(self.layer_windows)
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one pool block: block_size tokens over the layer slots of one group
+        (one layer's share of kv_bytes_per_token, whatever a layer's page holds)."""
+        per_layer = self.kv_bytes_per_token() // self.num_layers
+        return per_layer * self.kv_layout().layers_per_group * block_size
+
+
+def _layer_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's window from a config.json (as worker/model_config.layer_sliding_windows
+    reads a loaded config): `layer_types` where given, Mistral's window on every layer."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return ()
+    num_layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(int(window) if t == "sliding_attention" else None for t in types[:num_layers])
+    if cfg.get("model_type") == "mistral":
+        return (int(window),) * num_layers
+    return ()
 
 
 def named_shapes() -> list[str]:

@@ -43,8 +43,10 @@ def build_engine(config: EngineConfig) -> Engine:
         runner = TPModelRunner(config, hf_config, max_model_len, config.model.tensor_parallel_size)
     else:
         runner = ModelRunner(config, hf_config, max_model_len)
-    # The longest sequence the KV pool can hold bounds it too (known once the pool is sized).
-    max_model_len = cap_to_kv_capacity(max_model_len, runner.num_blocks, config.cache.block_size)
+    # The longest sequence the KV pool can hold bounds it too (known once the pool is sized);
+    # with KV groups, in the blocks its every group holds (kv/kv_geometry.py).
+    max_model_len = cap_to_kv_capacity(max_model_len, _sequence_blocks(runner, config.cache.block_size, max_model_len),
+                                       config.cache.block_size)
     scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
     engine = Engine(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config),
                     step_time_predictor=predictor)
@@ -59,3 +61,18 @@ def build_engine(config: EngineConfig) -> Engine:
     if getattr(runner, "lora", None) is not None:
         engine.enable_lora(EngineLoRA(config.lora, runner.lora_loader))
     return engine
+
+
+def _sequence_blocks(runner: object, block_size: int, max_model_len: int) -> int:
+    """Blocks of a plain table that the longest sequence the pool holds would fill: the pool
+    itself for one full-attention group; with KV groups, that sequence's length in blocks
+    (every group's blocks counted, the null block reserved)."""
+    from kv.kv_geometry import KVGeometry
+
+    num_blocks = runner.num_blocks  # type: ignore[attr-defined]
+    layout = getattr(runner, "kv_layout", None)
+    if layout is None or not layout.frees_blocks:
+        return num_blocks
+    geometry = KVGeometry.from_layout(layout, block_size)
+    longest = geometry.max_sequence_tokens(num_blocks - 1, max(max_model_len, num_blocks * block_size))
+    return -(-longest // block_size)

@@ -65,7 +65,9 @@ class Engine:
         self.runner = runner
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.kv = KVCacheManager(runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        # The runner's KV groups (kv/kv_groups.py); a runner without any keeps one full group.
+        self.kv = KVCacheManager(runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 getattr(runner, "kv_layout", None))
         # A runner that overlaps the device gets async scheduling (plans made and launched ahead).
         self.scheduler = (AsyncScheduler if overlaps(runner) else Scheduler)(scheduler_config, self.kv)
         self.scheduler.step_budget = engine_step_budget(scheduler_config.max_step_time_s, runner,
@@ -106,6 +108,11 @@ class Engine:
     def use_tiers(self, tiers: TierManager) -> None:
         """Evicted prefix blocks move down into `tiers`, and come back from there
         (worker/kvcache/tiers.py draws the path)."""
+        if self.kv.layout is not None and self.kv.layout.frees_blocks:
+            raise ValueError(
+                "host/disk KV tiers are not supported for an engine whose sliding-window layers release "
+                f"blocks (KV layout: {self.kv.layout.describe()}); an engine built with "
+                "cache.host_kv_cache_bytes set keeps one table of every layer instead")
         self.tiers = self.requests.tiers = tiers
         self.kv.pool.evicted = []
         if tiers.shared is not None:
@@ -143,7 +150,12 @@ class Engine:
         check_request(prompt_token_ids, params, RequestLimits(
             self.vocab_size, self.max_model_len, self.kv.block_size, self.kv.num_total_blocks,
             constrains=self.compiles.compiler is not None,
-            prompt_logprobs=getattr(self.runner, "supports_prompt_logprobs", False)))
+            prompt_logprobs=getattr(self.runner, "supports_prompt_logprobs", False),
+            blocks_needed=self._blocks_needed if self.kv.layout is not None and self.kv.layout.frees_blocks else None))
+
+    def _blocks_needed(self, num_tokens: int) -> int:
+        """Blocks one sequence of `num_tokens` tokens holds at most (every KV group's)."""
+        return self.kv.max_blocks_for(num_tokens, self.scheduler_config.max_num_batched_tokens)
 
     def add_request(
         self,

@@ -3,6 +3,7 @@ anything is allocated, so that a request that could never be served fails at onc
 the reason (RequestError: HTTP 400 / gRPC INVALID_ARGUMENT) instead of in a step."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kv.cache_manager import cdiv
@@ -20,6 +21,9 @@ class RequestLimits:
     num_total_blocks: int
     constrains: bool  # has a grammar compiler (a tokenizer): structured outputs work
     prompt_logprobs: bool  # its runner computes prompt logprobs
+    # Blocks a sequence of n tokens holds at most, over its KV groups (kv/kv_groups.py);
+    # None: one block per block_size tokens.
+    blocks_needed: Callable[[int], int] | None = None
 
 
 def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
@@ -41,7 +45,8 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         raise RequestError("prompt_logprobs is not supported by this engine (tensor parallelism or a simulated device)")
     if any(t >= vocab_size for t in params.stop_token_ids):
         raise RequestError(f"stop_token_ids must be in [0, {vocab_size})")
-    need = cdiv(min(n + params.max_tokens, max_model_len), limits.block_size)
+    num_tokens = min(n + params.max_tokens, max_model_len)
+    need = limits.blocks_needed(num_tokens) if limits.blocks_needed else cdiv(num_tokens, limits.block_size)
     if need > limits.num_total_blocks:
         raise RequestError(
             f"the request needs {need} KV blocks but the pool has {limits.num_total_blocks}; "

@@ -169,7 +169,8 @@ class KVTransferConnector:
         for seq in plan.kv_imports:
             export, seq.kv_import = seq.kv_import, None  # consumed: a recompute never re-imports
             assert export is not None
-            block_ids = self.kv.block_ids(seq.request_id)[: export.num_blocks]
+            # Every KV group's table: the export holds every layer's KV.
+            block_ids = self.kv.table_prefix(seq.request_id, export.num_blocks)
             try:
                 self.runner.import_kv(block_ids, export.kv)
             except Exception as e:  # e.g. a dead tensor-parallel rank
@@ -198,13 +199,13 @@ class KVTransferConnector:
             self._pin(seq.request_id, self.kv.pin(seq.request_id))
         return saved
 
-    def _export(self, seq: Sequence, block_ids: list[int], next_token_id: int) -> KVExport:
+    def _export(self, seq: Sequence, block_ids: list[int] | list[list[int]], next_token_id: int) -> KVExport:
         n = seq.num_tokens  # before update: the prompt, all computed now; next_token_id has no KV
         spec = self.runner.kv_spec  # all heads, under TP too
         block_size = self.kv.block_size
         return KVExport(
             request_id=seq.request_id,
-            kv=self.runner.export_kv(block_ids[: cdiv(n, block_size)]),
+            kv=self.runner.export_kv(_prefix(block_ids, cdiv(n, block_size))),
             token_ids=seq.token_ids[:n],
             next_token_id=next_token_id,
             block_size=block_size,
@@ -263,6 +264,14 @@ class KVTransferConnector:
     def pinned_block_ids(self, request_id: str) -> list[int]:
         pinned = self._pinned.get(request_id)
         return [] if pinned is None else [b.block_id for b in pinned[0]]
+
+
+def _prefix(table: list[int] | list[list[int]], num_blocks: int) -> list[int] | list[list[int]]:
+    """A table's first `num_blocks` entries (every KV group's; a sliding group's released
+    entries name the null block: positions no query reads again)."""
+    if table and isinstance(table[0], list):
+        return [ids[:num_blocks] for ids in table]  # type: ignore[index]
+    return table[:num_blocks]
 
 
 def make_connector(runner: Runner, kv: KVCacheManager, vocab_size: int) -> KVConnector:

@@ -100,8 +100,10 @@ def load_adapter(name: str, path: str | Path, layer_shapes: dict[str, tuple[int,
         if m is None:
             raise LoRAAdapterError(f"{path}: unexpected tensor {key!r} (only LoRA A/B of decoder layers are applied)")
         layer, target, half = int(m.group(1)), m.group(2), m.group(3)
-        if target not in TARGETS:
-            raise LoRAAdapterError(f"{path}: target module {target!r} is not supported ({', '.join(TARGETS)})")
+        if target not in TARGETS or target not in layer_shapes:
+            supported = [t for t in TARGETS if t in layer_shapes]
+            raise LoRAAdapterError(
+                f"{path}: target module {target!r} is not supported for this model ({', '.join(supported)})")
         if layer >= num_layers:
             raise LoRAAdapterError(f"{path}: layer {layer} does not exist (the model has {num_layers})")
         halves.setdefault((layer, target), {})[half] = tensor

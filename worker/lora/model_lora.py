@@ -16,10 +16,19 @@ from worker.model.llama import LlamaArch
 _OWNER = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
+# The attention projections: the targets every family takes (MoE families take only these).
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
 def target_shapes(arch: LlamaArch) -> dict[str, tuple[int, int]]:
-    """(in, out) of each PEFT target in the full (unsharded) model."""
-    return lora_target_shapes(arch.hidden_size, arch.intermediate_size, arch.num_heads * arch.head_dim,
-                              arch.num_kv_heads * arch.head_dim)
+    """(in, out) of each PEFT target in the full (unsharded) model. A model with sparse MoE
+    layers (worker/model/moe_decoder.py) takes adapters on its attention projections only:
+    its experts are not Linear modules PEFT can target."""
+    shapes = lora_target_shapes(arch.hidden_size, arch.intermediate_size, arch.num_heads * arch.head_dim,
+                                arch.num_kv_heads * arch.head_dim)
+    if any(getattr(arch, "moe_layers", ())):
+        return {t: shapes[t] for t in ATTENTION_TARGETS}
+    return shapes
 
 
 def adapter_loader(arch: LlamaArch, max_rank: int) -> partial[LoRAAdapter]:
@@ -37,9 +46,11 @@ class ModelLoRA:
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
         self.state = LoRAStepState(max_loras, max_rank)
         self.layers: list[dict[str, LoRAColumnLinear | LoRARowLinear]] = []
+        attention_only = any(getattr(model.arch, "moe_layers", ()))  # see target_shapes
+        owners = {p: o for p, o in _OWNER.items() if o == "self_attn" or not attention_only}
         for layer in model.layers:
             wrapped = {}
-            for proj, owner in _OWNER.items():
+            for proj, owner in owners.items():
                 parent = getattr(layer, owner)
                 base = getattr(parent, proj)
                 cls = LoRAColumnLinear if proj in ("qkv_proj", "gate_up_proj") else LoRARowLinear
@@ -55,7 +66,7 @@ class ModelLoRA:
                 module.clear_slot(slot)
             for target, (proj, part) in TARGETS.items():
                 pair = adapter.weights.get((i, target))
-                if pair is not None:
+                if pair is not None and proj in wrapped:
                     a, b = pair
                     dtype = wrapped[proj].weight.dtype
                     wrapped[proj].write(slot, part, a.to(dtype), b.to(dtype))

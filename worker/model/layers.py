@@ -20,6 +20,17 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class ScaleFirstRMSNorm(RMSNorm):
+    """gpt-oss's RMSNorm: the weight scales the fp32 normalised values before the cast
+    back to the input dtype (transformers also keeps these weights in fp32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(dtype)
+
+
 def rope_inv_freq(hf_config: object, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for the config's RoPE type (default,
     linear, llama3, yarn, ...), computed with transformers' own init functions."""
@@ -55,13 +66,17 @@ class RotaryEmbedding(nn.Module):
         """(Re)compute the tables in place, e.g. after the module was built on `meta`."""
         if self.cos.device.type == "meta":
             return
-        inv_freq, scaling = rope_inv_freq(self._hf_config, self._head_dim)
+        inv_freq, scaling = self.inv_freq()
         positions = torch.arange(self._max_positions, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         # fp32 tables whatever the model dtype: positions past 256 lose precision in bf16.
         self.cos = (emb.cos() * scaling).to(self.cos.device)
         self.sin = (emb.sin() * scaling).to(self.sin.device)
+
+    def inv_freq(self) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies and attention scaling (a family with per-layer RoPE overrides it)."""
+        return rope_inv_freq(self._hf_config, self._head_dim)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -27,11 +27,11 @@ from worker.attention.base import AttentionBackend
 from worker.model.checkpoint_names import (
     ALL_PARTS, ATTENTION_PARTS, DENSE_MLP_PARTS, Target, layer_target, split_layer_name, top_level_target,
 )
-from worker.model.layers import RotaryEmbedding
+from worker.model.layers import RotaryEmbedding, ScaleFirstRMSNorm
 from worker.model.llama import MLP, DecoderLayer, LlamaArch, LlamaForCausalLM
 from worker.model.moe import SILU, MoEActivation, SparseMoE
 from worker.model.moe_checks import num_experts_of
-from worker.model.parallel import TPContext, validate_tp
+from worker.model.parallel import SINGLE, TPContext, validate_tp
 
 _BLOCK = r"(?:mlp|block_sparse_moe)"
 _EXPERT = re.compile(rf"^{_BLOCK}\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)$")
@@ -58,6 +58,7 @@ class MoEArch(LlamaArch):
     activation: MoEActivation = SILU
     expert_bias: bool = False  # router and expert biases (gpt-oss)
     fused_layout: str = "concat"  # how the checkpoint stores fused experts (moe.FUSED_LAYOUTS)
+    norm_scale_first: bool = False  # RMSNorm scales before the cast (gpt-oss; layers.py)
 
     @classmethod
     def from_hf_config(cls, hf_config: object) -> MoEArch:
@@ -88,7 +89,7 @@ class MoEArch(LlamaArch):
                 moe_intermediate_size=int(hf_config.intermediate_size), moe_layers=(True,) * n,
                 routing="topk_softmax",
                 activation=MoEActivation("swiglu_clamp", float(hf_config.swiglu_alpha), float(hf_config.swiglu_limit)),
-                expert_bias=True, fused_layout="interleaved",
+                expert_bias=True, fused_layout="interleaved", norm_scale_first=True,
             )
         else:
             raise ValueError(f"{family!r} is not a mixture-of-experts family")
@@ -107,18 +108,31 @@ class MoEArch(LlamaArch):
 class MoEForCausalLM(LlamaForCausalLM):
     """The Llama family's model with a sparse MoE block in the layers `arch.moe_layers` marks."""
 
+    def __init__(
+        self, arch: MoEArch, hf_config: object, backend: AttentionBackend, max_positions: int,
+        tp: TPContext = SINGLE,
+    ) -> None:
+        super().__init__(arch, hf_config, backend, max_positions, tp)
+        if arch.norm_scale_first:
+            self.norm = ScaleFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
     def make_layer(
         self, index: int, arch: MoEArch, rope: RotaryEmbedding, backend: AttentionBackend, tp: TPContext,
         sliding_window: int | None,
     ) -> nn.Module:
-        if not arch.moe_layers[index]:
-            return DecoderLayer(arch, rope, backend, tp, sliding_window, MLP(arch, tp))
-        moe = SparseMoE(
-            arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
-            routing=arch.routing, renormalize=arch.norm_topk_prob, activation=arch.activation,
-            bias=arch.expert_bias, tp=tp, fused_layout=arch.fused_layout,
-        )
-        return DecoderLayer(arch, rope, backend, tp, sliding_window, moe)
+        if arch.moe_layers[index]:
+            mlp: nn.Module = SparseMoE(
+                arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size,
+                routing=arch.routing, renormalize=arch.norm_topk_prob, activation=arch.activation,
+                bias=arch.expert_bias, tp=tp, fused_layout=arch.fused_layout,
+            )
+        else:
+            mlp = MLP(arch, tp)
+        layer = DecoderLayer(arch, rope, backend, tp, sliding_window, mlp)
+        if arch.norm_scale_first:
+            layer.input_layernorm = ScaleFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+            layer.post_attention_layernorm = ScaleFirstRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        return layer
 
     @classmethod
     def arch_from_hf_config(cls, hf_config: object) -> MoEArch:

@@ -93,7 +93,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount on CUDA reads the max id on the host (a sync that
+    # would also break CUDA graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
@@ -145,15 +147,19 @@ def fused_experts(
     activation: MoEActivation,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
-    block_m: int = 16,
+    block_m: int | None = None,
 ) -> torch.Tensor:
-    """worker/model/moe.py `grouped_experts`, as two kernel launches and elementwise ops."""
+    """worker/model/moe.py `grouped_experts`, as two kernel launches and elementwise ops.
+    block_m: rows per block (default: 16 while experts see few pairs each, as in decode
+    steps, where padding each group to a big block would waste most of it; 64 beyond)."""
     if triton is None:
         raise RuntimeError(f"triton is not available ({TRITON_IMPORT_ERROR})")
     num_tokens, top_k = topk_ids.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden)
     num_pairs = num_tokens * top_k
+    if block_m is None:
+        block_m = 16 if num_pairs <= 16 * w13.shape[0] else 64
     inter = w13.shape[1] // 2
     hidden = hidden.contiguous()
     sorted_pairs, block_expert = align_by_expert(topk_ids, w13.shape[0], block_m)

@@ -29,6 +29,7 @@ MODEL_CLASSES: dict[str, str] = {
     "mistral": "worker.model.llama:LlamaForCausalLM",
     "qwen2": "worker.model.llama:LlamaForCausalLM",
     "qwen3": "worker.model.llama:LlamaForCausalLM",
+    "gemma3": "worker.model.gemma3:Gemma3ForCausalLM",
     "qwen3_moe": "worker.model.moe_decoder:MoEForCausalLM",
     "mixtral": "worker.model.moe_decoder:MoEForCausalLM",
     "gpt_oss": "worker.model.moe_decoder:MoEForCausalLM",

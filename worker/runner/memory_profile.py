@@ -10,6 +10,8 @@ block mapped to scratch block 0 (the values are garbage; only the memory matters
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kv.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -53,7 +55,8 @@ def activation_peak_bytes(
 ) -> int:
     """Peak bytes allocated by one forward of num_tokens tokens (+ logits for
     num_logit_rows of them) above what was allocated before it. CUDA only."""
-    scratch = allocate_kv_cache(spec, 1, device)
+    # One block per model layer, whatever the KV groups (a profile reads no real tables).
+    scratch = allocate_kv_cache(replace(spec, num_layers=len(model.layers)), 1, device)
     input_ids, positions, meta = profile_batch(num_tokens, max_model_len, spec.block_size, device, varlen)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -12,19 +12,23 @@ last token of each sequence that samples, and sample the whole batch at once.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_blocks_for_budget
-from kv.transfer import gather_blocks, scatter_blocks
 from worker.api import RunnerOutput
 from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo, select_backend
 from worker.runner.decode_groups import decode_group_bounds
 from worker.config import EngineConfig
 from worker.runner.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.runner.forward_timer import ForwardTimer
+from worker.runner.kv_group_binding import (
+    bind_groups, gather_table, group_table_tensor, layer_caches, model_kv_layout, scatter_table,
+)
+from kv.kv_groups import full_layout
 from worker.lora.model_lora import ModelLoRA, adapter_loader
 from worker.runner.memory_profile import activation_peak_bytes
 from worker.model.kv_geometry import attention_backend_name, is_latent, kv_cache_spec_for
@@ -92,12 +96,27 @@ class ModelRunner:
         self.lora = ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank) if lora.enabled else None
         self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank)
         self.lora_adapters: Callable[[str], Any] | None = None
-        self.spec = kv_cache_spec_for(self.arch, self.block_size, self.dtype, tp)
+        # Layers grouped by cache kind (kv/kv_groups.py): the KV tensor has one layer slot
+        # per layer of a group, and each layer's attention reads its group's tables.
+        self.kv_layout = model_kv_layout(self.arch)
+        if self.kv_layout.frees_blocks and config.cache.host_kv_cache_bytes:
+            # A tier block holds every layer's KV of its tokens: one group, nothing released.
+            logger.warning("KV tiers are on: the sliding-window layers keep every block (no release), "
+                           "one block table for all layers")
+            self.kv_layout = full_layout(self.arch.num_layers)
+        self._num_groups = self.kv_layout.num_groups
+        bind_groups(self.model, self.kv_layout)
+        # The cache's geometry is the model's (latent rows for MLA, K and V heads otherwise),
+        # one layer slot per layer of a group.
+        self.spec = replace(kv_cache_spec_for(self.arch, self.block_size, self.dtype, tp),
+                            num_layers=self.kv_layout.layers_per_group)
         self.num_blocks = self._num_blocks(max_model_len)
         use_graphs = self._use_cuda_graphs()
         # With graphs, one scratch block past the pool's num_blocks takes the padded rows'
         # K/V (worker/runner/cuda_graphs.py); the block pool never hands it out.
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks + int(use_graphs), self.device)
+        self._layer_caches = layer_caches(self.kv_caches, self.kv_layout)
+        self._layer_caches_of = self.kv_caches  # a TP rank may re-allocate kv_caches
         self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
         self.masks = MaskPrefetcher(self.device)
         self.timer = ForwardTimer(self.device)
@@ -107,14 +126,21 @@ class ModelRunner:
     # -- disaggregation: the engine moves a request's KV through these, never kv_caches --
     @property
     def kv_spec(self) -> KVCacheSpec:
-        """The layout an export of this engine has (all of the model's KV heads)."""
-        return self.spec
+        """The layout an export of this engine has (all of the model's KV heads, every layer
+        in model order, whatever its KV groups)."""
+        return replace(self.spec, num_layers=self.kv_layout.num_layers)
 
-    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
-        return gather_blocks(self.kv_caches, block_ids)
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """One pool block on this rank (every layer slot of a KV group)."""
+        return self.spec.bytes_per_block
 
-    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        scatter_blocks(self.kv_caches, block_ids, kv)
+    def export_kv(self, block_ids: list[int] | list[list[int]]) -> torch.Tensor:
+        """The KV of a table (one id list, or one per KV group) in model layer order."""
+        return gather_table(self.kv_caches, self.kv_layout, block_ids)
+
+    def import_kv(self, block_ids: list[int] | list[list[int]], kv: torch.Tensor) -> None:
+        scatter_table(self.kv_caches, self.kv_layout, block_ids, kv)
 
     def _num_blocks(self, max_model_len: int) -> int:
         cache = self.config.cache
@@ -144,6 +170,8 @@ class ModelRunner:
             why_not = f"the {self.backend.name} attention backend is not shape-static per batch size"
         elif self.tp.size > 1:
             why_not = "tensor parallelism"
+        elif self._num_groups > 1:
+            why_not = "the model's layers keep KV in several groups (kv/kv_groups.py)"
         if why_not is not None:
             logger.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
         return why_not is None
@@ -298,7 +326,12 @@ class ModelRunner:
         input_ids = batch.input_ids.to(dev, non_blocking=True)
         positions = batch.positions.to(dev, non_blocking=True)
         self.timer.start()
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        # One group: the tensor itself; several: each layer's slot view.
+        if self._layer_caches_of is not self.kv_caches:
+            self._layer_caches = layer_caches(self.kv_caches, self.kv_layout)
+            self._layer_caches_of = self.kv_caches
+        caches = self._layer_caches
+        return self.model(input_ids, positions, caches, meta)
 
     def _host_batch(self, plan: SchedulerOutput, order: list[int]) -> HostBatch:
         bs = self.block_size
@@ -318,17 +351,20 @@ class ModelRunner:
             lens.append(n)
             tables.append(plan.block_ids[i])
         num_seqs = len(order)
-        max_blocks = max(len(t) for t in tables)
-        # One tensor from padded rows, not one small tensor per row: each tensor built costs
-        # a fixed overhead that would be paid per sequence per step.
-        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        if self._num_groups > 1:  # (groups, S, max_blocks): one table per KV group
+            table = group_table_tensor(tables, self._num_groups)  # type: ignore[arg-type]
+        else:
+            max_blocks = max(len(t) for t in tables)
+            # One tensor from padded rows, not one small tensor per row: each tensor built costs
+            # a fixed overhead that would be paid per sequence per step.
+            table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         lens_t = torch.tensor(lens, dtype=torch.long)
         starts_t = torch.tensor(starts, dtype=torch.long)
         query_start = torch.cumsum(lens_t, 0) - lens_t
         # position of flat token j = starts[seq(j)] + (j - query_start[seq(j)])
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lens_t)
         positions = torch.arange(len(flat_ids)) + (starts_t - query_start)[seq_of_token]
-        slots = table[seq_of_token, positions // bs] * bs + positions % bs
+        slots = table[..., seq_of_token, positions // bs] * bs + positions % bs  # (T,) or (groups, T)
         qs = query_start.tolist()
         # Sample where a seq reaches its last token; its logits come from that token.
         sample_rows: list[int] = []
@@ -352,13 +388,23 @@ class ModelRunner:
         )
 
     def _metadata(self, batch: HostBatch) -> AttentionMetadata:
-        """The attention metadata on the device: decode groups and prefill infos for the
-        torch backend, the varlen fields for the flash and triton backends."""
+        """The attention metadata on the device; with several KV groups, group 0's, listing
+        every group's in `groups` (worker/runner/kv_group_binding.py)."""
+        if self._num_groups == 1:
+            return self._group_metadata(batch, batch.block_table, batch.slot_mapping)
+        metas = [self._group_metadata(batch, batch.block_table[g], batch.slot_mapping[g])
+                 for g in range(self._num_groups)]
+        metas[0].groups = metas
+        return metas[0]
+
+    def _group_metadata(self, batch: HostBatch, table: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        """One group's metadata: decode groups and prefill infos for the torch backend, the
+        varlen fields for the flash and triton backends."""
         bs, dev = self.block_size, self.device
-        starts, lens, table, context_lens = batch.starts, batch.lens, batch.block_table, batch.context_lens
+        starts, lens, context_lens = batch.starts, batch.lens, batch.context_lens
         num_decodes = batch.num_decodes
         meta = AttentionMetadata(
-            slot_mapping=batch.slot_mapping.to(dev, non_blocking=True), num_decode_tokens=num_decodes
+            slot_mapping=slot_mapping.to(dev, non_blocking=True), num_decode_tokens=num_decodes
         )
         if self.backend.varlen:
             lens_t = torch.tensor(lens, dtype=torch.int32)

@@ -15,7 +15,10 @@ taken (router/routing/scoring.py's capacity):
                          at least 0
     decode_growth_blocks = sum of growth over running AND waiting sequences
 
-Running ones hold cdiv(num_computed_tokens, block_size) blocks between steps (a chunked
+Blocks are the replica's own (kv/kv_geometry.py): blocks(n) counts every KV group, a
+sliding-window group's at most its window's, so a Gemma-like replica forecasts what its
+pool will really hold. With one full-attention group blocks(n) = cdiv(n, block_size).
+Running ones hold blocks(num_computed_tokens) between steps (a chunked
 prefill's remaining prompt blocks count as growth too: nothing else reports them). Waiting
 ones count only their decode here: their prompts are reserved_blocks already. They are
 counted at all because the router's own reservation for a request counts its decode blocks
@@ -31,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from kv.cache_manager import cdiv
+from kv.kv_geometry import KVGeometry
 from worker.api import RoutingStats
 from worker.engine.core import Engine
 from worker.engine.stats import EngineStats
@@ -48,22 +52,35 @@ def forecast_output_tokens(seq: Sequence, expected_output_tokens: float) -> int:
 
 
 def growth_blocks(seq: Sequence, held_tokens: int, expected_output_tokens: float, block_size: int,
-                  max_model_len: int) -> int:
+                  max_model_len: int, geometry: KVGeometry | None = None) -> int:
     """Blocks `seq` will still allocate beyond those covering `held_tokens` tokens."""
     total = min(seq.num_prompt_tokens + forecast_output_tokens(seq, expected_output_tokens), max_model_len)
+    if geometry is not None:
+        return max(geometry.blocks_for_tokens(total) - geometry.blocks_for_tokens(held_tokens), 0)
     return max(cdiv(total, block_size) - cdiv(held_tokens, block_size), 0)
 
 
 def decode_growth_blocks(running: Iterable[Sequence], waiting: Iterable[Sequence], expected_output_tokens: float,
-                         block_size: int, max_model_len: int) -> int:
+                         block_size: int, max_model_len: int, geometry: KVGeometry | None = None) -> int:
     """KV blocks the running sequences (prompt rest + decode) and the waiting ones (decode
     only: their prompts are reserved_blocks) will still allocate before they finish."""
     growth = 0
     for seq in running:
-        growth += growth_blocks(seq, seq.num_computed_tokens, expected_output_tokens, block_size, max_model_len)
+        growth += growth_blocks(seq, seq.num_computed_tokens, expected_output_tokens, block_size, max_model_len,
+                                geometry)
     for seq in waiting:
-        growth += growth_blocks(seq, seq.num_tokens, expected_output_tokens, block_size, max_model_len)
+        growth += growth_blocks(seq, seq.num_tokens, expected_output_tokens, block_size, max_model_len, geometry)
     return growth
+
+
+def engine_geometry(engine: Engine) -> KVGeometry | None:
+    """The engine's KV geometry when it is not one full-attention group (else None: the
+    plain arithmetic, one block per block_size tokens)."""
+    layout = engine.kv.layout
+    if layout is None or layout.num_groups == 1 and not layout.frees_blocks:
+        return None
+    bytes_per_block = int(getattr(engine.runner, "kv_bytes_per_block", 0) or 0)
+    return KVGeometry.from_layout(layout, engine.kv.block_size, bytes_per_block)
 
 
 def running_prompt_tokens(running: Iterable[Sequence]) -> int:
@@ -84,9 +101,18 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
     block_size = stats.kv.block_size
     mean = engine.output_lengths.mean
     scheduler = engine.scheduler
-    running = list(scheduler.running)
-    growth = decode_growth_blocks(running, list(scheduler.waiting), mean, block_size,
-                                  engine.max_model_len)
+    running, waiting = list(scheduler.running), list(scheduler.waiting)
+    geometry = engine_geometry(engine)
+    growth = decode_growth_blocks(running, waiting, mean, block_size, engine.max_model_len, geometry)
+    if geometry is None:
+        reserved = cdiv(stats.num_waiting_prompt_tokens, block_size)
+        shape: dict[str, object] = {}
+    else:  # each waiting prompt's uncached blocks in every group (a sliding group's: its window)
+        blocks = geometry.blocks_for_tokens
+        reserved = sum(blocks(seq.num_tokens) - blocks(seq.num_tokens - seq.waiting_uncached_tokens)
+                       for seq in waiting)
+        shape = {"kv_full_groups": geometry.num_full_groups, "kv_sliding_windows": geometry.sliding_windows,
+                 "kv_bytes_per_block": geometry.bytes_per_block}
     kv = dict(kv_events) if kv_events else {
         "prefix_hashes": prefix_hashes, "host_prefix_hashes": tier_hashes[0], "disk_prefix_hashes": tier_hashes[1]}
     return RoutingStats(
@@ -96,7 +122,7 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
         num_running=stats.num_running,
         num_waiting=stats.num_waiting,
         num_waiting_prompt_tokens=stats.num_waiting_prompt_tokens,
-        reserved_blocks=cdiv(stats.num_waiting_prompt_tokens, block_size),
+        reserved_blocks=reserved,
         timestamp=timestamp,
         healthy=healthy,
         capacity_weight=capacity_weight,
@@ -107,6 +133,7 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
         **_lora_residency(engine),
         num_running_prompt_tokens=running_prompt_tokens(running),
         **kv,  # type: ignore[arg-type]
+        **shape,  # type: ignore[arg-type]
     )
 
 

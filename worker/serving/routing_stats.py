@@ -65,6 +65,13 @@ class RoutingStats:
     # time.time() when the epoch started or the cache was last cleared: prefix hints the
     # router learned before it are void.
     kv_since: float = 0.0
+    # The replica's KV geometry (kv/kv_geometry.py): blocks_for_tokens(n) is
+    # kv_full_groups * ceil(n / block_size) plus, per sliding-window group, the window's
+    # blocks; kv_bytes_per_block sizes one pool block (0: not said). A plain full-attention
+    # replica reports 1 and (): one block per block_size tokens, as before these fields.
+    kv_full_groups: int = 1
+    kv_sliding_windows: tuple[int, ...] = ()
+    kv_bytes_per_block: int = 0
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

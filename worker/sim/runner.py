@@ -131,6 +131,10 @@ class SimRunner:
         self.cost = cost
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # The model's KV groups: the engine's KV manager releases sliding-window blocks
+        # as on a real device (kv/kv_groups.py), and the routing report says so.
+        self.kv_layout = cost.shape.kv_layout()
+        self.kv_bytes_per_block = cost.shape.kv_block_bytes(block_size)
         self.vocab_size = vocab_size  # tokens are drawn from [0, vocab_size)
         self.time_dilation = time_dilation
         self.sleep = sleep

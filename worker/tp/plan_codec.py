@@ -11,7 +11,14 @@ about a request, so a running request costs a few ints per step (a diff), and on
     load    = [slot, num_name_bytes, the adapter name's UTF-8 bytes...]
 
 A receiving rank sets  tokens[key] = tokens[key][:tokens_from] + sent tokens  (same for
-blocks), so tokens_from = blocks_from = 0 means "in full". `lora_slot` is the device slot
+blocks), so tokens_from = blocks_from = 0 means "in full". A model with several KV groups
+(kv/kv_groups.py) has one table per group, all one length; they travel position-major,
+
+    flat = [g0[0], g1[0], ..., g0[1], g1[1], ...]      (num_groups ids per position)
+
+so the flat list, too, only grows at its end while a request runs. Sliding groups replace
+released entries with the null block on rank 0; the other ranks may keep the old id there:
+such a position lies behind every query's window, masked, never read or written. `lora_slot` is the device slot
 of the request's LoRA adapter (-1: the base model); a load names the adapter every rank
 writes into that slot before the step runs (each rank holds the adapter in host memory
 already: worker/tp/runner.py reads it on every rank before the request is admitted).
@@ -76,7 +83,8 @@ class PlanEncoder:
                 dropped.append(sent.key)
                 del self._sent[request_id]
         body: list[int] = []
-        for seq, num_new, block_ids in zip(plan.seqs, plan.num_new_tokens, plan.block_ids):
+        for seq, num_new, table in zip(plan.seqs, plan.num_new_tokens, plan.block_ids):
+            block_ids = _FlatTable(table)
             sent = self._sent.get(seq.request_id)
             if sent is not None and sent.seq is not seq:  # request id reused
                 dropped.append(sent.key)
@@ -96,20 +104,47 @@ class PlanEncoder:
                 or block_ids[blocks_from - 1] != sent.last_block
             ):
                 blocks_from = 0
-            new_blocks = block_ids[blocks_from:]
+            new_blocks = block_ids.tail(blocks_from)
             body += [sent.key, seq.num_computed_tokens, num_new, tokens_from, len(new_tokens),
                      blocks_from, len(new_blocks), seq.lora_slot]
             body += new_tokens
             body += new_blocks
             sent.num_tokens = seq.num_tokens
             sent.num_blocks = len(block_ids)
-            sent.last_block = block_ids[-1] if block_ids else -1
+            sent.last_block = block_ids[len(block_ids) - 1] if len(block_ids) else -1
             sent.num_preemptions = seq.num_preemptions
         body.append(len(plan.lora_loads))
         for slot, name in plan.lora_loads:
             data = name.encode("utf-8")
             body += [slot, len(data), *data]
         return torch.tensor([OP_STEP, len(dropped), len(plan.seqs), *dropped, *body], dtype=torch.long)
+
+
+class _FlatTable:
+    """A request's table as the flat list the plan sends (one group: the list itself;
+    several: position-major), without building it whole each step."""
+
+    __slots__ = ("table", "num_groups")
+
+    def __init__(self, table: list[int] | list[list[int]]) -> None:
+        multi = bool(table) and isinstance(table[0], list)
+        self.table = table
+        self.num_groups = len(table) if multi else 1
+
+    def __len__(self) -> int:
+        return len(self.table[0]) * self.num_groups if self.num_groups > 1 else len(self.table)
+
+    def __getitem__(self, i: int) -> int:
+        if self.num_groups == 1:
+            return self.table[i]  # type: ignore[return-value]
+        return self.table[i % self.num_groups][i // self.num_groups]  # type: ignore[index]
+
+    def tail(self, start: int) -> list[int]:
+        """Entries start.. of the flat list (start: a multiple of num_groups)."""
+        if self.num_groups == 1:
+            return self.table[start:]  # type: ignore[return-value]
+        rows = [row[start // self.num_groups :] for row in self.table]  # type: ignore[index]
+        return [block for position in zip(*rows) for block in position]
 
 
 @dataclass
@@ -129,8 +164,9 @@ class MirrorSeq:
 class PlanDecoder:
     """Other ranks: int64 tensor -> a SchedulerOutput over MirrorSeq objects (None = stop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_groups: int = 1) -> None:
         self.mirror: dict[int, MirrorSeq] = {}
+        self.num_groups = num_groups  # KV groups: tables travel position-major
 
     def decode(self, payload: torch.Tensor) -> SchedulerOutput | KVOp | None:
         data = payload.tolist()
@@ -164,7 +200,9 @@ class PlanDecoder:
             seq.lora_slot = lora_slot
             plan.seqs.append(seq)  # type: ignore[arg-type]  # duck-typed for the runner
             plan.num_new_tokens.append(num_new)
-            plan.block_ids.append(seq.block_ids)
+            groups = self.num_groups
+            plan.block_ids.append(seq.block_ids if groups == 1
+                                  else [seq.block_ids[g::groups] for g in range(groups)])
         num_loads = data[pos]
         pos += 1
         for _ in range(num_loads):

@@ -67,7 +67,7 @@ class TPRankWorker:
 
         from worker.tp.plan_codec import KVOp
 
-        decoder = PlanDecoder()
+        decoder = PlanDecoder(self.runner.kv_layout.num_groups)
         num_steps = 0
         try:
             while True:
@@ -84,17 +84,18 @@ class TPRankWorker:
 
     def _exchange_kv(self, op: object) -> None:
         """This rank's side of rank 0's export_kv / import_kv (worker/tp/kv_exchange.py)."""
-        from kv.transfer import gather_blocks, scatter_blocks
+        from worker.runner.kv_group_binding import table_length, unflat_table
         from worker.tp.kv_exchange import gather_to_rank0, local_shape, scatter_from_rank0
         from worker.tp.plan_codec import OP_EXPORT_KV
 
         runner = self.runner
+        table = unflat_table(op.block_ids, runner.kv_layout.num_groups)  # sent position-major
         if op.op == OP_EXPORT_KV:
-            gather_to_rank0(gather_blocks(runner.kv_caches, op.block_ids), self.rank, self.size, self.plan_group)
+            gather_to_rank0(runner.export_kv(table), self.rank, self.size, self.plan_group)
         else:
-            shape = local_shape(runner.spec, len(op.block_ids))
+            shape = local_shape(runner.kv_spec, table_length(table))
             local = scatter_from_rank0(None, shape, runner.spec.dtype, self.rank, self.plan_group)
-            scatter_blocks(runner.kv_caches, op.block_ids, local)
+            runner.import_kv(table, local)
 
     def ping(self) -> bool:
         return True

@@ -106,8 +106,9 @@ class TPModelRunner:
         if ray.get(setup_refs) != [num_blocks] * (size - 1):
             raise TensorParallelError("tensor-parallel ranks disagree on the KV block count")
         self.num_blocks = num_blocks
+        self.kv_layout = self.runner.kv_layout
         # An export carries all of the model's KV heads (any decode pool can import it).
-        self.kv_spec = replace(self.runner.spec, num_kv_heads=arch.num_kv_heads)
+        self.kv_spec = replace(self.runner.kv_spec, num_kv_heads=arch.num_kv_heads)
         self._head_ranges = head_ranges(arch.num_heads, arch.num_kv_heads, size)
         self._encoder = PlanEncoder()
         # Multi-LoRA: rank 0's slots are the model's; every rank reads each adapter itself.
@@ -153,33 +154,34 @@ class TPModelRunner:
         return self._collective("step", step)
 
     # -- disaggregation (worker/tp/kv_exchange.py) --------------------------------------------
-    def export_kv(self, block_ids: list[int]) -> torch.Tensor:
-        """All ranks' heads of these blocks, as one (layers, 2, T, Hkv, D) CPU tensor."""
-        from kv.transfer import gather_blocks
+    def export_kv(self, block_ids: list[int] | list[list[int]]) -> torch.Tensor:
+        """All ranks' heads of these blocks (a table: one id list, or one per KV group), as
+        one (layers, 2, T, Hkv, D) CPU tensor in model layer order."""
+        from worker.runner.kv_group_binding import flat_table
         from worker.tp.group import send_plan
         from worker.tp.kv_exchange import assemble_heads, gather_to_rank0
         from worker.tp.plan_codec import OP_EXPORT_KV, kv_message
 
         def export() -> torch.Tensor:
-            send_plan(kv_message(OP_EXPORT_KV, block_ids), self.plan_group)
-            local = gather_blocks(self.runner.kv_caches, block_ids)
+            send_plan(kv_message(OP_EXPORT_KV, flat_table(block_ids)), self.plan_group)
+            local = self.runner.export_kv(block_ids)
             parts = gather_to_rank0(local, 0, self.tp.size, self.plan_group)
             return assemble_heads(parts, self._head_ranges, self.kv_spec.num_kv_heads)
 
         return self._collective("KV export", export)
 
-    def import_kv(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        from kv.transfer import scatter_blocks
+    def import_kv(self, block_ids: list[int] | list[list[int]], kv: torch.Tensor) -> None:
+        from worker.runner.kv_group_binding import flat_table, table_length
         from worker.tp.group import send_plan
         from worker.tp.kv_exchange import local_shape, scatter_from_rank0, split_heads
         from worker.tp.plan_codec import OP_IMPORT_KV, kv_message
 
         def import_() -> None:
-            send_plan(kv_message(OP_IMPORT_KV, block_ids), self.plan_group)
+            send_plan(kv_message(OP_IMPORT_KV, flat_table(block_ids)), self.plan_group)
             parts = split_heads(kv.to("cpu", self.kv_spec.dtype), self._head_ranges)
-            shape = local_shape(self.runner.spec, len(block_ids))
+            shape = local_shape(self.runner.kv_spec, table_length(block_ids))
             local = scatter_from_rank0(parts, shape, self.runner.spec.dtype, 0, self.plan_group)
-            scatter_blocks(self.runner.kv_caches, block_ids, local)
+            self.runner.import_kv(block_ids, local)
 
         self._collective("KV import", import_)
 

@@ -253,25 +253,26 @@ def rank_replicas(
     prefill = {s.key: s.uncached_tokens for s in scores}
     for v in stale:
         if v.report is not None:
-            need[v.key] = request.total_blocks(v.report.block_size, v.report.expected_output_tokens(params))
+            need[v.key] = v.report.request_blocks(request, v.report.expected_output_tokens(params))
             prefill[v.key] = request.prompt_len
     # The ledger keeps one decode figure per request: the top-ranked fresh replica's forecast.
     top = {v.key: v.report for v in fresh}.get(order[0]) or fresh[0].report
     assert top is not None
     return Ranking(order=tuple(order), mode=mode, need_blocks=need, scores={s.key: s for s in scores},
                    prefill_tokens=prefill,
-                   decode_blocks=decode_blocks(request, top.block_size, top.expected_output_tokens(params)))
+                   decode_blocks=decode_blocks(request, top.block_size, top.expected_output_tokens(params), top))
 
 
 def _power_of_two_ranking(request: RequestProfile | None, views: Sequence[ReplicaView], params: RoutingParams,
                           rng: random.Random) -> Ranking:
     """Power of two choices over `views` (no fresh report, or no token ids), each reported
-    replica's need reserved as its report, however old, gives the block size."""
+    replica's need reserved in its own blocks: a report's block size and KV geometry,
+    however old, are still right."""
     need = {}
     if request is not None:
         for v in views:
             if v.report is not None:
-                need[v.key] = request.total_blocks(v.report.block_size, v.report.expected_output_tokens(params))
+                need[v.key] = v.report.request_blocks(request, v.report.expected_output_tokens(params))
     return Ranking(order=tuple(power_of_two(views, rng)), mode=MODE_POW2, need_blocks=need, scores={},
                    prefill_tokens={k: request.prompt_len for k in need} if request is not None else {})
 

@@ -60,7 +60,7 @@ def assert_clean(engine: Engine) -> None:
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     assert all(b.ref_count == 0 for b in engine.kv.pool.blocks)
     # no per-request bookkeeping left behind in the cache manager
-    assert engine.kv._blocks == {} and engine.kv._block_ids == {}
+    assert engine.kv._blocks == {} and engine.kv._tables == {}
     assert engine.kv._hashes == {} and engine.kv._num_registered == {}
 
 

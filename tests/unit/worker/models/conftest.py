@@ -1,5 +1,6 @@
-"""Fixtures of the model-family tests: tiny MoE checkpoints (tests/support/tiny_moe.py),
-built once per session, and transformers' greedy outputs on them, memoised."""
+"""Fixtures of the model-family tests: tiny MoE checkpoints (tests/support/tiny_moe.py) and
+Gemma 3 checkpoints (tests/support/tiny_gemma.py), built once per session, and
+transformers' greedy outputs on them, memoised."""
 from __future__ import annotations
 
 import threading
@@ -48,3 +49,34 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> TinyMoEModels:
 def moe_reference(tiny_moe: TinyMoEModels) -> HFReference:
     """`moe_reference(family, prompts, max_tokens) -> list[list[int]]` (cached per session)."""
     return HFReference(_ReferenceDirs(tiny_moe))  # type: ignore[arg-type]
+
+
+class TinyGemma:
+    """`tiny_gemma(variant) -> Path`, built on first use (tests/support/tiny_gemma.py)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._dirs: dict[str, Path] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, variant: str) -> Path:
+        from tests.support.tiny_gemma import make_tiny_gemma3
+
+        with self._lock:
+            if variant not in self._dirs:
+                self._dirs[variant] = make_tiny_gemma3(variant, self.root / variant)
+            return self._dirs[variant]
+
+
+GemmaReference = HFReference
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma(tmp_path_factory: pytest.TempPathFactory) -> TinyGemma:
+    return TinyGemma(tmp_path_factory.mktemp("tiny-gemma"))
+
+
+@pytest.fixture(scope="session")
+def gemma_reference(tiny_gemma: TinyGemma) -> HFReference:
+    """`gemma_reference(variant, prompts, max_tokens) -> list[list[int]]` (cached per session)."""
+    return HFReference(tiny_gemma)  # type: ignore[arg-type]

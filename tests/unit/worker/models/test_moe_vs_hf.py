@@ -91,8 +91,11 @@ def test_chunked_prefill_tiny_budget(
 def test_preemption_small_pool_with_chunks(
     family: str, tiny_moe: TinyMoEModels, moe_reference: HFReference, run_engine: Callable
 ) -> None:
-    engine = _engine(tiny_moe(family), num_blocks=PREEMPT_POOL, max_num_batched_tokens=40)
-    assert 3 * max(cdiv(len(PROMPTS[i]) + MAX_TOKENS[i], BLOCK) for i in BATCH) <= PREEMPT_POOL
+    # Every layer of mixtral_swa slides: a sequence holds only its window's blocks
+    # (kv/kv_groups.py), so a pool of a few windows is the tight one there.
+    pool = 12 if family == "mixtral_swa" else PREEMPT_POOL
+    engine = _engine(tiny_moe(family), num_blocks=pool, max_num_batched_tokens=40)
+    assert 2 * max(engine.kv.max_blocks_for(len(PROMPTS[i]) + MAX_TOKENS[i], 40) for i in BATCH) <= pool
     assert _run(run_engine, engine, BATCH) == _expected(moe_reference, family, BATCH)
     assert engine.stats().num_preemptions > 0
     _assert_free(engine)

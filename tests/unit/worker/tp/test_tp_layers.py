@@ -55,11 +55,14 @@ def _model_logits(model_dir: str, tp: TPContext) -> tuple[list[torch.Tensor], di
 
     config = EngineConfig(
         ModelConfig(model=model_dir, device="cpu", dtype="float32", attention_backend="torch"),
-        CacheConfig(block_size=16, num_blocks_override=8),
+        CacheConfig(block_size=16, num_blocks_override=32),
     )
     runner = ModelRunner(config, load_hf_config(Path(model_dir)), 256, tp)
     outs = []
+    groups = runner.kv_layout.num_groups
     for token_ids, computed, num_new, block_ids in _two_steps():
+        if groups > 1:  # one table per KV group (kv/kv_groups.py), each of its own blocks
+            block_ids = [[[b + 4 * g for b in t] for g in range(groups)] for t in block_ids]
         seqs = [MirrorSeq(list(t), list(b), c) for t, b, c in zip(token_ids, block_ids, computed)]
         plan = SchedulerOutput(seqs=seqs, num_new_tokens=num_new, block_ids=block_ids)  # type: ignore[arg-type]
         order = list(range(len(seqs)))
