@@ -81,6 +81,26 @@ def test_the_weights_digest_is_cached_beside_the_files_by_size_and_mtime(tmp_pat
     assert model_id_of(model) != first
 
 
+def test_a_read_only_model_caches_its_digest_in_the_tier_root_under_the_key(tmp_path: Path) -> None:
+    model = _checkpoint(tmp_path / "model", b"\x01" * 4096)
+    (model / CACHE_NAME).mkdir()  # the cache cannot be written beside the files
+    root = tmp_path / "store-root"
+    first = model_id_of(model, [root], KEY)
+    (cache,) = root.glob(".weights-digest-*.json")
+    st = (model / "model.safetensors").stat()
+    # The cache in the tier root serves the next start: bytes changed behind a kept mtime
+    # are not reread ...
+    (model / "model.safetensors").write_bytes(b"\x03" * 4096)
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert model_id_of(model, [root], KEY) == first
+    # ... but a cache rewritten without the key (here: the real digest swapped for another)
+    # fails its MAC and the file is hashed again.
+    data = json.loads(cache.read_text())
+    data["files"]["model.safetensors"][2] = "0" * 32
+    cache.write_text(json.dumps(data))
+    assert model_id_of(model, [root], KEY) == model_id_of(_checkpoint(tmp_path / "copy", b"\x03" * 4096))
+
+
 def test_a_store_of_replaced_weights_is_deleted_when_the_new_store_opens(tmp_path: Path) -> None:
     old = tmp_path / "aaaaaaaaaaaaaaaa"
     tier(old).put(1, block(1.0))

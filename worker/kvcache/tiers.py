@@ -122,7 +122,8 @@ class TierManager(TierReport):
             raise ValueError(f"shared_kv_store_dir needs a key: set the environment variable {cache.kv_store_key_env} "
                              f"(kv_store_key_env; the Helm chart fills it from kvTiers.sharedStore.keySecret), "
                              "so that only holders of the key can write KV the replicas will serve")
-        model_id = model_id_of(model_path) if (cache.disk_kv_cache_dir or cache.shared_kv_store_dir) else "unknown"
+        roots = [Path(d) for d in (cache.shared_kv_store_dir, cache.disk_kv_cache_dir) if d is not None]
+        model_id = model_id_of(model_path, roots, mac_key) if roots else "unknown"
         # One subdirectory per model and layout: a volume can hold several models' stores.
         key = fingerprint_key(layout_fingerprint(spec, model_id))
         source = None if model_path is None else str(model_path)
