@@ -3,14 +3,15 @@
     <root>/<fingerprint key>/          one store per model and KV layout (0700)
         <block hash>.kv                entries (0600)
         .<name>.<uuid>.tmp             a write in progress; left behind by a crash
-        .store.json                    which model path and fingerprint the store holds
+        .store.json                    which model path, weights (model id) and fingerprint it holds
 
 - Leftover temporary files older than `TMP_MAX_AGE_S` are deleted when a store opens (a
   younger one may be another writer's write in progress).
-- A sibling store of the same model path under another fingerprint is the KV of weights
-  replaced since (or another layout of them): it can never be served again and is deleted
-  when a store opens. Siblings of other model paths are left alone (another deployment may
-  share the volume) unless unused for `STALE_STORE_AGE_S`.
+- A sibling store of the same model path with other weights (another model id) is the KV
+  of weights replaced since: it can never be served again and is deleted when a store
+  opens. Other siblings (other models, or another KV layout of the same weights, which a
+  deployment beside this one may be using) are left alone unless unused for
+  `STALE_STORE_AGE_S`.
 """
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ def remove_leftover_tmp(directory: Path, max_age_s: float = TMP_MAX_AGE_S) -> in
     return removed
 
 
-def claim_store(directory: Path, model_path: str | None, fingerprint_key: str) -> None:
+def claim_store(directory: Path, model_path: str | None, model_id: str, fingerprint_key: str) -> None:
     """Record what `directory` holds, then delete its stale siblings (the module docstring)."""
-    record = {"model_path": model_path, "fingerprint_key": fingerprint_key}
+    record = {"model_path": model_path, "model_id": model_id, "fingerprint_key": fingerprint_key}
     tmp = directory / f".{STORE_FILE}.{os.getpid()}{TMP_SUFFIX}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -61,15 +62,16 @@ def claim_store(directory: Path, model_path: str | None, fingerprint_key: str) -
             continue
         try:
             theirs = json.loads((sibling / STORE_FILE).read_text())
-            same_model = isinstance(theirs, dict) and model_path is not None and theirs.get("model_path") == model_path
+            replaced = (isinstance(theirs, dict) and model_path is not None and theirs.get("model_path") == model_path
+                        and theirs.get("model_id") != model_id)
             # A store in use gains entries: its directory's modification time moves.
             last_used = max((sibling / STORE_FILE).stat().st_mtime, sibling.stat().st_mtime)
             unused = now - last_used >= STALE_STORE_AGE_S
         except (OSError, ValueError):
             continue
-        if same_model or unused:
+        if replaced or unused:
             logger.info("KV tier: deleting the stale store %s (%s)", sibling,
-                        "the model's weights or layout changed" if same_model else "unused")
+                        "the model's weights were replaced" if replaced else "unused")
             shutil.rmtree(sibling, ignore_errors=True)
 
 

@@ -104,16 +104,19 @@ def test_a_read_only_model_caches_its_digest_in_the_tier_root_under_the_key(tmp_
 def test_a_store_of_replaced_weights_is_deleted_when_the_new_store_opens(tmp_path: Path) -> None:
     old = tmp_path / "aaaaaaaaaaaaaaaa"
     tier(old).put(1, block(1.0))
-    claim_store(old, "/models/m", old.name)
+    claim_store(old, "/models/m", "weights-1", old.name)
+    other_layout = tmp_path / "dddddddddddddddd"  # the same weights in bf16, say: maybe in use
+    tier(other_layout).put(1, block(1.0))
+    claim_store(other_layout, "/models/m", "weights-2", other_layout.name)
     other_model = tmp_path / "bbbbbbbbbbbbbbbb"
     tier(other_model).put(1, block(1.0))
-    claim_store(other_model, "/models/other", other_model.name)
+    claim_store(other_model, "/models/other", "weights-9", other_model.name)
     new = tmp_path / "cccccccccccccccc"
     tier(new)
-    claim_store(new, "/models/m", new.name)  # the same path, new weights: a new fingerprint
+    claim_store(new, "/models/m", "weights-2", new.name)  # the same path, new weights
     assert not old.exists()  # never servable again: gone
-    assert (other_model / entry_name(1)).is_file()  # another deployment's: kept
-    assert json.loads((new / STORE_FILE).read_text())["model_path"] == "/models/m"
+    assert (other_layout / entry_name(1)).is_file() and (other_model / entry_name(1)).is_file()  # kept
+    assert json.loads((new / STORE_FILE).read_text())["model_id"] == "weights-2"
 
 
 # -- finding 4: authenticated, private, malformed entries are misses -----------------------------

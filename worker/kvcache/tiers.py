@@ -130,11 +130,11 @@ class TierManager(TierReport):
         disk = shared = None
         if cache.disk_kv_cache_dir is not None:
             disk = DiskTier(Path(cache.disk_kv_cache_dir) / key, cache.disk_kv_cache_bytes, spec, model_id, key=mac_key)
-            _claim(disk, source, key)
+            _claim(disk, source, model_id, key)
         if cache.shared_kv_store_dir is not None:
             shared = DiskTier(Path(cache.shared_kv_store_dir) / key, cache.shared_kv_store_bytes, spec, model_id,
                               shared=True, key=mac_key)
-            _claim(shared, source, key)
+            _claim(shared, source, model_id, key)
         logger.info("KV tiers: host %d blocks, disk %s, shared store %s", host.num_slots,
                     disk.directory if disk else None, shared.directory if shared else None)
         return cls(runner, spec, host, disk, shared, cache.tier_io_timeout_s)
@@ -331,10 +331,10 @@ class TierManager(TierReport):
         return torch.cat(blocks, dim=2)
 
 
-def _claim(tier: DiskTier, model_path: str | None, key: str) -> None:
+def _claim(tier: DiskTier, model_path: str | None, model_id: str, key: str) -> None:
     """Record the store's owner and delete stale siblings (kv/tier_store.py); a store that
     cannot be claimed still serves."""
     try:
-        claim_store(tier.directory, model_path, key)
+        claim_store(tier.directory, model_path, model_id, key)
     except OSError as e:
         logger.warning("KV tier %s: housekeeping failed (%s)", tier.directory, e)
