@@ -19,6 +19,7 @@ from worker.api import SamplingParams
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine.build import build_engine
 from worker.engine.core import Engine
+from worker.kvcache import tiers as tiers_module
 
 BLOCK = 4
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(18)]  # 4 full blocks and 2 tokens
@@ -63,6 +64,28 @@ def test_tier_lookups_make_no_file_system_call(tiny_llama: Path, tmp_path: Path,
     assert engine.tiers.num_available(hashes) == 0 and hashes[0] not in engine.tiers.shared
     assert calls == []
     engine.tiers.close()
+
+
+def test_a_peers_entries_reach_the_view_through_the_io_thread(
+        tiny_llama: Path, tmp_path: Path, store_key: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With no file-system call on a lookup, a replica learns what its peers stored from the
+    # rescans its steps queue on the I/O thread.
+    monkeypatch.setattr(tiers_module, "SHARED_REFRESH_S", 0.0)
+    store = tmp_path / "shared"
+    second = _engine(tiny_llama, store)  # started before the first one writes anything
+    first = _engine(tiny_llama, store)
+    _run_in_thread(first, {}).join(120)
+    first.tiers.flush()
+    assert hash_full_blocks(PROMPT, BLOCK)[0] not in second.tiers.shared  # not seen yet
+    second.add_request("other", [5, 6, 7], GREEDY)  # any step queues a rescan
+    while second.has_unfinished():
+        second.step()
+    second.tiers.flush()
+    out: dict[str, Any] = {}
+    _run_in_thread(second, out).join(120)
+    assert second.tiers.num_disk_loaded_blocks == len(PROMPT) // BLOCK  # loaded, not recomputed
+    first.tiers.close()
+    second.tiers.close()
 
 
 def _run_in_thread(engine: Engine, out: dict[str, Any]) -> threading.Thread:

@@ -177,13 +177,14 @@ class TierManager(TierReport):
 
     def publish(self, stored: list[tuple[int, int]] | None) -> None:
         """Write blocks newly cached on the device (their KV computed) to the shared
-        store in the background; clears `stored`."""
+        store in the background; clears `stored`. Every step: it also keeps the shared
+        store's view fresh (what other replicas wrote)."""
+        self._refresh_shared()
         if not stored:
             return
         shared = self.shared
         fresh = [(h, b) for h, b in stored if shared is not None and not shared.knows(h)]
         stored.clear()
-        self._refresh_shared()
         if not fresh or not shared.accepts_writes or self._io is None or self._stalled:
             return
         kv = self.runner.export_kv([b for _, b in fresh])
