@@ -117,6 +117,11 @@ class EngineSection(Section):
     # another one computed.
     shared_kv_store_dir: str | None = default_of(CacheConfig, "shared_kv_store_dir")
     shared_kv_store_bytes: ByteSize = Field(default_of(CacheConfig, "shared_kv_store_bytes"), gt=0)
+    # The env var holding the key that authenticates the tiers' entries (required with a
+    # shared store; the chart fills it from kvTiers.sharedStore.keySecret).
+    kv_store_key_env: str = default_of(CacheConfig, "kv_store_key_env")
+    # A disk-tier call slower than this is given up; the replica reports itself unhealthy.
+    tier_io_timeout_s: float = Field(default_of(CacheConfig, "tier_io_timeout_s"), gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = default_of(ModelConfig, "dtype")
     # auto | cpu | cuda | sim:<profile> (a simulated device, worker/sim/: h200, h100,
     # a100-80gb, l4, a fitted profile's name or a JSON path; no weights are loaded, the

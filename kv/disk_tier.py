@@ -1,27 +1,34 @@
 """The disk KV tier: one file per full prefix block, named by its chain hash.
 
-    <directory>/<block hash, 16 hex digits>.kv
-        b"KVTIER01" | u32 header length | header (JSON) | payload (the block's KV bytes)
-        header: fingerprint (model and KV layout), block hash, shape, dtype, payload
-                length, blake2b-128 of the payload
+    <directory>/<block hash, 16 hex digits>.kv     (0600, in a 0700 directory)
+        the entry format: kv/tier_entry.py (a header, the KV bytes, an HMAC-SHA256)
 
 Content-addressed: two writers of one hash write the same bytes, so a directory can be
 shared by replicas of one model (the shared store, `shared=True`). Every write goes to a
 temporary file in the same directory and is renamed over the final name (atomic on
-POSIX), so a reader sees a whole entry or none; a half-written file left by a crash has
-a temporary name and is never read.
+POSIX), so a reader sees a whole entry or none; a temporary file left by a crash is never
+read, and deleted when a store next opens (kv/tier_store.py).
 
-An entry is served only when every check passes: magic, header, fingerprint (another
-model's or another layout's KV is foreign), block hash, length (a truncated file) and
-checksum (a corrupt one). A failed entry is deleted and reported as a miss: the caller
-recomputes it. A write that fails (a full disk, a read-only or vanished directory) turns
-writing off with one log line; the tiers above keep working and reads go on.
+An entry is served only when every check passes: magic, the MAC under the store's `key`
+(a corrupt or truncated entry, or one written without the key), the header's type and
+fields, the fingerprint (another model's or layout's KV is foreign), block hash, shape and
+length. Any failed entry is deleted, logged and reported as a miss: the caller recomputes
+it. `get` never raises. A write that fails (a full disk, a read-only or vanished
+directory) turns writing off with one log line; the tiers above keep working, reads go
+on, and writing is tried again after a back-off (`retry_after_s`, doubling to
+`MAX_RETRY_S`): a disk with room again takes writes again.
 
-Bounded: `capacity_bytes` over this process's view of the entries, least recently used
-first out. In a shared directory other replicas add entries this process does not know:
-when its own count passes the bound it rescans the directory and deletes the oldest by
-modification time (a read refreshes it) until the whole directory is below a low-water
-mark under the bound.
+Bounded: `capacity_bytes` over the directory. A private directory (this process's) is
+counted exactly, least recently used first out. A shared directory is measured: other
+replicas add entries this process does not see, so every writer rescans the directory
+(oldest modification first; a read refreshes it) whenever its own writes since its last
+scan reach a quarter of the room that scan left, and when over the bound deletes the
+oldest entries until the whole directory is below a low-water mark under it. So the
+bound holds whatever the number of writers: each one measures, none trusts its own count.
+
+No file-system call runs on the engine thread: `in` and `knows` read this process's view
+only. A shared store's view learns other replicas' entries from `refresh`, which the tier
+manager runs on its I/O thread.
 Thread-safe: the engine thread looks up, a background thread reads and writes.
 """
 from __future__ import annotations
@@ -30,8 +37,8 @@ import hashlib
 import json
 import logging
 import os
-import struct
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -40,15 +47,21 @@ import torch
 
 from kv.kv_cache import KVCacheSpec
 from kv.kv_events import DISK, KVEventLog
+from kv.tier_entry import decode_entry, encode_entry
+from kv.tier_store import TMP_SUFFIX, remove_leftover_tmp
 from kv.transfer import dtype_name
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVTIER01"
 # A shared directory, once over its bound, is cut to this share of it: each cut rescans
 # the directory, so it must make room for many writes, not one.
 SHARED_LOW_WATER = 0.9
+# A shared writer rescans once its own writes since its last scan reach this share of the
+# room that scan left (other writers fill the rest meanwhile).
+SHARED_RESCAN_SHARE = 0.25
 SUFFIX = ".kv"
+RETRY_AFTER_S = 5.0
+MAX_RETRY_S = 300.0
 
 
 def layout_fingerprint(spec: KVCacheSpec, model_id: str) -> dict[str, object]:
@@ -76,74 +89,41 @@ def entry_name(block_hash: int) -> str:
     return f"{block_hash:016x}{SUFFIX}"
 
 
-def encode_entry(fingerprint: dict[str, object], block_hash: int, kv: torch.Tensor) -> bytes:
-    payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
-    header = json.dumps({
-        "fingerprint": fingerprint,
-        "block_hash": f"{block_hash:016x}",
-        "shape": list(kv.shape),
-        "nbytes": len(payload),
-        "blake2b": hashlib.blake2b(payload, digest_size=16).hexdigest(),
-    }).encode()
-    return MAGIC + struct.pack("<I", len(header)) + header + payload
-
-
-def decode_entry(data: bytes, fingerprint: dict[str, object], block_hash: int,
-                 shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The entry's KV, or ValueError naming the first check that failed."""
-    if data[: len(MAGIC)] != MAGIC:
-        raise ValueError("not a KV tier entry (bad magic)")
-    start = len(MAGIC) + 4
-    if len(data) < start:
-        raise ValueError("truncated header")
-    (header_len,) = struct.unpack("<I", data[len(MAGIC) : start])
-    try:
-        header = json.loads(data[start : start + header_len])
-    except ValueError:
-        raise ValueError("unreadable header") from None
-    if header.get("fingerprint") != fingerprint:
-        raise ValueError(f"foreign entry: {header.get('fingerprint')} != {fingerprint}")
-    if header.get("block_hash") != f"{block_hash:016x}" or tuple(header.get("shape", ())) != tuple(shape):
-        raise ValueError("entry is for another block or shape")
-    payload = data[start + header_len :]
-    if len(payload) != header.get("nbytes"):
-        raise ValueError(f"truncated payload ({len(payload)} of {header.get('nbytes')} bytes)")
-    if hashlib.blake2b(payload, digest_size=16).hexdigest() != header.get("blake2b"):
-        raise ValueError("checksum mismatch")
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
 class DiskTier:
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, spec: KVCacheSpec,
-                 model_id: str, shared: bool = False) -> None:
+                 model_id: str, shared: bool = False, key: bytes = b"", retry_after_s: float = RETRY_AFTER_S) -> None:
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self.spec = spec
         self.fingerprint = layout_fingerprint(spec, model_id)
         self.shared = shared
+        self._key = key
         self.block_shape = (spec.num_layers, spec.num_planes, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.writable = True
+        self._retry_after_s = retry_after_s
+        self._backoff_s = retry_after_s
+        self._retry_at = 0.0  # monotonic time of the next write attempt while not writable
         self.num_dropped = 0  # entries that failed a check (deleted, recomputed)
         self.num_written = 0
         self._lock = threading.Lock()
         self._entries: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, LRU first
         self._num_bytes = 0
+        self._written_since_scan = 0  # bytes this process wrote since its last scan
+        self._room_at_scan = capacity_bytes  # what the last scan left under the bound
         # Entries gained and lost, for the router's index (kv/kv_events.py); set on a
         # replica's local disk only, recorded under the lock so that they keep its order.
         self.events: KVEventLog | None = None
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self._open_directory()
+            remove_leftover_tmp(self.directory)
             self._scan()
         except OSError as e:
             self._stop_writing(e)
 
-    # -- lookups (engine thread) ---------------------------------------------------------
+    # -- lookups (engine thread: no file-system call) ---------------------------------------
     def __contains__(self, block_hash: int) -> bool:
         with self._lock:
-            if block_hash in self._entries:
-                return True
-        # Another replica may have stored it (a stat: only on a miss of this process's view).
-        return self.shared and (self.directory / entry_name(block_hash)).is_file()
+            return block_hash in self._entries
 
     def knows(self, block_hash: int) -> bool:
         """In this process's view (no file-system call)."""
@@ -167,10 +147,15 @@ class DiskTier:
     def num_bytes(self) -> int:
         return self._num_bytes
 
-    # -- reads and writes (any thread) -------------------------------------------------------
+    @property
+    def accepts_writes(self) -> bool:
+        """Writing is on, or off and due to be tried again."""
+        return self.writable or time.monotonic() >= self._retry_at
+
+    # -- reads and writes (the I/O thread) ---------------------------------------------------
     def get(self, block_hash: int) -> torch.Tensor | None:
         """The block's KV, (layers, 2, block_size, Hkv, D), or None when it is missing or
-        failed a check (then it is deleted)."""
+        failed a check (then it is deleted). Never raises."""
         path = self.directory / entry_name(block_hash)
         try:
             data = path.read_bytes()
@@ -178,12 +163,15 @@ class DiskTier:
             self._forget(block_hash)
             return None
         try:
-            kv = decode_entry(data, self.fingerprint, block_hash, self.block_shape, self.spec.dtype)
-        except ValueError as e:
+            kv = decode_entry(data, self.fingerprint, block_hash, self.block_shape, self.spec.dtype, self._key)
+        except Exception as e:  # every bad entry alike: decode_entry raises ValueError by design
             logger.warning("KV tier entry %s dropped (%s); its block will be recomputed", path, e)
             self.num_dropped += 1
             self._forget(block_hash)
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
             return None
         with self._lock:
             if block_hash not in self._entries:
@@ -198,39 +186,61 @@ class DiskTier:
 
     def put(self, block_hash: int, kv: torch.Tensor) -> bool:
         """Store one block (layers, 2, block_size, Hkv, D); False when writing is off or fails."""
-        if not self.writable:
+        if not self.writable and not self._may_retry():
             return False
         with self._lock:
             if block_hash in self._entries:
                 self._entries.move_to_end(block_hash)
                 return True
-        data = encode_entry(self.fingerprint, block_hash, kv)
+        data = encode_entry(self.fingerprint, block_hash, kv, self._key)
         path = self.directory / entry_name(block_hash)
-        tmp = self.directory / f".{path.name}.{uuid.uuid4().hex}.tmp"
+        tmp = self.directory / f".{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}"
         try:
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
             self._stop_writing(e)
             return False
+        self._writing_again()
         with self._lock:
             self._add(block_hash, len(data))
             self.num_written += 1
+            self._written_since_scan += len(data)
             over = self._num_bytes > self.capacity_bytes
-        if over:
+            rescan = self.shared and self._written_since_scan >= SHARED_RESCAN_SHARE * self._room_at_scan
+        if over or rescan:
             self._shrink()
         return True
+
+    def refresh(self) -> None:
+        """Re-read the directory into this process's view (a shared store: what other
+        replicas wrote); the I/O thread only."""
+        try:
+            self._scan()
+        except OSError as e:
+            logger.debug("KV tier %s: rescan failed (%s)", self.directory, e)
 
     def clear(self) -> None:
         with self._lock:
             hashes = list(self._entries)
         for block_hash in hashes:
             self._forget(block_hash)
-            (self.directory / entry_name(block_hash)).unlink(missing_ok=True)
+            try:
+                (self.directory / entry_name(block_hash)).unlink(missing_ok=True)
+            except OSError:
+                pass
 
     # -- internals -------------------------------------------------------------------------
+    def _open_directory(self) -> None:
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o700)  # mkdir's mode is masked, and an old one may be wider
+
     def _add(self, block_hash: int, nbytes: int) -> None:
         """Under the lock."""
         old = self._entries.pop(block_hash, None)
@@ -252,17 +262,23 @@ class DiskTier:
         """Delete least recently used entries until the directory fits its bound."""
         target = self.capacity_bytes
         if self.shared:
-            self._scan()  # others' entries count too; oldest first by mtime
+            self.refresh()  # others' entries count too; oldest first by mtime
+            if self._num_bytes <= self.capacity_bytes:
+                return
             target = int(self.capacity_bytes * SHARED_LOW_WATER)
         while True:
             with self._lock:
                 if self._num_bytes <= target or not self._entries:
+                    self._room_at_scan = max(self.capacity_bytes - self._num_bytes, 0)
                     return
                 block_hash, nbytes = self._entries.popitem(last=False)
                 self._num_bytes -= nbytes
                 if self.events is not None:
                     self.events.removed(block_hash, DISK)
-            (self.directory / entry_name(block_hash)).unlink(missing_ok=True)
+            try:
+                (self.directory / entry_name(block_hash)).unlink(missing_ok=True)
+            except OSError:
+                pass
 
     def _scan(self) -> None:
         """Rebuild the view from the directory (entries written before this process started,
@@ -284,9 +300,32 @@ class DiskTier:
             self._num_bytes = 0
             for _, block_hash, size in found:
                 self._add(block_hash, size)
+            self._written_since_scan = 0
+            self._room_at_scan = max(self.capacity_bytes - self._num_bytes, 0)
+
+    def _may_retry(self) -> bool:
+        """Writing is off: True once its back-off has passed (the directory is made again)."""
+        if time.monotonic() < self._retry_at:
+            return False
+        try:
+            self._open_directory()
+        except OSError as e:
+            self._stop_writing(e)
+            return False
+        return True
+
+    def _writing_again(self) -> None:
+        if not self.writable:
+            logger.warning("KV tier directory %s takes writes again", self.directory)
+        self.writable = True
+        self._backoff_s = self._retry_after_s
 
     def _stop_writing(self, error: OSError) -> None:
         if self.writable:
-            logger.warning("KV tier directory %s is not writable (%s): blocks stop moving down to it; "
-                           "the tiers above keep serving", self.directory, error)
+            logger.warning("KV tier directory %s is not writable (%s): blocks stop moving down to it "
+                           "(tried again in %.0f s); the tiers above keep serving",
+                           self.directory, error, self._backoff_s)
+        else:
+            self._backoff_s = min(self._backoff_s * 2, MAX_RETRY_S)
         self.writable = False
+        self._retry_at = time.monotonic() + self._backoff_s

@@ -24,6 +24,12 @@ class CacheConfig:
     # there, and a replica loads what another one computed (None: none).
     shared_kv_store_dir: str | None = None
     shared_kv_store_bytes: int = 64 * 1024**3
+    # The environment variable holding the key that authenticates disk-tier entries (an
+    # HMAC over each): required with a shared store, used by the local disk when set.
+    kv_store_key_env: str = "KVSERVE_KV_STORE_KEY"
+    # A disk-tier read that takes longer is given up (the prefix is recomputed); a store
+    # call running longer makes the tiers skip the disk and check_health fail.
+    tier_io_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -32,6 +38,8 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.host_kv_cache_bytes < 0 or self.disk_kv_cache_bytes <= 0 or self.shared_kv_store_bytes <= 0:
             raise ValueError("host_kv_cache_bytes must be >= 0, disk_kv_cache_bytes and shared_kv_store_bytes > 0")
+        if self.tier_io_timeout_s <= 0:
+            raise ValueError(f"tier_io_timeout_s must be > 0, got {self.tier_io_timeout_s}")
         below_host = self.disk_kv_cache_dir is not None or self.shared_kv_store_dir is not None
         if below_host and not self.host_kv_cache_bytes:
             raise ValueError("disk_kv_cache_dir and shared_kv_store_dir are tiers under the host tier: "

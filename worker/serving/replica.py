@@ -258,6 +258,9 @@ class WorkerReplica:
         runner = self.engine.engine.runner
         if isinstance(runner, HealthCheckedRunner):
             runner.check_health()
+        tiers = self.engine.engine.tiers  # a hung KV tier store (worker/kvcache/tiers.py)
+        if tiers is not None:
+            tiers.check_health()
 
     def __del__(self) -> Coroutine[Any, Any, None] | None:
         """Serve calls this once when it removes the replica, after its own drain, and awaits

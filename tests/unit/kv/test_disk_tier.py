@@ -121,7 +121,9 @@ def test_shared_store_sees_peers_and_bounds_the_whole_directory(tmp_path: Path) 
     a.put(1, block(1.0))
     entry_bytes = a.num_bytes
     b = tier(tmp_path, capacity=2 * entry_bytes, shared=True)
-    a.put(2, block(2.0))  # written after b started: b finds it on a miss of its own view
+    a.put(2, block(2.0))  # written after b started: b's view learns it at its next refresh
+    assert 2 not in b  # no file-system call on a lookup
+    b.refresh()  # what the tier manager's I/O thread runs every SHARED_REFRESH_S
     assert 2 in b and torch.equal(b.get(2), block(2.0))
     b.put(3, block(3.0))  # three entries in a two-entry store: b rescans, cuts below the bound
     assert sorted(p.name for p in tmp_path.glob("*.kv")) == [entry_name(3)]  # oldest first: 1, 2

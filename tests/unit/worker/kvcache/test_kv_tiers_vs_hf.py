@@ -137,7 +137,9 @@ def test_disk_gone_degrades_to_host_tier(tiny_llama: Path, expected: dict[str, l
 
 
 def test_a_replica_loads_what_another_computed_from_the_shared_store(
-        tiny_llama: Path, expected: dict[str, list[int]], run_engine, tmp_path: Path) -> None:
+        tiny_llama: Path, expected: dict[str, list[int]], run_engine, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_KV_STORE_KEY", "test-store-key")  # a shared store needs its key
     store = tmp_path / "shared"
     first = _engine(tiny_llama, 16, host_bytes=8 * 8192, shared_dir=store)
     run_engine(first, [FIRST], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), ["first"])
