@@ -159,3 +159,13 @@ def test_engine_never_serves_old_weights_or_kv_after_files_are_replaced(base: Pa
     second, cached = serve("second")
     assert second == peft_greedy(base, adapter, [prompt], [4])[0]
     assert cached == 0
+
+
+def test_unreadable_adapter_file_is_an_adapter_error(loader: Any, base: Path, tmp_path: Path) -> None:
+    """A directory where the config file should be is a LoRAAdapterError (400), not a 500."""
+    adapter = make(base, tmp_path / "odd", 0)
+    (adapter / CONFIG_FILE).unlink()
+    (adapter / CONFIG_FILE).mkdir()
+    with pytest.raises(LoRAAdapterError, match="no adapter_config.json") as info:
+        loader("odd", str(adapter))
+    assert str(tmp_path) not in str(info.value)

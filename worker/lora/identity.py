@@ -48,12 +48,12 @@ def read_bounded(file: Path, max_bytes: int, what: str) -> bytes:
     """The file's bytes, its size checked (stat) before it is read; errors name no path."""
     try:
         size = os.stat(file).st_size
+        if size > max_bytes:
+            raise LoRAAdapterError(f"the adapter's {what} is {size} bytes; this server reads at most {max_bytes}")
+        with open(file, "rb") as f:
+            data = f.read(max_bytes + 1)
     except OSError:
-        raise LoRAAdapterError(f"the adapter has no {what}") from None
-    if size > max_bytes:
-        raise LoRAAdapterError(f"the adapter's {what} is {size} bytes; this server reads at most {max_bytes}")
-    with open(file, "rb") as f:
-        data = f.read(max_bytes + 1)
+        raise LoRAAdapterError(f"the adapter has no {what} (or cannot read it)") from None
     if len(data) > max_bytes:  # grew between stat and read
         raise LoRAAdapterError(f"the adapter's {what} is larger than {max_bytes} bytes")
     return data
