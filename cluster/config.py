@@ -358,6 +358,7 @@ class KVServeConfig(Section):
             IngressSettings, self.ingress, self.model,
             served_model_name=self.model.resolved_name(), tokenizer_path=self.model.resolved_path(),
             state_store=state_store, lora_modules=self.lora.module_items, lora_enabled=self.lora.lora_config().enabled,
+            lora_policy=self.lora.policy(),
         )
 
     def shared_view_spec(self) -> SharedViewSpec | None:

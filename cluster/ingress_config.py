@@ -62,6 +62,10 @@ class IngressSection(Section):
     # kept). Unset or empty: authentication off. The Helm chart fills KVSERVE_API_KEYS
     # from a Secret.
     api_keys_env: str | None = default_of(IngressSettings, "api_keys_env")
+    # Admin API keys (same format): the only keys that may load/unload LoRA adapters and
+    # reset the prefix cache (403 for the others); they serve requests too. The Helm chart
+    # fills KVSERVE_ADMIN_API_KEYS from a Secret when adminApiKeys is set.
+    admin_api_keys_env: str | None = default_of(IngressSettings, "admin_api_keys_env")
     # Per API key (429 beyond): requests in flight, and tokens per minute (prompt +
     # max_tokens charged at admission, the unused part refunded). Counted per ingress
     # replica, or cluster-wide with `state.redis_url`.

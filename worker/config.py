@@ -111,6 +111,8 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
     # Adapters known at start-up: (name, PEFT directory).
     modules: tuple[tuple[str, str], ...] = ()
+    # Each adapter file is at most this many bytes (checked with stat before it is read).
+    max_adapter_bytes: int = 2 * 1024**3
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -119,6 +121,8 @@ class LoRAConfig:
             raise ValueError(f"max_lora_rank must be in [1, {MAX_SUPPORTED_LORA_RANK}], got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.max_adapter_bytes < 1:
+            raise ValueError(f"max_adapter_bytes must be >= 1, got {self.max_adapter_bytes}")
 
     @property
     def enabled(self) -> bool:

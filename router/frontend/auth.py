@@ -14,6 +14,12 @@ Per-key limits (concurrent requests, tokens per minute): router/frontend/key_lim
 
 Keys are identified in metrics and limits by `key_id`: the first 12 hex digits of the
 digest (never the key).
+
+Admin scope: a second variable (config `ingress.admin_api_keys_env`, default
+KVSERVE_ADMIN_API_KEYS; same entry format) lists the admin keys. An admin key is also an
+ordinary key. The operator endpoints (adapter load/unload, /reset_prefix_cache) take an
+admin key only: 401 without a valid key, 403 with an ordinary one, and 403 too while no
+keys are configured at all (auth off opens the request paths, never the operator ones).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from router import errors
 logger = logging.getLogger(__name__)
 
 DEFAULT_API_KEYS_ENV = "KVSERVE_API_KEYS"
+DEFAULT_ADMIN_API_KEYS_ENV = "KVSERVE_ADMIN_API_KEYS"
 _SHA256_PREFIX = "sha256:"
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 
@@ -65,26 +72,35 @@ def parse_key_digests(spec: str) -> list[bytes]:
 
 @dataclass(frozen=True)
 class Principal:
-    """Who made a request: a key's id, or the anonymous caller when auth is off."""
+    """Who made a request: a key's id, or the anonymous caller when auth is off; `admin`
+    when the key is one of the admin keys (never the anonymous caller)."""
 
     key_id: str
+    admin: bool = False
 
 
 ANONYMOUS = Principal("anonymous")
 
 
 class ApiKeys:
-    """The configured keys, as SHA-256 digests only."""
+    """The configured keys, as SHA-256 digests only: ordinary and admin ones."""
 
-    def __init__(self, digests: list[bytes]) -> None:
-        self._digests = tuple(dict.fromkeys(digests))  # de-duplicated, order kept
+    def __init__(self, digests: list[bytes], admin_digests: list[bytes] | None = None) -> None:
+        self._admin = frozenset(admin_digests or ())
+        # Every key that authenticates, de-duplicated, order kept.
+        self._digests = tuple(dict.fromkeys([*digests, *(admin_digests or ())]))
 
     @classmethod
-    def from_env(cls, name: str | None, environ: dict[str, str] | None = None) -> ApiKeys:
+    def from_env(cls, name: str | None, environ: dict[str, str] | None = None,
+                 admin_name: str | None = None) -> ApiKeys:
         env = os.environ if environ is None else environ
-        if not name:
-            return cls([])
-        return cls(parse_key_digests(env.get(name, "")))
+        digests = parse_key_digests(env.get(name, "")) if name else []
+        admin = parse_key_digests(env.get(admin_name, "")) if admin_name else []
+        return cls(digests, admin)
+
+    @property
+    def num_admin(self) -> int:
+        return len(self._admin)
 
     @property
     def enabled(self) -> bool:
@@ -101,7 +117,7 @@ class ApiKeys:
         for digest in self._digests:
             if hmac.compare_digest(candidate, digest):
                 found = digest
-        return None if found is None else Principal(key_id_of(found))
+        return None if found is None else Principal(key_id_of(found), found in self._admin)
 
     def authenticate(self, authorization: str | None) -> Principal:
         """The caller of a request with this `Authorization` value (HTTP header or gRPC
@@ -118,12 +134,20 @@ class ApiKeys:
 
     def log_startup(self, env_name: str | None) -> None:
         if self.enabled:
-            logger.info("API key authentication on: %d key(s) from $%s", len(self), env_name)
+            logger.info("API key authentication on: %d key(s) from $%s, %d of them admin", len(self), env_name,
+                        self.num_admin)
         else:
             logger.warning(
                 "API key authentication OFF: no keys in $%s; every client may use this server",
                 env_name or "(no api_keys_env)",
             )
+
+
+def require_admin(principal: Principal) -> None:
+    """The operator endpoints' check (after authentication): 403 unless an admin key."""
+    if not principal.admin:
+        raise errors.APIError(403, "This endpoint needs an admin API key (ingress.admin_api_keys_env).",
+                              "permission_error", None, "insufficient_scope")
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -44,7 +44,7 @@ from router.frontend.openai_api import convert as convert
 from router.frontend.openai_api import protocol as p
 from router.frontend.openai_api import tokenize_api as tk
 from router.routing import RouterSnapshotSource
-from router.frontend.auth import ApiKeys, Principal
+from router.frontend.auth import ApiKeys, Principal, require_admin
 from router.frontend.disagg import DisaggregatedGenerate
 from router.frontend.grpc_api.servicer import GrpcMethods, GrpcServicer
 from router.frontend.openai_api.http_body import parse, read_json
@@ -131,7 +131,7 @@ class Ingress(GrpcMethods):
                                                     max_waiting_for_decode))
         workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill_worker)
         # Digests only (router/frontend/auth.py); a malformed entry fails the replica's start.
-        api_keys = ApiKeys.from_env(settings.api_keys_env)
+        api_keys = ApiKeys.from_env(settings.api_keys_env, admin_name=settings.admin_api_keys_env)
         api_keys.log_startup(settings.api_keys_env)
         # Per-key limits: counted here, or cluster-wide in the shared store cluster/ injected.
         store = settings.state_store.build() if settings.state_store is not None else None
@@ -204,29 +204,36 @@ class Ingress(GrpcMethods):
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
-        self._authenticate(request)
+        principal = self._authenticate(request)
         info = await self.pipeline.workers.model_info()
         base = self.settings.served_model_name
-        cards = [p.ModelCard(id=base, root=self.settings.tokenizer_path, max_model_len=info["max_model_len"])]
-        cards += [p.ModelCard(id=name, root=path, parent=base, max_model_len=info["max_model_len"])
+        cards = [p.ModelCard(id=base, root=self.settings.tokenizer_path if principal.admin else base,
+                             max_model_len=info["max_model_len"])]
+        # An adapter's directory is for admin keys only; the others see its name.
+        cards += [p.ModelCard(id=name, root=path if principal.admin else name, parent=base,
+                              max_model_len=info["max_model_len"])
                   for name, path in sorted(self.pipeline.lora.paths.items())]
         return JSONResponse(p.ModelList(data=cards).model_dump())
 
     # -- vLLM's LoRA adapter endpoints (router/frontend/lora_modules.py) ---------------------------
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
+        require_admin(self._authenticate(request))  # before the body is read
         _, req, _ = await self._read(request, LoadLoRAAdapterRequest)
         return PlainTextResponse(await self.pipeline.lora.load(req, self.pipeline.workers.check_lora))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
+        require_admin(self._authenticate(request))
         _, req, _ = await self._read(request, UnloadLoRAAdapterRequest)
-        return PlainTextResponse(self.pipeline.lora.unload(req))
+        message = self.pipeline.lora.unload(req)
+        await self.pipeline.workers.unload_lora(req.lora_name)  # the workers drop its weights
+        return PlainTextResponse(message)
 
     # -- vLLM's utility endpoints -------------------------------------------------------------
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(self, request: Request) -> JSONResponse:
-        self._authenticate(request)
+        require_admin(self._authenticate(request))  # every tenant's cache on every replica
         num_reset, num_failed = await self.pipeline.workers.reset_prefix_cache()
         return JSONResponse({"num_replicas_reset": num_reset, "num_replicas_failed": num_failed},
                             status_code=503 if num_failed else 200)

@@ -71,7 +71,8 @@ class RequestPipeline:
     ) -> None:
         self.settings = settings
         # The adapters requests may name as `model` (router/frontend/lora_modules.py).
-        self.lora = LoRAModules(settings.served_model_name, settings.lora_modules, settings.lora_enabled)
+        self.lora = LoRAModules(settings.served_model_name, settings.lora_modules, settings.lora_enabled,
+                                settings.lora_policy)
         self.workers = workers
         self.tokenizer = tokenizer
         self.texts = TokenTexts(tokenizer)

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from router.frontend.auth import DEFAULT_API_KEYS_ENV
+from router.frontend.auth import DEFAULT_ADMIN_API_KEYS_ENV, DEFAULT_API_KEYS_ENV
 from router.frontend.key_limits import StateStoreFactory
+from router.frontend.lora_policy import LoRAPolicy
 
 # Prefill/decode disaggregation (router/frontend/disagg.py): requests per ingress replica admitted
 # but not yet decoding (waiting for their prefill or for a decode replica); one more is
@@ -42,6 +43,9 @@ class IngressSettings:
     # API keys (router/frontend/auth.py): the environment variable with the keys (plaintext or
     # `sha256:<hex>`, comma-separated); unset or empty: authentication off.
     api_keys_env: str | None = DEFAULT_API_KEYS_ENV
+    # Admin API keys (same format): the only keys that may load or unload adapters and reset
+    # the prefix cache; they serve requests too.
+    admin_api_keys_env: str | None = DEFAULT_ADMIN_API_KEYS_ENV
     # Per API key; None: no limit. Counted per ingress replica, or cluster-wide when
     # `state_store` is set.
     max_concurrent_requests_per_key: int | None = None
@@ -79,3 +83,5 @@ class IngressSettings:
     # can be loaded at run time (/v1/load_lora_adapter: router/frontend/lora_modules.py).
     lora_modules: tuple[tuple[str, str], ...] = ()
     lora_enabled: bool = False
+    # Run-time adapter updates: off unless configured, confined and bounded (router/frontend/lora_policy.py).
+    lora_policy: LoRAPolicy = LoRAPolicy()

@@ -51,11 +51,13 @@ class Workers:
             self._model_info = info
         return self._model_info
 
-    async def check_lora(self, name: str, path: str) -> None:
-        """One worker replica reads the adapter as a request would (against the model):
-        what is wrong with it is the caller's 400 (LoRAAdapterError through api_error_of)."""
+    async def check_lora(self, name: str, path: str, roots: tuple[str, ...] = ()) -> tuple[str, str]:
+        """One worker replica reads the adapter as a request would (against the model), its
+        directory confined to `roots`: (resolved directory, content digest). What is wrong
+        with it is the caller's 400 (LoRAAdapterError through api_error_of)."""
         try:
-            await self.handle.check_lora.remote(name, path)
+            path, digest = await self.handle.check_lora.remote(name, path, roots)
+            return str(path), str(digest)
         except errors.APIError:
             raise
         except Exception as e:
@@ -84,6 +86,24 @@ class Workers:
             logger.warning("worker stats unavailable: %r", e)
             return []
         return [r for r in results if isinstance(r, dict)]
+
+    async def unload_lora(self, name: str) -> int:
+        """Every worker replica of every pool forgets adapter `name` and its weights (Serve's
+        broadcast): how many replicas failed or did not answer (logged)."""
+        failed = 0
+        for handle in self.pools().values():
+            try:
+                results = await handle.broadcast("unload_lora", name).results_async(
+                    timeout_s=self._stats_timeout_s, return_exceptions=True)
+            except Exception as e:
+                logger.warning("unload_lora failed: %r", e)
+                failed += 1
+                continue
+            failed += sum(isinstance(r, BaseException) for r in results)
+        if failed:
+            logger.warning("LoRA adapter unload did not reach %d worker replica(s); requests under a new load "
+                           "carry the new content digest, so they never get the old weights", failed)
+        return failed
 
     async def reset_prefix_cache(self) -> tuple[int, int]:
         """vLLM's reset_prefix_cache on every worker replica of every pool (Serve's

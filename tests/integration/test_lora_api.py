@@ -2,7 +2,8 @@
 configured adapter and one loaded at run time (vLLM's /v1/load_lora_adapter) answer
 with transformers + peft's greedy text, /v1/models lists them with their parent, an
 unknown model is a 404 naming the known ones, a bad adapter is a 400 at load with the
-server undisturbed, and the load/unload endpoints need the API key."""
+server undisturbed, and the load/unload endpoints need an admin key (ordinary keys see
+adapter names, not directories, in /v1/models)."""
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,9 @@ import openai
 APP = "lora-api-test"
 MODEL = "kv-tiny-lora"
 KEY = "lora-test-key"
-ENV = {"KVSERVE_TEST_LORA_KEYS": f"sha256:{hashlib.sha256(KEY.encode()).hexdigest()}"}
+ADMIN_KEY = "lora-test-admin-key"  # the operator endpoints' (router/frontend/auth.py admin scope)
+ENV = {"KVSERVE_TEST_LORA_KEYS": f"sha256:{hashlib.sha256(KEY.encode()).hexdigest()}",
+       "KVSERVE_TEST_LORA_ADMIN_KEYS": ADMIN_KEY}
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 8
 
@@ -35,6 +38,7 @@ class Api:
     model_dir: Path
     adapters: dict[str, Path]
     tokenizer: Any
+    adapter_root: Path  # lora.adapter_roots' one directory
 
     def http(self, key: str | None = KEY) -> httpx.Client:
         return httpx.Client(base_url=self.root, headers={"authorization": f"Bearer {key}"} if key else {}, timeout=60)
@@ -60,12 +64,14 @@ def api(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     model_dir = make_served_model(root / "tiny")
     adapters = {"sql": make_tiny_adapter(model_dir, root / "sql", 8, seed=1),
                 "math": make_tiny_adapter(model_dir, root / "math", 4, ("q_proj", "v_proj"), seed=2)}
-    config = tiny_app.tiny_config(APP, model_dir, MODEL, {"api_keys_env": "KVSERVE_TEST_LORA_KEYS"})
-    config = config.with_overrides({"lora.modules": {"sql": str(adapters["sql"])}, "lora.max_loras": 2})
+    config = tiny_app.tiny_config(APP, model_dir, MODEL, {"api_keys_env": "KVSERVE_TEST_LORA_KEYS",
+                                                          "admin_api_keys_env": "KVSERVE_TEST_LORA_ADMIN_KEYS"})
+    config = config.with_overrides({"lora.modules": {"sql": str(adapters["sql"])}, "lora.max_loras": 2,
+                                    "lora.allow_runtime_updates": True, "lora.adapter_roots": [str(root)]})
     tiny_app.deploy(config, ingress_env=ENV)
     try:
         yield Api(f"{serve_cluster.http_url}/{APP}", f"127.0.0.1:{serve_cluster.grpc_port}", model_dir, adapters,
-                  AutoTokenizer.from_pretrained(model_dir))
+                  AutoTokenizer.from_pretrained(model_dir), root)
     finally:
         serve.delete(APP)
 
@@ -88,7 +94,10 @@ def test_configured_adapter_matches_peft_and_is_listed(api: Api, client: openai.
     assert sql != base
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {MODEL, "sql"}
-    assert cards["sql"].parent == MODEL and cards["sql"].root == str(api.adapters["sql"])
+    assert cards["sql"].parent == MODEL and cards["sql"].root == "sql"  # no directory to an ordinary key
+    with api.http(ADMIN_KEY) as admin:
+        roots = {m["id"]: m["root"] for m in admin.get("/v1/models").json()["data"]}
+    assert roots["sql"] == str(api.adapters["sql"])
 
 
 def test_unknown_model_is_404_with_the_list(client: openai.OpenAI) -> None:
@@ -101,11 +110,19 @@ def test_load_and_unload_at_run_time(api: Api, client: openai.OpenAI, tmp_path: 
     body = {"lora_name": "math", "lora_path": str(api.adapters["math"])}
     with api.http(key=None) as anonymous:
         assert anonymous.post("/v1/load_lora_adapter", json=body).status_code == 401
-    with api.http() as http:
-        (tmp_path / "adapter_config.json").write_text('{"r": 99, "lora_alpha": 8}')
-        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
+    with api.http() as ordinary:
+        assert ordinary.post("/v1/load_lora_adapter", json=body).status_code == 403
+    with api.http(ADMIN_KEY) as http:
+        outside = http.post("/v1/load_lora_adapter", json={"lora_name": "out", "lora_path": str(tmp_path)})
+        assert outside.status_code == 400 and str(tmp_path) not in outside.text  # not under adapter_roots
+        bad_dir = api.adapter_root / "bad"
+        bad_dir.mkdir(exist_ok=True)
+        (bad_dir / "adapter_config.json").write_text('{"r": 99, "lora_alpha": 8}')
+        bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad_dir)})
         assert bad.status_code == 400 and "ranks 1..16" in bad.json()["error"]["message"]
-        missing = http.post("/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "x")})
+        assert str(bad_dir) not in bad.text
+        gone = str(api.adapter_root / "gone")
+        missing = http.post("/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": gone})
         assert missing.status_code == 400 and "no adapter_config.json" in missing.json()["error"]["message"]
         assert _complete(client, "sql") == api.expected("sql")  # undisturbed
         loaded = http.post("/v1/load_lora_adapter", json=body)

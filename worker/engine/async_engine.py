@@ -23,7 +23,7 @@ from typing import Any
 from worker.config import EngineConfig
 from worker.kvcache.event_stream import KVEventStream
 from worker.engine.core import Engine
-from worker.engine.inbox import STOP, AbortRequest, AddRequest, ReleaseKV, ResetPrefixCache
+from worker.engine.inbox import STOP, AbortRequest, AddRequest, ReleaseKV, ResetPrefixCache, UnloadLoRA
 from worker.engine.stats import EngineStats
 from worker.api import RequestError
 from worker.outputs.processor import RequestOutputProcessor
@@ -191,6 +191,14 @@ class AsyncEngine:
         self._inbox.put(ResetPrefixCache(done))
         await done
 
+    async def unload_lora(self, name: str) -> bool:
+        """Forget an unloaded adapter on the step thread (Engine.unload_lora)."""
+        self._ensure_started()
+        assert self._loop is not None
+        done = self._loop.create_future()
+        self._inbox.put(UnloadLoRA(name, done))
+        return bool(await done)
+
     def _snapshot_prefix_hashes(self, period_s: float = 0.5) -> None:
         """This step's KV events as one batch; the cached-hash snapshot when due."""
         self.kv_events.drain()
@@ -292,6 +300,10 @@ class AsyncEngine:
                 self._snapshot_prefix_hashes(0.0)  # the next report carries the clear
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(_resolve, item.done)
+            elif isinstance(item, UnloadLoRA):
+                unloaded = self.engine.unload_lora(item.name)
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(_resolve, item.done, unloaded)
             elif isinstance(item, ReleaseKV):
                 self.engine.release_kv(item.request_id)
             elif isinstance(item, AbortRequest):
@@ -321,6 +333,6 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(fail_all)
 
 
-def _resolve(done: asyncio.Future[None]) -> None:
+def _resolve(done: asyncio.Future[Any], value: Any = None) -> None:
     if not done.done():
-        done.set_result(None)
+        done.set_result(value)

@@ -140,6 +140,10 @@ class Engine:
         if self.tiers is not None:
             self.tiers.clear()
 
+    def unload_lora(self, name: str) -> bool:
+        """Forget an adapter the ingress unloaded (EngineLoRA.unload). Engine thread only."""
+        return self.lora.unload(name) if self.lora is not None else False
+
     @property
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
@@ -213,13 +217,20 @@ class Engine:
             return  # waits for its adapter's host load (Requests.admit_ready admits it)
         self.requests.admit(seq)
 
-    def check_lora(self, name: str, path: str) -> None:
+    def check_lora(self, name: str, path: str, roots: tuple[str, ...] = ()) -> tuple[str, str]:
         """Read an adapter as a request would (any thread: nothing shared is touched);
-        raises LoRAAdapterError with what is wrong with it."""
+        raises LoRAAdapterError with what is wrong with it. With `roots`, the directory must
+        resolve inside one of them (worker/lora/identity.py confine). Returns (the resolved
+        directory, the digest of its files; "" where the loader computes none)."""
+        from worker.lora.identity import confine
+
         if self.lora is None:
             raise LoRAAdapterError("this server does not serve LoRA adapters (start it with engine.lora.enable "
                                    "or --lora-modules)")
-        self.lora.registry.load(name, path)
+        if roots:
+            path = confine(path, roots)
+        adapter = self.lora.registry.load(name, path)
+        return path, str(getattr(adapter, "digest", ""))
 
     # -- disaggregation: the connector's pins, as the async engine and replica see them -----
     def release_kv(self, request_id: str) -> bool:

@@ -34,6 +34,12 @@ class ResetPrefixCache:
 
 
 @dataclass
+class UnloadLoRA:
+    name: str
+    done: asyncio.Future[bool]
+
+
+@dataclass
 class AbortRequest:
     request_id: str
     notify: bool  # send the caller a final "abort" output (False when the caller left)

@@ -5,8 +5,9 @@ A request's life with an adapter:
     add_request  -> pin (host load starts off the step thread)  -> waits here until loaded
     loaded       -> the scheduler's waiting queue; admitted when its adapter has a slot
     finished / aborted / failed -> unpin (the host LRU may drop the adapter again)
-Its prefix-cache chain starts from a root keyed by the adapter (name and path): KV
-computed under one adapter is never served to another, nor to the base model.
+Its prefix-cache chain starts from a root keyed by the adapter (name and reference: its
+directory and content digest, worker/lora/identity.py): KV computed under one adapter, or
+under an adapter's former files, is never served to another, nor to the base model.
 """
 from __future__ import annotations
 
@@ -77,6 +78,15 @@ class EngineLoRA:
         """A request names the adapter with its path: learn it, or its new path."""
         if self.registry.paths.get(name) != path:
             self.register(name, path)
+
+    def unload(self, name: str) -> bool:
+        """The ingress unloaded `name`: forget it, its host copy and its device slot (the ones
+        running requests still hold are dropped when they end). False: not known here."""
+        if name not in self.registry.paths:
+            return False
+        self.registry.unregister(name)
+        self.slots.evict(name)
+        return True
 
     def register(self, name: str, path: str) -> None:
         """Make an adapter known. A name reused for another path must not find the old

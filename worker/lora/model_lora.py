@@ -7,7 +7,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from worker.lora.adapter import TARGETS, LoRAAdapter, load_adapter
+from worker.lora.adapter import DEFAULT_MAX_ADAPTER_BYTES, TARGETS, LoRAAdapter, load_adapter
 from worker.lora.cost import target_shapes as lora_target_shapes
 from worker.lora.layers import LoRAColumnLinear, LoRARowLinear, LoRAStepState
 from worker.model.llama import LlamaArch
@@ -31,13 +31,15 @@ def target_shapes(arch: LlamaArch) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def adapter_loader(arch: LlamaArch, max_rank: int) -> partial[LoRAAdapter]:
+def adapter_loader(arch: LlamaArch, max_rank: int, max_bytes: int = DEFAULT_MAX_ADAPTER_BYTES) -> partial[LoRAAdapter]:
     """(name, path) -> LoRAAdapter for this model (the registry's loader)."""
-    return partial(_load, shapes=target_shapes(arch), num_layers=arch.num_layers, max_rank=max_rank)
+    return partial(_load, shapes=target_shapes(arch), num_layers=arch.num_layers, max_rank=max_rank,
+                   max_bytes=max_bytes)
 
 
-def _load(name: str, path: str, shapes: dict[str, tuple[int, int]], num_layers: int, max_rank: int) -> LoRAAdapter:
-    return load_adapter(name, path, shapes, num_layers, max_rank)
+def _load(name: str, path: str, shapes: dict[str, tuple[int, int]], num_layers: int, max_rank: int,
+          max_bytes: int) -> LoRAAdapter:
+    return load_adapter(name, path, shapes, num_layers, max_rank, max_bytes)
 
 
 class ModelLoRA:

@@ -94,7 +94,7 @@ class ModelRunner:
             raise ValueError("LoRA is not built for multi-head latent attention models (DeepSeek-V3); "
                              "serve this model with lora disabled")
         self.lora = ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank) if lora.enabled else None
-        self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank)
+        self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank, lora.max_adapter_bytes)
         self.lora_adapters: Callable[[str], Any] | None = None
         # Layers grouped by cache kind (kv/kv_groups.py): the KV tensor has one layer slot
         # per layer of a group, and each layer's attention reads its group's tables.

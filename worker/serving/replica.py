@@ -235,10 +235,16 @@ class WorkerReplica:
             stats["modelled_device_s"] = float(modelled)
         return stats
 
-    async def check_lora(self, name: str, path: str) -> None:
+    async def check_lora(self, name: str, path: str, roots: tuple[str, ...] = ()) -> tuple[str, str]:
         """Read a PEFT adapter as a request would, off the event loop: raises
-        LoRAAdapterError saying what is wrong (the load API's 400)."""
-        await asyncio.to_thread(self.engine.engine.check_lora, name, path)
+        LoRAAdapterError saying what is wrong (the load API's 400); returns its resolved
+        directory and content digest (worker/lora/identity.py)."""
+        return await asyncio.to_thread(self.engine.engine.check_lora, name, path, tuple(roots))
+
+    async def unload_lora(self, name: str) -> bool:
+        """The ingress unloaded `name`: this replica forgets it and its weights (True when it
+        knew it)."""
+        return await self.engine.unload_lora(name)
 
     async def model_info(self) -> dict:
         eng = self.engine.engine

@@ -212,18 +212,18 @@ class GrpcServicer:
         return await _unary(grpc_context, pb.ListModelsResponse(), self._list_models(grpc_context))
 
     async def _list_models(self, grpc_context: RayServegRPCContext | None) -> pb.ListModelsResponse:
-        self._authenticate(grpc_context)
+        admin = self._authenticate(grpc_context).admin  # directories are for admin keys only
         info = await self.pipeline.workers.model_info()
         settings = self.pipeline.settings
         model = pb.ModelInfo(
             id=settings.served_model_name,
-            root=settings.tokenizer_path,
+            root=settings.tokenizer_path if admin else settings.served_model_name,
             max_model_len=info["max_model_len"],
             vocab_size=info.get("vocab_size", 0),
             block_size=info.get("block_size", 0),
         )
         models = [model] + [
-            pb.ModelInfo(id=name, root=path, parent=settings.served_model_name, max_model_len=info["max_model_len"],
+            pb.ModelInfo(id=name, root=path if admin else name, parent=settings.served_model_name, max_model_len=info["max_model_len"],
                          vocab_size=info.get("vocab_size", 0), block_size=info.get("block_size", 0))
             for name, path in sorted(self.pipeline.lora.paths.items())
         ]

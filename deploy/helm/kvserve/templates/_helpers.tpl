@@ -376,6 +376,13 @@ root filesystem can stay read-only. */}}
       name: {{ .Values.apiKeys.existingSecret }}
       key: {{ .Values.apiKeys.key }}
 {{- end }}
+{{- if .Values.apiKeys.adminSecret }}
+- name: KVSERVE_ADMIN_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKeys.adminSecret }}
+      key: {{ .Values.apiKeys.adminKey }}
+{{- end }}
 {{- if .Values.stateStore.redisPasswordSecret.name }}
 - name: {{ include "kvserve.redisPasswordEnv" . }}
   valueFrom:

@@ -364,7 +364,8 @@ async def test_tokenize_models_health_stats() -> None:
     await ingress.Tokenize(pb.TokenizeRequest(), grpc_context=context)
     assert context.code() == grpc.StatusCode.INVALID_ARGUMENT
     [model] = (await ingress.ListModels(pb.ListModelsRequest())).models
-    assert (model.id, model.root, model.max_model_len, model.vocab_size) == ("tiny", "/models/tiny", MAX_MODEL_LEN, 256)
+    # root: the model's directory for admin keys only (docs/security.md); auth off, the name
+    assert (model.id, model.root, model.max_model_len, model.vocab_size) == ("tiny", "tiny", MAX_MODEL_LEN, 256)
     assert (await ingress.Health(pb.HealthRequest())).status == pb.HealthResponse.STATUS_SERVING
     stats = await ingress.Stats(pb.StatsRequest())
     assert [r.replica_id for r in stats.replicas] == ["a", "b"]
