@@ -21,7 +21,9 @@ class CompileWaits:
         if seq.params.structured is None or self.compiler is None:
             return False
         deadline = time.monotonic() + self.compiler.compile_timeout_s
-        seq.grammar = GrammarState(self.compiler.submit(seq.params.structured), deadline)
+        # A resumed request's last prompt tokens are its earlier output: the grammar replays them.
+        replay = tuple(seq.token_ids[seq.num_prompt_tokens - seq.num_resumed_tokens : seq.num_prompt_tokens])
+        seq.grammar = GrammarState(self.compiler.submit(seq.params.structured), deadline, replay)
         self.seqs.append(seq)
         return True
 
