@@ -130,6 +130,10 @@ class StateSection(Section):
     # A concurrency slot of an ingress replica that died frees itself after this long
     # (live replicas renew theirs every third of it).
     lease_ttl_s: float = Field(default_of(RedisStoreSpec, "lease_ttl_s"), ge=1, le=3600)
+    # While Redis is unreachable: local (each ingress replica counts on its own: up to N x
+    # the limits with N replicas, shown by kvserve:limit_store_up 0 and a warning) or refuse
+    # (requests of limited keys get 503 until Redis is back).
+    when_down: Literal["local", "refuse"] = default_of(RedisStoreSpec, "when_down")
 
     @field_validator("redis_url")
     @classmethod

@@ -143,6 +143,9 @@ class Ingress(GrpcMethods):
         # Every series this replica serves carries its id (router/frontend/metrics.py: no double counting).
         metrics = IngressMetrics(settings.served_model_name, ingress_replica=serve.get_replica_context().replica_id.unique_id)
         metrics.router.source = lambda: initialized_request_router_of(worker)
+        if store is not None and hasattr(store, "observer"):  # the shared store's outages show here
+            store.observer = metrics
+            metrics.limit_store_up(True)
         self.pipeline = RequestPipeline(settings, workers, tokenizer, metrics, api_keys, key_limits, routing_source)
         self.grpc = GrpcServicer(self.pipeline)
         flush_replica_log()  # the start-up lines (the API-key warning among them) in the file now
