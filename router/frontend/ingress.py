@@ -263,9 +263,11 @@ class Ingress(GrpcMethods):
     @app.get("/health")
     async def health(self) -> JSONResponse:
         """200 when a worker answers its health check; 503 otherwise, and while draining
-        (a readiness probe then takes this instance out of rotation)."""
+        (a readiness probe then takes this instance out of rotation). Unauthenticated, so
+        it reads the cached verdict (router/frontend/health_verdict.py): no worker call of
+        its own, no internals in the body."""
         reason = "The server is shutting down." if self.pipeline.limiter.draining else None
-        reason = reason or await self.pipeline.workers.unhealthy_reason()
+        reason = reason or await self.pipeline.workers.health.reason()
         if reason is not None:
             error = errors.APIError(503, reason, "server_error", None, "unhealthy")
             return JSONResponse(error.body(), status_code=503)

@@ -238,7 +238,7 @@ class GrpcServicer:
         this verdict into grpc.health.v1's)."""
         if self.pipeline.limiter.draining:
             return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING, message="draining: shutting down")
-        reason = await self.pipeline.workers.unhealthy_reason()
+        reason = await self.pipeline.workers.health.reason()  # cached: no worker call per probe
         if reason is not None:
             return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING, message=reason)
         return pb.HealthResponse(status=pb.HealthResponse.STATUS_SERVING)
