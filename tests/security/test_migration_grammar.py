@@ -135,3 +135,36 @@ def test_a_resumed_request_asks_no_prompt_logprobs_again() -> None:
     resumed = migration.next_request(ActorDiedError("gone"))
     assert resumed is not None and resumed.params.prompt_logprobs is None and resumed.params.logprobs == 1
     assert resumed.params.max_tokens == 8 and resumed.num_resumed_tokens == 2
+
+
+def test_a_disaggregated_decode_continues_the_prefill_sides_grammar(tokenizer: Any) -> None:
+    """The same state carried across the prefill/decode split: the decode replica's grammar
+    starts past the first token the prefill replica sampled under it (before the fix it
+    started at the root, one token behind the output)."""
+    from worker.engine.core import Engine
+
+    def engine() -> Engine:
+        return build_engine(EngineConfig(model=ModelConfig(model=str(default_model_path()), device="cpu", num_threads=1),
+                                         cache=CacheConfig(kv_cache_bytes=16 * 1024**2)))
+
+    def run(e: Engine, rid: str) -> list[Any]:
+        outs = []
+        while e.has_unfinished():
+            outs += [o for o in e.step() if o.request_id == rid]
+        return outs
+
+    prefill, decode = engine(), engine()
+    ids = tokenizer("Tell me about a person.")["input_ids"]
+    so = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    for seed in range(3):
+        rid = f"pd-{seed}"
+        prefill.add_request(rid, ids, SamplingParams(max_tokens=1, temperature=1.0, seed=seed, structured=so), export_kv=True)
+        (first,) = run(prefill, rid)
+        export = first.extra["kv_export"]
+        decode.add_request(rid, ids, SamplingParams(max_tokens=120, temperature=1.0, seed=seed, structured=so),
+                           kv_import=export)
+        prefill.release_kv(rid)
+        rest = run(decode, rid)
+        tokens = list(first.new_token_ids) + [t for o in rest for t in o.new_token_ids]
+        assert rest[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(tokens, skip_special_tokens=True)), SCHEMA)
