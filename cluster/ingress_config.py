@@ -18,6 +18,7 @@ from cluster.config_fields import ByteSize, Section, default_of
 from cluster.pool_config import CustomResources, IngressAutoscalingSection
 from cluster.state_store import RedisStoreSpec
 from router.frontend.settings import IngressSettings
+from worker.sampling_params import MAX_PRIORITY
 
 # StateSection.redis_url as a JSON-schema pattern: redis:// or rediss://, a host, an optional
 # port and db, and no password (a user part without ':' is allowed).
@@ -78,8 +79,12 @@ class IngressSection(Section):
     # Priority bands (vLLM's request `priority`: lower first): key id (the 12 hex digits
     # kvserve logs, sha256 of the key) -> its default band, also the best band it may ask for.
     # Held requests are offered best band first, and a full queue sheds the worst band first;
-    # in the engine a better band may preempt a worse one. Unlisted keys: 0.
+    # in the engine a better band may preempt a worse one. Unlisted keys: default_key_priority.
     key_priorities: dict[str, int] = Field(default_of(IngressSettings, "key_priorities"))
+    # The band of a key not in key_priorities; unset: the worst band listed there (0 when
+    # none is), so that a key added to the Secret never outranks the listed ones.
+    default_key_priority: int | None = Field(default_of(IngressSettings, "default_key_priority"),
+                                             ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     # Within a band, held requests are served weighted round robin between keys: key id ->
     # its weight (a key of weight 3 is served up to 3 times in a row, and keeps up to 3x
     # the places of a weight-1 key when the queue is full). Unlisted keys: 1.
@@ -129,6 +134,10 @@ class StateSection(Section):
     # A concurrency slot of an ingress replica that died frees itself after this long
     # (live replicas renew theirs every third of it).
     lease_ttl_s: float = Field(default_of(RedisStoreSpec, "lease_ttl_s"), ge=1, le=3600)
+    # While Redis is unreachable: local (each ingress replica counts on its own: up to N x
+    # the limits with N replicas, shown by kvserve:limit_store_up 0 and a warning) or refuse
+    # (requests of limited keys get 503 until Redis is back).
+    when_down: Literal["local", "refuse"] = default_of(RedisStoreSpec, "when_down")
 
     @field_validator("redis_url")
     @classmethod

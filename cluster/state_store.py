@@ -14,7 +14,8 @@ each key expires as a whole once nobody touches it (a bucket untouched for a min
 full again, so its expiry changes nothing).
 
 Redis down: every call answers at once from the fallback LocalLimitStore (this replica's
-counts), one warning is logged, and a background task pings with backoff; when Redis
+counts; or 503 with `when_down="refuse"`), one warning is logged, the observer's metrics
+show it (kvserve:limit_store_up 0, kvserve:limit_store_local_decisions counting), and a background task pings with backoff; when Redis
 answers again one line says so, the slots held here (including those taken while it was
 down) are written back (it may have restarted empty), and Redis counts again. A call on
 a hung Redis waits at most 2 x socket_timeout_s, once: after that failure the store is
@@ -35,7 +36,7 @@ import os
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
@@ -43,6 +44,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
+from router import errors
 from router.frontend.key_limits import LocalLimitStore, SlotGrant, TokenGrant
 
 logger = logging.getLogger(__name__)
@@ -124,9 +126,22 @@ class RedisStoreSpec:
     socket_timeout_s: float = 0.2
     lease_ttl_s: float = 30.0
     reconnect_max_s: float = 2.0
+    # While Redis is unreachable: "local" counts on this replica (up to N x the limits with
+    # N ingress replicas; the observer's metrics and a warning say so), "refuse" answers
+    # every limited request 503 until Redis is back.
+    when_down: str = "local"
 
     def build(self) -> RedisLimitStore:
         return RedisLimitStore(self)
+
+
+class StoreObserver(Protocol):
+    """What watches the store (router/frontend/metrics.py's IngressMetrics): whether Redis
+    answers, and each limit decision made from this replica's counts instead."""
+
+    def limit_store_up(self, up: bool) -> None: ...
+
+    def limit_decided_locally(self, kind: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -184,6 +199,7 @@ class RedisLimitStore:
         self._heartbeat: asyncio.Task[None] | None = None
         self._reconnecting: asyncio.Task[None] | None = None
         self._reported_response_error = False
+        self.observer: StoreObserver | None = None  # set by the ingress (its metrics)
 
     def _slots_key(self, key_id: str) -> str:
         return f"{self.spec.key_prefix}:key:{key_id}:slots"
@@ -213,6 +229,7 @@ class RedisLimitStore:
             # The script may have added the member before the call timed out: nobody would
             # renew or remove it, and the key would look full for a lease's life.
             self._orphaned(key_id, member)
+            self._decide_locally("concurrency")
             # The slots this replica holds in Redis count too (else one replica could run
             # up to twice the limit for a key while Redis is down).
             held_in_redis = sum(1 for k in self._held.values() if k == key_id) - self.local.in_flight(key_id)
@@ -252,6 +269,7 @@ class RedisLimitStore:
             lambda: self._take(keys=[self._tokens_key(key_id)], args=[amount, tokens_per_minute, _BUCKET_TTL_MS])
         )
         if result is _DOWN:
+            self._decide_locally("tokens")
             return self.local.take(key_id, amount, tokens_per_minute)
         wait_ms = int(result)
         if wait_ms == 0:
@@ -276,6 +294,14 @@ class RedisLimitStore:
         await self._client.aclose()
 
     # -- Redis calls, down and back -----------------------------------------------------------
+    def _decide_locally(self, kind: str) -> None:
+        """Redis did not answer this decision: refuse it (503) or count it here, visibly."""
+        if self.spec.when_down == "refuse":
+            raise errors.APIError(503, "Per-key limits cannot be checked right now; retry shortly.", "server_error",
+                                  None, "limits_unavailable")
+        if self.observer is not None:
+            self.observer.limit_decided_locally(kind)
+
     async def _call(self, call: Callable[[], Awaitable[Any]]) -> Any:
         """The call's result, or _DOWN at once when Redis is down or this call finds it so."""
         if not self.up:
@@ -297,8 +323,14 @@ class RedisLimitStore:
         if not self.up:
             return
         self.up = False
-        logger.warning("Redis state store at %s unreachable (%s); per-key limits are counted per ingress "
-                       "replica until it is back", self._where, type(error).__name__)
+        if self.observer is not None:
+            self.observer.limit_store_up(False)
+        if self.spec.when_down == "refuse":
+            logger.warning("Redis state store at %s unreachable (%s); requests of limited keys are refused (503) "
+                           "until it is back", self._where, type(error).__name__)
+        else:
+            logger.warning("Redis state store at %s unreachable (%s); per-key limits are counted per ingress "
+                           "replica until it is back", self._where, type(error).__name__)
         if self._loop is not None and (self._reconnecting is None or self._reconnecting.done()):
             self._reconnecting = self._loop.create_task(self._reconnect())
 
@@ -313,6 +345,8 @@ class RedisLimitStore:
                 delay = min(2 * delay, self.spec.reconnect_max_s)
                 continue
             self.up = True
+            if self.observer is not None:
+                self.observer.limit_store_up(True)
             logger.warning("Redis state store at %s is back; per-key limits are cluster-wide again", self._where)
             await self._write_back()
             if self.up:

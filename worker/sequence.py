@@ -58,6 +58,7 @@ class Sequence:
         "lora_name",
         "lora_slot",
         "quiet_from",
+        "num_resumed_tokens",
     )
 
     def __init__(
@@ -107,6 +108,9 @@ class Sequence:
         # A quiet request (Engine.add_request): the index in token_ids after the tokens its
         # outputs carried so far; None for one that gets an output every step.
         self.quiet_from: int | None = None
+        # A migrated request: its last prompt tokens that are output of an earlier attempt
+        # (Engine.add_request); its grammar starts past them.
+        self.num_resumed_tokens = 0
 
     @property
     def num_tokens(self) -> int:

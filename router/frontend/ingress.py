@@ -143,6 +143,9 @@ class Ingress(GrpcMethods):
         # Every series this replica serves carries its id (router/frontend/metrics.py: no double counting).
         metrics = IngressMetrics(settings.served_model_name, ingress_replica=serve.get_replica_context().replica_id.unique_id)
         metrics.router.source = lambda: initialized_request_router_of(worker)
+        if store is not None and hasattr(store, "observer"):  # the shared store's outages show here
+            store.observer = metrics
+            metrics.limit_store_up(True)
         self.pipeline = RequestPipeline(settings, workers, tokenizer, metrics, api_keys, key_limits, routing_source)
         self.grpc = GrpcServicer(self.pipeline)
         flush_replica_log()  # the start-up lines (the API-key warning among them) in the file now
@@ -267,9 +270,11 @@ class Ingress(GrpcMethods):
     @app.get("/health")
     async def health(self) -> JSONResponse:
         """200 when a worker answers its health check; 503 otherwise, and while draining
-        (a readiness probe then takes this instance out of rotation)."""
+        (a readiness probe then takes this instance out of rotation). Unauthenticated, so
+        it reads the cached verdict (router/frontend/health_verdict.py): no worker call of
+        its own, no internals in the body."""
         reason = "The server is shutting down." if self.pipeline.limiter.draining else None
-        reason = reason or await self.pipeline.workers.unhealthy_reason()
+        reason = reason or await self.pipeline.workers.health.reason()
         if reason is not None:
             error = errors.APIError(503, reason, "server_error", None, "unhealthy")
             return JSONResponse(error.body(), status_code=503)

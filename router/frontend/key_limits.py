@@ -195,14 +195,27 @@ class KeyLimits:
 
     async def acquire(self, key_id: str, weight: int = 1) -> KeyLease:
         """`weight` concurrency slots for this key (its engine requests; when limited), or
-        APIError 429 holding none. A request heavier than the whole limit takes all of it
-        (it runs when the key has nothing else in flight), as the in-flight bound does."""
+        APIError 429 holding none. A request heavier than the whole limit is refused: the
+        limit counts engine requests, and n x prompts of them would exceed it."""
         limit = self.max_concurrent_requests
         lease = KeyLease(self, key_id, [])
         if limit is None:
             return lease
-        for _ in range(max(min(weight, limit), 1)):
-            grant = await self.store.acquire_slot(key_id, limit)
+        if weight > limit:
+            raise errors.APIError(
+                429,
+                f"This request makes {weight} engine requests (n x prompts), more than this API key's limit of "
+                f"{limit} in flight; lower n or send fewer prompts per request.",
+                "rate_limit_error",
+                None,
+                "concurrency_limit_exceeded",
+            )
+        for _ in range(max(weight, 1)):
+            try:
+                grant = await self.store.acquire_slot(key_id, limit)
+            except BaseException:  # the store refused (503) or the client left: hold none
+                lease.release()
+                raise
             if grant.slot is None:
                 lease.release()
                 raise errors.APIError(

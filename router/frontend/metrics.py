@@ -100,6 +100,8 @@ class IngressMetrics:
         self.admission = Counter("kvserve:admission_decisions", "Requests let through by admission control, by why they could go.", labels + ["reason"], registry=r)
         self.prefix_predicted = Counter("kvserve:router_prefix_hit_tokens_predicted", "Prompt tokens the best-placed replica reported cached at admission (fresh stats only).", labels, registry=r)
         self.prefix_realised = Counter("kvserve:router_prefix_hit_tokens_realised", "Prompt tokens the engine served from its prefix cache.", labels, registry=r)
+        self.limit_store = Gauge("kvserve:limit_store_up", "1 while the shared per-key limit store (Redis) answers, 0 while this replica counts alone.", labels, registry=r)
+        self.limit_local = Counter("kvserve:limit_store_local_decisions", "Per-key limit decisions made from this replica's counts because the shared store did not answer.", labels + ["kind"], registry=r)
         for series in (self.queue_length, self.prefix_predicted, self.prefix_realised):
             series.labels(model_name)  # shown at 0 from the start (dashboards divide by them)
         self.workers = WorkerStatsCollector(model_name)
@@ -121,6 +123,13 @@ class IngressMetrics:
 
     def observe_shed(self, reason: str) -> None:
         self.rejected.labels(self.model_name, f"admission_{reason}").inc()
+
+    # -- the shared limit store (cluster/state_store.py's StoreObserver) -------------------------
+    def limit_store_up(self, up: bool) -> None:
+        self.limit_store.labels(self.model_name).set(1 if up else 0)
+
+    def limit_decided_locally(self, kind: str) -> None:
+        self.limit_local.labels(self.model_name, kind).inc()
 
     def set_queue_length(self, length: int) -> None:
         self.queue_length.labels(self.model_name).set(length)

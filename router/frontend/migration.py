@@ -6,10 +6,13 @@ the request is sent again as
 
     prompt' = prompt + generated          (the new replica recomputes their KV, or finds
                                            the prompt's blocks in its prefix cache)
-    max_tokens' = max_tokens - len(generated), min_tokens likewise, other params the same
+    max_tokens' = max_tokens - len(generated), min_tokens likewise, prompt_logprobs off
+                  (the client has them), other params the same
     num_resumed_tokens = len(generated)   (the worker replays them through a fresh
                                            detokenizer, so text deltas and stop strings
-                                           continue exactly where the dead one stopped)
+                                           continue exactly where the dead one stopped,
+                                           and through a structured-output grammar, so
+                                           the output stays valid under it)
 
 and its outputs are re-based (prompt/output counts as the client's request sees them), so
 the client sees one continuous stream. Greedy output is token-identical to an undisturbed
@@ -94,7 +97,10 @@ class Migration:
             return None
         self.num_migrations += 1
         self._num_resumed = k
-        new_params = replace(params, max_tokens=params.max_tokens - k, min_tokens=max(0, params.min_tokens - k)) if k else params
+        # The client has the prompt logprobs already (the first output carried them): the
+        # resumed request asks none, or the earlier output would come back as prompt entries.
+        new_params = replace(params, max_tokens=params.max_tokens - k, min_tokens=max(0, params.min_tokens - k),
+                             prompt_logprobs=None) if k else params
         self.request = replace(
             self.original,
             request_id=f"{self.original.request_id}-m{self.num_migrations}",

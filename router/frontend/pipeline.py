@@ -162,7 +162,7 @@ class RequestPipeline:
     def band_of(self, principal: Principal, requested: int | None) -> int:
         """The request's priority band: its key's default when it asks for none; a key may
         ask for a worse band (a larger value), never a better one (400)."""
-        default = self.settings.key_priorities.get(principal.key_id, 0)
+        default = self.settings.key_priorities.get(principal.key_id, self.settings.unlisted_key_priority)
         if requested is None:
             return default
         if principal is not ANONYMOUS and requested < default:

@@ -57,11 +57,21 @@ class IngressSettings:
     # the block hashes): no key can learn from `cached_tokens` what another sent.
     isolate_prefix_cache_per_key: bool = False
     # Priority bands (lower first; router/routing/admission.py, worker/scheduling/scheduler.py): each listed
-    # key id's default band, also the best it may ask for; unlisted keys: 0.
+    # key id's default band, also the best it may ask for; unlisted keys: `default_key_priority`.
     key_priorities: Mapping[str, int] = field(default_factory=dict, compare=False)  # compare=False: unhashable
+    # The band of a key not in `key_priorities` (default and best); None: the worst listed
+    # band (0 when none is listed), so that a newly added key never outranks a listed one.
+    default_key_priority: int | None = None
     # Weighted fair shares within a band (router/routing/fair_queue.py): each listed key id's
     # weight in the hold queue's rotation and its share of a full queue; unlisted keys: 1.
     key_weights: Mapping[str, int] = field(default_factory=dict, compare=False)
+
+    @property
+    def unlisted_key_priority(self) -> int:
+        """The band of a key that `key_priorities` does not list."""
+        if self.default_key_priority is not None:
+            return self.default_key_priority
+        return max(self.key_priorities.values(), default=0)
     # /metrics without an API key (e.g. for a Prometheus scraper) when keys are on.
     metrics_public: bool = False
     # Admission control (router/routing/admission.py): while no worker replica can take a request

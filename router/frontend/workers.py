@@ -17,6 +17,7 @@ from typing import Any
 
 from router import errors
 from router.frontend.generation import api_error_of
+from router.frontend.health_verdict import HealthVerdict
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class Workers:
         self.generate = generate
         self._stats_timeout_s = stats_timeout_s
         self._model_info: dict[str, Any] | None = None
+        # What /health and gRPC Health read: one check at a time, cached briefly.
+        self.health = HealthVerdict(self.unhealthy_reason)
 
     async def model_info(self) -> dict[str, Any]:
         """The workers' model facts, fetched once. `max_model_len` is the longest sequence
@@ -138,8 +141,10 @@ async def _unhealthy(handle: Any, timeout_s: float) -> str | None:
         response.cancel()
         return f"No worker answered its health check within {timeout_s:g} s."
     except Exception as e:
+        # The cause (actor ids, addresses, paths) is logged, never shown to a probe.
         cause = getattr(e, "cause", None) or e
-        return f"No healthy worker: {type(cause).__name__}: {cause}"[:1000]
+        logger.warning("worker health check failed: %s: %s", type(cause).__name__, str(cause)[:1000])
+        return "No healthy worker."
     return None
 
 

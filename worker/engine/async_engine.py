@@ -150,7 +150,7 @@ class AsyncEngine:
                           on_end=lambda: self._forget(request_id, sink))
         self._streams[request_id] = sink
         self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, export_kv, kv_import, lora,
-                                   processor.defers_text))
+                                   processor.defers_text, num_resumed_tokens))
         try:
             await sink.done
         finally:
@@ -290,6 +290,7 @@ class AsyncEngine:
                     self.engine.add_request(
                         item.request_id, item.prompt_token_ids, item.params,
                         export_kv=item.export_kv, kv_import=item.kv_import, quiet=item.quiet,
+                        num_resumed_tokens=item.num_resumed_tokens,
                         **({"lora_name": item.lora[0], "lora_path": item.lora[1]} if item.lora else {}),
                     )
                 except RequestError as e:

@@ -173,8 +173,11 @@ class Engine:
         lora_name: str | None = None,
         lora_path: str | None = None,
         quiet: bool = False,
+        num_resumed_tokens: int = 0,
     ) -> None:
-        """`quiet`: the caller reads the first output and the finished one only (a
+        """`num_resumed_tokens`: the prompt's last tokens are output of an earlier attempt (a
+        migrated request): a structured-output grammar starts past them.
+        `quiet`: the caller reads the first output and the finished one only (a
         non-streamed response with nothing to watch per token): the steps between make no
         output, and each output carries every token since the one before.
         `export_kv`: when the first token is sampled, attach a KVExport of the prompt to
@@ -204,6 +207,7 @@ class Engine:
         if kv_import is not None:
             check_import_root(kv_import, lora_root if lora_root is not None else root_hash(params.cache_keys))
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
+        seq.num_resumed_tokens = max(0, min(num_resumed_tokens, len(prompt_token_ids) - 1))
         if quiet and params.logprobs is None:  # per-token logprobs leave with each token's output
             seq.quiet_from = seq.num_prompt_tokens
         self.connector.add_request(seq, export_kv, kv_import)

@@ -21,6 +21,7 @@ class AddRequest:
     kv_import: Any = None  # disaggregation, decode side: a kv.transfer.KVExport
     lora: tuple[str, str | None] | None = None  # (adapter name, its PEFT directory)
     quiet: bool = False  # outputs at the first token and the end only (Engine.add_request)
+    num_resumed_tokens: int = 0  # a migrated request's earlier output (Engine.add_request)
 
 
 @dataclass

@@ -21,7 +21,11 @@ class CompileWaits:
         if seq.params.structured is None or self.compiler is None:
             return False
         deadline = time.monotonic() + self.compiler.compile_timeout_s
-        seq.grammar = GrammarState(self.compiler.submit(seq.params.structured), deadline)
+        # Output the grammar has not seen yet: a resumed request's last prompt tokens (its
+        # earlier output), and a disaggregated decode's first token (sampled by the prefill
+        # replica, already in token_ids). The grammar replays them before the first mask.
+        replay = tuple(seq.token_ids[seq.num_prompt_tokens - seq.num_resumed_tokens :])
+        seq.grammar = GrammarState(self.compiler.submit(seq.params.structured), deadline, replay)
         self.seqs.append(seq)
         return True
 

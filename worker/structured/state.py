@@ -3,7 +3,9 @@
 Torch-free (the scheduler advances it). Lifecycle: created at add_request with the
 compile future; `start()` when the future is done (the request then enters the
 scheduler); `accept(token)` for every sampled token, on the step thread. Preemption
-keeps the output tokens, so the matcher stays valid across a recompute.
+keeps the output tokens, so the matcher stays valid across a recompute. A migrated
+request (router/frontend/migration.py) starts its matcher past the output the client
+already has (`replay`): the grammar continues where the dead replica's stopped.
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarState:
-    __slots__ = ("_future", "_deadline", "matcher")
+    __slots__ = ("_future", "_deadline", "_replay", "matcher")
 
-    def __init__(self, future: Future[Any], deadline: float | None = None) -> None:
+    def __init__(self, future: Future[Any], deadline: float | None = None, replay: tuple[int, ...] = ()) -> None:
         self._future = future
+        # Tokens already output under this grammar (a resumed request): consumed at start().
+        self._replay = replay
         # time.monotonic() by which the compile must have finished; past it the request
         # fails (start() says so) instead of waiting on a compile that may never end.
         self._deadline = deadline
@@ -43,6 +47,8 @@ class GrammarState:
         if error is not None:
             return str(error)
         self.matcher = self._future.result().deep_copy()
+        if self._replay and not self.matcher.consume_tokens(list(self._replay)):
+            return f"the resumed output does not match the structured-output grammar: {self.matcher.get_error()}"
         return None
 
     def accept(self, token_id: int) -> bool:

@@ -120,7 +120,7 @@ class GrpcServicer:
     async def _generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext | None) -> pb.GenerateResponse:
         clock = Clock()
         stream = await self._start(request, clock, self._authenticate(grpc_context), grpc_context, stream=False)
-        response = pb.GenerateResponse(request_id=stream.request_id, model=self._model(request.model))
+        response = pb.GenerateResponse(request_id=request.request_id or stream.request_id, model=self._model(request.model))
         tokenizer, prompts = self.pipeline.tokenizer, {inp.index: inp.prompt_token_ids for inp in stream.inputs}
         choices = {i: pb.Choice(index=i, text=echo_text(request, ids, tokenizer)) for i, ids in prompts.items()}
         usage = pb.Usage()
@@ -171,7 +171,7 @@ class GrpcServicer:
                 clock.observe(out)
                 ids = prompts.pop(event.index, None)
                 message = pb.GenerateStreamResponse(
-                    request_id=stream.request_id,
+                    request_id=request.request_id or stream.request_id,
                     index=event.index,
                     token_ids=out.new_token_ids,
                     text=(echo_text(request, ids, self.pipeline.tokenizer) if ids is not None else "") + out.text_delta,
@@ -238,7 +238,7 @@ class GrpcServicer:
         this verdict into grpc.health.v1's)."""
         if self.pipeline.limiter.draining:
             return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING, message="draining: shutting down")
-        reason = await self.pipeline.workers.unhealthy_reason()
+        reason = await self.pipeline.workers.health.reason()  # cached: no worker call per probe
         if reason is not None:
             return pb.HealthResponse(status=pb.HealthResponse.STATUS_NOT_SERVING, message=reason)
         return pb.HealthResponse(status=pb.HealthResponse.STATUS_SERVING)
@@ -303,13 +303,22 @@ class GrpcServicer:
             n,
             request.ByteSize(),
             lambda max_model_len: engine_inputs(request, model, tokenizer, max_model_len, max_n),
-            request.request_id or f"grpc-{uuid.uuid4().hex}",
+            engine_request_id(request.request_id),
             clock.arrival,
             client_session_id(grpc_metadata_value(metadata, SESSION_HEADER), None),
             stream=stream, lora=self.pipeline.lora.resolve(request.model),
             offload=request.WhichOneof("constraint") is not None,  # a grammar to check
             priority=request.priority if request.HasField("priority") else None,
         )
+
+
+def engine_request_id(client_id: str) -> str:
+    """The id the engine request runs under. The client's own id (echoed in every response)
+    is not unique across keys or calls: as the engine's id, another key's request with the
+    same one would be refused as "already in use" (or fail the first). A random suffix
+    scopes it to this call; the client's part keeps it findable in logs."""
+    suffix = uuid.uuid4().hex
+    return f"{client_id}.{suffix[:12]}" if client_id else f"grpc-{suffix}"
 
 
 class GrpcMethods:

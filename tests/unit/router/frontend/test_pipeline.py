@@ -41,7 +41,7 @@ def holds_nothing(p: RequestPipeline, limits: KeyLimits) -> bool:
 
 
 async def test_a_finished_request_is_charged_what_it_used() -> None:
-    p, _, limits = pipeline()
+    p, _, limits = pipeline(2)  # n=2: two engine requests, both inside the key's limit
     stream = await p.start(KEY, 2, 10, inputs(4, 3, n=2), "r", 0.0)
     # Admitted and charged the worst case: the prompt once, max_tokens per choice.
     assert p.limiter.in_flight == 2 and tokens_left(limits) == TOKENS_PER_MINUTE - (4 + 2 * 3)

@@ -72,10 +72,12 @@ async def test_health_needs_both_pools() -> None:
     ingress = DisaggIngress()
     assert (await ingress.Health(pb.HealthRequest())).status == pb.HealthResponse.STATUS_SERVING
     ingress.prefill.healthy = False
+    ingress.pipeline.workers.health.expire()  # the verdict is cached for a second
     health = await ingress.Health(pb.HealthRequest())
     assert health.status == pb.HealthResponse.STATUS_NOT_SERVING
     assert health.message.startswith("prefill pool: No healthy worker")
     ingress.prefill.healthy, ingress.worker.healthy = True, False
+    ingress.pipeline.workers.health.expire()
     assert (await ingress.Health(pb.HealthRequest())).message.startswith("decode pool:")
 
 
