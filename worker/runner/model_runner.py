@@ -20,13 +20,12 @@ import torch
 
 from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_blocks_for_budget
 from worker.api import RunnerOutput
-from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo, select_backend
-from worker.runner.decode_groups import decode_group_bounds
+from worker.attention import AttentionMetadata, select_backend
 from worker.config import EngineConfig
 from worker.runner.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.runner.forward_timer import ForwardTimer
 from worker.runner.kv_group_binding import (
-    bind_groups, gather_table, group_table_tensor, layer_caches, model_kv_layout, scatter_table,
+    bind_groups, gather_table, layer_caches, model_kv_layout, scatter_table,
 )
 from kv.kv_groups import full_layout
 from worker.lora.model_lora import ModelLoRA, adapter_loader
@@ -39,6 +38,7 @@ from worker.model.parallel import SINGLE, TPContext
 from worker.sampling import prompt_logprobs
 from worker.api import TokenLogprob
 from worker.runner.batches import HostBatch, LaunchedBatch
+from worker.runner.inputs import attention_metadata, host_batch
 from worker.sampling.sampled_batch import SampledBatch
 from worker.sampling.sampler import Sampler
 from worker.structured.bitmask import MaskPrefetcher
@@ -219,7 +219,7 @@ class ModelRunner:
             range(len(seqs)),
             key=lambda i: (num_new[i] != 1, seqs[i].num_computed_tokens if num_new[i] == 1 else 0),
         )
-        batch = self._host_batch(plan, order)
+        batch = host_batch(plan, order, self.block_size, self._num_groups)
         if before is not None:
             batch.input_ids = self._pending_inputs(plan, order, before)
         if self.lora is not None:
@@ -322,7 +322,7 @@ class ModelRunner:
             return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
                                    batch.block_table, batch.context_lens)
         dev = self.device
-        meta = self._metadata(batch)
+        meta = attention_metadata(batch, self.block_size, self._num_groups, self.device, self.backend.varlen)
         input_ids = batch.input_ids.to(dev, non_blocking=True)
         positions = batch.positions.to(dev, non_blocking=True)
         self.timer.start()
@@ -332,103 +332,3 @@ class ModelRunner:
             self._layer_caches_of = self.kv_caches
         caches = self._layer_caches
         return self.model(input_ids, positions, caches, meta)
-
-    def _host_batch(self, plan: SchedulerOutput, order: list[int]) -> HostBatch:
-        bs = self.block_size
-        seqs, num_new = plan.seqs, plan.num_new_tokens
-        flat_ids: list[int] = []
-        starts: list[int] = []  # first position computed this step, per seq (in `order`)
-        lens: list[int] = []
-        tables: list[list[int]] = []
-        # Launched ahead, a row's one input token is not in token_ids yet (launch gathers it
-        # on the device; 0 holds its place here), and the row samples one past token_ids.
-        pending = int(plan.pending_inputs)
-        for i in order:
-            seq, n = seqs[i], num_new[i]
-            c = seq.num_computed_tokens
-            flat_ids.extend(seq.token_ids[c : c + n] if not pending else (0,))
-            starts.append(c)
-            lens.append(n)
-            tables.append(plan.block_ids[i])
-        num_seqs = len(order)
-        if self._num_groups > 1:  # (groups, S, max_blocks): one table per KV group
-            table = group_table_tensor(tables, self._num_groups)  # type: ignore[arg-type]
-        else:
-            max_blocks = max(len(t) for t in tables)
-            # One tensor from padded rows, not one small tensor per row: each tensor built costs
-            # a fixed overhead that would be paid per sequence per step.
-            table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        lens_t = torch.tensor(lens, dtype=torch.long)
-        starts_t = torch.tensor(starts, dtype=torch.long)
-        query_start = torch.cumsum(lens_t, 0) - lens_t
-        # position of flat token j = starts[seq(j)] + (j - query_start[seq(j)])
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lens_t)
-        positions = torch.arange(len(flat_ids)) + (starts_t - query_start)[seq_of_token]
-        slots = table[..., seq_of_token, positions // bs] * bs + positions % bs  # (T,) or (groups, T)
-        qs = query_start.tolist()
-        # Sample where a seq reaches its last token; its logits come from that token.
-        sample_rows: list[int] = []
-        last_idx: list[int] = []
-        for row, i in enumerate(order):
-            if starts[row] + lens[row] == seqs[i].num_tokens + pending:
-                sample_rows.append(i)
-                last_idx.append(qs[row] + lens[row] - 1)
-        return HostBatch(
-            input_ids=torch.tensor(flat_ids, dtype=torch.long),
-            positions=positions,
-            slot_mapping=slots,
-            block_table=table,
-            context_lens=starts_t + lens_t,
-            starts=starts,
-            lens=lens,
-            query_start=qs,
-            num_decodes=sum(1 for n in lens if n == 1),
-            sample_rows=sample_rows,
-            last_token_idx=last_idx,
-        )
-
-    def _metadata(self, batch: HostBatch) -> AttentionMetadata:
-        """The attention metadata on the device; with several KV groups, group 0's, listing
-        every group's in `groups` (worker/runner/kv_group_binding.py)."""
-        if self._num_groups == 1:
-            return self._group_metadata(batch, batch.block_table, batch.slot_mapping)
-        metas = [self._group_metadata(batch, batch.block_table[g], batch.slot_mapping[g])
-                 for g in range(self._num_groups)]
-        metas[0].groups = metas
-        return metas[0]
-
-    def _group_metadata(self, batch: HostBatch, table: torch.Tensor, slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """One group's metadata: decode groups and prefill infos for the torch backend, the
-        varlen fields for the flash and triton backends."""
-        bs, dev = self.block_size, self.device
-        starts, lens, context_lens = batch.starts, batch.lens, batch.context_lens
-        num_decodes = batch.num_decodes
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev, non_blocking=True), num_decode_tokens=num_decodes
-        )
-        if self.backend.varlen:
-            lens_t = torch.tensor(lens, dtype=torch.int32)
-            cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-            cu[1:] = torch.cumsum(lens_t, 0)
-            meta.cu_seqlens_q = cu.to(dev, non_blocking=True)
-            meta.seqused_k = context_lens.to(torch.int32).to(dev, non_blocking=True)
-            meta.block_table = table.to(torch.int32).to(dev, non_blocking=True)
-            meta.max_query_len = max(lens)
-            meta.max_context_len = int(context_lens.max())
-            return meta
-        for lo, hi in decode_group_bounds(starts[:num_decodes]):
-            max_ctx = starts[hi - 1] + 1  # sorted ascending: the last is the longest
-            meta.decode_groups.append(
-                DecodeGroup(
-                    lo, hi,
-                    table[lo:hi, : -(-max_ctx // bs)].to(dev, non_blocking=True),
-                    context_lens[lo:hi].to(dev, non_blocking=True),
-                    max_ctx,
-                )
-            )
-        for row in range(num_decodes, len(lens)):
-            ctx = starts[row] + lens[row]
-            meta.prefills.append(
-                PrefillInfo(batch.query_start[row], lens[row], ctx, table[row, : -(-ctx // bs)].to(dev, non_blocking=True))
-            )
-        return meta

@@ -149,7 +149,7 @@ class _FlatTable:
 
 @dataclass
 class MirrorSeq:
-    """What a non-zero rank knows of a request: enough for ModelRunner._host_batch."""
+    """What a non-zero rank knows of a request: enough for worker/runner/inputs.py host_batch."""
 
     token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)

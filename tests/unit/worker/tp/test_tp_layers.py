@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from tests.support.tiny_models import make_tiny_model
+from worker.runner.inputs import host_batch
 from worker.model.parallel import (
     ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding, kv_head_range,
     parallel_logits, validate_tp,
@@ -68,7 +69,7 @@ def _model_logits(model_dir: str, tp: TPContext) -> tuple[list[torch.Tensor], di
         order = list(range(len(seqs)))
         order.sort(key=lambda i: num_new[i] != 1)
         with torch.inference_mode():
-            hidden = runner._forward(runner._host_batch(plan, order))
+            hidden = runner._forward(host_batch(plan, order, runner.block_size, runner._num_groups))
             outs.append(runner.model.compute_logits(hidden))
     stats = runner.model.load_stats
     return outs, {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes}
