@@ -80,6 +80,10 @@ def moe_part(model_dir: Path, num_requests: int, repeats: int, threads: int, log
     per_repeat = ", ".join(_fmt(x) for x in r.repeat_ratios())
     log(f"moe: kvserve {r.tokens_per_s('kvserve'):.1f} useful tok/s, hf_static {r.tokens_per_s('hf_static'):.1f} "
         f"(over all repeats); per repeat {per_repeat}; order {' '.join(r.order)}")
+    cpu_ratio = r.cpu_tokens_per_s("kvserve") / r.cpu_tokens_per_s("hf_static")
+    log(f"moe: by process CPU seconds kvserve {r.cpu_tokens_per_s('kvserve'):.1f} useful tok/cpu-s, hf_static "
+        f"{r.cpu_tokens_per_s('hf_static'):.1f}: ratio {_fmt(cpu_ratio)} (beside the figure: less sensitive to "
+        f"other load on a shared CPU)")
     log(f"moe: kvserve vs hf_static tokens: {r.mismatched_requests} of {num_requests} requests differ "
         f"(expected 0)")
     log(f"moe_engine_vs_hf_static: {_fmt(r.ratio)} (goal >= {MOE_GOAL})")

@@ -13,7 +13,9 @@ submission to the last token (loading and warm-up outside it).
 Side by side: the two sides alternate, kvserve first in even repeats and hf_static first
 in odd ones, so drift in a shared machine's load favours neither. The figure is the ratio
 of the two sides' useful tokens/s, each summed over its repeats (total useful tokens over
-total timed seconds); each repeat's own ratio is reported too.
+total timed seconds); each repeat's own ratio is reported too, and the same ratio from
+process CPU seconds (benchmarks/engine.py's "(by cpu s)"), which other load on a shared
+machine moves less.
 """
 from __future__ import annotations
 
@@ -43,6 +45,13 @@ class MoEComparison:
         runs = self.runs[side]
         wall = sum(r.wall_s for r in runs)
         return sum(r.useful_tokens for r in runs) / wall if wall > 0 else float("nan")
+
+    def cpu_tokens_per_s(self, side: str) -> float:
+        """Useful tokens per process CPU second: less sensitive than wall time to other
+        load on a shared CPU (reported beside the figure, never instead of it)."""
+        runs = self.runs[side]
+        cpu = sum(r.cpu_s for r in runs)
+        return sum(r.useful_tokens for r in runs) / cpu if cpu > 0 else float("nan")
 
     @property
     def ratio(self) -> float:
