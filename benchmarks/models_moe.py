@@ -2,7 +2,7 @@
 active parameters: benchmarks/models.py's `moe_engine_vs_hf_static=` figure.
 
 Method: benchmarks/engine.py's, on benchmarks/bench_moe_model.py's checkpoint. One seeded
-workload (benchmarks/workload.py), concurrency 32, all requests at t = 0, greedy with EOS
+workload (cluster/workload/token_prompts.py), concurrency 32, all requests at t = 0, greedy with EOS
 ignored, torch.set_num_threads(threads) for both sides; kvserve runs through
 engine_systems.run_kvserve (a fresh engine each time, so no prefix cache carries over
 from one repeat to the next), transformers through engine_systems.run_hf_static
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine_systems import SystemResult, run_hf_static, run_kvserve
-from benchmarks.workload import Request, WorkloadSpec, describe, make_workload
+from cluster.workload.token_prompts import Request, WorkloadSpec, describe, make_workload
 
 SIDES = ("kvserve", "hf_static")
 
