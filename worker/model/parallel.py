@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -95,8 +96,6 @@ def vocab_range(vocab_size: int, tp: TPContext) -> tuple[int, int, int]:
 
 def all_reduce(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     if tp.size > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(x, group=tp.group)
     return x
 
@@ -212,8 +211,6 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
     local = F.linear(hidden, weight).float()
     if not tp.is_parallel:
         return local
-    import torch.distributed as dist
-
     parts = [torch.empty_like(local) for _ in range(tp.size)]
     dist.all_gather(parts, local.contiguous(), group=tp.group)
     return torch.cat(parts, dim=-1)[:, :vocab_size]

@@ -10,6 +10,7 @@ import datetime
 import socket
 
 import torch
+import torch.distributed as dist
 
 from worker.model.parallel import TPContext
 
@@ -27,8 +28,6 @@ def free_port(host: str) -> int:
 def init_tp_group(rank: int, size: int, host: str, port: int, device: torch.device) -> tuple[TPContext, object]:
     """Join the group (blocks until all `size` ranks have joined). Returns the model's
     TPContext and the CPU group for plans."""
-    import torch.distributed as dist
-
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -40,15 +39,11 @@ def init_tp_group(rank: int, size: int, host: str, port: int, device: torch.devi
 
 def send_plan(payload: torch.Tensor, group: object) -> None:
     """Rank 0: two broadcasts (length, then the ints)."""
-    import torch.distributed as dist
-
     dist.broadcast(torch.tensor([payload.numel()], dtype=torch.long), src=0, group=group)
     dist.broadcast(payload, src=0, group=group)
 
 
 def recv_plan(group: object) -> torch.Tensor:
-    import torch.distributed as dist
-
     length = torch.zeros(1, dtype=torch.long)
     dist.broadcast(length, src=0, group=group)
     payload = torch.empty(int(length.item()), dtype=torch.long)
@@ -58,15 +53,11 @@ def recv_plan(group: object) -> torch.Tensor:
 
 def agree_num_blocks(num_blocks: int, group: object) -> int:
     """Every rank must use the same block ids: the smallest pool wins."""
-    import torch.distributed as dist
-
     t = torch.tensor([num_blocks], dtype=torch.long)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
 
 
 def leave_tp_group() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -19,6 +19,7 @@ the plan group is a CPU group whatever the model's device.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from kv.kv_cache import KVCacheSpec
 from worker.model.parallel import TPContext, kv_head_range
@@ -55,8 +56,6 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 def gather_to_rank0(local: torch.Tensor, rank: int, size: int, group: object) -> list[torch.Tensor] | None:
     """A collective: every rank gives its (same-shaped) tensor; rank 0 gets all of them
     (as CPU tensors), the others None."""
-    import torch.distributed as dist
-
     raw = _as_bytes(local)
     if rank != 0:
         dist.gather(raw, None, dst=0, group=group)
@@ -71,8 +70,6 @@ def scatter_from_rank0(
 ) -> torch.Tensor:
     """A collective: rank 0 gives one tensor per rank (`parts`), every rank receives its
     own, of `shape` and `dtype` (a CPU tensor)."""
-    import torch.distributed as dist
-
     out = torch.empty(shape, dtype=dtype).view(torch.uint8)
     raws = [_as_bytes(p) for p in parts] if rank == 0 and parts is not None else None
     dist.scatter(out, raws, src=0, group=group)

@@ -3,10 +3,20 @@ cache and executes every plan rank 0 broadcasts; it never schedules or samples."
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import ray
+import torch
 
+from kv.kv_cache import allocate_kv_cache
 from worker.config import EngineConfig
+from worker.model_config import load_hf_config
+from worker.runner.kv_group_binding import table_length, unflat_table
+from worker.runner.model_runner import ModelRunner, resolve_device
+from worker.tp.group import agree_num_blocks, init_tp_group, leave_tp_group, recv_plan
+from worker.tp.kv_exchange import gather_to_rank0, local_shape, scatter_from_rank0
+from worker.tp.plan_codec import OP_EXPORT_KV, KVOp, PlanDecoder
+from worker.tp.rank_lora import RankLoRAStore
 
 logger = logging.getLogger(__name__)
 
@@ -26,23 +36,13 @@ class TPRankWorker:
     def setup(self) -> int:
         """Join the group, load this rank's shard, allocate its KV cache (the block count all
         ranks agree on, which this returns)."""
-        from pathlib import Path
-
-        from worker.model_config import load_hf_config
-        from worker.runner.model_runner import ModelRunner, resolve_device
-        from worker.tp.group import agree_num_blocks, init_tp_group
-
         device = resolve_device(self.config.model.device)
         if device.type == "cuda":
-            import torch
-
             device = torch.device("cuda", 0)  # Ray sets CUDA_VISIBLE_DEVICES to this rank's GPU
         tp, self.plan_group = init_tp_group(self.rank, self.size, self.host, self.port, device)
         hf_config = load_hf_config(Path(self.config.model.model), self.config.model.trust_remote_code)
         self.runner = ModelRunner(self.config, hf_config, self.max_model_len, tp)
         if self.runner.lora is not None:
-            from worker.tp.rank_lora import RankLoRAStore
-
             self.lora = RankLoRAStore(self.runner.lora_loader, self.config.lora.host_capacity)
             self.runner.lora_adapters = self.lora.get
         num_blocks = agree_num_blocks(self.runner.num_blocks, self.plan_group)  # collective
@@ -62,11 +62,6 @@ class TPRankWorker:
 
     def run(self) -> int:
         """Execute broadcast plans until rank 0 says stop; returns the steps executed."""
-        from worker.tp.group import leave_tp_group, recv_plan
-        from worker.tp.plan_codec import PlanDecoder
-
-        from worker.tp.plan_codec import KVOp
-
         decoder = PlanDecoder(self.runner.kv_layout.num_groups)
         num_steps = 0
         try:
@@ -84,10 +79,6 @@ class TPRankWorker:
 
     def _exchange_kv(self, op: object) -> None:
         """This rank's side of rank 0's export_kv / import_kv (worker/tp/kv_exchange.py)."""
-        from worker.runner.kv_group_binding import table_length, unflat_table
-        from worker.tp.kv_exchange import gather_to_rank0, local_shape, scatter_from_rank0
-        from worker.tp.plan_codec import OP_EXPORT_KV
-
         runner = self.runner
         table = unflat_table(op.block_ids, runner.kv_layout.num_groups)  # sent position-major
         if op.op == OP_EXPORT_KV:
@@ -103,8 +94,6 @@ class TPRankWorker:
 
 def _shrink_kv(runner: object, num_blocks: int) -> None:
     """Re-allocate a rank's KV cache with the group's common (smaller) block count."""
-    from kv.kv_cache import allocate_kv_cache
-
     if num_blocks < runner.num_blocks:
         device = runner.kv_caches.device
         runner.kv_caches = None  # free first: the budget was sized for one cache

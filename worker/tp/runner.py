@@ -22,10 +22,26 @@ from typing import Any, TypeVar
 
 import ray
 import torch
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from worker.api import LoRAAdapterError
 from worker.config import EngineConfig
+from worker.model.registry import arch_for
+from worker.runner.kv_group_binding import flat_table, table_length
 from worker.runner.model_runner import ModelRunner, RunnerOutput, resolve_device
 from worker.scheduling.scheduler import SchedulerOutput
+from worker.tp.group import agree_num_blocks, free_port, init_tp_group, leave_tp_group, send_plan
+from worker.tp.kv_exchange import (
+    assemble_heads,
+    gather_to_rank0,
+    head_ranges,
+    local_shape,
+    scatter_from_rank0,
+    split_heads,
+)
+from worker.tp.plan_codec import OP_EXPORT_KV, OP_IMPORT_KV, PlanEncoder, kv_message, stop_message
+from worker.tp.rank_worker import TPRankWorker, _shrink_kv
 
 logger = logging.getLogger(__name__)
 
@@ -60,15 +76,6 @@ class TPModelRunner:
         tensor_parallel_size: int,
         rank_num_cpus: float = 1.0,
     ) -> None:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from worker.model.registry import arch_for
-        from worker.tp.group import agree_num_blocks, free_port, init_tp_group
-        from worker.tp.kv_exchange import head_ranges
-        from worker.tp.plan_codec import PlanEncoder
-        from worker.tp.rank_worker import TPRankWorker, _shrink_kv
-
         size = tensor_parallel_size
         arch = arch_for(hf_config)
         arch.validate_tp(size)  # fail before spawning
@@ -135,8 +142,6 @@ class TPModelRunner:
         """The registry's loader (its own thread, never the step's): read the adapter here
         (a bad one fails here, with its LoRAAdapterError), then on every other rank, so
         that a plan writing it into a slot finds it on all of them."""
-        from worker.api import LoRAAdapterError
-
         adapter = self.runner.lora_loader(name, path)
         try:
             ray.get([w.load_lora.remote(name, path) for w in self.workers])
@@ -145,8 +150,6 @@ class TPModelRunner:
         return adapter
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        from worker.tp.group import send_plan
-
         def step() -> RunnerOutput:
             send_plan(self._encoder.encode(plan), self.plan_group)
             return self.runner.execute(plan)
@@ -157,11 +160,6 @@ class TPModelRunner:
     def export_kv(self, block_ids: list[int] | list[list[int]]) -> torch.Tensor:
         """All ranks' heads of these blocks (a table: one id list, or one per KV group), as
         one (layers, 2, T, Hkv, D) CPU tensor in model layer order."""
-        from worker.runner.kv_group_binding import flat_table
-        from worker.tp.group import send_plan
-        from worker.tp.kv_exchange import assemble_heads, gather_to_rank0
-        from worker.tp.plan_codec import OP_EXPORT_KV, kv_message
-
         def export() -> torch.Tensor:
             send_plan(kv_message(OP_EXPORT_KV, flat_table(block_ids)), self.plan_group)
             local = self.runner.export_kv(block_ids)
@@ -171,11 +169,6 @@ class TPModelRunner:
         return self._collective("KV export", export)
 
     def import_kv(self, block_ids: list[int] | list[list[int]], kv: torch.Tensor) -> None:
-        from worker.runner.kv_group_binding import flat_table, table_length
-        from worker.tp.group import send_plan
-        from worker.tp.kv_exchange import local_shape, scatter_from_rank0, split_heads
-        from worker.tp.plan_codec import OP_IMPORT_KV, kv_message
-
         def import_() -> None:
             send_plan(kv_message(OP_IMPORT_KV, flat_table(block_ids)), self.plan_group)
             parts = split_heads(kv.to("cpu", self.kv_spec.dtype), self._head_ranges)
@@ -221,9 +214,6 @@ class TPModelRunner:
         return [own, *ray.get([w.load_stats.remote() for w in self.workers])]
 
     def shutdown(self) -> None:
-        from worker.tp.group import leave_tp_group, send_plan
-        from worker.tp.plan_codec import stop_message
-
         if self._broken is None:
             try:
                 send_plan(stop_message(), self.plan_group)
