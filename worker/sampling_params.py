@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from worker.structured.grammar import GrammarError, check
+
 # Bounds that keep one request from taking the whole engine down (unbounded `n` and
 # `top_logprobs` have crashed other servers).
 MAX_LOGPROBS = 20
@@ -182,8 +184,6 @@ def check_structured_output(so: StructuredOutput) -> None:
     """Raise SamplingParamsError when the spec does not compile to a grammar. Torch- and
     tokenizer-free, so the ingress answers an invalid schema with 400 before a worker
     sees it (the worker compiles it again, cached, against its tokenizer)."""
-    from worker.structured.grammar import GrammarError, check
-
     try:
         check(so)
     except GrammarError as e:

@@ -32,6 +32,7 @@ from worker.api import RequestOutput
 from worker.api import SamplingParams
 from worker.engine.overlap import AppliedStep
 from worker.engine.build import build_engine
+from worker.api import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        from worker.api import load_tokenizer
-
         engine = build_engine(config)
         tokenizer = load_tokenizer(engine.model_path, config.model.trust_remote_code)
         return cls(engine, tokenizer)

@@ -6,28 +6,22 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kv.kv_geometry import KVGeometry
 from worker.config import EngineConfig
 from worker.engine.core import Engine
 from worker.lora.engine_lora import EngineLoRA
 from worker.scheduling.step_budget import profile_predictor
 from worker.structured.compiler import GrammarCompiler
+from worker.model_config import cap_to_kv_capacity, eos_token_ids_of, load_hf_config, max_model_len_for
+from worker.model_path import resolve_model_path
+from worker.sim.device import is_sim_device
+from worker.sim.runner import sim_engine_from_config
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    from worker.model_path import resolve_model_path
-    from worker.model_config import (
-        cap_to_kv_capacity,
-        eos_token_ids_of,
-        load_hf_config,
-        max_model_len_for,
-    )
-    from worker.sim.device import is_sim_device
-
     if is_sim_device(config.model.device):  # a simulated device: no weights, no torch (worker/sim/)
-        from worker.sim.runner import sim_engine_from_config
-
         return sim_engine_from_config(config)
-    from worker.runner.model_runner import ModelRunner
+    from worker.runner.model_runner import ModelRunner  # torch: a simulated device builds without it
 
     path = resolve_model_path(config.model.model)
     hf_config = load_hf_config(path, config.model.trust_remote_code)
@@ -38,7 +32,7 @@ def build_engine(config: EngineConfig) -> Engine:
     )
     predictor = profile_predictor(config)  # before any weights load or rank spawns
     if config.model.tensor_parallel_size > 1:
-        from worker.tp.runner import TPModelRunner
+        from worker.tp.runner import TPModelRunner  # torch, ray: only a TP group spawns actors
 
         runner = TPModelRunner(config, hf_config, max_model_len, config.model.tensor_parallel_size)
     else:
@@ -52,7 +46,7 @@ def build_engine(config: EngineConfig) -> Engine:
                     step_time_predictor=predictor)
     engine.model_path = path
     if config.cache.host_kv_cache_bytes:
-        from worker.kvcache.tiers import TierManager
+        from worker.kvcache.tiers import TierManager  # torch: a simulated device builds without it
 
         device = getattr(runner, "device", None)
         pin = device is not None and device.type == "cuda"
@@ -67,8 +61,6 @@ def _sequence_blocks(runner: object, block_size: int, max_model_len: int) -> int
     """Blocks of a plain table that the longest sequence the pool holds would fill: the pool
     itself for one full-attention group; with KV groups, that sequence's length in blocks
     (every group's blocks counted, the null block reserved)."""
-    from kv.kv_geometry import KVGeometry
-
     num_blocks = runner.num_blocks  # type: ignore[attr-defined]
     layout = getattr(runner, "kv_layout", None)
     if layout is None or not layout.frees_blocks:

@@ -41,6 +41,7 @@ from worker.engine.overlap import AppliedStep, LaunchedStep, overlaps
 from worker.scheduling.async_scheduler import AsyncScheduler
 from worker.scheduling.requests import Requests
 from worker.structured.compile_waits import CompileWaits
+from worker.lora.identity import confine
 
 if TYPE_CHECKING:  # torch: a simulated-device engine never imports it
     from worker.kvcache.tiers import TierManager
@@ -226,8 +227,6 @@ class Engine:
         raises LoRAAdapterError with what is wrong with it. With `roots`, the directory must
         resolve inside one of them (worker/lora/identity.py confine). Returns (the resolved
         directory, the digest of its files; "" where the loader computes none)."""
-        from worker.lora.identity import confine
-
         if self.lora is None:
             raise LoRAAdapterError("this server does not serve LoRA adapters (start it with engine.lora.enable "
                                    "or --lora-modules)")

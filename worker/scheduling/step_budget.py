@@ -25,6 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from worker.costs.cost_model import StepCostModel
+from worker.costs.profiles import load_profile
+from worker.costs.shapes import load_shape
+
 if TYPE_CHECKING:
     from worker.config import EngineConfig
     from worker.scheduling.scheduler import SchedulerOutput
@@ -114,10 +118,6 @@ def profile_predictor(config: EngineConfig) -> StepPredictor | None:
     if config.model.step_time_profile is None:
         raise ValueError("max_step_time_s on a real device needs engine.step_time_profile: a device "
                          "profile (h200, h100, a100-80gb, l4) or a `kvserve calibrate` JSON")
-    from worker.costs.cost_model import StepCostModel
-    from worker.costs.profiles import load_profile
-    from worker.costs.shapes import load_shape
-
     shape = load_shape(config.model.model, dtype_bytes=DTYPE_BYTES.get(config.model.dtype))
     return StepCostModel(shape, load_profile(config.model.step_time_profile))
 
