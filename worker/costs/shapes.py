@@ -30,6 +30,7 @@ from typing import Any
 from kv.kv_groups import KVLayout, full_layout, layout_for_windows
 from worker.api import is_gguf
 from worker.costs.shape_parts import MLAShape, MoEShape
+from worker.model_config import load_hf_config
 
 SHAPES_DIR = Path(__file__).resolve().parent / "shapes"
 
@@ -196,8 +197,6 @@ def load_shape(name_or_path: str, dtype_bytes: int | None = None) -> ModelShape:
         return ModelShape.from_hf_config(json.loads(named.read_text()), name_or_path, dtype_bytes)
     path = Path(name_or_path).expanduser()
     if path.is_file() and is_gguf(path):
-        from worker.model_config import load_hf_config
-
         return ModelShape.from_hf_config(load_hf_config(path).to_dict(), path.stem, dtype_bytes)
     if path.is_dir():
         path = path / "config.json"

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_bytes
 
 from worker.api import LoRAAdapterError
 from worker.lora.identity import (CONFIG_FILE, MAX_CONFIG_BYTES, WEIGHTS_FILE, read_bounded, read_adapter_files,
@@ -97,9 +99,6 @@ def load_adapter(name: str, path: str | Path, layer_shapes: dict[str, tuple[int,
     """Read a PEFT adapter directory, or a reference with its digest (worker/lora/identity.py:
     the files must still have that digest). `layer_shapes[target]` = (in, out) of each
     target in the base model (full sizes). Raises LoRAAdapterError with the reason."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load as load_bytes
-
     ref = str(path)
     # sizes checked before anything is read whole; the config before the weights are read
     files = read_adapter_files(ref, max_bytes, lambda data: parse_config(data, max_rank))

@@ -19,6 +19,7 @@ from worker.config import LoRAConfig
 from worker.lora.registry import Loader, LoRARegistry
 from worker.lora.slots import LoRASlots
 from worker.sequence import Sequence
+from worker.api import LoRAAdapterError
 
 
 class EngineLoRA:
@@ -91,8 +92,6 @@ class EngineLoRA:
     def register(self, name: str, path: str) -> None:
         """Make an adapter known. A name reused for another path must not find the old
         weights in a slot or in host memory."""
-        from worker.api import LoRAAdapterError
-
         if self.registry.paths.get(name) != path:
             if self.registry.in_use(name) or not self.slots.evict(name):
                 raise LoRAAdapterError(f"the LoRA adapter {name!r} still serves requests under its former path; "

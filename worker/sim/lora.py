@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from worker.lora.cost import config_num_bytes, config_targets, load_seconds, step_work, target_shapes
 from worker.costs.profiles import DeviceProfile
 from worker.costs.shapes import ModelShape
+from worker.api import LoRAAdapterError
 
 if TYPE_CHECKING:
     from worker.scheduling.scheduler import SchedulerOutput
@@ -44,8 +45,7 @@ def shape_target_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
 def read_sim_adapter(name: str, path: str, shape: ModelShape, max_rank: int) -> SimAdapter:
     """The registry's loader on a simulated device (LoRAAdapterError when the adapter
     would be refused by a real replica's config check, or names no target)."""
-    from worker.api import LoRAAdapterError
-    from worker.lora.adapter import read_config
+    from worker.lora.adapter import read_config  # torch: adapter.py loads it; the simulator must not
 
     config = read_config(Path(path), max_rank)
     targets = config_targets(config)

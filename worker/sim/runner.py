@@ -49,6 +49,9 @@ from worker.sim.device import parse_sim_device
 from worker.sim.lora import SimAdapter, SimLoRA
 from worker.costs.profiles import DeviceProfile, load_profile
 from worker.costs.shapes import ModelShape, load_shape
+from worker.lora.engine_lora import EngineLoRA
+from worker.model_config import eos_token_ids_of
+from worker.model_path import resolve_model_path
 
 _MASK = (1 << 64) - 1
 _BASE = 0x100000001B3  # odd: the polynomial hash below is a bijection per step
@@ -341,8 +344,6 @@ def build_sim_engine(
     )
     engine = Engine(scheduler, cache, runner, shape.vocab_size, eos)
     if runner.lora_loader is not None:
-        from worker.lora.engine_lora import EngineLoRA
-
         engine.enable_lora(EngineLoRA(lora, runner.lora_loader))
     return engine
 
@@ -352,9 +353,6 @@ def sim_engine_from_config(config: EngineConfig) -> Engine:
     (`config.model.model`, the embedded default unless set) is only read for its
     tokenizer, which the replica detokenizes with, and its EOS ids; the shape is
     `model_shape` (default: that directory's config.json). No weights are read."""
-    from worker.model_path import resolve_model_path
-    from worker.model_config import eos_token_ids_of
-
     profile = parse_sim_device(config.model.device)
     assert profile is not None
     if config.cache.host_kv_cache_bytes:
