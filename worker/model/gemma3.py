@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
 from worker.model.checkpoint_names import Target, llama_target
@@ -114,8 +115,6 @@ class LayerTypeRotary(RotaryEmbedding):
             base = params["rope_theta"]
             dim = self._head_dim
             return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self._hf_config, torch.device("cpu"), layer_type=self.layer_type)
         return inv_freq.float(), float(scaling)
 

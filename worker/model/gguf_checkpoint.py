@@ -68,7 +68,7 @@ class GGUFCheckpoint:
 
     def __init__(self, path: Path, num_heads: int, num_kv_heads: int) -> None:
         require_gguf()
-        from gguf import GGUFReader, dequantize
+        from gguf import GGUFReader, dequantize  # optional dependency: require_gguf() gives the install hint
 
         self._dequantize = dequantize
         reader = GGUFReader(path)

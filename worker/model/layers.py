@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 class RMSNorm(nn.Module):
@@ -42,8 +43,6 @@ def rope_inv_freq(hf_config: object, head_dim: int) -> tuple[torch.Tensor, float
         return inv_freq, 1.0
     if rope_type == "dynamic":
         raise ValueError("dynamic NTK RoPE scaling depends on the sequence length; not supported")
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported RoPE type {rope_type!r}")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))

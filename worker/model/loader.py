@@ -34,6 +34,7 @@ from worker.model_config import is_gguf
 from worker.model.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
+from worker.model.gguf_checkpoint import GGUFCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,6 @@ def _checkpoints(path: Path, arch: Any) -> Iterator[Any]:
     interface (keys / get_slice / get_tensor): the .safetensors files of a directory,
     or one .gguf file (dequantized, HF names: worker/model/gguf_checkpoint.py)."""
     if is_gguf(path):
-        from worker.model.gguf_checkpoint import GGUFCheckpoint
-
         yield GGUFCheckpoint(path, arch.num_heads, arch.num_kv_heads)
         return
     for file in safetensors_files(path):

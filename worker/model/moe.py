@@ -63,7 +63,7 @@ def grouped_experts(
     hidden (T, H); w13 (E, 2I, H); w2 (E, H, I); topk_* (T, K); biases (E, 2I) / (E, H).
     Partial under TP (this rank's slice of I): the caller all-reduces."""
     if hidden.is_cuda:
-        from worker.model import moe_triton
+        from worker.model import moe_triton  # triton: only a CUDA tensor loads the kernel module
 
         if moe_triton.available():
             return moe_triton.fused_experts(hidden, w13, w2, topk_ids, topk_weights, activation, w13_bias, w2_bias)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from kv.kv_groups import KVLayout, full_layout, layout_for_windows
+from kv.transfer import gather_blocks, scatter_blocks
 from worker.attention.base import AttentionMetadata
 
 
@@ -98,8 +99,6 @@ def gather_table(kv: torch.Tensor, layout: KVLayout, table: Any) -> torch.Tensor
     """A request's KV in model layer order, (num_layers, 2, len * block_size, Hkv, D), from
     its table (one id list, or one per group). A sliding group's released entries read the
     null block: positions no query reads again."""
-    from kv.transfer import gather_blocks
-
     if layout.num_groups == 1:
         return gather_blocks(kv, table)
     parts = [gather_blocks(kv, ids) for ids in table]
@@ -111,8 +110,6 @@ def gather_table(kv: torch.Tensor, layout: KVLayout, table: Any) -> torch.Tensor
 
 def scatter_table(kv: torch.Tensor, layout: KVLayout, table: Any, data: torch.Tensor) -> None:
     """Write KV in model layer order (gather_table's form) into a request's table."""
-    from kv.transfer import scatter_blocks
-
     if layout.num_groups == 1:
         scatter_blocks(kv, table, data)
         return
