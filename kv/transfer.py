@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from kv.block_hash import ROOT_HASH
 
 if TYPE_CHECKING:  # torch is imported where tensors are moved: a simulated-device replica never does
-    import torch
+    import torch  # torch: the simulated engine (worker/sim/, cluster/sim/) imports this module
 
     from kv.kv_cache import KVCacheSpec
 
@@ -118,7 +118,7 @@ class KVExport:
 def gather_blocks(kv_caches: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
     """Copy blocks out of the paged cache (layers, 2, num_blocks, bs, H, D) into a
     contiguous (layers, 2, len(block_ids) * bs, H, D) tensor, in block-table order."""
-    import torch
+    import torch  # torch: the simulated engine (worker/sim/, cluster/sim/) imports this module
 
     index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches.device)
     picked = kv_caches.index_select(2, index)  # a copy: the blocks may be reused afterwards
@@ -129,7 +129,7 @@ def gather_blocks(kv_caches: torch.Tensor, block_ids: Sequence[int]) -> torch.Te
 def scatter_blocks(kv_caches: torch.Tensor, block_ids: Sequence[int], kv: torch.Tensor) -> None:
     """Write an export's tensor into the given blocks of the paged cache (the inverse of
     `gather_blocks`). `kv` covers exactly len(block_ids) blocks."""
-    import torch
+    import torch  # torch: the simulated engine (worker/sim/, cluster/sim/) imports this module
 
     num_layers, two, _, block_size, heads, dim = kv_caches.shape
     blocks = kv.to(device=kv_caches.device, dtype=kv_caches.dtype).reshape(
@@ -217,7 +217,7 @@ class RayObjectStoreTransport(KVTransport):
         self._refs: dict[str, Any] = {}
 
     def send(self, export: KVExport, source_replica_id: str = "") -> KVHandle:
-        import ray
+        import ray  # ray: only the Ray object-store transport needs it
 
         if export.kv.device.type != "cpu":
             export.kv = export.kv.cpu()  # the object store holds host memory

@@ -226,7 +226,7 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(path)
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # transformers: the ingress imports this module
 
     if is_gguf(path):
         require_gguf()

@@ -55,7 +55,7 @@ SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral")
 def load_hf_config(path: Path, trust_remote_code: bool = False) -> Any:
     """The model's transformers config, checked (see check_supported). A .gguf file's config
     is read from the file's metadata by transformers (context length, heads, RoPE base...)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers: the ingress imports this module
 
     path = Path(path)
     if is_gguf(path):

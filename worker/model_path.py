@@ -35,6 +35,7 @@ def resolve_model_path(model: str) -> Path:
             raise FileNotFoundError(f"model {model!r} is a file, not a model directory or a .gguf file")
         raise FileNotFoundError(f"GGUF file {model!r} not found" if is_gguf(path) else f"model directory {model!r} not found")
     try:
+        # huggingface_hub: only a hub id needs it; the ingress imports this module
         from huggingface_hub import snapshot_download
 
         return Path(

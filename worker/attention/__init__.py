@@ -19,10 +19,10 @@ BACKENDS = ("auto", "torch", "flash", "triton")
 def _load(name: str, device: torch.device) -> tuple[AttentionBackend | None, str]:
     # Imported lazily: triton_paged imports triton, which a CPU-only install may lack.
     if name == "flash":
-        from worker.attention.flash import load_flash_backend
+        from worker.attention.flash import load_flash_backend  # flash-attn: optional, loaded only when asked for
 
         return load_flash_backend(device)
-    from worker.attention.triton_paged import load_triton_backend
+    from worker.attention.triton_paged import load_triton_backend  # triton: a CPU-only install may lack it
 
     return load_triton_backend(device)
 

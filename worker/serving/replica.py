@@ -321,7 +321,7 @@ def _lora_of(request: GenerateRequest) -> tuple[str, str | None] | None:
 
 def _replica_id() -> str:
     try:
-        from ray import serve
+        from ray import serve  # ray: unit tests and the simulator run a replica without Ray
 
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (unit tests)

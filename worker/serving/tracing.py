@@ -80,7 +80,9 @@ def record(
     tracer = _tracer
     if tracer is None or request.trace_context is None:
         return
+    # optional dependency (otel extra): only when tracing is on
     from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+    # optional dependency (otel extra)
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     to_ns = _monotonic_to_epoch_ns()

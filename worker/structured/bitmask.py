@@ -47,6 +47,7 @@ def compute_bitmask(seqs: SequenceT[Any], vocab_size: int, parallel: bool = True
     if not rows:
         return None
     bitmask = np.full((len(seqs), (vocab_size + 31) // 32), -1, dtype=np.int32)
+    # llguidance: after llguidance_module() gave its install hint
     from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
     if parallel:

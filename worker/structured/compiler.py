@@ -94,6 +94,6 @@ class GrammarCompiler:
 def _llguidance_tokenizer(hf_tokenizer: Any, vocab_size: int) -> Any:
     """llguidance's tokenizer for an HF one; `vocab_size` is the model's (its logits'
     width), which may exceed the tokenizer's own length (padded embeddings)."""
-    import llguidance.hf
+    import llguidance.hf  # llguidance: only a grammar needs it (install hint in grammar.py)
 
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)

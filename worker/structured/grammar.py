@@ -29,7 +29,7 @@ class GrammarError(ValueError):
 
 def llguidance_module() -> Any:
     try:
-        import llguidance
+        import llguidance  # llguidance: the ingress imports this module; fails with the install hint
     except ImportError as e:  # pragma: no cover - the dependency is in pyproject.toml
         raise RuntimeError("structured outputs need llguidance: pip install 'llguidance>=1.9'") from e
     return llguidance
@@ -59,6 +59,7 @@ def _grammar_of(so: StructuredOutput) -> str:
     else:  # grammar: Lark, or GBNF (llama.cpp's, which vLLM also takes) converted to Lark
         text = so.spec
         if "::=" in text:
+            # llguidance: the ingress imports this module; only GBNF needs it
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             try:
@@ -81,7 +82,7 @@ def _check_schema(text: str) -> dict[str, Any]:
         raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("a JSON schema must be an object (or a boolean)")
-    import jsonschema
+    import jsonschema  # jsonschema: the ingress imports this module; only a JSON schema needs it
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
