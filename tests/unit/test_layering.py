@@ -309,3 +309,37 @@ def test_packages_stay_grouped(package: str, limit: int) -> None:
     new modules in a subpackage of the concept they serve (docs/architecture.md)."""
     flat = sorted(p.name for p in (ROOT / package).glob("*.py"))
     assert len(flat) <= limit, f"{package}/ has {len(flat)} top-level modules (at most {limit}): {flat}"
+
+
+def uncommented_function_imports(root: Path = ROOT, packages: tuple[str, ...] = ("worker", "kv")) -> list[str]:
+    """`path:line` of every import inside a function with no comment on its line or the line
+    before: a function-level import must say what it keeps out (torch from the ingress, an
+    optional dependency, ...); any other import belongs at the top of the module."""
+    found: list[str] = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            lines = path.read_text().splitlines()
+            for fn in ast.walk(ast.parse("\n".join(lines), filename=str(path))):
+                if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        said = lines[node.lineno - 1] + (lines[node.lineno - 2] if node.lineno > 1 else "")
+                        if "#" not in said:
+                            found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return sorted(set(found))
+
+
+def test_function_level_imports_say_why() -> None:
+    missing = uncommented_function_imports()
+    assert not missing, ("function-level imports without a comment saying why (move them to the top of the "
+                         "module, or say what they keep out):\n" + "\n".join(missing))
+
+
+def test_the_import_check_sees_imports_in_functions(tmp_path: Path) -> None:
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "m.py").write_text(
+        "import os\n\n\ndef f():\n    import json\n    # torch: kept out of the ingress\n    import torch\n"
+        "    import re  # optional\n"
+    )
+    assert uncommented_function_imports(tmp_path, ("kv",)) == ["kv/m.py:5"]
