@@ -282,6 +282,10 @@ class RedisLimitStore:
             except (RedisError, OSError, TimeoutError):
                 delay = min(2 * delay, self.spec.reconnect_max_s)
                 continue
+            # Idle pooled connections from before the outage are dead (a restarted Redis
+            # closed them): drop them, or the next call to pick one fails and takes the
+            # store down again for a whole backoff.
+            await self._client.connection_pool.disconnect(inuse_connections=False)
             self.up = True
             if self.observer is not None:
                 self.observer.limit_store_up(True)
