@@ -180,7 +180,7 @@ class _Formatter:
         choice.setdefault("logprobs", None)
         choice.setdefault("finish_reason", None)
         body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return sse_data(body)
 
 
 class CompletionFormatter(_Formatter):
@@ -384,7 +384,18 @@ def sse(obj: p.BaseModel | dict[str, Any]) -> str:
             choice.setdefault("logprobs", None)
             choice.setdefault("finish_reason", None)
         obj = data
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return sse_data(obj)
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+# Characters a line reader that splits like str.splitlines() (httpx's aiter_lines among them)
+# takes for line ends, which json.dumps(ensure_ascii=False) leaves raw inside strings: escaped,
+# so that one SSE event stays one line whatever text a model produces.
+_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_data(obj: object) -> str:
+    """One SSE `data:` event of `obj` as JSON (UTF-8 kept, line separators escaped)."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
