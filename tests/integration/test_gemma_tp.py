@@ -17,7 +17,6 @@ from tests.support.tiny_gemma import make_tiny_gemma3
 from tests.support.tiny_models import hf_greedy
 from worker.api import SamplingParams
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from worker.engine.core import Engine
 from worker.engine.build import build_engine
 
 

@@ -18,7 +18,6 @@ from tests.unit.router.frontend.test_pipeline import inputs
 from worker.api import SamplingParams, SamplingParamsError, StructuredOutput, check_structured_output
 from worker.config import CacheConfig, EngineConfig, ModelConfig
 from worker.default_model import default_model_path
-from worker.engine.core import Engine
 from worker.structured.compiler import GrammarCompiler
 from worker.structured.state import GrammarState
 from worker.engine.build import build_engine

@@ -8,7 +8,6 @@ from tests.support.scheduler_helpers import make_scheduler, make_seq, rids, step
 from worker.api import SamplingParams
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.default_model import default_model_path
-from worker.engine.core import Engine
 from worker.sequence import SequenceStatus
 from worker.engine.build import build_engine
 

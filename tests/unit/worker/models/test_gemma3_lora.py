@@ -7,7 +7,6 @@ import random
 from typing import TYPE_CHECKING
 
 from worker.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
-from worker.engine.core import Engine
 from worker.engine.build import build_engine
 
 if TYPE_CHECKING:

@@ -17,7 +17,6 @@ from tests.support.tiny_deepseek import VOCAB, DeepseekReference, deepseek_confi
 from worker.api import SamplingParams
 from worker.attention.mla_paged import MLADims, attend_expanded, causal_mask, decode_absorbed, split_kv_b
 from worker.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig
-from worker.engine.core import Engine
 from worker.model.deepseek_moe import RoutingArch, grouped_topk
 from worker.model.deepseek_v3 import DeepseekV3Arch
 from worker.model_config import UnsupportedModelError, check_supported
