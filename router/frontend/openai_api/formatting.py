@@ -3,11 +3,11 @@ router/frontend/openai_api/convert.py (which re-exports it). Choices are merged 
 per-choice RequestOutputs; nothing here does I/O."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.frontend.openai_api.sse import SSE_DONE, sse_data  # noqa: F401  (SSE_DONE: convert.py re-exports it)
 from router.frontend.openai_api import protocol as p
 from router.frontend.tool_calling import chat_tools
 from worker.api import RequestOutput, TokenLogprob
@@ -387,15 +387,3 @@ def sse(obj: p.BaseModel | dict[str, Any]) -> str:
     return sse_data(obj)
 
 
-SSE_DONE = "data: [DONE]\n\n"
-
-
-# Characters a line reader that splits like str.splitlines() (httpx's aiter_lines among them)
-# takes for line ends, which json.dumps(ensure_ascii=False) leaves raw inside strings: escaped,
-# so that one SSE event stays one line whatever text a model produces.
-_LINE_BREAKS = str.maketrans({"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def sse_data(obj: object) -> str:
-    """One SSE `data:` event of `obj` as JSON (UTF-8 kept, line separators escaped)."""
-    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
