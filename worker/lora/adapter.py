@@ -114,8 +114,8 @@ def load_adapter(name: str, path: str | Path, layer_shapes: dict[str, tuple[int,
         if m is None:
             raise LoRAAdapterError(f"unexpected tensor {key[:200]!r} (only LoRA A/B of decoder layers are applied)")
         layer, target, half = int(m.group(1)), m.group(2), m.group(3)
-        if target not in TARGETS or target not in layer_shapes:
-            supported = [t for t in TARGETS if t in layer_shapes]
+        if target not in layer_shapes:
+            supported = list(layer_shapes)
             raise LoRAAdapterError(f"target module {target!r} is not supported for this model ({', '.join(supported)})")
         if layer >= num_layers:
             raise LoRAAdapterError(f"layer {layer} does not exist (the model has {num_layers})")

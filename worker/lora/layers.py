@@ -147,3 +147,21 @@ class LoRARowLinear(_LoRALinear):
         lo, hi = self.base.col_range
         self.lora_a[part][rows].copy_(a[:, lo:hi])
         self.lora_b[part][rows].copy_(b.T)
+
+
+class LoRAReplicatedLinear(_LoRALinear):
+    """A projection every rank holds whole (MLA's q_a_proj and kv_a_proj_with_mqa, a biased
+    single-device o_proj): one part, A and B kept whole, no collective."""
+
+    def __init__(self, base: nn.Linear, state: LoRAStepState) -> None:
+        super().__init__(base, state, base.weight.shape[1], [(0, base.weight.shape[0])])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_delta(x, self.base(x))
+
+    def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """A (r, in) and scaled B (out, r), both whole."""
+        rows = self._rows(slot, a.shape[0])
+        self.lora_a[part][rows].copy_(a)
+        self.lora_b[part][rows].copy_(b.T)
+

@@ -90,9 +90,6 @@ class ModelRunner:
         # Multi-LoRA (worker/lora/): wrapped projections with device slots (allocated before the KV budget is taken); the engine sets
         # lora_adapters (name -> host copy) to fill the slots a plan lists.
         lora = config.lora
-        if lora.enabled and is_latent(self.arch):
-            raise ValueError("LoRA is not built for multi-head latent attention models (DeepSeek-V3); "
-                             "serve this model with lora disabled")
         self.lora = ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank) if lora.enabled else None
         self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank, lora.max_adapter_bytes)
         self.lora_adapters: Callable[[str], Any] | None = None

@@ -47,8 +47,12 @@ def _two_steps() -> list[tuple[list[list[int]], list[int], list[int], list[list[
     return [step1, step2]
 
 
-def _model_logits(model_dir: str, tp: TPContext) -> tuple[list[torch.Tensor], dict[str, int]]:
-    from worker.config import CacheConfig, EngineConfig, ModelConfig
+def _model_logits(
+    model_dir: str, tp: TPContext, lora_adapter: str | None = None
+) -> tuple[list[torch.Tensor], dict[str, int]]:
+    """The model's logits over `_two_steps`; with `lora_adapter`, every row runs under that
+    PEFT adapter (slot 0)."""
+    from worker.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
     from worker.model_config import load_hf_config
     from worker.runner.model_runner import ModelRunner
     from worker.scheduling.scheduler import SchedulerOutput
@@ -57,8 +61,12 @@ def _model_logits(model_dir: str, tp: TPContext) -> tuple[list[torch.Tensor], di
     config = EngineConfig(
         ModelConfig(model=model_dir, device="cpu", dtype="float32", attention_backend="torch"),
         CacheConfig(block_size=16, num_blocks_override=32),
+        lora=LoRAConfig(enable=bool(lora_adapter), max_loras=1, max_lora_rank=8),
     )
     runner = ModelRunner(config, load_hf_config(Path(model_dir)), 256, tp)
+    if lora_adapter:
+        assert runner.lora is not None
+        runner.lora.write_slot(0, runner.lora_loader("a", lora_adapter))
     outs = []
     groups = runner.kv_layout.num_groups
     for token_ids, computed, num_new, block_ids in _two_steps():
@@ -68,9 +76,11 @@ def _model_logits(model_dir: str, tp: TPContext) -> tuple[list[torch.Tensor], di
         plan = SchedulerOutput(seqs=seqs, num_new_tokens=num_new, block_ids=block_ids)  # type: ignore[arg-type]
         order = list(range(len(seqs)))
         order.sort(key=lambda i: num_new[i] != 1)
+        batch = host_batch(plan, order, runner.block_size, runner._num_groups)
+        if runner.lora is not None:
+            runner.lora.prepare([0] * len(order), batch.lens, runner.device, runner.dtype)
         with torch.inference_mode():
-            hidden = runner._forward(host_batch(plan, order, runner.block_size, runner._num_groups))
-            outs.append(runner.model.compute_logits(hidden))
+            outs.append(runner.model.compute_logits(runner._forward(batch)))
     stats = runner.model.load_stats
     return outs, {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes}
 
