@@ -30,6 +30,10 @@ inside one kernel compute and memory traffic overlap, so each takes the max):
   layer_windows) reads at most its window: a query at p sees min(p + 1, w) keys there, and
   the context it reads is the window's, so those layers' share of the pairs and KV bytes
   is clipped per row (all layers of a shape share one per-layer cost).
+Mixture-of-experts layers read the weights of the experts the step's tokens route to
+(more than the active ones once T > 1) and pad each touched expert's rows to a GEMM tile;
+multi-head latent attention prices decode pairs in the latent space and prefill pairs
+expanded, with kv_b_proj's rebuild of the chunk's context (worker/costs/shape_parts.py).
 The overheads are host work (scheduling, input building, the sampled-ids sync, output
 handling) that a serial step loop adds to every step, except after_prompt_overhead: the
 device's own, the caches a prompt chunk's activations took, refilled by the decode step
@@ -154,13 +158,52 @@ class StepCostModel:
         self._head_weight_bytes = float(s.lm_head_params * d)
         self._head_bytes_per_row = float(s.hidden_size * d + 2 * s.vocab_size * LOGIT_BYTES)
         self._attn_flops_per_pair = 4.0 * s.num_heads * s.head_dim * s.num_layers
+        self._prefill_flops_per_pair = self._attn_flops_per_pair
         self._qo_bytes_per_token = float(2 * s.q_size * s.num_layers * d)
+        self._prefill_qo_bytes_per_token = self._qo_bytes_per_token
+        self._expand_flops_per_token = self._expand_bytes_per_token = 0.0
+        if s.mla is not None:
+            self._mla_attention(s)
+        self._moe_layers = 0
+        if s.moe is not None:
+            self._moe_weights(s)
         self._padded_decodes = profile.padded_decode_attention
         # Sliding-window layers (gpt-oss, Gemma 3) read only their window: each window's
         # share of the layers, the rest reading the whole context (worker/costs/shapes.py).
         windows = [w for w in s.layer_windows if w is not None]
         self._window_shares = tuple((w, windows.count(w) / s.num_layers) for w in sorted(set(windows)))
         self._full_share = 1.0 - len(windows) / s.num_layers
+
+    def _mla_attention(self, s: ModelShape) -> None:
+        mla, heads, layers, d = s.mla, s.num_heads, s.num_layers, s.dtype_bytes
+        assert mla is not None
+        self._attn_flops_per_pair = float(mla.decode_flops_per_pair(heads) * layers)
+        self._prefill_flops_per_pair = float(mla.prefill_flops_per_pair(heads) * layers)
+        self._qo_bytes_per_token = float(mla.decode_qo_values(heads) * layers * d)
+        self._prefill_qo_bytes_per_token = float(mla.prefill_qo_values(heads) * layers * d)
+        self._expand_flops_per_token = float(mla.expand_flops_per_token(heads) * layers)
+        self._expand_bytes_per_token = float(2 * mla.expanded_kv_values_per_token(heads) * layers * d)
+
+    def _moe_weights(self, s: ModelShape) -> None:
+        """Split the per-step weight read into the always-read part and the routed experts."""
+        moe = s.moe
+        assert moe is not None
+        self._moe_layers = s.num_layers - min(moe.num_dense_layers, s.num_layers)
+        expert = moe.expert_params(s.hidden_size)
+        self._expert_bytes = float(expert * s.dtype_bytes)
+        self._expert_params = float(expert)
+        active_routed = self._moe_layers * moe.num_experts_per_tok * expert
+        self._dense_weight_bytes -= active_routed * s.dtype_bytes
+
+    def _weight_bytes_and_padding(self, num_tokens: int) -> tuple[float, float]:
+        """(weights read, padded-row FLOPs) of a step of `num_tokens` tokens."""
+        if not self._moe_layers:
+            return self._dense_weight_bytes, 0.0
+        moe = self.shape.moe
+        assert moe is not None
+        touched = self._moe_layers * moe.expected_touched_experts(num_tokens)
+        padded_rows = touched * moe.tile_rows(num_tokens) / 2  # half a tile per touched expert
+        return self._dense_weight_bytes + touched * self._expert_bytes, 2.0 * self._expert_params * padded_rows
 
     # -- the model ---------------------------------------------------------------------------
     def features(self, work: Iterable[SeqWork]) -> StepFeatures:
@@ -232,9 +275,10 @@ class StepCostModel:
         if sums.decode_contexts:  # a grouped backend attends (and gathers) each group at its longest
             decode_pairs = decode_kv_tokens = padded_decode_tokens(sums.decode_contexts)
         kv = self._kv_bytes_per_token
+        weights, padding = self._weight_bytes_and_padding(num_tokens)
         dense = (
-            self._dense_flops_per_token * num_tokens,
-            self._dense_weight_bytes + self._dense_act_bytes_per_token * num_tokens if num_tokens else 0.0,
+            self._dense_flops_per_token * num_tokens + padding,
+            weights + self._dense_act_bytes_per_token * num_tokens if num_tokens else 0.0,
         )
         head = (
             self._head_flops_per_row * num_sampled,
@@ -246,8 +290,9 @@ class StepCostModel:
             kv * (decode_kv_tokens + decode_new) + self._qo_bytes_per_token * decode_new,
         )
         prefill = (
-            self._attn_flops_per_pair * sums.prefill_pairs,
-            kv * (sums.prefill_kv_tokens + prefill_new) + self._qo_bytes_per_token * prefill_new,
+            self._prefill_flops_per_pair * sums.prefill_pairs + self._expand_flops_per_token * sums.prefill_kv_tokens,
+            kv * (sums.prefill_kv_tokens + prefill_new) + self._prefill_qo_bytes_per_token * prefill_new
+            + self._expand_bytes_per_token * sums.prefill_kv_tokens,
         )
         parts = (dense, head, decode, prefill)
         return StepFeatures(

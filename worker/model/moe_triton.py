@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from worker.costs.shape_parts import moe_tile_rows
 from worker.model.moe_activation import MoEActivation, apply_activation
 
 try:  # Triton is optional: absent on CPU-only installs, bundled with CUDA torch builds.
@@ -159,7 +160,7 @@ def fused_experts(
         return torch.zeros_like(hidden)
     num_pairs = num_tokens * top_k
     if block_m is None:
-        block_m = 16 if num_pairs <= 16 * w13.shape[0] else 64
+        block_m = moe_tile_rows(num_pairs, w13.shape[0])
     inter = w13.shape[1] // 2
     hidden = hidden.contiguous()
     sorted_pairs, block_expert = align_by_expert(topk_ids, w13.shape[0], block_m)

@@ -32,7 +32,7 @@ def ideal(profile: str) -> DeviceProfile:
 
 
 def test_named_shapes_match_published_parameter_counts() -> None:
-    assert named_shapes() == ["deepseek-v3", "gpt-oss-20b", "llama-3-70b", "llama-3-8b", "qwen3-32b"]
+    assert named_shapes() == ["deepseek-v3", "gpt-oss-20b", "llama-3-70b", "llama-3-8b", "qwen3-30b-a3b", "qwen3-32b"]
     l8, l70, q32 = load_shape("llama-3-8b"), load_shape("llama-3-70b"), load_shape("qwen3-32b")
     assert l8.num_params == 8_030_261_248  # Meta's published count
     assert l8.matmul_params == L8_MATMUL
