@@ -45,6 +45,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from router import errors
+from cluster.lora_registry import RedisAdapterRegistry
 from cluster.state_store_scripts import ACQUIRE, GIVE_BACK, RENEW, TAKE
 from router.frontend.key_limits import LocalLimitStore, SlotGrant, TokenGrant
 
@@ -71,6 +72,10 @@ class RedisStoreSpec:
 
     def build(self) -> RedisLimitStore:
         return RedisLimitStore(self)
+
+    def adapter_registry(self) -> RedisAdapterRegistry:
+        """The run-time LoRA adapters' shared list (cluster/lora_registry.py)."""
+        return RedisAdapterRegistry(self)
 
 
 class StoreObserver(Protocol):

@@ -209,6 +209,7 @@ class Ingress(GrpcMethods):
     async def models(self, request: Request) -> JSONResponse:
         principal = self._authenticate(request)
         info = await self.pipeline.workers.model_info()
+        await self.pipeline.lora.refresh()  # the cluster's run-time adapters
         base = self.settings.served_model_name
         cards = [p.ModelCard(id=base, root=self.settings.tokenizer_path if principal.admin else base,
                              max_model_len=info["max_model_len"])]
@@ -229,7 +230,7 @@ class Ingress(GrpcMethods):
     async def unload_lora_adapter(self, request: Request) -> Response:
         require_admin(self._authenticate(request))
         _, req, _ = await self._read(request, UnloadLoRAAdapterRequest)
-        message = self.pipeline.lora.unload(req)
+        message = await self.pipeline.lora.unload(req)
         await self.pipeline.workers.unload_lora(req.lora_name)  # the workers drop its weights
         return PlainTextResponse(message)
 
@@ -308,6 +309,7 @@ class Ingress(GrpcMethods):
         req = parse(model, body)
         name = getattr(req, "model", None)
         if name is not None:
+            await self.pipeline.lora.refresh(name)  # the cluster's run-time adapters
             self._check_model(name)
         return principal, req, num_bytes
 

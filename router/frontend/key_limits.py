@@ -103,6 +103,8 @@ class StateStoreFactory(Protocol):
 
     def build(self) -> LimitStore: ...
 
+    def adapter_registry(self) -> Any: ...  # router/frontend/lora_modules.py's AdapterRegistry
+
 
 @dataclass(frozen=True)
 class _LocalReceipt:

@@ -13,13 +13,24 @@ Run-time updates (router/frontend/lora_policy.py) are off unless configured and 
 admin key (the ingress checks the key; this class the policy). Loads are bounded: the
 name's length, the number of adapters, the loads checked at once (429 beyond), a timeout
 (504); concurrent loads of one name share one check.
+
+With a shared registry (cluster/lora_registry.py, Redis when `state.redis_url` is set) the
+run-time adapters are the cluster's, not this replica's: a load or unload through any
+ingress replica is written there, and every replica re-reads the list (when its version
+moved) before it resolves a name it does not know, or one it read more than
+REFRESH_S ago. So a replica that restarts serves what was loaded before, and an unload
+through one replica stops the others within REFRESH_S. The configured adapters
+(`lora.modules`) are every replica's own and cannot be unloaded from another.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,6 +42,22 @@ from worker.lora.identity import make_ref, read_adapter_files
 Check = Callable[[str, str, tuple[str, ...]], Awaitable[tuple[str, str]]]
 # A configured adapter's files are read at start-up (for its digest) up to this size each.
 _STARTUP_DIGEST_MAX_BYTES = 2 * 1024**3
+# How stale a known name's entry may be before a request re-reads the shared registry.
+REFRESH_S = 1.0
+
+logger = logging.getLogger(__name__)
+
+
+class AdapterRegistry(Protocol):
+    """The run-time adapters shared by every ingress replica (cluster/lora_registry.py)."""
+
+    async def version(self) -> int: ...
+
+    async def snapshot(self) -> tuple[int, dict[str, tuple[str, str]]]: ...
+
+    async def add(self, name: str, path: str, ref: str, max_adapters: int) -> str: ...
+
+    async def remove(self, name: str) -> bool: ...
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -65,12 +92,39 @@ def startup_ref(path: str) -> str:
 
 class LoRAModules:
     def __init__(self, base_model: str, modules: tuple[tuple[str, str], ...], enabled: bool,
-                 policy: LoRAPolicy | None = None) -> None:
+                 policy: LoRAPolicy | None = None, registry: AdapterRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.base_model = base_model
         self.policy = policy or LoRAPolicy()
-        self.adapters: dict[str, Adapter] = {name: Adapter(path, startup_ref(path)) for name, path in modules}
+        self._configured = {name: Adapter(path, startup_ref(path)) for name, path in modules}
+        self.adapters: dict[str, Adapter] = dict(self._configured)
         self.enabled = enabled or bool(modules)
         self._loads: dict[str, asyncio.Future[str]] = {}  # name -> the load under way
+        self.registry = registry
+        self._clock = clock
+        self._version = -1  # the registry version self.adapters reflects
+        self._read_at = -float("inf")
+
+    async def refresh(self, model: str | None = None) -> None:
+        """Re-read the shared registry when `model` is a name not known here, or the last
+        read is older than REFRESH_S (module docstring; None: the whole list, for listing
+        it); a no-op without one. Redis unreachable: the list read last stays (logged)."""
+        if self.registry is None or model == self.base_model or (model and model in self._configured):
+            return
+        if (model is None or model in self.adapters) and self._clock() - self._read_at < REFRESH_S:
+            return
+        await self._sync()
+
+    async def _sync(self) -> None:
+        assert self.registry is not None
+        try:
+            if await self.registry.version() != self._version:
+                self._version, shared = await self.registry.snapshot()
+                self.adapters = {**{n: Adapter(p, r) for n, (p, r) in shared.items()}, **self._configured}
+            self._read_at = self._clock()
+        except Exception as e:  # noqa: BLE001 -- any client error: keep serving what was read last
+            logger.warning("the shared adapter registry is unreachable (%s); serving the list read last",
+                           type(e).__name__)
 
     @property
     def paths(self) -> dict[str, str]:
@@ -98,6 +152,8 @@ class LoRAModules:
     async def load(self, req: LoadLoRAAdapterRequest, check: Check) -> str:
         self._check_updates_allowed()
         name = req.lora_name
+        if self.registry is not None:
+            await self._sync()
         if name == self.base_model:
             raise errors.bad_request("lora_name must be a new name, not the base model's.", "lora_name")
         if name in self.adapters:
@@ -141,15 +197,35 @@ class LoRAModules:
         except asyncio.TimeoutError:
             raise errors.APIError(504, "Checking the LoRA adapter took too long.", "server_error", None,
                                   "lora_load_timeout") from None
-        self.adapters[name] = Adapter(resolved, make_ref(resolved, digest) if digest else resolved)
+        adapter = Adapter(resolved, make_ref(resolved, digest) if digest else resolved)
+        if self.registry is not None:
+            await self._share(name, adapter)
+        self.adapters[name] = adapter
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    def unload(self, req: UnloadLoRAAdapterRequest) -> str:
+    async def _share(self, name: str, adapter: Adapter) -> None:
+        assert self.registry is not None
+        outcome = await self.registry.add(name, adapter.path, adapter.ref, self.policy.max_adapters)
+        if outcome == "exists":  # another replica loaded the name meanwhile
+            raise errors.bad_request(f"The LoRA adapter '{name}' has already been loaded.", "lora_name")
+        if outcome == "full":
+            raise errors.bad_request(f"This server serves at most {self.policy.max_adapters} LoRA adapters "
+                                     f"(lora.max_adapters); unload one first.", "lora_name")
+
+    async def unload(self, req: UnloadLoRAAdapterRequest) -> str:
         self._check_updates_allowed()
-        if req.lora_name not in self.adapters:
-            raise not_found(req.lora_name, sorted(self.adapters), what="LoRA adapter")
-        del self.adapters[req.lora_name]
-        return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
+        name = req.lora_name
+        if self.registry is not None:
+            await self._sync()
+        if name in self._configured and self.registry is not None:  # every replica's own: it would come back
+            raise errors.bad_request(f"The LoRA adapter '{name}' is configured (lora.modules); remove it from "
+                                     "the configuration instead.", "lora_name")
+        if name not in self.adapters:
+            raise not_found(name, sorted(self.adapters), what="LoRA adapter")
+        if self.registry is not None and not await self.registry.remove(name):
+            raise not_found(name, sorted(self.adapters), what="LoRA adapter")  # another replica unloaded it
+        del self.adapters[name]
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
 
 def not_found(name: str, known: list[str], what: str = "model") -> errors.APIError:

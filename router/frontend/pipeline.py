@@ -71,8 +71,9 @@ class RequestPipeline:
     ) -> None:
         self.settings = settings
         # The adapters requests may name as `model` (router/frontend/lora_modules.py).
+        registry = settings.state_store.adapter_registry() if settings.state_store is not None else None
         self.lora = LoRAModules(settings.served_model_name, settings.lora_modules, settings.lora_enabled,
-                                settings.lora_policy)
+                                settings.lora_policy, registry)
         self.workers = workers
         self.tokenizer = tokenizer
         self.texts = TokenTexts(tokenizer)

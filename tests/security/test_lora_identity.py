@@ -84,7 +84,7 @@ def test_replaced_files_give_a_new_identity(base: Path, tmp_path: Path) -> None:
     _, old_ref = modules.resolve("x")  # type: ignore[misc]
     shutil.rmtree(root / "x")
     make(base, root / "x", 1)  # same path, same shapes, other weights
-    modules.unload(UnloadLoRAAdapterRequest(lora_name="x"))
+    asyncio.run(modules.unload(UnloadLoRAAdapterRequest(lora_name="x")))
     asyncio.run(modules.load(LoadLoRAAdapterRequest(lora_name="x", lora_path=str(root / "x")), check))
     _, new_ref = modules.resolve("x")  # type: ignore[misc]
     assert split_ref(old_ref)[0] == split_ref(new_ref)[0] == str(root / "x")

@@ -197,6 +197,7 @@ class GrpcServicer:
     async def _tokenize(self, request: pb.TokenizeRequest, grpc_context: RayServegRPCContext | None) -> pb.TokenizeResponse:
         pipeline = self.pipeline
         principal = self._authenticate(grpc_context)
+        await pipeline.lora.refresh(request.model)
         model = self._model(request.model)
         _check_size(request, pipeline.settings.max_body_bytes)
         ids = await pipeline.tokenizer_work(principal, request.ByteSize(), tokenize, request, model, pipeline.tokenizer)
@@ -288,6 +289,7 @@ class GrpcServicer:
 
     async def _start_in_slot(self, request: pb.GenerateRequest, clock: Clock, principal: Principal,
                              grpc_context: RayServegRPCContext | None, stream: bool) -> GenerationStream:
+        await self.pipeline.lora.refresh(request.model)  # the cluster's run-time adapters
         model = self._model(request.model)
         _check_size(request, self.pipeline.settings.max_body_bytes)
         # The client's id names the engine request and appears in logs: short and printable.
