@@ -71,11 +71,32 @@ class RedisStoreSpec:
     when_down: str = "local"
 
     def build(self) -> RedisLimitStore:
+        warning = exposure_warning(self)
+        if warning:
+            logger.warning(warning)
         return RedisLimitStore(self)
 
     def adapter_registry(self) -> RedisAdapterRegistry:
         """The run-time LoRA adapters' shared list (cluster/lora_registry.py)."""
         return RedisAdapterRegistry(self)
+
+
+def exposure_warning(spec: RedisStoreSpec) -> str | None:
+    """What an ingress replica says at start about a remote Redis that anyone on its network
+    could read or write (the keys' limits, the shared routing view, the run-time adapters): no
+    password, or plaintext to a host that is not this machine. None: nothing to say."""
+    parts = urlsplit(spec.url)
+    if parts.hostname in ("127.0.0.1", "localhost", "::1"):
+        return None  # this machine's own (a local cluster)
+    problems = []
+    if not (spec.password_env and os.environ.get(spec.password_env)):
+        problems.append(f"no password (set {spec.password_env or 'state.redis_password_env'})")
+    if parts.scheme != "rediss":
+        problems.append("no TLS to a remote host (use rediss://)")
+    if not problems:
+        return None
+    return (f"the shared state's Redis at {parts.hostname}:{parts.port or 6379} has " + " and ".join(problems)
+            + ": whoever reaches it can change the per-key limits, the routing view and the LoRA adapters")
 
 
 class StoreObserver(Protocol):

@@ -154,8 +154,9 @@ class Ingress(GrpcMethods):
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
+        principal = self._authenticate(request)  # before an intake slot: no slot for a stranger
         async with self.pipeline.intake.slot():  # router/frontend/intake.py
-            principal, req, num_bytes = await self._read(request, p.CompletionRequest)
+            _, req, num_bytes = await self._read(request, p.CompletionRequest, principal)
             convert.check_n(req.n, self.settings.max_n)
             num_prompts = 1 if isinstance(req.prompt, str) or all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
             if num_prompts > self.settings.max_prompts_per_request:
@@ -190,8 +191,9 @@ class Ingress(GrpcMethods):
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
+        principal = self._authenticate(request)  # before an intake slot: no slot for a stranger
         async with self.pipeline.intake.slot():  # router/frontend/intake.py
-            principal, req, num_bytes = await self._read(request, p.ChatCompletionRequest)
+            _, req, num_bytes = await self._read(request, p.ChatCompletionRequest, principal)
             convert.check_n(req.n, self.settings.max_n)
             tokenizer, max_n, parser = self.pipeline.tokenizer, self.settings.max_n, self.settings.tool_call_parser
             lora = self.pipeline.lora.resolve(req.model)
@@ -301,10 +303,12 @@ class Ingress(GrpcMethods):
     def _authenticate(self, request: Request) -> Principal:
         return self.pipeline.authenticate(request.headers.get("authorization"))
 
-    async def _read(self, request: Request, model: type[M]) -> tuple[Principal, M, int]:
-        """Authenticate, read the JSON body (bounded), validate it and check its `model`
-        (optional where the endpoint allows it): every POST endpoint starts so."""
-        principal = self._authenticate(request)
+    async def _read(self, request: Request, model: type[M], principal: Principal | None = None
+                    ) -> tuple[Principal, M, int]:
+        """Authenticate (unless the caller has: `principal`), read the JSON body (bounded),
+        validate it and check its `model` (optional where the endpoint allows it): every
+        POST endpoint starts so."""
+        principal = principal if principal is not None else self._authenticate(request)
         body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
         req = parse(model, body)
         name = getattr(req, "model", None)

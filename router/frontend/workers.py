@@ -33,6 +33,7 @@ class Workers:
         self.generate = generate
         self._stats_timeout_s = stats_timeout_s
         self._model_info: dict[str, Any] | None = None
+        self._stats_call: asyncio.Future[list[dict[str, Any]]] | None = None
         # What /health and gRPC Health read: one check at a time, cached briefly.
         self.health = HealthVerdict(self.unhealthy_reason)
 
@@ -75,7 +76,19 @@ class Workers:
 
     async def stats(self) -> list[dict[str, Any]]:
         """`stats` of every worker replica of every pool (Serve's broadcast, the pools
-        asked at once); ones that fail are left out."""
+        asked at once); ones that fail are left out. One broadcast at a time: callers that
+        arrive while one is out share its answer (a flood of /metrics or gRPC Stats calls
+        costs the workers one call each per broadcast, not one per caller)."""
+        if self._stats_call is None:
+            self._stats_call = asyncio.ensure_future(self._broadcast_stats())
+            self._stats_call.add_done_callback(self._stats_done)
+        return [dict(s) for s in await asyncio.shield(self._stats_call)]
+
+    def _stats_done(self, call: asyncio.Future[list[dict[str, Any]]]) -> None:
+        if self._stats_call is call:
+            self._stats_call = None
+
+    async def _broadcast_stats(self) -> list[dict[str, Any]]:
         pools = self.pools()
         answers = await asyncio.gather(*(self._pool_stats(h) for h in pools.values()))
         return [{**s, "pool": name} if name else s for name, pool in zip(pools, answers) for s in pool]

@@ -93,10 +93,14 @@ class FairQueue:
         return item
 
     def remove(self, key: str, item: Any) -> bool:
+        """Remove `item` itself (by identity: two waiters with equal fields, the same prompt
+        sent twice, are two places, and comparing them field by field would walk their
+        token lists)."""
         items = self._by_key.get(key)
-        if items is None or item not in items:
+        index = next((i for i, queued in enumerate(items or ()) if queued is item), None)
+        if items is None or index is None:
             return False
-        items.remove(item)
+        del items[index]
         if not items:
             del self._by_key[key]
             self._served.pop(key, None)
