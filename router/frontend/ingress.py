@@ -18,8 +18,8 @@ convert the events back to OpenAI's JSON or server-sent events
 - over the API key's concurrent requests or tokens per minute -> 429 at once
 - no result within `request_timeout_s`           -> 504
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/responses (a translation onto
-chat: router/frontend/responses_api/), /v1/models, vLLM's /tokenize,
+Endpoints: /v1/completions, /v1/chat/completions, /v1/responses and Anthropic's
+/v1/messages (translations onto chat: router/frontend/responses_api/, messages_api/), /v1/models, vLLM's /tokenize,
 /detokenize and /version, /health, /metrics; all but /health need the API key
 when keys are configured (/metrics too, unless metrics_public). The
 gRPC methods come from router/frontend/grpc_api/servicer.py (GrpcMethods -> GrpcServicer, the same pipeline).
@@ -56,6 +56,8 @@ from router.frontend.metrics import CONTENT_TYPE, IngressMetrics
 from router.frontend.output_hub import OutputHub
 from router.frontend.pipeline import RequestPipeline
 from router.frontend.responses_api.endpoint import ResponsesEndpoint
+from router.frontend.messages_api.endpoint import MessagesEndpoint, authorization_of
+from router.frontend.messages_api.errors import error_response
 from router.serve_internals import initialized_request_router_of, process_transport
 from router.routing import SESSION_HEADER, client_session_id
 from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
@@ -151,6 +153,7 @@ class Ingress(GrpcMethods):
         self.pipeline = RequestPipeline(settings, workers, tokenizer, metrics, api_keys, key_limits, routing_source)
         self.grpc = GrpcServicer(self.pipeline)
         self.responses = ResponsesEndpoint(self.pipeline, settings.response_store.build())
+        self.messages = MessagesEndpoint(self.pipeline)
         flush_replica_log()  # the start-up lines (the API-key warning among them) in the file now
 
     # -- OpenAI endpoints ------------------------------------------------------------------
@@ -225,6 +228,28 @@ class Ingress(GrpcMethods):
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
         return await self.responses.delete(self._authenticate(request), response_id)
+
+    # -- Anthropic's Messages API (router/frontend/messages_api/): its own error shape -------
+    @app.post("/v1/messages")
+    async def create_message(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            async with self.pipeline.intake.slot():
+                principal = self.pipeline.authenticate(authorization_of(request.headers))
+                body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
+                turn = await self.messages.start(principal, body, num_bytes, arrival, request.headers.get(SESSION_HEADER))
+            return await self.messages.respond(turn)
+        except errors.APIError as e:
+            return error_response(e)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(self, request: Request) -> Response:
+        try:
+            principal = self.pipeline.authenticate(authorization_of(request.headers))
+            body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
+            return await self.messages.count_tokens(principal, body, num_bytes)
+        except errors.APIError as e:
+            return error_response(e)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
