@@ -102,6 +102,9 @@ class IngressSection(Section):
     # Tool calls in chat output: hermes (Hermes / Qwen <tool_call>), llama3_json (Llama 3.x),
     # or auto (chosen from the chat template's text).
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = default_of(IngressSettings, "tool_call_parser")
+    # Reasoning output (router/frontend/reasoning/): reasoning_content in chat, reasoning items,
+    # thinking blocks; auto: `think` when the chat template speaks of <think>.
+    reasoning_parser: Literal["auto", "none", "think"] = default_of(IngressSettings, "reasoning_parser")
 
     @model_validator(mode="after")
     def _one_replica_count(self) -> IngressSection:

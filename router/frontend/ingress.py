@@ -65,6 +65,7 @@ from router.frontend.workers import Workers
 from worker.api import load_tokenizer
 from router.frontend.openai_api.structured import has_grammar
 from router.frontend.tool_calling.chat_tools import tool_mode
+from router.frontend.reasoning.choose import reasoning_factory
 from router.tracing import ClientTraceContext
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,9 @@ class Ingress(GrpcMethods):
                 stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
             )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
-        formatter = convert.ChatFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)
+        reasoning = reasoning_factory(self.settings.reasoning_parser, tokenizer, stream.inputs[0].prompt_token_ids)
+        formatter = convert.ChatFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs, mode,
+                                          req.prompt_logprobs, reasoning)
         return await respond(stream, formatter, req)
 
     # -- OpenAI's Responses API (router/frontend/responses_api/) ---------------------------

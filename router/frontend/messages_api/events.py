@@ -1,8 +1,9 @@
 """A streamed chat answer as the Messages API's event sequence:
 
     message_start (the message, empty, with its input usage)
-    per block: content_block_start, content_block_delta ... (text_delta, or
-               input_json_delta for a tool_use block), content_block_stop
+    per block: content_block_start, content_block_delta ... (thinking_delta for a
+               thinking block, text_delta, or input_json_delta for a tool_use block),
+               content_block_stop
     message_delta (stop_reason, stop_sequence, the final usage), message_stop
 
 Each event is `event: <type>` + `data: <json>`. A block is closed before the next opens.
@@ -39,6 +40,11 @@ class MessageEvents:
     def chunk(self, chunk: p.ChatCompletionChunk) -> list[str]:
         out: list[str] = []
         for choice in chunk.choices:
+            if choice.delta.reasoning_content:
+                if self._open != "thinking":
+                    out += self._begin("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(event("content_block_delta", index=self._index,
+                                  delta={"type": "thinking_delta", "thinking": choice.delta.reasoning_content}))
             if choice.delta.content:
                 if self._open != "text":
                     out += self._begin("text", {"type": "text", "text": ""})

@@ -64,8 +64,6 @@ class Conversation(_Strict):
                 raise ValueError(f"tool_choice names {choice.name!r}, which is not in tools")
         elif choice is not None and choice.type == "any" and not self.tools:
             raise ValueError("tool_choice 'any' needs tools")
-        if self.thinking is not None and self.thinking.type != "disabled":
-            raise ValueError("thinking is not supported by this server's model output parser")
         return self
 
 

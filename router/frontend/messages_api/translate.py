@@ -8,6 +8,9 @@ an Anthropic Message. The chat path does the work; this file only renames.
     assistant: text, tool_use blocks      one assistant message: content and tool_calls
                                           (input as JSON arguments)
     thinking / redacted_thinking blocks   dropped (templates drop past thinking too)
+    thinking {type}                       chat_template_kwargs enable_thinking (the answer's
+                                          thinking comes back as thinking blocks whenever the
+                                          reasoning parser finds some: router/frontend/reasoning/)
     tool_choice auto / any / tool / none  auto / required / named / none
     disable_parallel_tool_use             parallel_tool_calls false
     stop_sequences, max_tokens            stop, max_completion_tokens
@@ -90,6 +93,8 @@ def chat_request(req: Conversation, stream: bool = False) -> p.ChatCompletionReq
         body |= {"max_completion_tokens": req.max_tokens, "stop": req.stop_sequences,
                  "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                  "user": req.metadata.user_id if req.metadata else None}
+    if req.thinking is not None:  # for the templates that switch thinking (Qwen3's enable_thinking)
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if req.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.input_schema}} for t in req.tools]
@@ -140,7 +145,11 @@ def message_body(message_id: str, model: str, content: list[dict[str, Any]], rea
 
 
 def content_blocks(message: p.ChatResponseMessage) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": message.content}] if message.content else []
+    blocks: list[dict[str, Any]] = []
+    if message.reasoning_content:
+        blocks.append({"type": "thinking", "thinking": message.reasoning_content, "signature": ""})
+    if message.content:
+        blocks.append({"type": "text", "text": message.content})
     for call in message.tool_calls or ():
         blocks.append({"type": "tool_use", "id": call.id, "name": call.function.name, "input": tool_input(call.function.arguments)})
     return blocks

@@ -14,6 +14,7 @@ from router.frontend.openai_api.structured import has_grammar
 from router.frontend.pipeline import RequestPipeline
 from router.frontend.auth import Principal
 from router.frontend.tool_calling.chat_tools import tool_mode
+from router.frontend.reasoning.choose import reasoning_factory
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ async def start_chat(
         stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
     )
     mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
+    reasoning = reasoning_factory(pipeline.settings.reasoning_parser, tokenizer, stream.inputs[0].prompt_token_ids)
     formatter = convert.ChatFormatter(stream.request_id, lora[0] if lora is not None else model_name,
-                                      pipeline.texts, req.logprobs, mode, req.prompt_logprobs)
+                                      pipeline.texts, req.logprobs, mode, req.prompt_logprobs, reasoning)
     return ChatCall(stream, formatter)

@@ -51,7 +51,10 @@ def encode_chat(tokenizer: Any, request: p.ChatCompletionRequest) -> list[int]:
             **({"tools": tool_defs} if tool_defs else {}),
             tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
-            **(request.chat_template_kwargs or {}),
+            # reasoning_effort reaches the templates that take it (gpt-oss's); the client's
+            # own chat_template_kwargs win.
+            **(({"reasoning_effort": request.reasoning_effort} if request.reasoning_effort else {})
+               | (request.chat_template_kwargs or {})),
         )
     except Exception as e:  # jinja's TemplateError (raise_exception in the template) and kin
         raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None

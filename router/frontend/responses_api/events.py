@@ -1,6 +1,8 @@
 """A streamed chat answer as the Responses API's event sequence:
 
     response.created, response.in_progress
+    per reasoning:  output_item.added, reasoning_text.delta ..., reasoning_text.done,
+                    output_item.done
     per text item:  output_item.added, content_part.added, output_text.delta ...,
                     output_text.done, content_part.done, output_item.done
     per tool call:  output_item.added, function_call_arguments.delta ...,
@@ -45,6 +47,8 @@ class ResponseEvents:
     def chunk(self, chunk: p.ChatCompletionChunk) -> list[str]:
         out: list[str] = []
         for choice in chunk.choices:
+            if choice.delta.reasoning_content:
+                out += self._reasoning_delta(choice.delta.reasoning_content)
             if choice.delta.content:
                 out += self._text_delta(choice.delta.content)
             for call in choice.delta.tool_calls or ():
@@ -62,6 +66,16 @@ class ResponseEvents:
         self._text.append(delta)
         out.append(self._event("response.output_text.delta", item_id=self._open["id"], output_index=len(self.output) - 1,
                                content_index=0, delta=delta, logprobs=[]))
+        return out
+
+    def _reasoning_delta(self, delta: str) -> list[str]:
+        out: list[str] = []
+        if self._open is None or self._open["type"] != "reasoning":
+            out += self._close()
+            out += self._add(t.reasoning_item(t.new_id("rs"), None, "in_progress"))
+        self._text.append(delta)
+        out.append(self._event("response.reasoning_text.delta", item_id=self._open["id"], output_index=len(self.output) - 1,
+                               content_index=0, delta=delta))
         return out
 
     def _call_delta(self, call: p.DeltaToolCall) -> list[str]:
@@ -98,6 +112,11 @@ class ResponseEvents:
                                    text=text, logprobs=[]))
             out.append(self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                                    part=t.text_part(text)))
+        elif item["type"] == "reasoning":
+            text = "".join(self._text)
+            self._text = []
+            item["content"] = [{"type": "reasoning_text", "text": text}]
+            out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
         else:
             out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                    name=item["name"], arguments=item["arguments"]))

@@ -57,8 +57,10 @@ def new_id(prefix: str) -> str:
 
 
 def output_items(message: p.ChatResponseMessage) -> list[dict[str, Any]]:
-    """The chat answer as Responses output items: its text, then each tool call."""
+    """The chat answer as Responses output items: its reasoning, its text, then each tool call."""
     items: list[dict[str, Any]] = []
+    if message.reasoning_content:
+        items.append(reasoning_item(new_id("rs"), message.reasoning_content, "completed"))
     if message.content or not message.tool_calls:
         items.append(message_item(new_id("msg"), message.content or "", "completed"))
     for call in message.tool_calls or ():
@@ -69,6 +71,11 @@ def output_items(message: p.ChatResponseMessage) -> list[dict[str, Any]]:
 def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     content = [text_part(text)] if text is not None else []
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text is not None else []
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
 
 
 def text_part(text: str) -> dict[str, Any]:

@@ -106,3 +106,17 @@ def test_stream_events_in_the_spec_order() -> None:
     ]
     assert parsed[6]["delta"] == {"type": "input_json_delta", "partial_json": "{}"}
     assert parsed[8]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None} and parsed[8]["usage"] == {"output_tokens": 4}
+
+
+def test_reasoning_becomes_thinking_blocks() -> None:
+    message = p.ChatResponseMessage(content="Hi", reasoning_content="hmm")
+    assert t.content_blocks(message) == [{"type": "thinking", "thinking": "hmm", "signature": ""}, {"type": "text", "text": "Hi"}]
+    events = MessageEvents("msg_1", "m")
+    chunk = p.ChatCompletionChunk(id="c", created=0, model="m", choices=[
+        p.ChatChunkChoice(index=0, delta=p.ChatDelta(reasoning_content="hm", content="Hi"))])
+    parsed = [json.loads(x.split("data: ", 1)[1]) for x in events.chunk(chunk)]
+    assert [e["type"] for e in parsed] == ["content_block_start", "content_block_delta", "content_block_stop",
+                                           "content_block_start", "content_block_delta"]
+    assert parsed[1]["delta"] == {"type": "thinking_delta", "thinking": "hm"}
+    req = request(messages=[{"role": "user", "content": "hi"}], thinking={"type": "enabled", "budget_tokens": 2000})
+    assert t.chat_request(req).chat_template_kwargs == {"enable_thinking": True}

@@ -101,3 +101,21 @@ def test_stream_events_in_the_spec_order() -> None:
     closing, response = cut.finish("length", {})
     assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert json.loads(closing[-1].split("data: ", 1)[1])["type"] == "response.incomplete"
+
+
+def test_reasoning_becomes_a_reasoning_item_whole_and_streamed() -> None:
+    message = p.ChatResponseMessage(content="Hi", reasoning_content="think")
+    items = t.output_items(message)
+    assert [i["type"] for i in items] == ["reasoning", "message"]
+    assert items[0]["content"] == [{"type": "reasoning_text", "text": "think"}]
+    assert chat_messages(items) == [{"role": "assistant", "content": "Hi"}]  # past thinking is not replayed
+    req = ResponsesRequest.model_validate({"model": "m", "input": "hi"})
+    events = ResponseEvents(lambda *a: t.response_body("resp_1", req, "m", 0, *a))
+    reasoning_chunk = p.ChatCompletionChunk(id="c", created=0, model="m", choices=[
+        p.ChatChunkChoice(index=0, delta=p.ChatDelta(reasoning_content="thi"))])
+    texts = events.start() + events.chunk(reasoning_chunk) + events.chunk(_chunk("Hi"))
+    closing, response = events.finish("stop", {})
+    kinds = [json.loads(x.split("data: ", 1)[1])["type"] for x in texts + closing]
+    assert kinds[2:6] == ["response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
+                          "response.output_item.done"]
+    assert response["output"][0]["content"] == [{"type": "reasoning_text", "text": "thi"}]
