@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 
 from tests.integration.agent_app import KEY_ALPHA, KEY_BETA, MODEL, agent_app
 
@@ -23,6 +24,12 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
 TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}]
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}}]
 GREEDY: dict[str, Any] = {"temperature": 0, "max_output_tokens": 12}
+
+
+class Answer(BaseModel):
+    """The agent's output type in the Agents SDK test."""
+
+    sky: Literal["sunny", "rainy"]
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +146,28 @@ def test_bad_input_is_a_400_in_openai_shape(client: openai.OpenAI, fields: dict[
         client.post("/responses", body={"model": MODEL, **fields}, cast_to=object)
     error = info.value.body
     assert isinstance(error, dict) and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_openai_agents_sdk_loop_with_a_function_tool(base_url: str) -> None:
+    """The Agents SDK's own loop on /v1/responses: a forced call to the function tool (the
+    SDK runs it), then, tool_choice reset to auto, the final answer in the agent's output
+    type (text.format json_schema)."""
+    agents = pytest.importorskip("agents")
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Oslo", "Paris"]) -> str:
+        """Weather in a city."""
+        calls.append(city)
+        return "Sunny, 21 C"
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY_ALPHA, max_retries=0, timeout=300)
+    model = agents.OpenAIResponsesModel(model=MODEL, openai_client=client)
+    settings = agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=80)
+    agent = agents.Agent(name="weather", instructions="Answer briefly.", tools=[get_weather], model=model,
+                         model_settings=settings, output_type=Answer)
+    agents.set_tracing_disabled(True)
+    result = agents.Runner.run_sync(agent, "Weather in Oslo?", max_turns=4)
+    assert calls and calls[0] in ("Oslo", "Paris") and isinstance(result.final_output, Answer)
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"

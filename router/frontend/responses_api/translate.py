@@ -9,7 +9,8 @@ calls, structured outputs); this file only renames.
     max_output_tokens               max_completion_tokens
     tools [{type, name, ...}]       tools [{type, function: {name, ...}}]
     tool_choice {type, name}        tool_choice {type, function: {name}}
-    text.format json_schema         response_format json_schema
+    text.format json_schema         response_format json_schema (not on a turn whose
+                                    tool_choice forces a call: the call is its output)
     reasoning.effort                reasoning_effort
 """
 from __future__ import annotations
@@ -40,6 +41,8 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]], stream: b
     elif req.tool_choice is not None:
         body["tool_choice"] = req.tool_choice
     fmt = req.text.format if req.text is not None else None
+    if req.tool_choice == "required" or isinstance(req.tool_choice, NamedFunction):
+        fmt = None  # a forced call is the whole output: text.format governs text answers only
     if fmt is not None and fmt.type == "json_schema":
         if fmt.schema_ is None:
             raise errors.bad_request("Missing required parameter: 'text.format.schema'.", "text.format.schema", "missing_required_parameter")

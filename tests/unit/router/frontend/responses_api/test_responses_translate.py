@@ -70,6 +70,9 @@ def test_request_renames_onto_chat() -> None:
         "type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": True}}})
     assert t.chat_request(fmt, [], False).response_format == {
         "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}, "strict": True}}
+    # A forced call is the turn's whole output: the text format waits for a text turn.
+    forced = fmt.model_copy(update={"tools": req.tools, "tool_choice": "required"})
+    assert t.chat_request(forced, [], False).response_format is None
 
 
 def _chunk(content: str | None = None, call: p.DeltaToolCall | None = None) -> p.ChatCompletionChunk:
