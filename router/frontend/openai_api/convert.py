@@ -152,7 +152,10 @@ def chat_inputs(
     request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int, tool_parser: str = "auto"
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
-    structured = chat_tools.chat_structured_output(request, chat_tools.tool_mode(request, tool_parser, getattr(tokenizer, "chat_template", None)))
+    mode = chat_tools.tool_mode(request, tool_parser, getattr(tokenizer, "chat_template", None))
+    structured = chat_tools.chat_structured_output(request, mode)
+    if mode is not None and mode.keeps_special_tokens:  # the calls' marker is a special token
+        request = request.model_copy(update={"skip_special_tokens": False})
     check_token_ids(request, tokenizer)
     ids = encode_chat(tokenizer, request)
     requested = request.max_output_tokens
