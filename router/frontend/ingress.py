@@ -204,12 +204,15 @@ class Ingress(GrpcMethods):
             lora = self.pipeline.lora.resolve(req.model)
             stream = await self.pipeline.start(
                 principal, req.n, num_bytes,
-                lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
+                lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser,
+                                                          self.settings.reasoning_parser),
                 f"chatcmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
                 stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
             )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
-        reasoning = reasoning_factory(self.settings.reasoning_parser, tokenizer, stream.inputs[0].prompt_token_ids)
+        # A grammar-held output (structured, a forced call) is all answer: nothing to split.
+        reasoning = None if has_grammar(req) else reasoning_factory(
+            self.settings.reasoning_parser, tokenizer, stream.inputs[0].prompt_token_ids)
         formatter = convert.ChatFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs, mode,
                                           req.prompt_logprobs, reasoning)
         return await respond(stream, formatter, req)

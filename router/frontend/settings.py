@@ -87,8 +87,8 @@ class IngressSettings:
     # Tool calls in chat output (router/frontend/tool_calling/parsers.py): hermes | llama3_json | auto (from
     # the chat template's text).
     tool_call_parser: str = "auto"
-    # Reasoning in chat output (router/frontend/reasoning/): think | none | auto (think when the
-    # chat template speaks of <think>).
+    # Reasoning in chat output (router/frontend/reasoning/): think | harmony | none | auto
+    # (harmony for gpt-oss's template, think when it speaks of <think>).
     reasoning_parser: str = "auto"
     # Set-up of the replica's own process, called first thing by the ingress (cluster/
     # injects it: tracing, cluster/tracing.py). None: nothing to set up.

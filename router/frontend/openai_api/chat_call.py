@@ -54,12 +54,15 @@ async def start_chat(
     lora = pipeline.lora.resolve(req.model)
     stream = await pipeline.start(
         principal, req.n, num_bytes,
-        lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
+        lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser,
+                                                  pipeline.settings.reasoning_parser),
         f"chatcmpl-{uuid.uuid4().hex}", arrival, session_id,
         stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
     )
     mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
-    reasoning = reasoning_factory(pipeline.settings.reasoning_parser, tokenizer, stream.inputs[0].prompt_token_ids)
+    # A grammar-held output (structured, a forced call) is all answer: nothing to split.
+    reasoning = None if has_grammar(req) else reasoning_factory(pipeline.settings.reasoning_parser, tokenizer,
+                                                                stream.inputs[0].prompt_token_ids)
     formatter = convert.ChatFormatter(stream.request_id, lora[0] if lora is not None else model_name,
                                       pipeline.texts, req.logprobs, mode, req.prompt_logprobs, reasoning)
     return ChatCall(stream, formatter)

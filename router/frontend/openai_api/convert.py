@@ -14,6 +14,7 @@ from typing import Any
 
 from router.frontend.openai_api import protocol as p
 from router.frontend.tool_calling import chat_tools
+from router.frontend.reasoning.choose import keeps_special_tokens as reasoning_keeps_special_tokens
 from router.errors import bad_request
 from router.frontend.openai_api.structured import structured_output_of
 from worker.api import SamplingParams, SamplingParamsError, StructuredOutput
@@ -149,12 +150,16 @@ def completion_inputs(
 
 
 def chat_inputs(
-    request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int, tool_parser: str = "auto"
+    request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int, tool_parser: str = "auto",
+    reasoning_parser: str = "none",
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
-    mode = chat_tools.tool_mode(request, tool_parser, getattr(tokenizer, "chat_template", None))
+    template = getattr(tokenizer, "chat_template", None)
+    mode = chat_tools.tool_mode(request, tool_parser, template)
     structured = chat_tools.chat_structured_output(request, mode)
-    if mode is not None and mode.keeps_special_tokens:  # the calls' marker is a special token
+    # The calls' or channels' markers are special tokens: the output keeps them.
+    if (mode is not None and mode.keeps_special_tokens) or (
+            structured is None and reasoning_keeps_special_tokens(reasoning_parser, template)):
         request = request.model_copy(update={"skip_special_tokens": False})
     check_token_ids(request, tokenizer)
     ids = encode_chat(tokenizer, request)

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from router.frontend.reasoning.choose import ReasoningFactory
-from router.frontend.reasoning.think import ThinkParser
+from router.frontend.reasoning.choose import ReasoningFactory, ReasoningParser
 from worker.api import RequestOutput
 
 
 class ReasoningSplitter:
     def __init__(self, factory: ReasoningFactory) -> None:
         self._factory = factory
-        self._parsers: dict[int, ThinkParser] = {}
+        self._parsers: dict[int, ReasoningParser] = {}
 
     def split(self, index: int, out: RequestOutput) -> tuple[RequestOutput, str]:
         """The output with only its content as text_delta, and this step's reasoning."""

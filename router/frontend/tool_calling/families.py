@@ -10,6 +10,9 @@ when their block ends (streamed, each call goes out whole then: ToolParser's def
                token: the output keeps special tokens for this parser (ToolMode). Mistral's
                templates want 9-character alphanumeric call ids; its calls get such ids.
 
+  harmony      gpt-oss: the harmony reasoning reader (router/frontend/reasoning/harmony.py)
+               leaves each call as <|start|>to=functions.NAME<|message|>{ARGS}<|call|>.
+
 A block that does not parse stays content, as the other parsers leave it.
 """
 from __future__ import annotations
@@ -128,3 +131,19 @@ class MistralParser(_MarkedCallsParser):
         if not found or any(c is None for c in found):
             return []
         return [ParsedCall(c.name, c.arguments, mistral_call_id()) for c in found if c is not None]
+
+
+class HarmonyToolParser(_MarkedCallsParser):
+    """gpt-oss's calls, as the harmony reasoning reader leaves them in the content."""
+
+    name = "harmony"
+    MARKER = "<|start|>to="
+    END = "<|call|>"
+    keeps_special_tokens = True
+
+    def _calls(self, text: str) -> list[ParsedCall]:
+        recipient, sep, arguments = text.partition("<|message|>")
+        if not sep or not recipient.startswith("functions."):
+            return []
+        call = call_from_json({"name": recipient.removeprefix("functions."), "arguments": arguments.strip()})
+        return [call] if call is not None else []

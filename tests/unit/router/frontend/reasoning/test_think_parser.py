@@ -90,3 +90,57 @@ def test_chat_formatter_streams_and_answers_reasoning_apart(tools: bool) -> None
     if tools:
         assert message.tool_calls is not None and message.tool_calls[0].function.name == "w"
         assert any(c.choices[0].delta.tool_calls for c in chunks)
+
+
+# -- gpt-oss harmony (router/frontend/reasoning/harmony.py + the harmony tool-call parser) ----
+HARMONY_CALL = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}<|call|>')
+HARMONY_ANSWER = ('<|channel|>analysis<|message|>Think <|briefly|>.<|end|><|start|>assistant<|channel|>final'
+                  '<|message|>Hello <b>there</b>!<|return|>')
+
+
+def test_harmony_whole_and_streamed_agree() -> None:
+    from router.frontend.reasoning.harmony import HarmonyParser
+
+    for text, expected in ((HARMONY_ANSWER, ("Think <|briefly|>.", "Hello <b>there</b>!")),
+                           (HARMONY_CALL, ("Need the weather.", '<|start|>to=functions.get_weather<|message|>{"city": "Oslo"}<|call|>')),
+                           ("<|channel|>final<|message|>cut sho", ("", "cut sho")),
+                           ("<|channel|>analysis<|message|>cut while thin", ("cut while thin", ""))):
+        assert HarmonyParser().parse(text) == expected
+        for size in (1, 2, 5, 11):
+            parser = HarmonyParser()
+            parts = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
+            assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == expected, size
+
+
+def test_harmony_reasoning_then_tool_calls_through_the_formatter() -> None:
+    from router.frontend.reasoning.harmony import HarmonyParser
+
+    class Texts:
+        def __call__(self, token_id: int) -> str:
+            return str(token_id)
+
+    def fresh() -> convert.ChatFormatter:
+        return convert.ChatFormatter("id", "m", Texts(), False, ToolMode("auto", "harmony"), reasoning=HarmonyParser)  # type: ignore[arg-type]
+
+    stream = fresh()
+    chunks = [c for c in (stream.delta_chunk(0, out) for out in outputs(HARMONY_CALL, 9)) if c is not None]
+    assert "".join(c.choices[0].delta.reasoning_content or "" for c in chunks) == "Need the weather."
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or ()]
+    assert calls[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    state = convert.ChoiceState(0, 0)
+    for out in outputs(HARMONY_CALL, 1):
+        state.add(out)
+    message = fresh().response([state], convert.usage_of([state], [1])).choices[0].message
+    assert message.reasoning_content == "Need the weather." and not message.content
+    assert message.tool_calls is not None and message.tool_calls[0].function.arguments == '{"city": "Oslo"}'
+
+
+def test_harmony_is_chosen_from_the_template() -> None:
+    from router.frontend.reasoning.choose import keeps_special_tokens
+    from router.frontend.tool_calling.registry import parser_for_template
+
+    template = "{{ '<|start|>assistant<|channel|>final<|message|>' }}"
+    assert parser_name("auto", template) == "harmony" and parser_for_template(template) == "harmony"
+    assert keeps_special_tokens("auto", template) and not keeps_special_tokens("auto", "<think>")
