@@ -72,6 +72,7 @@ def test_thinking_comes_apart_in_every_api(base_url: str) -> None:
         response = client.responses.create(model=MODEL, input=QUESTION[0]["content"], temperature=0, max_output_tokens=12)
         reasoning = [item for item in response.output if item.type == "reasoning"]
         assert reasoning and reasoning[0].content is not None and reasoning[0].content[0].text == raw
+        assert response.usage is not None and 0 < response.usage.output_tokens_details.reasoning_tokens <= response.usage.output_tokens + 2
     with anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=300) as claude:
         out = claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=12, extra_body={"temperature": 0})  # type: ignore[arg-type]
         assert out.content[0].type == "thinking" and out.content[0].thinking == raw

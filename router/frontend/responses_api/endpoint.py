@@ -66,7 +66,12 @@ class ResponsesEndpoint:
         session = session or response_id  # a chain of continuations is one session
         chat = t.chat_request(req, history, req.stream)
         call = await start_chat(self.pipeline, principal, chat, num_bytes, arrival, session, req.model)
-        skeleton = partial(t.response_body, response_id, req, call.formatter.model, int(time.time()))
+        tokenizer = self.pipeline.tokenizer
+
+        def count(text: str) -> int:
+            return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+        skeleton = partial(t.response_body, response_id, req, call.formatter.model, int(time.time()), count)
         # The stored conversation: what came before, this input, then this answer.
         save = partial(self._save, response_id, principal, req, history + chat_messages(req.input), session)
         return Turn(req, call, skeleton, save)

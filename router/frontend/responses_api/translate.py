@@ -16,6 +16,7 @@ calls, structured outputs); this file only renames.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from router import errors
@@ -99,13 +100,17 @@ def usage_body(usage: p.Usage) -> dict[str, Any]:
 
 
 def response_body(
-    response_id: str, req: ResponsesRequest, model: str, created_at: int, status: str,
-    output: list[dict[str, Any]], usage: dict[str, Any] | None, finish_reason: str | None = None,
+    response_id: str, req: ResponsesRequest, model: str, created_at: int, count_tokens: Callable[[str], int] | None,
+    status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None, finish_reason: str | None = None,
 ) -> dict[str, Any]:
     """The Response object; `status` in_progress while streaming, then completed, or
-    incomplete when max_output_tokens (or the context) cut the answer."""
+    incomplete when max_output_tokens (or the context) cut the answer. Reasoning tokens are
+    the reasoning items' text tokenized again (`count_tokens`)."""
     if status != "in_progress":
         status = "incomplete" if finish_reason == "length" else "completed"
+    if usage is not None and count_tokens is not None:
+        texts = [part["text"] for item in output if item["type"] == "reasoning" for part in item["content"]]
+        usage["output_tokens_details"]["reasoning_tokens"] = sum(count_tokens(text) for text in texts)
     fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"type": "text"}
     tool_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction) else (req.tool_choice or "auto")
     return {

@@ -82,12 +82,12 @@ def _chunk(content: str | None = None, call: p.DeltaToolCall | None = None) -> p
 
 def test_stream_events_in_the_spec_order() -> None:
     req = ResponsesRequest.model_validate({"model": "m", "input": "hi"})
-    events = ResponseEvents(lambda *a: t.response_body("resp_1", req, "m", 0, *a))
+    events = ResponseEvents(lambda *a: t.response_body("resp_1", req, "m", 0, len, *a))
     texts = events.start() + events.chunk(_chunk("Hel")) + events.chunk(_chunk("lo"))
     texts += events.chunk(_chunk(call=p.DeltaToolCall(index=0, id="c1", type="function",
                                                       function=p.DeltaFunctionCall(name="f", arguments=""))))
     texts += events.chunk(_chunk(call=p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments="{}"))))
-    closing, response = events.finish("tool_calls", {"input_tokens": 1})
+    closing, response = events.finish("tool_calls", {"input_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0}})
     parsed = [json.loads(x.split("data: ", 1)[1]) for x in texts + closing]
     assert [e["type"] for e in parsed] == [
         "response.created", "response.in_progress",
@@ -100,8 +100,8 @@ def test_stream_events_in_the_spec_order() -> None:
     assert [e["sequence_number"] for e in parsed] == list(range(len(parsed)))
     assert response["status"] == "completed" and [i["type"] for i in response["output"]] == ["message", "function_call"]
     assert response["output"][0]["content"][0]["text"] == "Hello" and response["output"][1]["arguments"] == "{}"
-    cut = ResponseEvents(lambda *a: t.response_body("resp_2", req, "m", 0, *a))
-    closing, response = cut.finish("length", {})
+    cut = ResponseEvents(lambda *a: t.response_body("resp_2", req, "m", 0, len, *a))
+    closing, response = cut.finish("length", {"output_tokens_details": {}})
     assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert json.loads(closing[-1].split("data: ", 1)[1])["type"] == "response.incomplete"
 
@@ -113,11 +113,12 @@ def test_reasoning_becomes_a_reasoning_item_whole_and_streamed() -> None:
     assert items[0]["content"] == [{"type": "reasoning_text", "text": "think"}]
     assert chat_messages(items) == [{"role": "assistant", "content": "Hi"}]  # past thinking is not replayed
     req = ResponsesRequest.model_validate({"model": "m", "input": "hi"})
-    events = ResponseEvents(lambda *a: t.response_body("resp_1", req, "m", 0, *a))
+    events = ResponseEvents(lambda *a: t.response_body("resp_1", req, "m", 0, len, *a))
     reasoning_chunk = p.ChatCompletionChunk(id="c", created=0, model="m", choices=[
         p.ChatChunkChoice(index=0, delta=p.ChatDelta(reasoning_content="thi"))])
     texts = events.start() + events.chunk(reasoning_chunk) + events.chunk(_chunk("Hi"))
-    closing, response = events.finish("stop", {})
+    closing, response = events.finish("stop", {"output_tokens_details": {"reasoning_tokens": 0}})
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == len("thi")  # `len` counts here
     kinds = [json.loads(x.split("data: ", 1)[1])["type"] for x in texts + closing]
     assert kinds[2:6] == ["response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
                           "response.output_item.done"]
