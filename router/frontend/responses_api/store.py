@@ -9,8 +9,9 @@ another key gets the same 404 as for an id that never existed.
 
 Bounds: every record expires `ttl_s` after it was written; a record over
 `max_record_bytes` is not stored (the response says `store: false`); at most
-`max_entries` records are kept (the oldest go first): in memory an ordered dict, in
-Redis a sorted set of ids scored by write time, trimmed on each write.
+`max_entries` records are kept (the oldest go first): in memory an ordered dict (also
+bounded to `max_total_bytes`), in Redis a sorted set of ids scored by write time, trimmed
+on each write.
 """
 from __future__ import annotations
 
@@ -42,10 +43,13 @@ class ResponseStoreSpec:
     ttl_s: float = 3600.0
     max_entries: int = 10_000
     max_record_bytes: int = 4 * 1024**2
+    # In memory, the records' bytes together (the oldest go first); in Redis its own
+    # maxmemory bounds them (max_entries x max_record_bytes at most).
+    max_total_bytes: int = 256 * 1024**2
 
     def __post_init__(self) -> None:
-        if self.ttl_s <= 0 or self.max_entries < 1 or self.max_record_bytes < 1:
-            raise ValueError("response store ttl_s, max_entries and max_record_bytes must be > 0")
+        if min(self.ttl_s, self.max_entries, self.max_record_bytes, self.max_total_bytes) <= 0:
+            raise ValueError("response store ttl_s, max_entries, max_record_bytes and max_total_bytes must be > 0")
 
     def build(self) -> ResponseStore:
         return RedisResponseStore(self) if self.url is not None else MemoryResponseStore(self)
@@ -75,26 +79,35 @@ class MemoryResponseStore:
     def __init__(self, spec: ResponseStoreSpec) -> None:
         self.spec = spec
         self._records: OrderedDict[str, tuple[float, bytes]] = OrderedDict()  # id -> (expiry, encoded)
+        self._bytes = 0  # the records' encoded bytes together
 
     async def put(self, response_id: str, record: StoredResponse) -> bool:
         data = _encode(record)
         if len(data) > self.spec.max_record_bytes:
             return False
         now = time.monotonic()
-        while self._records:  # expired ones first, then the oldest while over the bound
+        self._drop(response_id)
+        while self._records:  # expired ones first, then the oldest while over a bound
             oldest_id, (expiry, _) = next(iter(self._records.items()))
-            if expiry > now and len(self._records) < self.spec.max_entries:
+            full = len(self._records) >= self.spec.max_entries or self._bytes + len(data) > self.spec.max_total_bytes
+            if expiry > now and not full:
                 break
-            del self._records[oldest_id]
+            self._drop(oldest_id)
         self._records[response_id] = (now + self.spec.ttl_s, data)
+        self._bytes += len(data)
         return True
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._records.pop(response_id, None)
+        if entry is not None:
+            self._bytes -= len(entry[1])
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         entry = self._records.get(response_id)
         if entry is None:
             return None
         if entry[0] <= time.monotonic():
-            del self._records[response_id]
+            self._drop(response_id)
             return None
         record = _decode(entry[1])
         return record if record.owner == owner else None
@@ -102,7 +115,7 @@ class MemoryResponseStore:
     async def delete(self, response_id: str, owner: str) -> bool:
         if await self.get(response_id, owner) is None:
             return False
-        del self._records[response_id]
+        self._drop(response_id)
         return True
 
 

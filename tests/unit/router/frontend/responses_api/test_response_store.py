@@ -3,6 +3,7 @@ the record-size bound, delete."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import pytest
@@ -35,6 +36,17 @@ async def exercise(spec: ResponseStoreSpec) -> None:
 
 def test_memory_store() -> None:
     asyncio.run(exercise(ResponseStoreSpec(max_entries=3, max_record_bytes=1000)))
+
+
+def test_memory_store_bounds_its_bytes() -> None:
+    async def run() -> None:
+        size = len(json.dumps({"owner": "alpha", "response": {"id": "x", "output": ["hi"]},
+                               "messages": [{"role": "user", "content": "hi"}]}).encode())
+        store = ResponseStoreSpec(max_total_bytes=3 * size).build()
+        for i in range(5):
+            assert await store.put(f"resp_{i}", record("alpha"))
+        assert [await store.get(f"resp_{i}", "alpha") is not None for i in range(5)] == [False, False, True, True, True]
+    asyncio.run(run())
 
 
 def test_memory_store_expires() -> None:
