@@ -96,7 +96,8 @@ class ResponsesEndpoint:
         if not stored:
             response["store"] = False  # over the record bound: said, not silently dropped
 
-    async def _events(self, call: ChatCall, events: ResponseEvents, save: Callable[[dict[str, Any]], Awaitable[None]]) -> AsyncIterator[str]:
+    async def _events(self, call: ChatCall, events: ResponseEvents,
+                      save: Callable[[dict[str, Any]], Awaitable[None]]) -> AsyncIterator[str]:
         finish: str | None = None
         state = None
         try:
@@ -109,9 +110,10 @@ class ResponsesEndpoint:
                 finish = finished or finish
             usage = t.usage_body(call.usage([state] if state is not None else []))
             closing, response = events.finish(finish, usage)
-            await save(response)
             for text in closing:
                 yield text
+            await save(response)  # before the last event: it says whether it was stored
+            yield events.done(response)
         except errors.APIError as e:
             yield events.error(e.body())
         except Exception as e:  # a bug: still end the stream in a way clients understand

@@ -124,15 +124,18 @@ class ResponseEvents:
         return out
 
     def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
-        """The closing events and the final Response object."""
+        """The events that close the open item, and the final Response object (its own
+        event comes from `done`, once the caller has stored it)."""
         out = self._close()
         if not self.output:  # an empty answer is still one (empty) message, as unstreamed
             out += self._add(t.message_item(t.new_id("msg"), None, "in_progress"))
             out += self._close()
-        response = self._skeleton("completed", self.output, usage, finish_reason)
+        return out, self._skeleton("completed", self.output, usage, finish_reason)
+
+    def done(self, response: dict[str, Any]) -> str:
+        """response.completed, or response.incomplete when the answer was cut."""
         kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        out.append(self._event(kind, response=response))
-        return out, response
+        return self._event(kind, response=response)
 
     def error(self, body: dict[str, Any]) -> str:
         error = body.get("error", {})

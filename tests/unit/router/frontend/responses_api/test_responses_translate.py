@@ -88,6 +88,7 @@ def test_stream_events_in_the_spec_order() -> None:
                                                       function=p.DeltaFunctionCall(name="f", arguments=""))))
     texts += events.chunk(_chunk(call=p.DeltaToolCall(index=0, function=p.DeltaFunctionCall(arguments="{}"))))
     closing, response = events.finish("tool_calls", {"input_tokens": 1, "output_tokens_details": {"reasoning_tokens": 0}})
+    closing.append(events.done(response))
     parsed = [json.loads(x.split("data: ", 1)[1]) for x in texts + closing]
     assert [e["type"] for e in parsed] == [
         "response.created", "response.in_progress",
@@ -102,6 +103,7 @@ def test_stream_events_in_the_spec_order() -> None:
     assert response["output"][0]["content"][0]["text"] == "Hello" and response["output"][1]["arguments"] == "{}"
     cut = ResponseEvents(lambda *a: t.response_body("resp_2", req, "m", 0, len, *a))
     closing, response = cut.finish("length", {"output_tokens_details": {}})
+    closing.append(cut.done(response))
     assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
     assert json.loads(closing[-1].split("data: ", 1)[1])["type"] == "response.incomplete"
 
@@ -118,6 +120,7 @@ def test_reasoning_becomes_a_reasoning_item_whole_and_streamed() -> None:
         p.ChatChunkChoice(index=0, delta=p.ChatDelta(reasoning_content="thi"))])
     texts = events.start() + events.chunk(reasoning_chunk) + events.chunk(_chunk("Hi"))
     closing, response = events.finish("stop", {"output_tokens_details": {"reasoning_tokens": 0}})
+    closing.append(events.done(response))
     assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == len("thi")  # `len` counts here
     kinds = [json.loads(x.split("data: ", 1)[1])["type"] for x in texts + closing]
     assert kinds[2:6] == ["response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
