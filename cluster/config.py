@@ -39,6 +39,7 @@ from cluster.pool_config import (  # noqa: F401 -- re-exported: part of the one 
 from cluster.state_store import RedisStoreSpec
 from cluster.tracing import ObservabilitySection
 from router.routing.redis_view import SharedViewSpec
+from router.frontend.responses_api.store import ResponseStoreSpec
 from router.routing.types import RoutingParams
 from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -358,8 +359,17 @@ class KVServeConfig(Section):
             IngressSettings, self.ingress, self.model,
             served_model_name=self.model.resolved_name(), tokenizer_path=self.model.resolved_path(),
             state_store=state_store, lora_modules=self.lora.module_items, lora_enabled=self.lora.lora_config().enabled,
-            lora_policy=self.lora.policy(),
+            lora_policy=self.lora.policy(), response_store=self.response_store_spec(),
         )
+
+    def response_store_spec(self) -> ResponseStoreSpec:
+        """Where /v1/responses keeps stored responses: Redis when state.redis_url is set
+        (every ingress replica sees them), else each replica's memory."""
+        s = self.state
+        if s.redis_url is None:
+            return ResponseStoreSpec()
+        return ResponseStoreSpec(url=s.redis_url, key_prefix=self.redis_key_prefix(),
+                                 password_env=s.redis_password_env, socket_timeout_s=s.socket_timeout_s)
 
     def shared_view_spec(self) -> SharedViewSpec | None:
         """Where the routers share their view: Redis when state.redis_url is set and

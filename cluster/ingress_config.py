@@ -100,8 +100,11 @@ class IngressSection(Section):
     admission_max_wait_s: float | None = Field(default_of(IngressSettings, "admission_max_wait_s"), gt=0)
     admission_max_waiting_per_replica: int = Field(default_of(IngressSettings, "admission_max_waiting_per_replica"), ge=0)
     # Tool calls in chat output: hermes (Hermes / Qwen <tool_call>), llama3_json (Llama 3.x),
-    # or auto (chosen from the chat template's text).
-    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = default_of(IngressSettings, "tool_call_parser")
+    # deepseek_v3, mistral, or auto (chosen from the chat template's text).
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "deepseek_v3", "mistral", "harmony"] = default_of(IngressSettings, "tool_call_parser")
+    # Reasoning output (router/frontend/reasoning/): reasoning_content in chat, reasoning items,
+    # thinking blocks; auto: `harmony` for gpt-oss's template, `think` when it speaks of <think>.
+    reasoning_parser: Literal["auto", "none", "think", "harmony"] = default_of(IngressSettings, "reasoning_parser")
 
     @model_validator(mode="after")
     def _one_replica_count(self) -> IngressSection:

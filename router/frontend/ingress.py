@@ -18,7 +18,8 @@ convert the events back to OpenAI's JSON or server-sent events
 - over the API key's concurrent requests or tokens per minute -> 429 at once
 - no result within `request_timeout_s`           -> 504
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, vLLM's /tokenize,
+Endpoints: /v1/completions, /v1/chat/completions, /v1/responses and Anthropic's
+/v1/messages (translations onto chat: router/frontend/responses_api/, messages_api/), /v1/models, vLLM's /tokenize,
 /detokenize and /version, /health, /metrics; all but /health need the API key
 when keys are configured (/metrics too, unless metrics_public). The
 gRPC methods come from router/frontend/grpc_api/servicer.py (GrpcMethods -> GrpcServicer, the same pipeline).
@@ -54,6 +55,9 @@ from router.frontend.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapt
 from router.frontend.metrics import CONTENT_TYPE, IngressMetrics
 from router.frontend.output_hub import OutputHub
 from router.frontend.pipeline import RequestPipeline
+from router.frontend.responses_api.endpoint import ResponsesEndpoint
+from router.frontend.messages_api.endpoint import MessagesEndpoint, authorization_of
+from router.frontend.messages_api.errors import error_response
 from router.serve_internals import initialized_request_router_of, process_transport
 from router.routing import SESSION_HEADER, client_session_id
 from router.frontend.settings import MAX_WAITING_FOR_DECODE, IngressSettings
@@ -61,6 +65,7 @@ from router.frontend.workers import Workers
 from worker.api import load_tokenizer
 from router.frontend.openai_api.structured import has_grammar
 from router.frontend.tool_calling.chat_tools import tool_mode
+from router.frontend.reasoning.choose import reasoning_factory
 from router.tracing import ClientTraceContext
 
 logger = logging.getLogger(__name__)
@@ -148,6 +153,8 @@ class Ingress(GrpcMethods):
             metrics.limit_store_up(True)
         self.pipeline = RequestPipeline(settings, workers, tokenizer, metrics, api_keys, key_limits, routing_source)
         self.grpc = GrpcServicer(self.pipeline)
+        self.responses = ResponsesEndpoint(self.pipeline, settings.response_store.build())
+        self.messages = MessagesEndpoint(self.pipeline)
         flush_replica_log()  # the start-up lines (the API-key warning among them) in the file now
 
     # -- OpenAI endpoints ------------------------------------------------------------------
@@ -199,13 +206,58 @@ class Ingress(GrpcMethods):
             lora = self.pipeline.lora.resolve(req.model)
             stream = await self.pipeline.start(
                 principal, req.n, num_bytes,
-                lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser),
+                lambda max_model_len: convert.chat_inputs(req, tokenizer, max_model_len, max_n, parser,
+                                                          self.settings.reasoning_parser),
                 f"chatcmpl-{uuid.uuid4().hex}", arrival, client_session_id(request.headers.get(SESSION_HEADER), req.user),
                 stream=req.stream, lora=lora, offload=has_grammar(req), priority=req.priority,
             )
         mode = tool_mode(req, parser, getattr(tokenizer, "chat_template", None))
-        formatter = convert.ChatFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs, mode, req.prompt_logprobs)
+        # A grammar-held output (structured, a forced call) is all answer: nothing to split.
+        reasoning = None if has_grammar(req) else reasoning_factory(
+            self.settings.reasoning_parser, tokenizer, stream.inputs[0].prompt_token_ids)
+        formatter = convert.ChatFormatter(stream.request_id, _model_name(lora, self.settings), self.pipeline.texts, req.logprobs, mode,
+                                          req.prompt_logprobs, reasoning)
         return await respond(stream, formatter, req)
+
+    # -- OpenAI's Responses API (router/frontend/responses_api/) ---------------------------
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        async with self.pipeline.intake.slot():
+            principal = self._authenticate(request)
+            body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
+            turn = await self.responses.start(principal, body, num_bytes, arrival, request.headers.get(SESSION_HEADER))
+        return await self.responses.respond(turn)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, response_id: str, request: Request) -> JSONResponse:
+        return await self.responses.retrieve(self._authenticate(request), response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
+        return await self.responses.delete(self._authenticate(request), response_id)
+
+    # -- Anthropic's Messages API (router/frontend/messages_api/): its own error shape -------
+    @app.post("/v1/messages")
+    async def create_message(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        try:
+            async with self.pipeline.intake.slot():
+                principal = self.pipeline.authenticate(authorization_of(request.headers))
+                body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
+                turn = await self.messages.start(principal, body, num_bytes, arrival, request.headers.get(SESSION_HEADER))
+            return await self.messages.respond(turn)
+        except errors.APIError as e:
+            return error_response(e)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(self, request: Request) -> Response:
+        try:
+            principal = self.pipeline.authenticate(authorization_of(request.headers))
+            body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
+            return await self.messages.count_tokens(principal, body, num_bytes)
+        except errors.APIError as e:
+            return error_response(e)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from router.frontend.auth import DEFAULT_ADMIN_API_KEYS_ENV, DEFAULT_API_KEYS_ENV
 from router.frontend.key_limits import StateStoreFactory
 from router.frontend.lora_policy import LoRAPolicy
+from router.frontend.responses_api.store import ResponseStoreSpec
 
 # Prefill/decode disaggregation (router/frontend/disagg.py): requests per ingress replica admitted
 # but not yet decoding (waiting for their prefill or for a decode replica); one more is
@@ -86,6 +87,9 @@ class IngressSettings:
     # Tool calls in chat output (router/frontend/tool_calling/parsers.py): hermes | llama3_json | auto (from
     # the chat template's text).
     tool_call_parser: str = "auto"
+    # Reasoning in chat output (router/frontend/reasoning/): think | harmony | none | auto
+    # (harmony for gpt-oss's template, think when it speaks of <think>).
+    reasoning_parser: str = "auto"
     # Set-up of the replica's own process, called first thing by the ingress (cluster/
     # injects it: tracing, cluster/tracing.py). None: nothing to set up.
     setup: Callable[[], object] | None = None
@@ -95,3 +99,6 @@ class IngressSettings:
     lora_enabled: bool = False
     # Run-time adapter updates: off unless configured, confined and bounded (router/frontend/lora_policy.py).
     lora_policy: LoRAPolicy = LoRAPolicy()
+    # Stored responses of /v1/responses (router/frontend/responses_api/store.py): in Redis when
+    # cluster/ sets a url (state.redis_url), else in each replica's memory; TTL and bounds.
+    response_store: ResponseStoreSpec = ResponseStoreSpec()

@@ -92,6 +92,20 @@ def assert_limits_enforced_through_redis(api: Api) -> None:
     assert api.post().status_code == 200
 
 
+def test_stored_responses_live_in_redis(api: Api) -> None:
+    """/v1/responses keeps stored responses in Redis with state.redis_url (every ingress
+    replica sees them), with the TTL; GET and previous_response_id read them back."""
+    with httpx.Client(base_url=api.root, headers={"authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        first = c.post("/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 2})
+        assert first.status_code == 200, first.text
+        response_id = first.json()["id"]
+        assert 0 < api.redis.client().pttl(f"kvserve:{APP}:response:{response_id}") <= 3600_000
+        assert c.get(f"/v1/responses/{response_id}").json()["output"] == first.json()["output"]
+        second = c.post("/v1/responses", json={"model": MODEL, "input": "Again", "max_output_tokens": 2,
+                                               "previous_response_id": response_id})
+        assert second.status_code == 200 and second.json()["usage"]["input_tokens"] > first.json()["usage"]["input_tokens"]
+
+
 def test_limits_are_counted_in_redis(api: Api) -> None:
     assert_limits_enforced_through_redis(api)
     # The app's prefix also holds the shared routing view (`:view:...`, `:hints`), written

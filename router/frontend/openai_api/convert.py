@@ -14,6 +14,7 @@ from typing import Any
 
 from router.frontend.openai_api import protocol as p
 from router.frontend.tool_calling import chat_tools
+from router.frontend.reasoning.choose import keeps_special_tokens as reasoning_keeps_special_tokens
 from router.errors import bad_request
 from router.frontend.openai_api.structured import structured_output_of
 from worker.api import SamplingParams, SamplingParamsError, StructuredOutput
@@ -51,7 +52,10 @@ def encode_chat(tokenizer: Any, request: p.ChatCompletionRequest) -> list[int]:
             **({"tools": tool_defs} if tool_defs else {}),
             tokenize=False,
             add_generation_prompt=request.add_generation_prompt,
-            **(request.chat_template_kwargs or {}),
+            # reasoning_effort reaches the templates that take it (gpt-oss's); the client's
+            # own chat_template_kwargs win.
+            **(({"reasoning_effort": request.reasoning_effort} if request.reasoning_effort else {})
+               | (request.chat_template_kwargs or {})),
         )
     except Exception as e:  # jinja's TemplateError (raise_exception in the template) and kin
         raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
@@ -146,10 +150,17 @@ def completion_inputs(
 
 
 def chat_inputs(
-    request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int, tool_parser: str = "auto"
+    request: p.ChatCompletionRequest, tokenizer: Any, max_model_len: int, max_n: int, tool_parser: str = "auto",
+    reasoning_parser: str = "none",
 ) -> list[EngineInput]:
     check_n(request.n, max_n)
-    structured = chat_tools.chat_structured_output(request, chat_tools.tool_mode(request, tool_parser, getattr(tokenizer, "chat_template", None)))
+    template = getattr(tokenizer, "chat_template", None)
+    mode = chat_tools.tool_mode(request, tool_parser, template)
+    structured = chat_tools.chat_structured_output(request, mode)
+    # The calls' or channels' markers are special tokens: the output keeps them.
+    if (mode is not None and mode.keeps_special_tokens) or (
+            structured is None and reasoning_keeps_special_tokens(reasoning_parser, template)):
+        request = request.model_copy(update={"skip_special_tokens": False})
     check_token_ids(request, tokenizer)
     ids = encode_chat(tokenizer, request)
     requested = request.max_output_tokens

@@ -10,6 +10,8 @@ from typing import Any
 from router.frontend.openai_api.sse import SSE_DONE, sse_data  # noqa: F401  (SSE_DONE: convert.py re-exports it)
 from router.frontend.openai_api import protocol as p
 from router.frontend.tool_calling import chat_tools
+from router.frontend.reasoning.choose import ReasoningFactory
+from router.frontend.reasoning.split import ReasoningSplitter
 from worker.api import RequestOutput, TokenLogprob
 
 
@@ -278,12 +280,14 @@ class ChatFormatter(_Formatter):
 
     def __init__(
         self, request_id: str, model: str, texts: TokenTexts, want_logprobs: bool, tool_mode: chat_tools.ToolMode | None = None,
-        prompt_logprobs: int | None = None,
+        prompt_logprobs: int | None = None, reasoning: ReasoningFactory | None = None,
     ) -> None:
         super().__init__(request_id, model, texts, want_logprobs, prompt_logprobs)
         # Tool calling: one parser per streamed choice (it counts the calls it has sent).
         self.tool_mode = tool_mode
         self._parsers: dict[int, chat_tools.ToolParser] = {}
+        # Reasoning (router/frontend/reasoning/): split off first; the rest sees the content only.
+        self._reasoning = ReasoningSplitter(reasoning) if reasoning is not None else None
 
     def _chunk(self, choices: list[p.ChatChunkChoice], usage: p.Usage | None = None) -> p.ChatCompletionChunk:
         return p.ChatCompletionChunk(
@@ -296,7 +300,7 @@ class ChatFormatter(_Formatter):
 
     def delta_event(self, index: int, out: RequestOutput) -> str | None:
         """sse(delta_chunk(index, out)), or None when there is no chunk."""
-        if self.want_logprobs or self.tool_mode is not None:
+        if self.want_logprobs or self.tool_mode is not None or self._reasoning is not None:
             chunk = self.delta_chunk(index, out)
             return None if chunk is None else sse(chunk)
         if not out.text_delta and not out.finished:
@@ -305,6 +309,17 @@ class ChatFormatter(_Formatter):
         return self._plain_event("chat.completion.chunk", {"index": index, "delta": delta}, out)
 
     def delta_chunk(self, index: int, out: RequestOutput) -> p.ChatCompletionChunk | None:
+        if self._reasoning is None:
+            return self._content_chunk(index, out)
+        out, reasoning = self._reasoning.split(index, out)
+        chunk = self._content_chunk(index, out)
+        if reasoning and chunk is None:
+            chunk = self._chunk([p.ChatChunkChoice(index=index, delta=p.ChatDelta())])
+        if reasoning and chunk is not None:
+            chunk.choices[0].delta.reasoning_content = reasoning
+        return chunk
+
+    def _content_chunk(self, index: int, out: RequestOutput) -> p.ChatCompletionChunk | None:
         if self.tool_mode is not None:
             return self._tool_delta_chunk(index, out)
         if not out.text_delta and not out.finished and not (self.want_logprobs and out.logprobs):
@@ -345,13 +360,15 @@ class ChatFormatter(_Formatter):
         return self._chunk([choice])
 
     def _message(self, state: ChoiceState) -> tuple[p.ChatResponseMessage, str | None]:
+        reasoning, text = self._reasoning.split_whole(state.text) if self._reasoning is not None else (None, state.text)
         if self.tool_mode is None:
-            return p.ChatResponseMessage(content=state.text), state.finish_reason
-        content, calls = self.tool_mode.new_parser().parse(state.text)
+            return p.ChatResponseMessage(content=text, reasoning_content=reasoning), state.finish_reason
+        content, calls = self.tool_mode.new_parser().parse(text)
         if not calls:
-            return p.ChatResponseMessage(content=content), state.finish_reason
+            return p.ChatResponseMessage(content=content, reasoning_content=reasoning), state.finish_reason
         reason = self.tool_mode.finish_reason if state.finish_reason == "stop" else state.finish_reason
-        return p.ChatResponseMessage(content=content or None, tool_calls=chat_tools.tool_calls_of(calls)), reason
+        return p.ChatResponseMessage(content=content or None, tool_calls=chat_tools.tool_calls_of(calls),
+                                     reasoning_content=reasoning), reason
 
     def usage_chunk(self, usage: p.Usage) -> p.ChatCompletionChunk:
         return self._chunk([], usage)

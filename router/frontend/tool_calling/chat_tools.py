@@ -21,7 +21,8 @@ from router.frontend.openai_api import protocol as p
 from router.errors import bad_request
 from router.frontend.openai_api.structured import structured_output_of
 from router.frontend.tool_calling.calls import CallDelta, ParsedCall
-from router.frontend.tool_calling.parsers import PARSERS, JsonArrayParser, NamedParser, ToolParser, parser_for_template
+from router.frontend.tool_calling.parsers import JsonArrayParser, NamedParser, ToolParser
+from router.frontend.tool_calling.registry import PARSERS, parser_for_template
 from worker.api import SamplingParamsError, StructuredOutput, check_structured_output
 
 _ANY_PARAMETERS: dict[str, Any] = {"type": "object"}
@@ -32,8 +33,13 @@ class ToolMode:
     """How one chat request's output is turned into tool calls."""
 
     choice: str  # auto | required | named
-    parser: str  # hermes | llama3_json (auto only)
+    parser: str  # hermes | llama3_json | deepseek_v3 | mistral (auto only)
     function: str | None = None  # named
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The output must keep special tokens: the format's markers are some."""
+        return self.choice == "auto" and PARSERS[self.parser].keeps_special_tokens
 
     def new_parser(self) -> ToolParser:
         if self.choice == "required":

@@ -1,7 +1,8 @@
 """Tool-call parsers: model output text -> (content, tool calls), whole or streamed.
 
-Two formats, chosen per model (IngressSettings.tool_call_parser, or from the chat
-template's text when "auto"):
+Two formats here, chosen per model (IngressSettings.tool_call_parser, or from the chat
+template's text when "auto": router/frontend/tool_calling/registry.py, which also has the
+DeepSeek-V3 and Mistral formats of families.py):
   hermes       Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
                any number of them, with free text around them (the text is content).
   llama3_json  Llama 3.x: the whole message is a JSON call `{"name": ..., "parameters":
@@ -25,6 +26,8 @@ class ToolParser:
     """Stateful per choice: `feed(delta)` while streaming, then `finish()`; or `parse`."""
 
     name = ""
+    # The format's markers are special tokens: the output is detokenized with them kept.
+    keeps_special_tokens = False
 
     def feed(self, delta: str) -> tuple[str, list[ParsedCall]]:
         raise NotImplementedError
@@ -297,9 +300,6 @@ class NamedParser(BufferedParser):
 
     def stream_end(self) -> tuple[str, list[CallDelta]]:
         return "", []
-
-
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
 
 
 def parser_for_template(chat_template: str | None) -> str:

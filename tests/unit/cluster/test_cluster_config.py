@@ -245,3 +245,14 @@ def test_state_section() -> None:
         KVServeConfig.from_dict({"state": {"redis_ur": "redis://r"}})
     with pytest.raises(ConfigError, match="state.socket_timeout_s"):
         KVServeConfig.from_dict({"state": {"socket_timeout_s": 0}})
+
+
+def test_stored_responses_follow_state_redis_url() -> None:
+    """/v1/responses' store: Redis under the app's key prefix when state.redis_url is set
+    (every ingress replica sees it), else each replica's memory."""
+    local = KVServeConfig.from_dict({"app_name": "a"}).ingress_settings().response_store
+    assert local.url is None
+    shared = KVServeConfig.from_dict({"app_name": "a", "state": {"redis_url": "redis://cache:6379/0"}})
+    spec = shared.ingress_settings().response_store
+    assert spec.url == "redis://cache:6379/0" and spec.key_prefix == shared.redis_key_prefix()
+    assert spec.password_env == shared.state.redis_password_env

@@ -233,3 +233,23 @@ def test_plain_stream_events_are_the_models_bytes(text: str, finished: bool, rea
     for formatter in (convert.CompletionFormatter("cmpl-1", "m", None, False), convert.ChatFormatter("chat-1", "m", None, False)):
         chunk = formatter.delta_chunk(2, o)
         assert formatter.delta_event(2, o) == (None if chunk is None else convert.sse(chunk))
+
+
+def test_harmony_and_mistral_outputs_keep_special_tokens(tokenizer) -> None:  # noqa: ANN001
+    """Their markers are special tokens: the engine must decode them. Not for a
+    grammar-held output (no markers there), nor for other templates."""
+    import copy
+
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = p.ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    assert convert.chat_inputs(plain, tokenizer, 100, 4, reasoning_parser="auto")[0].params.skip_special_tokens
+    harmony = copy.deepcopy(tokenizer)
+    harmony.chat_template = tokenizer.chat_template.replace("<|assistant|>", "<|start|>assistant<|channel|>")
+    assert not convert.chat_inputs(plain, harmony, 100, 4, reasoning_parser="auto")[0].params.skip_special_tokens
+    assert convert.chat_inputs(plain, harmony, 100, 4, reasoning_parser="none")[0].params.skip_special_tokens
+    structured = p.ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "response_format": {"type": "json_object"}})
+    assert convert.chat_inputs(structured, harmony, 100, 4, reasoning_parser="auto")[0].params.skip_special_tokens
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    mistral = p.ChatCompletionRequest.model_validate({"model": "m", "messages": messages, "tools": tools})
+    assert not convert.chat_inputs(mistral, tokenizer, 100, 4, tool_parser="mistral")[0].params.skip_special_tokens
+    assert convert.chat_inputs(mistral, tokenizer, 100, 4, tool_parser="hermes")[0].params.skip_special_tokens

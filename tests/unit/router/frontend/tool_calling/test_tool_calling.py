@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -181,3 +182,56 @@ def test_formatter_tool_calls_whole_and_streamed() -> None:
     assert json.loads(calls[0]["arguments"]) == {"city": "Oslo"}
     assert deltas[-1].finish_reason == "tool_calls"
     assert "".join(d.delta.content or "" for d in deltas) == "Let me look. "
+
+
+# -- the DeepSeek-V3 and Mistral families (router/frontend/tool_calling/families.py) ---------
+FAMILY_CASES = [
+    ("deepseek_v3",
+     "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+     "{\"city\": \"Oslo\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```"
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "Let me check.", [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ("deepseek_v3",
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Oslo\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "", [("get_weather", {"city": "Oslo"})]),
+    ("deepseek_v3", "No tools <｜tool▁ here.", "No tools <｜tool▁ here.", []),
+    ("mistral", "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}]</s>", "",
+     [("get_weather", {"city": "Oslo"})]),
+    ("mistral", "Sure.[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\"}[TOOL_CALLS]get_time[ARGS]{}</s>", "Sure.",
+     [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ("mistral", "Plain answer.</s>", "Plain answer.", []),
+    ("mistral", "[TOOL_CALLS]not json", "[TOOL_CALLS]not json", []),
+]
+
+
+@pytest.mark.parametrize("name,text,content,calls", FAMILY_CASES)
+def test_family_parsers_whole_and_streamed(name: str, text: str, content: str, calls: list[tuple[str, dict[str, Any]]]) -> None:
+    from router.frontend.tool_calling.registry import PARSERS
+
+    got_content, got_calls = PARSERS[name]().parse(text)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    for size in (1, 3, 7):
+        parser = PARSERS[name]()
+        streamed, deltas = "", []
+        for i in range(0, len(text), size):
+            more, new = parser.stream(text[i:i + size])
+            streamed, deltas = streamed + more, deltas + new
+        more, new = parser.stream_end()
+        streamed, deltas = streamed + more, deltas + new
+        assert streamed == content
+        assert [(d.name, json.loads(a.arguments)) for d, a in zip(deltas[::2], deltas[1::2])] == calls
+    if name == "mistral":  # its templates want 9-character alphanumeric ids
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in got_calls)
+
+
+def test_family_parsers_from_the_template() -> None:
+    from router.frontend.tool_calling.registry import parser_for_template
+
+    assert parser_for_template("{{ '<｜tool▁calls▁begin｜>' }}") == "deepseek_v3"
+    assert parser_for_template("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
+    assert parser_for_template("... <tool_call> ...") == "hermes"
+    from router.frontend.tool_calling.chat_tools import ToolMode
+
+    assert ToolMode("auto", "mistral").keeps_special_tokens and not ToolMode("required", "mistral").keeps_special_tokens
+    assert not ToolMode("auto", "hermes").keeps_special_tokens

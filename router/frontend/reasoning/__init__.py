@@ -1,0 +1,1 @@
+"""Reasoning output: the model's thinking apart from its answer (reasoning_content, reasoning items, thinking blocks)."""
