@@ -223,8 +223,8 @@ class Ingress(GrpcMethods):
     @app.post("/v1/responses")
     async def create_response(self, request: Request) -> Response:
         arrival = time.monotonic()
+        principal = self._authenticate(request)  # before an intake slot: no slot for a stranger
         async with self.pipeline.intake.slot():
-            principal = self._authenticate(request)
             body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
             turn = await self.responses.start(principal, body, num_bytes, arrival, request.headers.get(SESSION_HEADER))
         return await self.responses.respond(turn)
@@ -242,8 +242,8 @@ class Ingress(GrpcMethods):
     async def create_message(self, request: Request) -> Response:
         arrival = time.monotonic()
         try:
+            principal = self.pipeline.authenticate(authorization_of(request.headers))  # before an intake slot
             async with self.pipeline.intake.slot():
-                principal = self.pipeline.authenticate(authorization_of(request.headers))
                 body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
                 turn = await self.messages.start(principal, body, num_bytes, arrival, request.headers.get(SESSION_HEADER))
             return await self.messages.respond(turn)

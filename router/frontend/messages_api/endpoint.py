@@ -93,6 +93,7 @@ class MessagesEndpoint:
 
     async def count_tokens(self, principal: Principal, body: dict[str, Any], num_bytes: int) -> JSONResponse:
         req = parse(CountTokensRequest, body)
+        await self.pipeline.lora.refresh(req.model)
         self.pipeline.lora.resolve(req.model)  # the base model or a known adapter; else 404
         chat = t.chat_request(req)
         tokenizer = self.pipeline.tokenizer

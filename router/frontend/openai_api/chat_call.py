@@ -51,6 +51,7 @@ async def start_chat(
 ) -> ChatCall:
     """Admit, tokenize (the chat template), charge and start `req` as the chat endpoint does."""
     tokenizer, max_n, parser = pipeline.tokenizer, pipeline.settings.max_n, pipeline.settings.tool_call_parser
+    await pipeline.lora.refresh(req.model)  # the cluster's run-time adapters
     lora = pipeline.lora.resolve(req.model)
     stream = await pipeline.start(
         principal, req.n, num_bytes,
