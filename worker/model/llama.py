@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
 from worker.model.checkpoint_names import Target, llama_target
+from worker.model import fused
 from worker.model.layers import RMSNorm, RotaryEmbedding
 from worker.model.parallel import (
     SINGLE, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear, TPContext,
@@ -120,7 +120,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        q, k = self.rope(positions, q, k, inplace=True)
         if self.sinks is None:
             out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window)
         else:
@@ -156,8 +156,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.part_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x), self.gate_up_proj.part_size))
 
 
 class DecoderLayer(nn.Module):
@@ -181,8 +180,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        h, x = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm: one kernel on CUDA
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -228,11 +228,16 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,); kv_caches: (num_layers, 2, blocks, block_size, Hkv, D).
         Returns final hidden states (T, hidden)."""
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_caches[i], meta)
+        self.rope.begin_step(positions, x.dtype)  # cos / sin gathered once for every layer
+        try:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, positions, kv_caches[i], meta)
+        finally:
+            self.rope.end_step()
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(T, V) fp32 logits; under TP a collective every rank must join."""
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """(T, V) logits, fp32 unless `fp32` is False (the model dtype: for a batch the
+        sampler only takes the argmax of); under TP a collective every rank must join."""
         head = self.embed_tokens if self.arch.tie_word_embeddings else self.lm_head
-        return head.logits(hidden)
+        return head.logits(hidden, fp32)
