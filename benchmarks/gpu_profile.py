@@ -1,7 +1,7 @@
 """Where a decode step's time goes on a GPU, for benchmarks.gpu's model (Llama-3-8B shape,
 random bf16 weights, ~1k context).
 
-    python -m benchmarks.gpu_profile [--batches 1,64,256] [--steps 24] [--tiny]
+    python -m benchmarks.gpu_profile [--batches 1,64,256] [--steps 24] [--model-dir DIR] [--tiny]
 
 Per batch, on one engine, every window through benchmarks/decode_window.py (all prompts
 prefilled first; every timed step holds exactly the batch, its fewest rows reported):
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default=None, help="comma-separated (default 1,64,256; --tiny 1,4,8)")
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="a checkpoint benchmarks.gpu --model-dir saved (reused); else one is built")
     p.add_argument("--tiny", action="store_true", help="benchmarks.gpu's tiny model (automatic without CUDA): "
                    "only shows the script works")
     args = p.parse_args(argv)
@@ -72,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in (args.batches or ",".join(map(str, cfg.decode_batches))).split(",")]
     context = cfg.context_len if tiny else CONTEXT
     tmp = tempfile.TemporaryDirectory(prefix="kvserve-gpu-profile-")
-    model_dir = Path(tmp.name) / "model"
-    build_checkpoint(cfg, model_dir)  # its transformers copy is dropped: only the saved weights are used
+    model_dir = args.model_dir or Path(tmp.name) / "model"
+    if not (model_dir / "config.json").exists():
+        build_checkpoint(cfg, model_dir)  # its transformers copy is dropped: only the saved weights are used
     vocab = cfg.shape["vocab_size"]
     gc.collect()
     if torch.cuda.is_available():

@@ -53,7 +53,8 @@ def dense(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
     return out
 
 
-def run_case(hq: int, hkv: int, splits: int, window: int | None, with_sinks: bool) -> dict[str, torch.Tensor]:
+def run_case(hq: int, hkv: int, splits: int, window: int | None, with_sinks: bool,
+             device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     from worker.attention.triton_paged import paged_attention
 
     g = torch.Generator().manual_seed(hq * 100 + splits)
@@ -80,13 +81,19 @@ def run_case(hq: int, hkv: int, splits: int, window: int | None, with_sinks: boo
         max_query_len=1, max_context_len=max(CONTEXTS),
     )
     scale = D**-0.5
-    result = {}
+    result = {"reference": dense(q, keys, values, scale, window, sinks)}
+    q, cache = q.to(device, dtype), cache.to(device, dtype)
+    sinks = sinks.to(device) if sinks is not None else None
+    meta = AttentionMetadata(
+        slot_mapping=meta.slot_mapping.to(device), num_decode_tokens=meta.num_decode_tokens,
+        cu_seqlens_q=meta.cu_seqlens_q.to(device), seqused_k=meta.seqused_k.to(device),
+        block_table=meta.block_table.to(device), max_query_len=1, max_context_len=meta.max_context_len,
+    )
     for name, n in (("split", splits), ("one_pass", 1)):
         out = torch.full_like(q, float("nan"))
         paged_attention(q, cache[0], cache[1], meta, scale, out=out, sliding_window=window, sinks=sinks,
                         num_splits=n)
-        result[name] = out
-    result["reference"] = dense(q, keys, values, scale, window, sinks)
+        result[name] = out.float().cpu()
     return result
 
 

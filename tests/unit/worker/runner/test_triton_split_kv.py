@@ -50,3 +50,15 @@ def test_split_count_depends_on_the_batch_shape_only(monkeypatch: pytest.MonkeyP
     assert decode_splits(8, 8, cuda) == 5  # 64 programs: ceil(264 / 64)
     assert decode_splits(32, 8, cuda) == 1  # 256 programs fill the device
     assert decode_splits(64, 8, cuda) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["gqa4_s4", "gqa4_s4_window70", "gqa4_s2_window5_sinks", "gqa4_s16"])
+def test_split_kv_compiled_on_cuda_in_bf16(case: str) -> None:
+    from tests.support.triton_split_kv_cases import run_case
+
+    r = run_case(*CASES[case], device="cuda", dtype=torch.bfloat16)
+    assert not torch.isnan(r["split"]).any()
+    torch.testing.assert_close(r["split"], r["one_pass"], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(r["split"], r["reference"], rtol=5e-2, atol=5e-2)
