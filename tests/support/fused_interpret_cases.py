@@ -61,9 +61,21 @@ def kernel_cases(dtype: torch.dtype, seed: int = 0, device: str = "cpu") -> dict
     cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
     out["rope_q_torch"], out["rope_k_torch"] = torch_rope(q, cos, sin), torch_rope(k, cos, sin)
     v_before = qkv[:, (hq + hkv) * d:].clone()
+    qkv_again = qkv.clone()
     fk.rope_qk_(q, k, cos, sin)
     out["rope_q"], out["rope_k"] = q.clone(), k.clone()
     out["v_untouched"] = torch.tensor([float(torch.equal(qkv[:, (hq + hkv) * d:], v_before))])
+    # The same rotation writing the rotated key and the value into scattered cache slots.
+    q2, k2, v2 = qkv_again.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q2, k2, v2 = q2.view(rows, hq, d), k2.view(rows, hkv, d), v2.view(rows, hkv, d)
+    cache = torch.zeros(2, 6, 4, hkv, d, dtype=dtype, device=device)
+    slots = torch.tensor([5, 0, 23, 9, 14, 2, 17], device=device)
+    fk.rope_qk_(q2, k2, cos, sin, v2, cache, slots)
+    out["write_q"], out["write_cache_k"] = q2.clone(), cache[0].view(-1, hkv, d)[slots]
+    out["write_cache_v"], out["write_v"] = cache[1].view(-1, hkv, d)[slots], v_before.view(rows, hkv, d)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    out["write_elsewhere_zero"] = torch.tensor([float(cache.view(2, 24, -1)[:, untouched.to(device)].eq(0).all())])
     return out
 
 
@@ -74,12 +86,29 @@ def greedy_cases(root: Path) -> dict[str, torch.Tensor]:
     from worker.engine.build import build_engine
     from worker.model.fused import set_fused_kernels
 
+    from worker.attention import triton_paged
+
+    # The Triton attention backend on CPU too (the interpreter runs it): the path on which
+    # RoPE writes the KV cache itself and the backend only attends.
+    triton_paged.load_triton_backend = lambda device: (triton_paged.TritonPagedAttention(), "interpreter")
+    from worker.model import fused_kernels
+
+    writes = [0]
+    rope = fused_kernels.rope_qk_
+
+    def counted(*args: object, **kwargs: object) -> None:  # how many launches wrote the KV cache
+        writes[0] += len(args) > 4 and args[5] is not None
+        rope(*args, **kwargs)  # type: ignore[arg-type]
+
+    fused_kernels.rope_qk_ = counted
     out: dict[str, torch.Tensor] = {}
-    for family in ("llama", "qwen3"):  # qwen3: per-head q/k norms through the fused RMSNorm
-        model_dir = make_tiny_model(family, root / family)
+    for family, backend in (("llama", "torch"), ("qwen3", "torch"), ("llama", "triton"), ("mistral_swa", "triton")):
+        # qwen3: per-head q/k norms through the fused RMSNorm; mistral_swa: a sliding window.
+        model_dir = make_tiny_model(family, root / f"{family}-{backend}")
         set_fused_kernels(True)
+        writes[0] = 0
         engine = build_engine(EngineConfig(
-            ModelConfig(str(model_dir), dtype="float32", device="cpu"),
+            ModelConfig(str(model_dir), dtype="float32", device="cpu", attention_backend=backend),
             CacheConfig(block_size=16, num_blocks_override=64),
             SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
         ))
@@ -91,8 +120,9 @@ def greedy_cases(root: Path) -> dict[str, torch.Tensor]:
                 tokens[o.request_id].extend(o.new_token_ids)
         set_fused_kernels(None)
         hf = hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
-        out[f"{family}_engine"] = torch.tensor([t for i in range(len(PROMPTS)) for t in tokens[str(i)]])
-        out[f"{family}_hf"] = torch.tensor([t for row in hf for t in row])
+        out[f"{family}_{backend}_engine"] = torch.tensor([t for i in range(len(PROMPTS)) for t in tokens[str(i)]])
+        out[f"{family}_{backend}_hf"] = torch.tensor([t for row in hf for t in row])
+        out[f"{family}_{backend}_kv_writes"] = torch.tensor([writes[0]])
     return out
 
 

@@ -243,9 +243,22 @@ class TritonPagedAttention:
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale, sliding_window, sinks)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention alone, this step's K/V already in the cache (a caller that wrote
+        them itself: worker/model/fused.py's RoPE + KV write)."""
         return paged_attention(
-            q.contiguous(), key_cache, value_cache, meta, scale, sliding_window=sliding_window, sinks=sinks
+            q.contiguous(), kv_cache[0], kv_cache[1], meta, scale, sliding_window=sliding_window, sinks=sinks
         )
 
 

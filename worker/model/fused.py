@@ -49,6 +49,22 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 
 
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: object, backend: object) -> bool:
+    """RoPE of q and k and the K/V write into the layer's paged cache, in one kernel, when
+    the fused path runs and the backend can attend without writing (`attend`): one KV
+    group, a contiguous cache of k's dtype (a quantised cache writes through its backend).
+    True when done (the caller then calls `backend.attend`); False: nothing was done."""
+    if not (fused_on(q) and hasattr(backend, "attend") and getattr(meta, "groups", None) is None):
+        return False
+    if kv_cache.dtype != k.dtype or not kv_cache.is_contiguous() or q.shape[-1] % 2:
+        return False
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return False
+    fused_kernels.rope_qk_(q, k, cos, sin, v, kv_cache, meta.slot_mapping)  # type: ignore[attr-defined]
+    return True
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

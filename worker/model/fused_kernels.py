@@ -1,5 +1,6 @@
 """Fused elementwise kernels of the decoder layer, in Triton: residual add + RMSNorm, RoPE
-of q and k in one launch, SiLU(gate) * up. Each replaces a chain of small torch ops (an
+of q and k in one launch (optionally writing the rotated key and the value into the
+paged KV cache in the same launch), SiLU(gate) * up. Each replaces a chain of small torch ops (an
 RMSNorm alone is ~8 launches) with one launch that reads its inputs once.
 
 Every kernel rounds where the torch path (worker/model/layers.py, worker/model/llama.py,
@@ -82,7 +83,7 @@ if triton is not None:
     def _rope_heads(x_ptr, stride_t, stride_h, tok, c1, c2, s1, s2,
                     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
                     HALF_PAD: tl.constexpr):
-        """Rotate-half RoPE of one token's heads, in place."""
+        """Rotate-half RoPE of one token's heads, in place; returns the rotated halves."""
         h = tl.arange(0, HEADS_PAD)[:, None]
         d = tl.arange(0, HALF_PAD)[None, :]
         mask = (h < NUM_HEADS) & (d < HALF)
@@ -94,16 +95,19 @@ if triton is not None:
         b1 = _round_to(-(x2.to(tl.float32)) * s1, dt).to(tl.float32)
         a2 = _round_to(x2.to(tl.float32) * c2, dt).to(tl.float32)
         b2 = _round_to(x1.to(tl.float32) * s2, dt).to(tl.float32)
-        tl.store(base + d, _round_to(a1 + b1, dt), mask=mask)
-        tl.store(base + HALF + d, _round_to(a2 + b2, dt), mask=mask)
+        o1 = _round_to(a1 + b1, dt)
+        o2 = _round_to(a2 + b2, dt)
+        tl.store(base + d, o1, mask=mask)
+        tl.store(base + HALF + d, o2, mask=mask)
+        return o1, o2
 
     @triton.jit
     def _rope_qk_kernel(
-        q_ptr, k_ptr, cos_ptr, sin_ptr,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_ct,
+        q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, key_cache_ptr, value_cache_ptr,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
         NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr,
         NUM_K_HEADS: tl.constexpr, K_HEADS_PAD: tl.constexpr,
-        HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, WRITE_KV: tl.constexpr,
     ):
         tok = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, HALF_PAD)[None, :]
@@ -114,7 +118,18 @@ if triton is not None:
         s1 = tl.load(sin_ptr + tok * stride_ct + d, mask=dm, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + tok * stride_ct + HALF + d, mask=dm, other=0.0).to(tl.float32)
         _rope_heads(q_ptr, stride_qt, stride_qh, tok, c1, c2, s1, s2, NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD)
-        _rope_heads(k_ptr, stride_kt, stride_kh, tok, c1, c2, s1, s2, NUM_K_HEADS, K_HEADS_PAD, HALF, HALF_PAD)
+        k1, k2 = _rope_heads(k_ptr, stride_kt, stride_kh, tok, c1, c2, s1, s2, NUM_K_HEADS, K_HEADS_PAD, HALF,
+                             HALF_PAD)
+        if WRITE_KV:  # the rotated key and the value into the token's slot of the paged cache
+            h = tl.arange(0, K_HEADS_PAD)[:, None]
+            mask = (h < NUM_K_HEADS) & dm
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            cache_off = slot * (NUM_K_HEADS * 2 * HALF) + h * (2 * HALF) + d
+            tl.store(key_cache_ptr + cache_off, k1, mask=mask)
+            tl.store(key_cache_ptr + cache_off + HALF, k2, mask=mask)
+            v_base = v_ptr + tok * stride_vt + h * stride_vh + d
+            tl.store(value_cache_ptr + cache_off, tl.load(v_base, mask=mask, other=0.0), mask=mask)
+            tl.store(value_cache_ptr + cache_off + HALF, tl.load(v_base + HALF, mask=mask, other=0.0), mask=mask)
 
 
 def _need_triton() -> None:
@@ -162,18 +177,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
+             slot_mapping: torch.Tensor | None = None) -> None:
     """Rotate q (T, Hq, D) and k (T, Hkv, D) in place by the step's (T, D) cos / sin rows
-    (model dtype). q and k may be strided views (the qkv projection's split)."""
+    (model dtype). q, k and v may be strided views (the qkv projection's split). With
+    `kv_cache` (2, num_blocks, block_size, Hkv, D), contiguous, of k's dtype, the rotated
+    k and v (T, Hkv, D) are also written to the slots `slot_mapping` (T,) names."""
     _need_triton()
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and cos.stride() == sin.stride()
+    write = kv_cache is not None
+    if write:
+        assert v is not None and slot_mapping is not None and v.stride(-1) == 1
+        assert kv_cache.is_contiguous() and kv_cache.dtype == k.dtype and kv_cache.shape[-2:] == k.shape[-2:]
     half = head_dim // 2
+    v_arg = v if write else k
     if num_tokens:
         _rope_qk_kernel[(num_tokens,)](
-            q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            q, k, v_arg, cos, sin, slot_mapping if write else cos, kv_cache[0] if write else k,
+            kv_cache[1] if write else k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), cos.stride(0),
             NUM_Q_HEADS=num_q_heads, Q_HEADS_PAD=_next_pow2(num_q_heads),
             NUM_K_HEADS=num_k_heads, K_HEADS_PAD=_next_pow2(num_k_heads),
-            HALF=half, HALF_PAD=_next_pow2(half),
+            HALF=half, HALF_PAD=_next_pow2(half), WRITE_KV=write,
         )

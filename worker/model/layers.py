@@ -96,12 +96,16 @@ class RotaryEmbedding(nn.Module):
         """q, k rotated; `inplace`: the caller owns q and k (fresh projections), so the
         fused kernel may rotate them where they are."""
         # q: (T, Hq, D), k: (T, Hkv, D); rotate-half convention, as in transformers.
-        step = self._step
-        if step is not None and step[0] is positions and step[1].dtype == q.dtype:
-            cos, sin = step[1], step[2]
-        else:
-            cos, sin = self.cos[positions].to(q.dtype), self.sin[positions].to(q.dtype)
+        cos, sin = self.tables(positions, q.dtype)
         return fused.rope_qk(q, k, cos, sin, inplace)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, D) cos / sin rows of `positions` in `dtype`: the step's, gathered once
+        (begin_step), or gathered now for other positions."""
+        step = self._step
+        if step is not None and step[0] is positions and step[1].dtype == dtype:
+            return step[1], step[2]
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
     _step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 

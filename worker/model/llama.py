@@ -120,12 +120,17 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k, inplace=True)
-        if self.sinks is None:
+        sinks = self.sinks.weight if self.sinks is not None else None
+        cos, sin = self.rope.tables(positions, q.dtype)
+        if fused.rope_write_kv(q, k, v, cos, sin, kv_cache, meta, self.backend):  # one kernel on CUDA
+            out = self.backend.attend(q, kv_cache, meta, self.scale, self.sliding_window, sinks=sinks)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
+        q, k = fused.rope_qk(q, k, cos, sin, inplace=True)  # q, k: this projection's own
+        if sinks is None:
             out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window)
         else:
             out = self.backend.forward(
-                q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window, sinks=self.sinks.weight
+                q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window, sinks=sinks
             )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

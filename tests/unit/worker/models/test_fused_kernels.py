@@ -48,11 +48,23 @@ def test_norm_without_residual_passes_x_through_and_rope_leaves_v(interpreted: d
         assert interpreted[dtype]["v_untouched"].item() == 1
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_engine_greedy_with_fused_kernels_equals_transformers(interpreted: dict, family: str) -> None:
-    got, want = interpreted["greedy"][f"{family}_engine"], interpreted["greedy"][f"{family}_hf"]
+def test_rope_writes_the_rotated_key_and_the_value_into_their_slots(interpreted: dict) -> None:
+    for dtype in ("fp32", "bf16"):
+        r = interpreted[dtype]
+        assert torch.equal(r["write_q"], r["rope_q"])
+        assert torch.equal(r["write_cache_k"], r["rope_k"])
+        assert torch.equal(r["write_cache_v"], r["write_v"])
+        assert r["write_elsewhere_zero"].item() == 1
+
+
+@pytest.mark.parametrize("case", ["llama_torch", "qwen3_torch", "llama_triton", "mistral_swa_triton"])
+def test_engine_greedy_with_fused_kernels_equals_transformers(interpreted: dict, case: str) -> None:
+    """`_triton`: the Triton attention backend (interpreted) behind RoPE's own KV write."""
+    got, want = interpreted["greedy"][f"{case}_engine"], interpreted["greedy"][f"{case}_hf"]
     assert want.numel() > 30
     assert torch.equal(got, want)
+    # Behind the Triton backend RoPE writes the KV cache itself (every layer, every step).
+    assert (interpreted["greedy"][f"{case}_kv_writes"].item() > 0) == case.endswith("_triton")
 
 
 def test_cpu_tensors_take_the_torch_path_by_default() -> None:
