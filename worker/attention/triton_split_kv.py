@@ -20,6 +20,7 @@ the one-pass kernel does; the sliding window bounds the key span before it is sp
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -44,13 +45,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    """The device's SM count, asked once (decode_splits runs per layer per step)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
     """The split count of a decode batch: 1 when (sequence, KV head) programs already fill
     the device, else enough splits to give every SM PROGRAMS_PER_SM programs (at most
     MAX_SPLITS). A function of the batch's shape only (graph-static)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
     programs = max(1, num_seqs * num_kv_heads)
     if programs >= sms:
         return 1

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,9 +42,8 @@ def test_split_kv_matches_dense_and_one_pass_in_interpreter(interpreted: dict, c
 
 def test_split_count_depends_on_the_batch_shape_only(monkeypatch: pytest.MonkeyPatch) -> None:
     assert decode_splits(1, 8, torch.device("cpu")) == 1  # off CUDA: the one-pass kernel
-    monkeypatch.setattr(triton_split_kv.torch.cuda, "get_device_properties",
-                        lambda device: SimpleNamespace(multi_processor_count=132))
-    cuda = torch.device("cuda")
+    monkeypatch.setattr(triton_split_kv, "_multiprocessors", lambda index: 132)
+    cuda = torch.device("cuda", 0)
     assert decode_splits(1, 8, cuda) == MAX_SPLITS  # 8 programs on 132 SMs: split all the way
     assert decode_splits(8, 8, cuda) == 5  # 64 programs: ceil(264 / 64)
     assert decode_splits(32, 8, cuda) == 1  # 256 programs fill the device
