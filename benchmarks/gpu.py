@@ -12,8 +12,10 @@ whole script runs end to end on a CPU in a minute or two; its numbers only show 
 script works (the roofline of a CPU is not the H200's).
 
 Reported, in one run:
-1. decode tokens/s at batch 1, 64, 256 with ~1k context (timed over decode-only steps of
-   the engine), against the roofline of benchmarks/roofline.py, as a percentage;
+1. decode tokens/s at batch 1, 64, 256 with ~1k context, against the roofline of
+   benchmarks/roofline.py, as a percentage: every prompt prefilled first, then only steps
+   in which every row decodes are timed (benchmarks/decode_window.py), through the serial
+   loop and the overlapped launch-ahead loop; each window's fewest rows are reported;
 2. TTFT of a 512-token prompt on an idle engine (median of a few);
 3. one seeded mixed workload (cluster/workload/token_prompts.py) through kvserve and through the
    peers (benchmarks/hf_peers.py, the same code benchmarks/engine.py uses): useful output
@@ -24,7 +26,11 @@ Reported, in one run:
    hf_cb runs transformers' continuous batching at its own defaults (on CUDA it decides
    CUDA graphs and async batching itself), hf_cb_matched at kvserve's 16-token pages
    with both off; both are reported.
-The LAST line: RESULT roofline_pct_b256=<p> vs_hf_static=<x> vs_hf_cb=<y> vs_hf_cb_matched=<z> sched_pct=<s>
+The LAST line: RESULT roofline_pct_b<N>=<p> per batch (the loop the worker serves with:
+launch-ahead where the runner overlaps the device, else serial), rows_min_b<N>=<rows>
+(the fewest rows in any timed step of either loop), vs_hf_static=<x> vs_hf_cb=<y>
+vs_hf_cb_matched=<z> sched_pct=<s>, then serial_pct_b<N> and ahead_pct_b<N>.
+`--decode-only` runs the decode windows alone (what CI runs with `--tiny`).
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from typing import Any
 import torch
 from worker.engine.build import build_engine
 
+from benchmarks.decode_window import DecodeWindow, ahead_engine, decode_window, prefill_steps_bound
 from benchmarks.hf_peers import PeerRun, cb_num_blocks, cb_page_size, continuous_batching_generate, static_generate
 from benchmarks.roofline import H200_HBM_BYTES_PER_S, ModelShape, decode_floor_s, roofline_pct
 from cluster.workload.token_prompts import Request, WorkloadSpec, describe, make_workload
@@ -152,27 +159,19 @@ def _drain(engine: Any) -> dict[str, list[int]]:
     return tokens
 
 
-def decode_tokens_per_s(engine: Any, cfg: Settings, batch: int, tag: str) -> float:
-    """Prefill `batch` prompts of context_len tokens, then time decode_steps decode-only steps."""
-    from worker.api import SamplingParams
-
-    gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=cfg.decode_steps + 2, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        prompt = torch.randint(3, cfg.shape["vocab_size"], (cfg.context_len,), generator=gen).tolist()
-        engine.add_request(f"{tag}-{i}", prompt, params)
-    # Prefill (and the first sampled token) until every sequence decodes.
-    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.seqs.values()):
-        engine.step()
-    engine.step()  # one untimed decode step (a graph bucket's first replay)
-    _sync(cfg.device)
-    start = time.perf_counter()
-    for _ in range(cfg.decode_steps):
-        engine.step()
-    _sync(cfg.device)
-    elapsed = time.perf_counter() - start
-    _drain(engine)
-    return batch * cfg.decode_steps / elapsed
+def decode_windows(engine: Any, cfg: Settings) -> dict[int, dict[str, DecodeWindow]]:
+    """Every batch through both loops (benchmarks/decode_window.py: every timed step holds
+    the batch); the serial loop first, as the launch-ahead engine may share its runner."""
+    windows: dict[int, dict[str, DecodeWindow]] = {b: {} for b in cfg.decode_batches}
+    for b in cfg.decode_batches:
+        windows[b]["serial"] = decode_window(engine, b, cfg.context_len, cfg.shape["vocab_size"], cfg.decode_steps,
+                                             "serial", tag=f"serial{b}", seed=b)
+    ahead = ahead_engine(engine)
+    for b in cfg.decode_batches:
+        windows[b]["ahead"] = decode_window(ahead, b, cfg.context_len, cfg.shape["vocab_size"], cfg.decode_steps,
+                                            "ahead", tag=f"ahead{b}", seed=1000 + b)
+    engine.reset_prefix_cache()  # the ahead engine may have written over its cached blocks
+    return windows
 
 
 def ttft_s(engine: Any, cfg: Settings, repeats: int = 3) -> float:
@@ -210,12 +209,80 @@ def run_workload_kvserve(engine: Any, requests: list[Request], concurrency: int)
     return PeerRun(out, generated, wall, cpu, f"max_num_seqs {concurrency}"), sched_share
 
 
+# ----------------------------------------------------------------------------- report
+
+
+def decode_table(shape: ModelShape, windows: dict[int, dict[str, DecodeWindow]], bandwidth: float,
+                 served: str) -> dict[str, float]:
+    """Prints the decode windows against the roofline; returns the RESULT fields. The
+    roofline is taken at each window's own mean context; `roofline_pct_b<N>` is the loop
+    the worker serves with (`served`), both loops are reported on their own too."""
+    print(f"{'batch':>6} {'loop':>7} {'rows min':>9} {'context':>8} {'ms/step':>8} {'tok/s':>12} "
+          f"{'floor ms':>9} {'% roofline':>11}")
+    fields: dict[str, float] = {}
+    for b, by_loop in windows.items():
+        for loop, w in by_loop.items():
+            pct = roofline_pct(w.tokens_per_s, shape, b, round(w.mean_context), bandwidth)
+            floor = decode_floor_s(shape, b, round(w.mean_context), bandwidth)
+            print(f"{b:>6} {loop:>7} {w.rows_min:>9} {w.mean_context:>8.0f} {w.step_ms:>8.2f} "
+                  f"{w.tokens_per_s:>12.1f} {1000 * floor:>9.3f} {pct:>10.1f}%")
+            fields[f"{loop}_pct_b{b}"] = pct
+        fields[f"roofline_pct_b{b}"] = fields[f"{served}_pct_b{b}"]
+        fields[f"rows_min_b{b}"] = min(w.rows_min for w in by_loop.values())
+    return fields
+
+
+def peers_table(requests: list[Request], kv_run: PeerRun, peers: dict[str, PeerRun], dtype: torch.dtype) -> dict[str, float]:
+    """Prints the mixed workload through every system; returns kvserve/peer useful tok/s ratios."""
+    useful = sum(r.max_tokens for r in requests)
+    print(f"\n{'system':<10} {'useful tok':>10} {'computed':>9} {'wall s':>8} {'useful tok/s':>13} {'kvserve/peer':>13}")
+    runs = {"kvserve": kv_run, **peers}
+    ratios = {}
+    for name, run in runs.items():
+        ratios[name] = (useful / kv_run.wall_s) / (useful / run.wall_s)
+        print(f"{name:<10} {useful:>10} {run.generated_tokens:>9} {run.wall_s:>8.2f} {useful / run.wall_s:>13.1f} "
+              f"{ratios[name]:>13.2f}")
+    for name, run in runs.items():
+        print(f"note: {name}: {run.note}")
+    mismatches = sum(a != b for a, b in zip(kv_run.tokens, peers["hf_static"].tokens))
+    print(f"greedy tokens kvserve vs hf_static: {mismatches} of {len(requests)} requests differ "
+          f"({'bf16: small differences flip near-tied argmaxes' if dtype == torch.bfloat16 else 'fp32'})")
+    return {f"vs_{name}": ratios[name] for name in peers}
+
+
+def run_peers(cfg: Settings, hf_model: Any, requests: list[Request], max_model_len: int, api: str) -> dict[str, PeerRun]:
+    prompts = [r.prompt_token_ids for r in requests]
+    max_tokens = [r.max_tokens for r in requests]
+    warm = [list(range(3, 35)), list(range(35, 67))]
+    peers = {"hf_static": static_generate(hf_model, prompts, max_tokens, cfg.concurrency, warm)}
+    # transformers' continuous batching at its own defaults (page size, CUDA graphs, async
+    # batching, flash switch: its best settings) and at kvserve's page size without them.
+    for name, which in (("hf_cb", "defaults"), ("hf_cb_matched", "matched")):
+        peers[name] = continuous_batching_generate(
+            hf_model, prompts, max_tokens, cfg.concurrency, cfg.max_num_batched_tokens,
+            cb_num_blocks(cfg.concurrency, max_model_len, cb_page_size(which)), settings=which,
+            api=api, warmup_prompts=warm,
+        )
+    return peers
+
+
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+RESULT_ORDER = ("roofline_pct_", "rows_min_", "vs_", "sched_pct", "serial_pct_", "ahead_pct_")
+
+
+def result_line(fields: dict[str, float]) -> str:
+    keys = sorted(fields, key=lambda k: next(i for i, p in enumerate(RESULT_ORDER) if k.startswith(p)))
+    return "RESULT " + " ".join(f"{k}={fields[k]:.1f}" if isinstance(fields[k], float) else f"{k}={fields[k]}"
+                                for k in keys)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model and sizes (automatic without CUDA)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only the decode windows (no TTFT, no mixed workload, no transformers peers)")
     parser.add_argument("--hbm-gbps", type=float, default=H200_HBM_BYTES_PER_S / 1e9,
                         help="memory bandwidth for the roofline, GB/s (H200: 4800)")
     parser.add_argument("--requests", type=int, default=None)
@@ -224,17 +291,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flash", "triton"])
     parser.add_argument("--hf-cb-api", default="manager", choices=["manager", "generate_batch"])
     parser.add_argument("--model-dir", type=Path, default=None, help="where to save the random checkpoint")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def max_len_for(cfg: Settings) -> int:
+    """Room for a decode window's prompt, its prefill steps, warm, timed and ahead steps."""
+    window = cfg.context_len + prefill_steps_bound(max(cfg.decode_batches), cfg.context_len,
+                                                   cfg.max_num_batched_tokens) + cfg.decode_steps + 16
+    return max(window, cfg.workload.prompt_max + cfg.workload.output_cap + 16, cfg.ttft_prompt_len + 8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     tiny = args.tiny or not torch.cuda.is_available()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for name in ("transformers", "httpx"):
         logging.getLogger(name).setLevel(logging.ERROR)
     cfg = settings(tiny, args.requests, args.concurrency, args.seed)
-    bandwidth = args.hbm_gbps * 1e9
     requests = make_workload(cfg.workload)
-    max_model_len = max(cfg.context_len + cfg.decode_steps + 8, cfg.workload.prompt_max + cfg.workload.output_cap + 16,
-                        cfg.ttft_prompt_len + 8)
-
+    max_model_len = max_len_for(cfg)
     tmp = tempfile.TemporaryDirectory(prefix="kvserve-gpu-bench-")
     model_dir = args.model_dir or Path(tmp.name) / "model"
     t0 = time.perf_counter()
@@ -242,62 +317,28 @@ def main(argv: list[str] | None = None) -> int:
     shape = model_shape(hf_model, cfg.dtype)
     print(f"model: {'tiny' if tiny else 'Llama-3-8B-shaped'}, {shape.num_params / 1e6:.2f}M params, {cfg.dtype}, "
           f"on {cfg.device}; built + saved in {time.perf_counter() - t0:.1f} s")
-    print(f"workload (seed {args.seed}): {describe(requests)}; concurrency {cfg.concurrency}")
     sys.stdout.flush()
 
     engine = make_engine(cfg, model_dir, args.attention_backend, max_model_len)
-    backend = engine.runner.backend.name
-    graphs = engine.runner.graphs is not None
-    decode = {b: decode_tokens_per_s(engine, cfg, b, f"decode{b}") for b in cfg.decode_batches}
-    ttft = ttft_s(engine, cfg)
-    kv_run, sched_share = run_workload_kvserve(engine, requests, cfg.concurrency)
-    del engine
-    gc.collect()
-    if cfg.device == "cuda":
-        torch.cuda.empty_cache()
-
-    prompts = [r.prompt_token_ids for r in requests]
-    max_tokens = [r.max_tokens for r in requests]
-    warm = [list(range(3, 35)), list(range(35, 67))]
-    static = static_generate(hf_model, prompts, max_tokens, cfg.concurrency, warm)
-    # transformers' continuous batching at its own defaults (page size, CUDA graphs, async
-    # batching, flash switch: its best settings) and at kvserve's page size without them.
-    cb_runs = {
-        name: continuous_batching_generate(
-            hf_model, prompts, max_tokens, cfg.concurrency, cfg.max_num_batched_tokens,
-            cb_num_blocks(cfg.concurrency, max_model_len, cb_page_size(settings)), settings=settings,
-            api=args.hf_cb_api, warmup_prompts=warm,
-        )
-        for name, settings in (("hf_cb", "defaults"), ("hf_cb_matched", "matched"))
-    }
-
-    print(f"\nattention backend {backend}, CUDA graphs {'on' if graphs else 'off'}, "
-          f"roofline bandwidth {args.hbm_gbps:.0f} GB/s")
-    print(f"{'batch':>6} {'context':>8} {'tok/s':>12} {'floor ms/step':>14} {'roofline tok/s':>15} {'% roofline':>11}")
-    pct: dict[int, float] = {}
-    for b, tps in decode.items():
-        floor = decode_floor_s(shape, b, cfg.context_len, bandwidth)
-        pct[b] = roofline_pct(tps, shape, b, cfg.context_len, bandwidth)
-        print(f"{b:>6} {cfg.context_len:>8} {tps:>12.1f} {1000 * floor:>14.3f} {b / floor:>15.1f} {pct[b]:>10.1f}%")
-    print(f"\nTTFT, {cfg.ttft_prompt_len}-token prompt, idle engine: {1000 * ttft:.1f} ms (median of 3)")
-    useful = sum(max_tokens)
-    print(f"\n{'system':<10} {'useful tok':>10} {'computed':>9} {'wall s':>8} {'useful tok/s':>13} {'kvserve/peer':>13}")
-    runs = {"kvserve": kv_run, "hf_static": static, **cb_runs}
-    ratios = {}
-    for name, run in runs.items():
-        ratios[name] = (useful / kv_run.wall_s) / (useful / run.wall_s)
-        print(f"{name:<10} {useful:>10} {run.generated_tokens:>9} {run.wall_s:>8.2f} {useful / run.wall_s:>13.1f} "
-              f"{ratios[name]:>13.2f}")
-    for name, run in runs.items():
-        print(f"note: {name}: {run.note}")
-    mismatches = sum(a != b for a, b in zip(kv_run.tokens, static.tokens))
-    print(f"greedy tokens kvserve vs hf_static: {mismatches} of {len(requests)} requests differ "
-          f"({'bf16: small differences flip near-tied argmaxes' if cfg.dtype == torch.bfloat16 else 'fp32'})")
-    print(f"scheduler (schedule + update) share of kvserve step time: {100 * sched_share:.1f}%")
-    top = max(cfg.decode_batches)
-    print(f"RESULT roofline_pct_b{top}={pct[top]:.1f} vs_hf_static={ratios['hf_static']:.2f} "
-          f"vs_hf_cb={ratios['hf_cb']:.2f} vs_hf_cb_matched={ratios['hf_cb_matched']:.2f} "
-          f"sched_pct={100 * sched_share:.1f}")
+    served = "ahead" if engine.overlaps_device else "serial"  # what AsyncEngine runs (worker/engine/async_engine.py)
+    print(f"attention backend {engine.runner.backend.name}, CUDA graphs {'on' if engine.runner.graphs is not None else 'off'}, "
+          f"launches ahead {engine.launches_ahead}, served loop {served}, roofline bandwidth {args.hbm_gbps:.0f} GB/s")
+    windows = decode_windows(engine, cfg)
+    fields = decode_table(shape, windows, args.hbm_gbps * 1e9, served)
+    if not args.decode_only:
+        print(f"\nworkload (seed {args.seed}): {describe(requests)}; concurrency {cfg.concurrency}")
+        ttft = ttft_s(engine, cfg)
+        print(f"TTFT, {cfg.ttft_prompt_len}-token prompt, idle engine: {1000 * ttft:.1f} ms (median of 3)")
+        kv_run, sched_share = run_workload_kvserve(engine, requests, cfg.concurrency)
+        del engine
+        gc.collect()
+        if cfg.device == "cuda":
+            torch.cuda.empty_cache()
+        fields |= peers_table(requests, kv_run, run_peers(cfg, hf_model, requests, max_model_len, args.hf_cb_api),
+                              cfg.dtype)
+        print(f"scheduler (schedule + update) share of kvserve step time: {100 * sched_share:.1f}%")
+        fields["sched_pct"] = 100 * sched_share
+    print(result_line(fields))
     tmp.cleanup()
     return 0
 

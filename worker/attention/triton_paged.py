@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from worker.attention.base import AttentionMetadata, write_kv
+from worker.attention.triton_split_kv import decode_splits, split_kv_decode
 
 _LOG2E = 1.4426950408889634
 
@@ -173,9 +174,12 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of every query token in the flat batch through the block table; `sinks`
-    (Hq,) are the heads' sink logits (None: no sinks)."""
+    (Hq,) are the heads' sink logits (None: no sinks). A decode-only batch goes through
+    split-KV (worker/attention/triton_split_kv.py) with `num_splits` (None: by the
+    batch's shape, 1 off CUDA)."""
     if triton is None:
         raise RuntimeError(f"triton is not available ({TRITON_IMPORT_ERROR})")
     assert meta.cu_seqlens_q is not None and meta.seqused_k is not None and meta.block_table is not None
@@ -187,8 +191,12 @@ def paged_attention(
     if num_tokens == 0:
         return out
     assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1 and q.stride(-1) == 1
-    block_m, group_pad, num_q_tiles = tile_shape(group, max(1, meta.max_query_len))
     num_seqs = meta.seqused_k.shape[0]
+    if meta.max_query_len == 1:  # decodes only: split the keys when programs would not fill the device
+        splits = decode_splits(num_seqs, num_kv_heads, q.device) if num_splits is None else num_splits
+        if splits > 1:
+            return split_kv_decode(q, key_cache, value_cache, meta, scale, out, splits, sliding_window, sinks)
+    block_m, group_pad, num_q_tiles = tile_shape(group, max(1, meta.max_query_len))
     grid = (num_seqs, num_q_tiles, num_kv_heads)
     kwargs: dict[str, Any] = {}
     if q.device.type == "cuda":
@@ -235,9 +243,22 @@ class TritonPagedAttention:
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale, sliding_window, sinks)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention alone, this step's K/V already in the cache (a caller that wrote
+        them itself: worker/model/fused.py's RoPE + KV write)."""
         return paged_attention(
-            q.contiguous(), key_cache, value_cache, meta, scale, sliding_window=sliding_window, sinks=sinks
+            q.contiguous(), kv_cache[0], kv_cache[1], meta, scale, sliding_window=sliding_window, sinks=sinks
         )
 
 

@@ -1,9 +1,12 @@
-"""Building blocks of the Llama family that carry no parallelism: RMSNorm and RoPE."""
+"""Building blocks of the Llama family that carry no parallelism: RMSNorm and RoPE.
+On CUDA they run as fused Triton kernels (worker/model/fused.py decides)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from worker.model import fused, fused_kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,12 +16,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.fused_on(x):
+            return fused_kernels.add_rms_norm(x, self.weight, self.eps)[0]
         # Same arithmetic as transformers (normalise in fp32, scale in the input dtype),
         # so greedy outputs match it token for token.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): one fused kernel where this class's own
+        arithmetic applies (a subclass with its own forward gets the torch path)."""
+        if type(self).forward is RMSNorm.forward and fused.fused_on(x):
+            return fused_kernels.add_rms_norm(x, self.weight, self.eps, residual)
+        total = residual + x
+        return self(total), total
 
 
 class ScaleFirstRMSNorm(RMSNorm):
@@ -78,14 +91,28 @@ class RotaryEmbedding(nn.Module):
         return rope_inv_freq(self._hf_config, self._head_dim)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, inplace: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k rotated; `inplace`: the caller owns q and k (fresh projections), so the
+        fused kernel may rotate them where they are."""
         # q: (T, Hq, D), k: (T, Hkv, D); rotate-half convention, as in transformers.
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        cos, sin = self.tables(positions, q.dtype)
+        return fused.rope_qk(q, k, cos, sin, inplace)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, D) cos / sin rows of `positions` in `dtype`: the step's, gathered once
+        (begin_step), or gathered now for other positions."""
+        step = self._step
+        if step is not None and step[0] is positions and step[1].dtype == dtype:
+            return step[1], step[2]
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    _step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def begin_step(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        """Gather this step's cos / sin rows once, in the model dtype, for every layer
+        (until end_step); a layer called with other positions gathers its own."""
+        self._step = (positions, self.cos[positions].to(dtype), self.sin[positions].to(dtype))
+
+    def end_step(self) -> None:
+        self._step = None

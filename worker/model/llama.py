@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from worker.attention.base import AttentionBackend, AttentionMetadata
 from worker.model.checkpoint_names import Target, llama_target
+from worker.model import fused
 from worker.model.layers import RMSNorm, RotaryEmbedding
 from worker.model.parallel import (
     SINGLE, MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RowParallelLinear, TPContext,
@@ -120,12 +120,17 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        if self.sinks is None:
+        sinks = self.sinks.weight if self.sinks is not None else None
+        cos, sin = self.rope.tables(positions, q.dtype)
+        if fused.rope_write_kv(q, k, v, cos, sin, kv_cache, meta, self.backend):  # one kernel on CUDA
+            out = self.backend.attend(q, kv_cache, meta, self.scale, self.sliding_window, sinks=sinks)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
+        q, k = fused.rope_qk(q, k, cos, sin, inplace=True)  # q, k: this projection's own
+        if sinks is None:
             out = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window)
         else:
             out = self.backend.forward(
-                q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window, sinks=self.sinks.weight
+                q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window, sinks=sinks
             )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -156,8 +161,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.part_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x), self.gate_up_proj.part_size))
 
 
 class DecoderLayer(nn.Module):
@@ -181,8 +185,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        h, x = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm: one kernel on CUDA
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -228,11 +233,16 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,); kv_caches: (num_layers, 2, blocks, block_size, Hkv, D).
         Returns final hidden states (T, hidden)."""
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_caches[i], meta)
+        self.rope.begin_step(positions, x.dtype)  # cos / sin gathered once for every layer
+        try:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, positions, kv_caches[i], meta)
+        finally:
+            self.rope.end_step()
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(T, V) fp32 logits; under TP a collective every rank must join."""
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """(T, V) logits, fp32 unless `fp32` is False (the model dtype: for a batch the
+        sampler only takes the argmax of); under TP a collective every rank must join."""
         head = self.embed_tokens if self.arch.tie_word_embeddings else self.lm_head
-        return head.logits(hidden)
+        return head.logits(hidden, fp32)

@@ -184,10 +184,11 @@ class _VocabShard(nn.Module):
         self.weight = nn.Parameter(torch.empty(per, hidden_size))
         self.tp = tp
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full (T, V) fp32 logits on every rank, with this matrix as the output projection
-        (the LM head's, or the embedding's when they are tied)."""
-        return parallel_logits(hidden, self.weight, self.vocab_size, self.tp)
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Full (T, V) logits on every rank, with this matrix as the output projection
+        (the LM head's, or the embedding's when they are tied); fp32 unless `fp32` is
+        False (then in the model dtype: enough for a greedy argmax)."""
+        return parallel_logits(hidden, self.weight, self.vocab_size, self.tp, fp32)
 
 
 class VocabParallelEmbedding(_VocabShard):
@@ -206,11 +207,15 @@ class ParallelLMHead(_VocabShard):
     embedding's (tied)."""
 
 
-def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPContext) -> torch.Tensor:
-    """Full (T, V) fp32 logits on every rank from a vocab-sharded weight."""
-    local = F.linear(hidden, weight).float()
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPContext,
+                    fp32: bool = True) -> torch.Tensor:
+    """Full (T, V) logits on every rank from a vocab-sharded weight: fp32, or (`fp32`
+    False, one rank) the model dtype's, whose argmax is the fp32 upcast's (the upcast is
+    exact), at half the bytes written and read."""
+    local = F.linear(hidden, weight)
     if not tp.is_parallel:
-        return local
+        return local.float() if fp32 else local
+    local = local.float()
     parts = [torch.empty_like(local) for _ in range(tp.size)]
     dist.all_gather(parts, local.contiguous(), group=tp.group)
     return torch.cat(parts, dim=-1)[:, :vocab_size]

@@ -7,6 +7,9 @@ tables, which rows sample) and the attention metadata the backends read, per KV 
 """
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo
@@ -38,10 +41,7 @@ def host_batch(plan: SchedulerOutput, order: list[int], block_size: int, num_gro
     if num_groups > 1:  # (groups, S, max_blocks): one table per KV group
         table = group_table_tensor(tables, num_groups)  # type: ignore[arg-type]
     else:
-        max_blocks = max(len(t) for t in tables)
-        # One tensor from padded rows, not one small tensor per row: each tensor built costs
-        # a fixed overhead that would be paid per sequence per step.
-        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        table = padded_table(tables)  # type: ignore[arg-type]
     lens_t = torch.tensor(lens, dtype=torch.long)
     starts_t = torch.tensor(starts, dtype=torch.long)
     query_start = torch.cumsum(lens_t, 0) - lens_t
@@ -70,6 +70,18 @@ def host_batch(plan: SchedulerOutput, order: list[int], block_size: int, num_gro
         sample_rows=sample_rows,
         last_token_idx=last_idx,
     )
+
+
+def padded_table(tables: list[list[int]]) -> torch.Tensor:
+    """(S, max_blocks) long, rows padded with block 0, filled in one masked assignment from
+    the tables' concatenation: no padded Python list per row (at batch 256 with 1k-token
+    contexts that was ~16k list elements built and converted every step)."""
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lens.sum()))
+    width = int(lens.max()) if len(tables) else 0
+    out = np.zeros((len(tables), width), dtype=np.int64)
+    out[np.arange(width)[None, :] < lens[:, None]] = flat
+    return torch.from_numpy(out)
 
 
 def attention_metadata(batch: HostBatch, block_size: int, num_groups: int, device: torch.device,

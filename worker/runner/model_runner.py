@@ -11,6 +11,7 @@ last token of each sequence that samples, and sample the whole batch at once.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import replace
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from worker.api import TokenLogprob
 from worker.runner.batches import HostBatch, LaunchedBatch
 from worker.runner.inputs import attention_metadata, host_batch
 from worker.sampling.sampled_batch import SampledBatch
-from worker.sampling.sampler import Sampler
+from worker.sampling.sampler import Sampler, argmax_only
 from worker.structured.bitmask import MaskPrefetcher
 from worker.scheduling.scheduler import SchedulerOutput
 
@@ -115,6 +116,9 @@ class ModelRunner:
         self._layer_caches = layer_caches(self.kv_caches, self.kv_layout)
         self._layer_caches_of = self.kv_caches  # a TP rank may re-allocate kv_caches
         self.sampler = Sampler(self.arch.vocab_size, self.device) if tp.rank == 0 else None
+        # A model whose compute_logits can leave them in its dtype (worker/model/llama.py),
+        # on one rank: greedy-only batches skip the fp32 upcast of the logits.
+        self._logits_in_model_dtype = tp.size == 1 and "fp32" in inspect.signature(self.model.compute_logits).parameters
         self.masks = MaskPrefetcher(self.device)
         self.timer = ForwardTimer(self.device)
         self._in_flight: LaunchedBatch | None = None  # launched last, not yet waited for
@@ -236,7 +240,10 @@ class ModelRunner:
                 self.model.compute_logits(hidden[last_token_idx])
             self.timer.stop()
             return LaunchedBatch(plan, [], None, None)
-        logits = self.model.compute_logits(hidden[last_token_idx])
+        if self._logits_in_model_dtype and argmax_only(sampling):  # no fp32 copy of (rows, V)
+            logits = self.model.compute_logits(hidden[last_token_idx], fp32=False)
+        else:
+            logits = self.model.compute_logits(hidden[last_token_idx])
         self.timer.stop()
         self._in_flight = LaunchedBatch(plan, sample_rows, logits, masks)
         return self._in_flight

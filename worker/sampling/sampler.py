@@ -33,6 +33,18 @@ from worker.sampling.sampled_batch import SampledBatch, SamplerOutput
 from worker.structured.bitmask import apply_bitmask, compute_bitmask
 
 
+def argmax_only(seqs: SequenceT[Sequence]) -> bool:
+    """Whether sampling these rows is a plain argmax of their logits: greedy, no penalty,
+    bias, token ban (min_tokens), grammar or logprobs. Such a batch may take its logits in
+    the model dtype: the fp32 upcast is exact, so its argmax is the same index."""
+    for seq in seqs:
+        p = seq.params
+        if (not p.greedy or p.needs_penalties or p.logit_bias or p.logprobs is not None
+                or seq.num_output_tokens < p.min_tokens or seq.grammar is not None):
+            return False
+    return True
+
+
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -60,7 +72,7 @@ class Sampler:
         # padded columns are never valid tokens.
         if logits.shape[1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        if logits.dtype != torch.float32:
+        if logits.dtype != torch.float32 and not (bitmask is None and argmax_only(seqs)):
             logits = logits.float()
         params = [seq.params for seq in seqs]
 
