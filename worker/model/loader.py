@@ -35,6 +35,7 @@ from worker.model.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
 from worker.model.gguf_checkpoint import GGUFCheckpoint
+from worker.model.quant.checkpoint import QuantizedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def load_model(
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     stats = LoadStats()
-    for f in _checkpoints(path, arch):
+    for f in _checkpoints(path, arch, getattr(hf_config, "quantization_config", None)):
         for name in f.keys():
             target = cls.checkpoint_target(name, arch)
             if target is None:
@@ -104,12 +105,17 @@ def load_model(
     return model
 
 
-def _checkpoints(path: Path, arch: Any) -> Iterator[Any]:
+def _checkpoints(path: Path, arch: Any, quantization_config: Any = None) -> Iterator[Any]:
     """The checkpoint's tensor files, each open in turn, behind safetensors' reader
     interface (keys / get_slice / get_tensor): the .safetensors files of a directory,
-    or one .gguf file (dequantized, HF names: worker/model/gguf_checkpoint.py)."""
+    one .gguf file (dequantized, HF names: worker/model/gguf_checkpoint.py), or a
+    quantized directory's files all at once (dequantized: worker/model/quant/)."""
     if is_gguf(path):
         yield GGUFCheckpoint(path, arch.num_heads, arch.num_kv_heads)
+        return
+    if quantization_config is not None:
+        with QuantizedCheckpoint(safetensors_files(path), quantization_config) as f:
+            yield f
         return
     for file in safetensors_files(path):
         with safe_open(os.fspath(file), framework="pt", device="cpu") as f:
