@@ -21,6 +21,7 @@ import torch
 from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_blocks_for_budget
 from worker.api import RunnerOutput
 from worker.attention import AttentionMetadata, select_backend
+from worker.attention.kv_quant import kv_cache_dtype
 from worker.config import EngineConfig
 from worker.runner.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.runner.forward_timer import ForwardTimer
@@ -84,6 +85,7 @@ class ModelRunner:
         self.backend = select_backend(
             attention_backend_name(self.arch, config.model.attention_backend), self.device,
             needs_sinks=getattr(self.arch, "attention_sinks", False),
+            needs_fp8_kv=config.cache.kv_cache_dtype == "fp8",
         )
         path = resolve_model_path(config.model.model)
         self.model = load_model(path, hf_config, self.backend, max_model_len, self.dtype, self.device, tp)
@@ -108,7 +110,10 @@ class ModelRunner:
         bind_groups(self.model, self.kv_layout)
         # The cache's geometry is the model's (latent rows for MLA, K and V heads otherwise),
         # one layer slot per layer of a group.
-        self.spec = replace(kv_cache_spec_for(self.arch, self.block_size, self.dtype, tp),
+        kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        if kv_dtype != self.dtype and is_latent(self.arch):
+            raise ValueError("kv_cache_dtype=fp8 is not built for multi-head latent attention (DeepSeek-V3)")
+        self.spec = replace(kv_cache_spec_for(self.arch, self.block_size, kv_dtype, tp),
                             num_layers=self.kv_layout.layers_per_group)
         self.num_blocks = self._num_blocks(max_model_len)
         use_graphs = self._use_cuda_graphs()

@@ -18,17 +18,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from worker.model.quant.awq import AWQFormat
+from worker.model.quant.compressed_tensors import CompressedFP8Format, PackedInt4Format
+from worker.model.quant.fp8_block import FP8BlockFormat
+from worker.model.quant.gptq import GPTQFormat
 from worker.model.quant.layout import CorruptCheckpointError, QuantFormat
+from worker.model.quant.mxfp4 import MXFP4Format
 from worker.model.quant.spec import QuantSpec, quant_spec
 
 
 def format_for(spec: QuantSpec) -> QuantFormat:
-    from worker.model.quant.awq import AWQFormat
-    from worker.model.quant.compressed_tensors import CompressedFP8Format, PackedInt4Format
-    from worker.model.quant.fp8_block import FP8BlockFormat
-    from worker.model.quant.gptq import GPTQFormat
-    from worker.model.quant.mxfp4 import MXFP4Format
-
     formats: dict[str, Any] = {
         "fp8": lambda: FP8BlockFormat(spec.block),
         "ct_fp8": CompressedFP8Format,
