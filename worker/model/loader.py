@@ -36,6 +36,8 @@ from worker.model.parallel import (
 )
 from worker.model.gguf_checkpoint import GGUFCheckpoint
 from worker.model.quant.checkpoint import QuantizedCheckpoint
+from worker.model.quant.fp8_linear import keep_fp8_weights
+from worker.model.quant.spec import quant_spec
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +69,22 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPContext = SINGLE,
+    keep_fp8: bool | None = None,
 ) -> torch.nn.Module:
     """Build the model for rank `tp.rank` and fill it from safetensors. Each sharded tensor
     is read through `get_slice` for just this rank's rows / cols (never the whole tensor);
-    `model.load_stats` records what was read."""
+    `model.load_stats` records what was read. A compressed-tensors FP8 checkpoint keeps its
+    projections in FP8 (`keep_fp8`; None: on CUDA): worker/model/quant/fp8_linear.py."""
     cls = model_class_for(hf_config)
     arch = cls.arch_from_hf_config(hf_config)
     with torch.device("meta"):
         model = cls(arch, hf_config, backend, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
+    quant = getattr(hf_config, "quantization_config", None)
+    if keep_fp8 is None:
+        keep_fp8 = device.type == "cuda"
+    if keep_fp8 and quant is not None and quant_spec(quant).method == "ct_fp8":
+        keep_fp8_weights(model)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()

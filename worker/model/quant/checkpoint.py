@@ -104,6 +104,18 @@ class QuantizedCheckpoint:
     def get_slice(self, name: str) -> torch.Tensor:
         return self.get_tensor(name)
 
+    def fp8_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compressed-tensors FP8 weight as stored, (N, K) e4m3, with one float32 scale per
+        row (a per-tensor scale repeated): worker/model/quant/fp8_linear.py keeps it in FP8."""
+        base = self._quantized.get(name)
+        if self.spec.method != "ct_fp8" or base is None:
+            raise CorruptCheckpointError(f"{name} is not a per-tensor / per-channel FP8 weight of this checkpoint")
+        required, _ = self.format.parts(base)
+        tensors = {p: self._where[p].get_tensor(p) for p in required}
+        self.format.dequantize(base, tensors)  # the same checks as the dequantized load
+        q, scale = tensors[f"{base}.weight"], tensors[f"{base}.weight_scale"].float()
+        return q, scale.reshape(-1).expand(q.shape[0]).contiguous() if scale.numel() == 1 else scale.reshape(-1)
+
     def weight_bytes(self) -> int:
         """The bytes the checkpoint's files hold for its tensors (quantized as stored)."""
         total = 0
