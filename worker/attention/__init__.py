@@ -39,6 +39,7 @@ def select_backend(
     if needs_fp8_kv and name == "flash":
         raise ValueError("attention_backend=flash cannot read an FP8 KV cache (kv_cache_dtype=fp8); "
                          "use triton, torch or auto")
+    no_flash = "the model has attention sinks" if needs_sinks else "the KV cache is FP8" if needs_fp8_kv else ""
     needs_sinks = needs_sinks or needs_fp8_kv  # both rule flash out of `auto` alike
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} ({', '.join(BACKENDS)})")
@@ -59,7 +60,7 @@ def select_backend(
         logger.info("attention backend: torch (flash not used: flash attention needs CUDA; "
                     "triton not used: the triton kernel needs CUDA; device is %s)", device.type)
         return TorchPagedAttention()
-    reasons = ["flash not used: the model has attention sinks"] if needs_sinks else []
+    reasons = [f"flash not used: {no_flash}"] if needs_sinks else []
     for candidate in ("triton",) if needs_sinks else ("flash", "triton"):
         backend, why = _load(candidate, device)
         if backend is not None:
