@@ -37,6 +37,7 @@ from worker.model.parallel import (
 from worker.model.gguf_checkpoint import GGUFCheckpoint
 from worker.model.quant.checkpoint import QuantizedCheckpoint
 from worker.model.quant.fp8_linear import keep_fp8_weights
+from worker.model.quant.int4_linear import INT4_METHODS, keep_int4_weights
 from worker.model.quant.spec import quant_spec
 
 logger = logging.getLogger(__name__)
@@ -69,22 +70,21 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPContext = SINGLE,
-    keep_fp8: bool | None = None,
+    keep_quantized: bool | None = None,
 ) -> torch.nn.Module:
     """Build the model for rank `tp.rank` and fill it from safetensors. Each sharded tensor
     is read through `get_slice` for just this rank's rows / cols (never the whole tensor);
-    `model.load_stats` records what was read. A compressed-tensors FP8 checkpoint keeps its
-    projections in FP8 (`keep_fp8`; None: on CUDA): worker/model/quant/fp8_linear.py."""
+    `model.load_stats` records what was read. Quantized projections stay quantized
+    (`keep_quantized`; None: on CUDA): compressed-tensors FP8 in FP8 (worker/model/quant/
+    fp8_linear.py), 4-bit AWQ / GPTQ / W4A16 packed (int4_linear.py)."""
     cls = model_class_for(hf_config)
     arch = cls.arch_from_hf_config(hf_config)
     with torch.device("meta"):
         model = cls(arch, hf_config, backend, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     quant = getattr(hf_config, "quantization_config", None)
-    if keep_fp8 is None:
-        keep_fp8 = device.type == "cuda"
-    if keep_fp8 and quant is not None and quant_spec(quant).method == "ct_fp8":
-        keep_fp8_weights(model)
+    if quant is not None and (device.type == "cuda" if keep_quantized is None else keep_quantized):
+        _keep_quantized(model, quant_spec(quant))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()
@@ -112,6 +112,14 @@ def load_model(
     model.load_stats = stats
     model.eval()
     return model
+
+
+def _keep_quantized(model: torch.nn.Module, spec: Any) -> None:
+    """Projections that stay quantized on the device (the other formats are dequantized)."""
+    if spec.method == "ct_fp8":
+        keep_fp8_weights(model)
+    elif spec.method in INT4_METHODS and spec.bits == 4:
+        keep_int4_weights(model, spec.group_size)
 
 
 def _checkpoints(path: Path, arch: Any, quantization_config: Any = None) -> Iterator[Any]:

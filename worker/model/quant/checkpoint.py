@@ -22,6 +22,7 @@ from worker.model.quant.awq import AWQFormat
 from worker.model.quant.compressed_tensors import CompressedFP8Format, PackedInt4Format
 from worker.model.quant.fp8_block import FP8BlockFormat
 from worker.model.quant.gptq import GPTQFormat
+from worker.model.quant.int4_linear import INT4_METHODS, int4_parts
 from worker.model.quant.layout import CorruptCheckpointError, QuantFormat
 from worker.model.quant.mxfp4 import MXFP4Format
 from worker.model.quant.spec import QuantSpec, quant_spec
@@ -115,6 +116,17 @@ class QuantizedCheckpoint:
         self.format.dequantize(base, tensors)  # the same checks as the dequantized load
         q, scale = tensors[f"{base}.weight"], tensors[f"{base}.weight_scale"].float()
         return q, scale.reshape(-1).expand(q.shape[0]).contiguous() if scale.numel() == 1 else scale.reshape(-1)
+
+    def int4_weight(self, name: str) -> tuple[torch.Tensor, ...]:
+        """An int4 weight (AWQ, GPTQ 4-bit, W4A16) as the int4 GEMM reads it:
+        worker/model/quant/int4_linear.py's int4_parts."""
+        base = self._quantized.get(name)
+        if self.spec.method not in INT4_METHODS or self.spec.bits != 4 or base is None:
+            raise CorruptCheckpointError(f"{name} is not a 4-bit integer weight of this checkpoint")
+        required, optional = self.format.parts(base)
+        tensors = {p: self._where[p].get_tensor(p) for p in required + optional if p in self._where}
+        self.format.dequantize(base, tensors)  # the same checks as the dequantized load
+        return int4_parts(self.spec, base, tensors)
 
     def weight_bytes(self) -> int:
         """The bytes the checkpoint's files hold for its tensors (quantized as stored)."""

@@ -1,5 +1,5 @@
 """FP8 weights kept in FP8 (worker/model/quant/fp8_linear.py): the CUDA path of a
-compressed-tensors W8A8-FP8 checkpoint, forced on CPU here (`keep_fp8=True`), where
+compressed-tensors W8A8-FP8 checkpoint, forced on CPU here (`keep_quantized=True`), where
 `fp8_gemm` computes the product by dequantizing; on CUDA the same product is
 torch._scaled_mm's, checked against it when a GPU is present."""
 from __future__ import annotations
@@ -21,15 +21,15 @@ if TYPE_CHECKING:
     from tests.conftest import TinyModels
 
 
-def _load(qdir: Path, keep_fp8: bool) -> torch.nn.Module:
+def _load(qdir: Path, keep_quantized: bool) -> torch.nn.Module:
     config = load_hf_config(qdir)
-    return load_model(qdir, config, TorchPagedAttention(), 256, torch.float32, torch.device("cpu"), keep_fp8=keep_fp8)
+    return load_model(qdir, config, TorchPagedAttention(), 256, torch.float32, torch.device("cpu"), keep_quantized=keep_quantized)
 
 
 @pytest.mark.parametrize("fmt", ["ct_fp8_tensor", "ct_fp8_channel"])
 def test_projections_hold_the_checkpoint_fp8_bytes(fmt: str, tiny_model: TinyModels, tmp_path: Path) -> None:
     qdir, _ = make_quantized(tiny_model("llama"), tmp_path, fmt)
-    model = _load(qdir, keep_fp8=True)
+    model = _load(qdir, keep_quantized=True)
     tensors = load_file(qdir / "model.safetensors")
     qkv = model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == FP8
@@ -63,7 +63,7 @@ def test_fp8_gemm_is_the_per_token_scaled_product() -> None:
 
 def test_a_kept_fp8_model_predicts_what_the_dequantized_one_does(tiny_model: TinyModels, tmp_path: Path) -> None:
     qdir, _ = make_quantized(tiny_model("llama"), tmp_path, "ct_fp8_channel")
-    kept, dequantized = _load(qdir, keep_fp8=True), _load(qdir, keep_fp8=False)
+    kept, dequantized = _load(qdir, keep_quantized=True), _load(qdir, keep_quantized=False)
     hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
     for a, b in ((kept.layers[0].mlp.gate_up_proj, dequantized.layers[0].mlp.gate_up_proj),
                  (kept.layers[1].self_attn.o_proj, dequantized.layers[1].self_attn.o_proj)):
