@@ -13,7 +13,8 @@
    engine prefills prompt + reference tokens with prompt logprobs, which rank each
    reference token given everything before it (so a divergence never compounds); the
    agreement is the share of the N x K positions where the reference token is the FP8
-   engine's greedy pick (rank 1).
+   engine's greedy pick (rank 1). Also printed: the fp32 cache's own top-1/top-2 log-
+   probability margin at every position where they disagree (near-ties or not).
 4. fp8_kv_capacity_ratio: sequences of FIXED_LEN tokens a replica holds, total_blocks /
    ceil(FIXED_LEN / block_size) from each engine's routing report (worker/serving/
    routing_report.py), FP8 cache against a bf16 model's cache, the same KV budget.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -34,7 +36,7 @@ from tests.support.quant_checkpoints import DENSE_FORMATS, make_quantized
 from tests.support.real_models import smollm2_gguf
 from tests.support.tiny_models import hf_greedy, make_tiny_model
 from tests.support.tiny_moe import make_tiny_moe
-from worker.api import SamplingParams, load_tokenizer
+from worker.api import SamplingParams, TokenLogprob, load_tokenizer
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine.build import build_engine
 from worker.engine.core import Engine
@@ -95,32 +97,35 @@ def prompt_set(tokenizer: object, n: int) -> list[list[int]]:
     return [tokenizer(text)["input_ids"] for text in texts]
 
 
-def reference_ranks(e: Engine, prompts: list[list[int]], refs: list[list[int]]) -> list[int]:
-    """Teacher-forced: one prefill of prompt + reference tokens with prompt logprobs; the
-    rank of each reference token under the engine's model and cache (1: its greedy pick)."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    ranks: list[int] = []
-    outs: dict[str, list[int]] = {}
+def teacher_forced(e: Engine, prompts: list[list[int]], refs: list[list[int]]) -> list[TokenLogprob]:
+    """One prefill of prompt + reference tokens with prompt logprobs (top 2): how the
+    engine's model and cache rank each reference token given everything before it."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    outs: dict[str, list[TokenLogprob]] = {}
     for i, (p, ref) in enumerate(zip(prompts, refs)):
         e.add_request(str(i), p + ref, params)
     while e.has_unfinished():
         for out in e.step():
             if out.prompt_logprobs is not None:
-                n = len(refs[int(out.request_id)])
-                outs[out.request_id] = [lp.rank for lp in out.prompt_logprobs[-n:]]
-    for i in range(len(prompts)):
-        ranks += outs[str(i)]
-    return ranks
+                outs[out.request_id] = out.prompt_logprobs[-len(refs[int(out.request_id)]):]
+    return [lp for i in range(len(prompts)) for lp in outs[str(i)]]
 
 
 def agreement(path: Path, prompts: list[list[int]], k: int) -> tuple[float, Engine]:
     t0 = time.perf_counter()
-    reference = run(engine(path, "auto"), prompts, k)
+    auto = engine(path, "auto")
+    reference = run(auto, prompts, k)
     fp8 = engine(path, "fp8")
-    ranks = reference_ranks(fp8, prompts, reference)
+    ranks = [lp.rank for lp in teacher_forced(fp8, prompts, reference)]
     top1 = sum(r == 1 for r in ranks) / len(ranks)
     print(f"agreement: {len(prompts)} prompts x {k} positions teacher-forced: top1={top1:.4f} "
           f"({len(ranks)} positions, {time.perf_counter() - t0:.0f} s)", flush=True)
+    # Where they disagree: the fp32 cache's own margin between its first and second choice.
+    margins = [lp.top[0][1] - lp.top[1][1] for lp in teacher_forced(auto, prompts, reference)]
+    flipped = sorted(round(m, 3) for m, r in zip(margins, ranks) if r != 1)
+    print(f"fp32 top1-top2 logprob margin: median over all positions {statistics.median(margins):.3f}; "
+          f"at the {len(flipped)} disagreements {flipped} (fp8 ranks of the reference there: "
+          f"{sorted(r for r in ranks if r != 1)})", flush=True)
     return top1, fp8
 
 
