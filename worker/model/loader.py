@@ -83,8 +83,9 @@ def load_model(
         model = cls(arch, hf_config, backend, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
     quant = getattr(hf_config, "quantization_config", None)
+    model.kept_quantized = None  # the format whose projections stay quantized, if any
     if quant is not None and (device.type == "cuda" if keep_quantized is None else keep_quantized):
-        _keep_quantized(model, quant_spec(quant))
+        model.kept_quantized = _keep_quantized(model, quant_spec(quant))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()
@@ -114,12 +115,16 @@ def load_model(
     return model
 
 
-def _keep_quantized(model: torch.nn.Module, spec: Any) -> None:
-    """Projections that stay quantized on the device (the other formats are dequantized)."""
+def _keep_quantized(model: torch.nn.Module, spec: Any) -> str | None:
+    """Projections that stay quantized on the device (the other formats are dequantized);
+    returns the format kept, None when dequantized."""
     if spec.method == "ct_fp8":
         keep_fp8_weights(model)
-    elif spec.method in INT4_METHODS and spec.bits == 4:
+        return spec.method
+    if spec.method in INT4_METHODS and spec.bits == 4:
         keep_int4_weights(model, spec.group_size)
+        return spec.method
+    return None
 
 
 def _checkpoints(path: Path, arch: Any, quantization_config: Any = None) -> Iterator[Any]:

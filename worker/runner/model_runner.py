@@ -95,6 +95,9 @@ class ModelRunner:
         if lora.enabled and is_latent(self.arch):
             raise ValueError("LoRA is not built for multi-head latent attention models (DeepSeek-V3); "
                              "serve this model with lora disabled")
+        if lora.enabled and getattr(self.model, "kept_quantized", None):
+            raise ValueError(f"LoRA is not built over projections kept quantized ({self.model.kept_quantized} "
+                             "weights on CUDA); serve this model with lora disabled")
         self.lora = ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank) if lora.enabled else None
         self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank, lora.max_adapter_bytes)
         self.lora_adapters: Callable[[str], Any] | None = None

@@ -40,6 +40,7 @@ def test_packed_projections_compute_the_dequantized_product(fmt: str, tiny_model
         torch.testing.assert_close(a(xs), b(xs), rtol=1e-5, atol=1e-5)
         checked += 1
     assert checked == 2 * 4  # qkv, o, gate_up, down in each of the two layers
+    assert kept.kept_quantized == fmt.removesuffix("_desc_act") and dequantized.kept_quantized is None
     # One byte holds two weights: an eighth of fp32's projection bytes (plus group scales).
     packed = sum(m.weight.numel() * 4 for m in kept.modules() if getattr(m, "weight", None) is not None
                  and m.weight.dtype == torch.int32)
