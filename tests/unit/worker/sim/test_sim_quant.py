@@ -9,6 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from cluster.cli import build_parser
+from cluster.sim.cli import config_from_args
+from cluster.sim.run import SimDevice
 from worker.config import CacheConfig, SchedulerConfig
 from worker.costs.cost_model import SeqWork, StepCostModel
 from worker.costs.profiles import load_profile
@@ -61,3 +64,14 @@ def test_fp8_weights_leave_their_bytes_to_the_kv_pool() -> None:
     assert (fp8.runner.num_blocks - auto.runner.num_blocks) == pytest.approx(
         freed / auto.runner.kv_bytes_per_block, abs=1)
     assert load_shape("llama-3-8b").weight_dtype_bytes is None
+
+
+def test_the_capacity_simulator_plans_fp8_kv_fleets() -> None:
+    """`kvserve simulate --kv-cache-dtype fp8`: each simulated replica holds twice the blocks."""
+    devices = {}
+    for kv in ("auto", "fp8"):
+        config = config_from_args(build_parser().parse_args(["simulate", "--kv-cache-dtype", kv]))
+        assert config.kv_cache_dtype == kv
+        devices[kv] = SimDevice.from_config(config)
+    assert devices["fp8"].kv_bytes_per_token * 2 == devices["auto"].kv_bytes_per_token
+    assert devices["fp8"].num_blocks == pytest.approx(2 * devices["auto"].num_blocks, abs=1)
