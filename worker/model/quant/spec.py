@@ -88,6 +88,8 @@ def _compressed_tensors(quant: dict[str, Any]) -> QuantSpec:
     w = group.get("weights") or {}
     ignore = tuple(quant.get("ignore") or ())
     strategy = w.get("strategy")
+    if quant.get("kv_cache_scheme"):  # calibrated k_scale / v_scale tensors: not read
+        raise _refuse("compressed-tensors kv_cache_scheme (use engine.kv_cache_dtype: fp8, per-tensor scale 1.0)")
     if not w.get("symmetric", True):
         raise _refuse("compressed-tensors asymmetric weights (weight_zero_point)")
     if w.get("actorder"):

@@ -42,6 +42,9 @@ def _variant(tiny_model: TinyModels, tmp_path: Path, family: str = "llama", **ch
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}}}}, "asymmetric"),
     ({"quant_method": "mxfp4"}, "mxfp4 on a llama model"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": {"num_bits": 8},
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}},
+     "kv_cache_scheme"),
 ])
 def test_quantized_formats_not_built_are_refused(
     quant: dict, message: str, tiny_model: TinyModels, tmp_path: Path
