@@ -116,6 +116,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                         help="separate prefill and decode worker pools (each starts as a copy of `workers`)")
     parser.add_argument("--device", metavar="DEVICE",
                         help="auto | cpu | cuda | sim:<profile> (simulated: h200, h100, a100-80gb, l4 or a profile JSON)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"),
+                        help="the KV cache's element type: auto (the model's) or fp8 (e4m3, half of bf16's bytes)")
     parser.add_argument("--model-shape", metavar="SHAPE",
                         help="sim device: the model it simulates (llama-3-8b, llama-3-70b, qwen3-32b, deepseek-v3 or a config.json)")
     parser.add_argument("--time-dilation", type=float, metavar="X", help="sim device: wall seconds per modelled second")
@@ -140,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> KVServeConfig:
         "grpc.port": args.grpc_port,
         "engine.device": args.device,
         "engine.model_shape": args.model_shape,
+        "engine.kv_cache_dtype": getattr(args, "kv_cache_dtype", None),
         "engine.time_dilation": args.time_dilation,
         "lora.modules": _lora_modules(args),
         "lora.enable": True if args.enable_lora else None,

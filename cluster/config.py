@@ -124,6 +124,8 @@ class EngineSection(Section):
     # A disk-tier call slower than this is given up; the replica reports itself unhealthy.
     tier_io_timeout_s: float = Field(default_of(CacheConfig, "tier_io_timeout_s"), gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = default_of(ModelConfig, "dtype")
+    # The KV pool's element type: auto (the model's dtype) or fp8 (e4m3: half of bf16's bytes).
+    kv_cache_dtype: Literal["auto", "fp8"] = default_of(CacheConfig, "kv_cache_dtype")
     # auto | cpu | cuda | sim:<profile> (a simulated device, worker/sim/: h200, h100,
     # a100-80gb, l4, a fitted profile's name or a JSON path; no weights are loaded, the
     # model directory only gives the tokenizer).

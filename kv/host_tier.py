@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kv.kv_cache import KVCacheSpec
+from kv.kv_cache import KVCacheSpec, raw_view
 
 
 class HostTier:
@@ -82,7 +82,7 @@ class HostTier:
             slots.append(slot)
         if rows:  # one copy for all of them (from the device too), not one per block
             picked = blocks if len(rows) == len(block_hashes) else blocks[torch.tensor(rows)]
-            self.buffer.index_copy_(0, torch.tensor(slots), picked.to(self.buffer.device))
+            raw_view(self.buffer).index_copy_(0, torch.tensor(slots), raw_view(picked.to(self.buffer.device)))
         return pushed
 
     def get(self, block_hashes: Sequence[int]) -> torch.Tensor:

@@ -51,6 +51,14 @@ class KVCacheSpec:
         return (self.num_layers, self.num_planes, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
 
+def raw_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or for a 1-byte float pool (an FP8 KV cache) its bytes as uint8:
+    block copies move bytes, and torch has no index_copy_ for float8 on every device."""
+    if t.is_floating_point() and t.element_size() == 1:
+        return t.view(torch.uint8)
+    return t
+
+
 def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
     num_blocks = budget_bytes // spec.bytes_per_block
     if num_blocks < 1:

@@ -131,12 +131,14 @@ def scatter_blocks(kv_caches: torch.Tensor, block_ids: Sequence[int], kv: torch.
     `gather_blocks`). `kv` covers exactly len(block_ids) blocks."""
     import torch  # torch: the simulated engine (worker/sim/, cluster/sim/) imports this module
 
+    from kv.kv_cache import raw_view  # torch-bound, as above
+
     num_layers, two, _, block_size, heads, dim = kv_caches.shape
     blocks = kv.to(device=kv_caches.device, dtype=kv_caches.dtype).reshape(
         num_layers, two, len(block_ids), block_size, heads, dim
     )
     index = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches.device)
-    kv_caches.index_copy_(2, index, blocks)
+    raw_view(kv_caches).index_copy_(2, index, raw_view(blocks))
 
 
 # -- transports ------------------------------------------------------------------------------

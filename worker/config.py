@@ -30,8 +30,13 @@ class CacheConfig:
     # A disk-tier read that takes longer is given up (the prefix is recomputed); a store
     # call running longer makes the tiers skip the disk and check_health fail.
     tier_io_timeout_s: float = 30.0
+    # The KV pool's element type: auto (the model's dtype) or fp8 (e4m3, one scale per
+    # tensor: worker/attention/kv_quant.py), half of bf16's bytes per token.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

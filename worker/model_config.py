@@ -18,6 +18,7 @@ from worker.api import (  # noqa: F401
 from worker.model.deepseek_v3_config import check_deepseek_v3
 from worker.model.gemma3_config import check_gemma3
 from worker.model.moe_checks import check_moe_config
+from worker.model.quant.spec import check_quantization
 from worker.model_path import is_hub_id, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -99,12 +100,7 @@ def check_supported(hf_config: Any, gguf: bool = False) -> None:
         )
     quant = getattr(hf_config, "quantization_config", None)
     if quant is not None:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
-        raise UnsupportedModelError(
-            f"quantized checkpoints are not supported (quantization_config.quant_method={method!r}); "
-            "kvserve serves unquantized float32/bfloat16/float16 safetensors, or a .gguf file "
-            "(dequantized at load)"
-        )
+        check_quantization(family, quant, gguf)
     act = getattr(hf_config, "hidden_act", "silu")
     if family == "gemma3":  # its own switches: worker/model/gemma3_config.py
         check_gemma3(hf_config, SUPPORTED_ROPE_TYPES)

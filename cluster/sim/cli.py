@@ -68,6 +68,8 @@ def register(subparsers: Any) -> None:
                    help="0: the shape's max_position_embeddings (llama-3-8b: 8192; the code workload needs more)")
     p.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
     p.add_argument("--num-blocks", type=int, help="KV blocks per replica (default: from memory and shape)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default=_DEFAULTS.kv_cache_dtype,
+                   help="the replicas' KV element type: fp8 holds twice bf16's tokens")
     p.add_argument("--slo-ttft-ms", type=float, default=_DEFAULTS.slo_ttft_ms)
     p.add_argument("--slo-itl-ms", type=float, default=_DEFAULTS.slo_itl_ms)
     p.add_argument("--prefill-replicas", type=int, default=0, help="disaggregate: prefill pool size")
@@ -110,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_ongoing_requests=args.max_ongoing_requests, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_step_time_s=args.max_step_time_ms / 1000.0 if args.max_step_time_ms else None,
-        max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len, num_blocks=args.num_blocks, kv_cache_dtype=args.kv_cache_dtype,
         slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
         disagg=DisaggOptions(args.prefill_replicas, args.decode_replicas, args.link_gbps * 1e9 / 8,
                              args.link_latency_ms / 1000),

@@ -89,6 +89,7 @@ class SimConfig:
     max_model_len: int = 0  # 0: the shape's max_position_embeddings
     gpu_memory_utilization: float = _CACHE.gpu_memory_utilization
     num_blocks: int | None = None  # overrides the KV size the cost model derives
+    kv_cache_dtype: str = _CACHE.kv_cache_dtype  # "fp8": one byte per KV element (half of bf16's)
     enable_prefix_caching: bool = True
     lora: SimLoRA | None = None  # LoRA adapters on every replica (cluster/sim/lora.py); None: base model only
     disagg: DisaggOptions = field(default_factory=DisaggOptions)
@@ -161,6 +162,8 @@ class SimDevice:
         from worker.costs.shapes import load_shape
 
         shape, profile = load_shape(config.shape), load_profile(config.profile)
+        if config.kv_cache_dtype == "fp8":  # worker/attention/kv_quant.py's e4m3 pool
+            shape = replace(shape, kv_dtype_bytes=1)
         cost = StepCostModel(shape, profile)
         num_blocks = config.num_blocks or cost.num_kv_blocks(config.block_size, config.gpu_memory_utilization)
         return cls(

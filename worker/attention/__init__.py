@@ -27,11 +27,20 @@ def _load(name: str, device: torch.device) -> tuple[AttentionBackend | None, str
     return load_triton_backend(device)
 
 
-def select_backend(name: str, device: torch.device, needs_sinks: bool = False) -> AttentionBackend:
+def select_backend(
+    name: str, device: torch.device, needs_sinks: bool = False, needs_fp8_kv: bool = False
+) -> AttentionBackend:
     """`auto`: flash if it loads on this device, else triton if it loads, else torch (on CPU
     always torch); the choice is logged once, with why the faster ones were not used.
     `flash` / `triton` insist: a clear error when they cannot be used. A model with
-    attention sinks (`needs_sinks`) never gets flash, which has no sink term."""
+    attention sinks (`needs_sinks`) never gets flash, which has no sink term; nor does an
+    FP8 KV cache (`needs_fp8_kv`: the torch and triton backends dequantize it).
+    """
+    if needs_fp8_kv and name == "flash":
+        raise ValueError("attention_backend=flash cannot read an FP8 KV cache (kv_cache_dtype=fp8); "
+                         "use triton, torch or auto")
+    no_flash = "the model has attention sinks" if needs_sinks else "the KV cache is FP8" if needs_fp8_kv else ""
+    needs_sinks = needs_sinks or needs_fp8_kv  # both rule flash out of `auto` alike
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} ({', '.join(BACKENDS)})")
     if needs_sinks and name == "flash":
@@ -51,7 +60,7 @@ def select_backend(name: str, device: torch.device, needs_sinks: bool = False) -
         logger.info("attention backend: torch (flash not used: flash attention needs CUDA; "
                     "triton not used: the triton kernel needs CUDA; device is %s)", device.type)
         return TorchPagedAttention()
-    reasons = ["flash not used: the model has attention sinks"] if needs_sinks else []
+    reasons = [f"flash not used: {no_flash}"] if needs_sinks else []
     for candidate in ("triton",) if needs_sinks else ("flash", "triton"):
         backend, why = _load(candidate, device)
         if backend is not None:

@@ -27,6 +27,8 @@ from typing import Protocol
 
 import torch
 
+from worker.attention.kv_quant import is_fp8, quantize_kv
+
 
 @dataclass
 class PrefillInfo:
@@ -94,6 +96,11 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     attention reads it. Returns the (key, value) caches."""
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if is_fp8(kv_cache):  # e4m3 pool (worker/attention/kv_quant.py): stored as bytes
+        k, v = quantize_kv(k).view(torch.uint8), quantize_kv(v).view(torch.uint8)
+        key_cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        value_cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        return key_cache, value_cache
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
     return key_cache, value_cache

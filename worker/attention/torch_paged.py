@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention.base import AttentionMetadata, DecodeGroup, write_kv
+from worker.attention.kv_quant import dequantize_kv, is_fp8, roundtrip
 
 
 class TorchPagedAttention:
@@ -40,6 +41,8 @@ class TorchPagedAttention:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         key_cache, value_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
         block_size = key_cache.shape[1]
+        if is_fp8(kv_cache):  # attend to what the pool holds, fresh K/V too (kv_quant.py)
+            k, v = roundtrip(k), roundtrip(v)
 
         out = torch.empty_like(q)
         for group in meta.decode_groups:
@@ -62,8 +65,8 @@ class TorchPagedAttention:
             first_block = first_key // block_size
             table = p.block_table[first_block:]
             num_keys = p.context_len - first_block * block_size
-            ks = key_cache[table].view(-1, num_kv_heads, head_dim)[:num_keys]
-            vs = value_cache[table].view(-1, num_kv_heads, head_dim)[:num_keys]
+            ks = dequantize_kv(key_cache[table].view(-1, num_kv_heads, head_dim)[:num_keys], q.dtype)
+            vs = dequantize_kv(value_cache[table].view(-1, num_kv_heads, head_dim)[:num_keys], q.dtype)
             out[p.query_start : end] = _sdpa_with_context(
                 qs, ks, vs, p.context_len, scale, first_block * block_size, sliding_window, sinks
             )
@@ -86,6 +89,7 @@ class TorchPagedAttention:
         # (D, max_blocks, block_size, Hkv, Dh) -> (D, Hkv, L, Dh)
         keys = key_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
         values = value_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+        keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)
         positions = torch.arange(max_len, device=q.device)
         mask = positions[None, :] < group.context_lens[:, None]
         if sliding_window is not None:  # the query sits at context_len - 1

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from worker.attention.base import AttentionMetadata, write_kv
+from worker.attention.kv_quant import KV_FP8_DTYPE, KV_FP8_SCALE
 from worker.attention.triton_split_kv import decode_splits, split_kv_decode
 
 _LOG2E = 1.4426950408889634
@@ -81,7 +82,7 @@ if triton is not None:
     def _paged_attention_kernel(
         out_ptr, q_ptr, key_cache_ptr, value_cache_ptr,
         block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr, sinks_ptr,
-        scale_log2,
+        scale_log2, kv_scale,
         stride_q_tok, stride_q_head,
         stride_o_tok, stride_o_head,
         stride_k_block, stride_k_off, stride_k_head,
@@ -90,7 +91,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr = False,
     ):
         seq = tl.program_id(0)
         q_tile = tl.program_id(1)
@@ -132,6 +133,8 @@ if triton is not None:
                 off = n % BLOCK_SIZE
                 k_offs = block[None, :] * stride_k_block + off[None, :] * stride_k_off + kv_head * stride_k_head
                 k = tl.load(key_cache_ptr + k_offs + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+                if KV_FP8:  # an e4m3 pool: the tile is dequantized at its load (kv_quant.py)
+                    k = (k.to(tl.float32) * kv_scale).to(q.dtype)
                 s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # (M, N) fp32, in log2 units
                 visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
                 if SLIDING_WINDOW > 0:
@@ -147,6 +150,8 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v_offs = block[:, None] * stride_v_block + off[:, None] * stride_v_off + kv_head * stride_v_head
                 v = tl.load(value_cache_ptr + v_offs + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                if KV_FP8:
+                    v = (v.to(tl.float32) * kv_scale).to(q.dtype)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                 m_i = m_new
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -205,7 +210,7 @@ def paged_attention(
         out, q, key_cache, value_cache,
         meta.block_table, meta.cu_seqlens_q, meta.seqused_k,
         sinks if sinks is not None else q,
-        scale * _LOG2E,
+        scale * _LOG2E, KV_FP8_SCALE,
         q.stride(0), q.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -219,6 +224,7 @@ def paged_attention(
         # TF32 (10-bit mantissa), enough to flip a greedy argmax against transformers.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_SINKS=sinks is not None,
+        KV_FP8=key_cache.dtype == KV_FP8_DTYPE,
         **kwargs,
     )
     return out

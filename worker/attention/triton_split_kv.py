@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from worker.attention.base import AttentionMetadata
+from worker.attention.kv_quant import KV_FP8_DTYPE, KV_FP8_SCALE
 
 try:  # Triton is optional (worker/attention/triton_paged.py says when it is used).
     import triton
@@ -69,14 +70,14 @@ if triton is not None:
     @triton.jit
     def _split_kv_partial_kernel(
         q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, cu_seqlens_q_ptr, seqused_k_ptr,
-        acc_ptr, ml_ptr, scale_log2,
+        acc_ptr, ml_ptr, scale_log2, kv_scale,
         stride_q_tok, stride_q_head,
         stride_k_block, stride_k_off, stride_k_head,
         stride_v_block, stride_v_off, stride_v_head,
         stride_bt_seq, stride_acc_seq, stride_acc_head, stride_acc_split, stride_ml_seq, stride_ml_head,
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -108,6 +109,8 @@ if triton is not None:
                 off = n % BLOCK_SIZE
                 k_offs = block[None, :] * stride_k_block + off[None, :] * stride_k_off + kv_head * stride_k_head
                 k = tl.load(key_cache_ptr + k_offs + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+                if KV_FP8:  # an e4m3 pool: the tile is dequantized at its load (kv_quant.py)
+                    k = (k.to(tl.float32) * kv_scale).to(q.dtype)
                 s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
                 s = tl.where(n_ok[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -117,6 +120,8 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v_offs = block[:, None] * stride_v_block + off[:, None] * stride_v_off + kv_head * stride_v_head
                 v = tl.load(value_cache_ptr + v_offs + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                if KV_FP8:
+                    v = (v.to(tl.float32) * kv_scale).to(q.dtype)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
                 m_i = m_new
             acc_offs = seq * stride_acc_seq + head[:, None] * stride_acc_head + split * stride_acc_split + d[None, :]
@@ -177,14 +182,15 @@ def split_kv_decode(
     head_dim_pad = max(16, _next_pow2(head_dim))
     _split_kv_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, key_cache, value_cache, meta.block_table, meta.cu_seqlens_q, meta.seqused_k, acc, ml, scale * _LOG2E,
-        q.stride(0), q.stride(1),
+        KV_FP8_SCALE, q.stride(0), q.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         meta.block_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=max(16, _next_pow2(group)), BLOCK_N=max(16, min(64, 4 * block_size)) if block_size < 64 else block_size,
         NUM_SPLITS=num_splits, SLIDING_WINDOW=sliding_window or 0,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **kwargs,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=key_cache.dtype == KV_FP8_DTYPE,
+        **kwargs,
     )
     _split_kv_reduce_kernel[(num_seqs, num_heads)](
         out, acc, ml, meta.cu_seqlens_q, sinks if sinks is not None else q,

@@ -151,7 +151,7 @@ class StepCostModel:
         self._kv_bytes_per_token = s.kv_bytes_per_token()
         # Per token: FLOPs and activation bytes of the layers' GEMMs; per step: their weights.
         self._dense_flops_per_token = 2.0 * s.matmul_params
-        self._dense_weight_bytes = float(s.matmul_params * d)
+        self._dense_weight_bytes = float(s.matmul_params * s.projection_bytes)  # as held (quantized or not)
         gemm_io = 4 * s.hidden_size + 2 * s.q_size + 2 * s.kv_size + 3 * s.intermediate_size
         self._dense_act_bytes_per_token = float(s.num_layers * gemm_io * d)
         self._head_flops_per_row = 2.0 * s.lm_head_params

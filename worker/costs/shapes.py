@@ -29,6 +29,7 @@ from typing import Any
 
 from kv.kv_groups import KVLayout, full_layout, layout_for_windows
 from worker.api import is_gguf
+from worker.costs.quant_bytes import quantized_weight_bytes
 from worker.costs.shape_parts import MLAShape, MoEShape
 from worker.model_config import load_hf_config
 
@@ -57,6 +58,11 @@ class ModelShape:
     moe: MoEShape | None = None  # mixture-of-experts feed-forward layers
     # Per layer: its sliding window, None for full attention (() : every layer full).
     layer_windows: tuple[int | None, ...] = ()
+    # Bytes per weight of the layers' projections of a quantized checkpoint
+    # (worker/costs/quant_bytes.py); None: dtype_bytes.
+    weight_dtype_bytes: float | None = None
+    # Bytes per KV element: 1 for an FP8 KV cache (engine.kv_cache_dtype fp8); None: dtype_bytes.
+    kv_dtype_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -95,6 +101,7 @@ class ModelShape:
                 mla=mla,
                 moe=MoEShape.from_hf_config(cfg),
                 layer_windows=_layer_windows(cfg),
+                weight_dtype_bytes=quantized_weight_bytes(cfg.get("quantization_config")),
             )
         except KeyError as e:
             raise ValueError(f"model config {name!r} lacks {e.args[0]!r} (a Llama-family config.json is expected)") from None
@@ -140,9 +147,16 @@ class ModelShape:
         return self._layers_params(active=False) + embedding + lm_head + self.hidden_size
 
     @property
+    def projection_bytes(self) -> float:
+        """Bytes per weight of the layers' projections (quantized or the model dtype)."""
+        return self.weight_dtype_bytes if self.weight_dtype_bytes is not None else float(self.dtype_bytes)
+
+    @property
     def weight_bytes(self) -> int:
-        """Memory the weights take on the device."""
-        return self.num_params * self.dtype_bytes
+        """Memory the weights take on the device: the layers' projections at their
+        (maybe quantized) bytes, norms, embedding and LM head in the model dtype."""
+        projections = self._layers_params(active=False) - self.num_layers * 2 * self.hidden_size
+        return int(projections * self.projection_bytes) + (self.num_params - projections) * self.dtype_bytes
 
     @property
     def matmul_params(self) -> int:
@@ -153,9 +167,10 @@ class ModelShape:
     def kv_bytes_per_token(self) -> int:
         """K and V of one token over every layer (what a full-attention sequence holds per
         token, and what a transfer of its whole KV moves)."""
+        kv_bytes = self.kv_dtype_bytes or self.dtype_bytes
         if self.mla is not None:  # one latent row per token per layer
-            return self.num_layers * self.mla.latent_dim * self.dtype_bytes
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+            return self.num_layers * self.mla.latent_dim * kv_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_bytes
 
     def kv_layout(self) -> KVLayout:
         """The engine's KV groups for this model (kv/kv_groups.py)."""

@@ -35,6 +35,10 @@ from worker.model.parallel import (
     SINGLE, ColumnParallelLinear, ParallelLMHead, RowParallelLinear, TPContext, VocabParallelEmbedding,
 )
 from worker.model.gguf_checkpoint import GGUFCheckpoint
+from worker.model.quant.checkpoint import QuantizedCheckpoint
+from worker.model.quant.fp8_linear import keep_fp8_weights
+from worker.model.quant.int4_linear import INT4_METHODS, keep_int4_weights
+from worker.model.quant.spec import quant_spec
 
 logger = logging.getLogger(__name__)
 
@@ -66,22 +70,29 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     tp: TPContext = SINGLE,
+    keep_quantized: bool | None = None,
 ) -> torch.nn.Module:
     """Build the model for rank `tp.rank` and fill it from safetensors. Each sharded tensor
     is read through `get_slice` for just this rank's rows / cols (never the whole tensor);
-    `model.load_stats` records what was read."""
+    `model.load_stats` records what was read. Quantized projections stay quantized
+    (`keep_quantized`; None: on CUDA): compressed-tensors FP8 in FP8 (worker/model/quant/
+    fp8_linear.py), 4-bit AWQ / GPTQ / W4A16 packed (int4_linear.py)."""
     cls = model_class_for(hf_config)
     arch = cls.arch_from_hf_config(hf_config)
     with torch.device("meta"):
         model = cls(arch, hf_config, backend, max_positions, tp)
     model = model.to_empty(device=device).to(dtype)
+    quant = getattr(hf_config, "quantization_config", None)
+    model.kept_quantized = None  # the format whose projections stay quantized, if any
+    if quant is not None and (device.type == "cuda" if keep_quantized is None else keep_quantized):
+        model.kept_quantized = _keep_quantized(model, quant_spec(quant))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_tables()
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     stats = LoadStats()
-    for f in _checkpoints(path, arch):
+    for f in _checkpoints(path, arch, getattr(hf_config, "quantization_config", None)):
         for name in f.keys():
             target = cls.checkpoint_target(name, arch)
             if target is None:
@@ -104,12 +115,29 @@ def load_model(
     return model
 
 
-def _checkpoints(path: Path, arch: Any) -> Iterator[Any]:
+def _keep_quantized(model: torch.nn.Module, spec: Any) -> str | None:
+    """Projections that stay quantized on the device (the other formats are dequantized);
+    returns the format kept, None when dequantized."""
+    if spec.method == "ct_fp8":
+        keep_fp8_weights(model)
+        return spec.method
+    if spec.method in INT4_METHODS and spec.bits == 4:
+        keep_int4_weights(model, spec.group_size)
+        return spec.method
+    return None
+
+
+def _checkpoints(path: Path, arch: Any, quantization_config: Any = None) -> Iterator[Any]:
     """The checkpoint's tensor files, each open in turn, behind safetensors' reader
     interface (keys / get_slice / get_tensor): the .safetensors files of a directory,
-    or one .gguf file (dequantized, HF names: worker/model/gguf_checkpoint.py)."""
+    one .gguf file (dequantized, HF names: worker/model/gguf_checkpoint.py), or a
+    quantized directory's files all at once (dequantized: worker/model/quant/)."""
     if is_gguf(path):
         yield GGUFCheckpoint(path, arch.num_heads, arch.num_kv_heads)
+        return
+    if quantization_config is not None:
+        with QuantizedCheckpoint(safetensors_files(path), quantization_config) as f:
+            yield f
         return
     for file in safetensors_files(path):
         with safe_open(os.fspath(file), framework="pt", device="cpu") as f:

@@ -22,6 +22,7 @@ import torch
 from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_blocks_for_budget
 from worker.api import RunnerOutput
 from worker.attention import AttentionMetadata, select_backend
+from worker.attention.kv_quant import kv_cache_dtype
 from worker.config import EngineConfig
 from worker.runner.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
 from worker.runner.forward_timer import ForwardTimer
@@ -85,12 +86,16 @@ class ModelRunner:
         self.backend = select_backend(
             attention_backend_name(self.arch, config.model.attention_backend), self.device,
             needs_sinks=getattr(self.arch, "attention_sinks", False),
+            needs_fp8_kv=config.cache.kv_cache_dtype == "fp8",
         )
         path = resolve_model_path(config.model.model)
         self.model = load_model(path, hf_config, self.backend, max_model_len, self.dtype, self.device, tp)
         # Multi-LoRA (worker/lora/): wrapped projections with device slots (allocated before the KV budget is taken); the engine sets
         # lora_adapters (name -> host copy) to fill the slots a plan lists.
         lora = config.lora
+        if lora.enabled and getattr(self.model, "kept_quantized", None):
+            raise ValueError(f"LoRA is not built over projections kept quantized ({self.model.kept_quantized} "
+                             "weights on CUDA); serve this model with lora disabled")
         self.lora = ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank) if lora.enabled else None
         self.lora_loader = adapter_loader(self.arch, lora.max_lora_rank, lora.max_adapter_bytes)
         self.lora_adapters: Callable[[str], Any] | None = None
@@ -106,7 +111,10 @@ class ModelRunner:
         bind_groups(self.model, self.kv_layout)
         # The cache's geometry is the model's (latent rows for MLA, K and V heads otherwise),
         # one layer slot per layer of a group.
-        self.spec = replace(kv_cache_spec_for(self.arch, self.block_size, self.dtype, tp),
+        kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        if kv_dtype != self.dtype and is_latent(self.arch):
+            raise ValueError("kv_cache_dtype=fp8 is not built for multi-head latent attention (DeepSeek-V3)")
+        self.spec = replace(kv_cache_spec_for(self.arch, self.block_size, kv_dtype, tp),
                             num_layers=self.kv_layout.layers_per_group)
         self.num_blocks = self._num_blocks(max_model_len)
         use_graphs = self._use_cuda_graphs()

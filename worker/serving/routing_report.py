@@ -106,7 +106,8 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
     growth = decode_growth_blocks(running, waiting, mean, block_size, engine.max_model_len, geometry)
     if geometry is None:
         reserved = cdiv(stats.num_waiting_prompt_tokens, block_size)
-        shape: dict[str, object] = {}
+        # The block's bytes are said on every replica: an FP8 pool's are half of bf16's.
+        shape: dict[str, object] = {"kv_bytes_per_block": int(getattr(engine.runner, "kv_bytes_per_block", 0) or 0)}
     else:  # each waiting prompt's uncached blocks in every group (a sliding group's: its window)
         blocks = geometry.blocks_for_tokens
         reserved = sum(blocks(seq.num_tokens) - blocks(seq.num_tokens - seq.waiting_uncached_tokens)

@@ -328,6 +328,8 @@ def build_sim_engine(
     vocabulary), never from eos_token_ids (default: the shape's). `lora`: adapters as on a
     real device, priced by worker/sim/lora.py."""
     shape = load_shape(shape) if isinstance(shape, str) else shape
+    if cache.kv_cache_dtype == "fp8":  # e4m3 KV: one byte per element (worker/attention/kv_quant.py)
+        shape = replace(shape, kv_dtype_bytes=1)
     profile = load_profile(profile) if isinstance(profile, str) else profile
     cost = StepCostModel(shape, profile)
     num_blocks = cache.num_blocks_override or cost.num_kv_blocks(cache.block_size, cache.gpu_memory_utilization)

@@ -34,15 +34,24 @@ def _variant(tiny_model: TinyModels, tmp_path: Path, family: str = "llama", **ch
     return out
 
 
-@pytest.mark.parametrize("quant", [
-    {"quant_method": "gptq", "bits": 4, "group_size": 128},
-    {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
-    {"quant_method": "fp8", "activation_scheme": "dynamic"},
-    {"quant_method": "bitsandbytes", "load_in_4bit": True},
+@pytest.mark.parametrize("quant,message", [
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq with 3 bits"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "awq version 'gemv'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8 without weight_block_size"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False}}}}, "asymmetric"),
+    ({"quant_method": "mxfp4"}, "mxfp4 on a llama model"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "kv_cache_scheme": {"num_bits": 8},
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}},
+     "kv_cache_scheme"),
 ])
-def test_quantized_checkpoints_are_refused(quant: dict, tiny_model: TinyModels, tmp_path: Path) -> None:
+def test_quantized_formats_not_built_are_refused(
+    quant: dict, message: str, tiny_model: TinyModels, tmp_path: Path
+) -> None:
+    """The refusal names what is missing and the formats kvserve loads (worker/model/quant/spec.py)."""
     path = _variant(tiny_model, tmp_path, quantization_config=quant)
-    with pytest.raises(UnsupportedModelError, match=f"quant_method='{quant['quant_method']}'.*unquantized"):
+    with pytest.raises(UnsupportedModelError, match=f"{message}.*kvserve loads fp8 .block-scaled"):
         load_hf_config(path)
 
 
@@ -71,10 +80,10 @@ def test_per_layer_attention_types_a_llama_would_ignore_are_refused(tiny_model: 
 def test_serve_refuses_before_ray_starts(
     tiny_model: TinyModels, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = _variant(tiny_model, tmp_path, quantization_config={"quant_method": "awq", "bits": 4})
+    path = _variant(tiny_model, tmp_path, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
     ray_loaded = "ray" in sys.modules
     assert cli.main(["serve", "--model", str(path)]) == 2
-    assert "quantized checkpoints are not supported" in capsys.readouterr().err
+    assert "unsupported quantized checkpoint: quant_method 'bitsandbytes'" in capsys.readouterr().err
     if not ray_loaded:
         assert "ray" not in sys.modules  # refused before `import ray`, let alone ray.init
 
