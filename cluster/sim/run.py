@@ -90,6 +90,10 @@ class SimConfig:
     gpu_memory_utilization: float = _CACHE.gpu_memory_utilization
     num_blocks: int | None = None  # overrides the KV size the cost model derives
     enable_prefix_caching: bool = True
+    # KV kept across a session's pauses on every replica (CacheConfig's fields, kv/retention.py;
+    # 0: off, plain LRU as vLLM and SGLang evict).
+    session_kv_ttl_s: float = _CACHE.session_kv_ttl_s
+    session_kv_max_share: float = _CACHE.session_kv_max_share
     lora: SimLoRA | None = None  # LoRA adapters on every replica (cluster/sim/lora.py); None: base model only
     disagg: DisaggOptions = field(default_factory=DisaggOptions)
     tiers: SimTierOptions = field(default_factory=SimTierOptions)  # KV tiers below each device (off by default)
@@ -186,7 +190,9 @@ class Simulation:
         max_model_len = config.max_model_len or device.max_model_len
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                                 config.max_step_time_s)
-        self.cache_config = CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.cache_config = CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                        session_kv_ttl_s=config.session_kv_ttl_s,
+                                        session_kv_max_share=config.session_kv_max_share)
         self.replicas: list[SimReplica] = []  # every replica ever created, in creation order
         self.replica_count: list[tuple[float, int]] = []
         roles = ("prefill", "decode") if config.disagg.enabled else ("mixed",)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.workload.draws import around, gamma_arrivals, lognormal_lengths, poisson_arrivals
+from cluster.workload.draws import around, gamma_arrivals, log_uniform, lognormal_lengths, poisson_arrivals
 
 # Token ids are drawn from [1, DEFAULT_VOCAB); every shape we ship has a larger vocabulary.
 DEFAULT_VOCAB = 32000
@@ -184,10 +184,12 @@ AGENTIC_THINK_S = 2.0
 def _agentic(rng: np.random.Generator, n: int, rate_rps: float, turns: int = AGENTIC_TURNS,
              system_len: int = AGENTIC_SYSTEM_LEN, turn_len: int = AGENTIC_TURN_LEN,
              output_len: int = AGENTIC_OUTPUT_LEN, think_s: float = AGENTIC_THINK_S,
-             warmup_s: float = 0.0) -> list[SimRequest]:
+             warmup_s: float = 0.0, pause_s: tuple[float, float] | None = None) -> list[SimRequest]:
     """Sessions start as a Poisson process at rate_rps / turns (so requests arrive at
     ~rate_rps overall); turn k+1 arrives think time (exponential, mean think_s) after turn
-    k's arrival: open loop, it does not wait for turn k's answer. The answer re-sent in
+    k's arrival: open loop, it does not wait for turn k's answer. `pause_s` = (low, high):
+    tool pauses instead, each drawn log-uniform in [low, high] seconds (an agent waiting on
+    its tool calls: seconds to minutes), counted from turn k's arrival as well. The answer re-sent in
     the history is the workload's own draw, not the tokens the simulated engine produced,
     so a turn's cache hit covers the previous prompt, not the previous answer (a real
     client re-sends the answer the engine did produce; that part would hit as well).
@@ -214,7 +216,7 @@ def _agentic(rng: np.random.Generator, n: int, rate_rps: float, turns: int = AGE
             out.append(SimRequest(f"agentic-{s}-{k}", t, history, max_tokens, session_id=f"session-{s}", warmup=warm))
             measured += not warm
             history = history + _tokens(rng, max_tokens)  # the answer, as the client re-sends it
-            t += float(rng.exponential(think_s))
+            t += log_uniform(rng, *pause_s) if pause_s is not None else float(rng.exponential(think_s))
         s += 1
     return out
 
