@@ -179,7 +179,8 @@ class BlockPool:
         for _ in range(num_blocks):
             # Retained blocks go last: only when no ordinary free block is left.
             block = queue.pop_front() if queue.num_free or retention is None else retention.pop_for_pressure()
-            self._evict(block)
+            # A block whose session's TTL ran out is dropped, not moved down (kv/retention.py).
+            self._evict(block, move_down=not (retention is not None and retention.expired and retention.reused(block)))
             block.ref_count = 1
             out.append(block)
         return out
@@ -209,6 +210,8 @@ class BlockPool:
                     self.retention.queue.remove(block)  # type: ignore[union-attr]
                 else:
                     self.free_queue.remove(block)
+                    if self.retention is not None and self.retention.expired:
+                        self.retention.reused(block)  # hit after its TTL: an ordinary block again
             block.ref_count += 1
 
     def cache_block(self, block: Block, block_hash: int, private: bool = False) -> bool:
@@ -231,12 +234,12 @@ class BlockPool:
             self.events.stored(block_hash, DEVICE)
         return True
 
-    def _evict(self, block: Block, record: bool = True) -> None:
+    def _evict(self, block: Block, record: bool = True, move_down: bool = True) -> None:
         if block.block_hash is not None:
             if self.private and block.block_hash in self.private:
                 self.private.discard(block.block_hash)
                 record = False
-            if record and self.evicted is not None:
+            if record and move_down and self.evicted is not None:
                 self.evicted.append((block.block_hash, block.block_id))
             elif record and self.events is not None:
                 self.events.removed(block.block_hash, DEVICE)

@@ -21,9 +21,13 @@ Invariants:
 - `num_tagged` == number of blocks whose `retained` is an entry of `_held`, and never
   exceeds `max_blocks` (the share bound, checked before tagging);
 - `_held` is ordered by retention time, so by expiry (one TTL for all): expiry and the
-  share bound release its head first. A released block that is free goes to the front of
-  the pool's free queue (its session's TTL is over: evicted before recently used blocks),
-  its last blocks first evicted.
+  share bound release its head first. A free block released by the TTL goes to the front
+  of the pool's free queue (evicted first), its last blocks first; one released by the
+  share bound, or by its session's next turn, to the tail (it was used lately);
+- a block whose session's TTL ran out is in `expired` until it is handed out or hit: its
+  eviction then drops it instead of moving it down a tier (the session did not come back
+  within the TTL; a host tier keeps its room for blocks that may still be read). Blocks
+  released by the share bound move down as any evicted block.
 Every operation is O(1) per block.
 """
 from __future__ import annotations
@@ -61,6 +65,7 @@ class SessionRetention:
         self.max_blocks = int(max_share * pool.num_blocks)
         self.clock = clock  # the engine's (time.monotonic), or the simulator's virtual clock
         self.queue = FreeBlockQueue(())
+        self.expired: set[int] = set()  # block ids (see the invariants)
         self._held: OrderedDict[str, RetainedTurn] = OrderedDict()
         self.num_tagged = 0
         # Counters: turns retained, blocks released by TTL / by the share bound, and blocks
@@ -123,6 +128,7 @@ class SessionRetention:
         return sum(1 for b in keep if b.retained is turn)
 
     def _tag(self, block: Block, turn: RetainedTurn) -> None:
+        self.expired.discard(block.block_id)
         if block.retained is None:
             self.num_tagged += 1
             if block.ref_count == 0:  # free in the pool's queue: it moves here
@@ -134,10 +140,10 @@ class SessionRetention:
         """Stop retaining the session's blocks (they become ordinary cached blocks)."""
         return self._release(session_id) if session_id in self._held else 0
 
-    def _release(self, session_id: str) -> int:
+    def _release(self, session_id: str, expired: bool = False) -> int:
         turn = self._held.pop(session_id)
         n = 0
-        for block in turn.blocks:  # each pushed to the front: its last block is evicted first
+        for block in turn.blocks:  # expired: each pushed to the front, so its last block is evicted first
             if block.retained is not turn:
                 continue
             block.retained = None
@@ -145,7 +151,11 @@ class SessionRetention:
             n += 1
             if block.ref_count == 0:
                 self.queue.remove(block)
-                self.pool.free_queue.push_front(block)
+                if expired:
+                    self.pool.free_queue.push_front(block)
+                    self.expired.add(block.block_id)
+                else:  # displaced by the share bound: an ordinary cached block, used at its turn's end
+                    self.pool.free_queue.append(block)
         return n
 
     def expire(self) -> int:
@@ -156,7 +166,7 @@ class SessionRetention:
             turn = next(iter(self._held.values()))
             if turn.expires > now:
                 break
-            n += self._release(turn.session_id)
+            n += self._release(turn.session_id, expired=True)
         self.num_expired_blocks += n
         return n
 
@@ -169,7 +179,16 @@ class SessionRetention:
         self.num_pressure_evictions += 1
         return block
 
+    def reused(self, block: Block) -> bool:
+        """`block` leaves the free queue (hit, or handed out): True when it had expired (an
+        eviction then drops it: no move down a tier)."""
+        if block.block_id in self.expired:
+            self.expired.discard(block.block_id)
+            return True
+        return False
+
     def clear(self) -> None:
         """Release every session (a prefix-cache reset)."""
         for session_id in list(self._held):
             self._release(session_id)
+        self.expired.clear()

@@ -26,6 +26,7 @@ from cluster.sim.autoscale import AutoscaleOptions, SimAutoscaler
 from cluster.sim.clock import EventQueue
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.flow import Flight, Orchestrator
+from cluster.sim.follow_ups import FollowUps
 from cluster.sim.ingress import Pool, SimRouter
 from cluster.sim.lora import SimLoRA, enable_sim_lora
 from cluster.sim.shared_view import pool_views
@@ -187,6 +188,8 @@ class Simulation:
         self.clock = EventQueue()
         self.rng = random.Random(config.seed)
         self.tracker = Tracker(config.keep_token_times, config.slo_ttft_ms / 1000.0)
+        self.follow_ups = FollowUps(self.clock, self._arrive)  # closed-loop turns
+        self.tracker.on_finish = self.follow_ups.finished
         max_model_len = config.max_model_len or device.max_model_len
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                                 config.max_step_time_s)
@@ -359,7 +362,8 @@ class Simulation:
             for pool in self.pools.values():
                 self.autoscalers.append(SimAutoscaler(self, pool, self.config.autoscale))
         for i, (request, latency) in enumerate(zip(requests, self._dispatch_latencies(len(requests)))):
-            self.clock.at(request.arrival_s + latency, self._arrive, i, request)
+            if not self.follow_ups.hold(i, request, latency):
+                self.clock.at(request.arrival_s + latency, self._arrive, i, request)
         if requests:
             self.clock.run(stop=lambda: self.done() or self.missed_slo())
         return SimResult(

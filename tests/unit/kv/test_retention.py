@@ -99,6 +99,8 @@ def test_share_bound_displaces_the_oldest_session() -> None:
     assert kv.retention.retained_block_ids("t") == [3, 4]
     assert kv.retention.queue.block_ids() == [4, 3]
     assert kv.retention.num_displaced_blocks == 2
+    # Displaced, s's blocks are ordinary cached blocks at the LRU's tail (used lately).
+    assert kv.pool.free_queue.block_ids() == [6, 7, 2, 0, 1, 5]
     # A turn longer than the bound keeps its leading blocks only.
     run_turn(kv, "u1", prompt(400, 17), session="u")
     assert kv.retention.sessions() == ["u"]
@@ -155,3 +157,28 @@ def test_bad_settings_refused() -> None:
         kv.enable_retention(10.0, 1.5, Clock())
     with pytest.raises(ValueError):
         KVCacheManager(8, BS, enable_prefix_caching=False).enable_retention(10.0, 0.5, Clock())
+
+
+def test_expired_blocks_are_dropped_not_moved_down_unless_hit_again() -> None:
+    kv, clock = manager(ttl_s=60.0)
+    kv.pool.evicted = []  # as with KV tiers
+    run_turn(kv, "a", prompt(100), session="s")  # retains 0, 1
+    run_turn(kv, "d", prompt(200))  # 3, 4 cached, no session
+    kv.get_computed_blocks("probe", prompt(200))
+    cold = kv.block_hashes("probe")
+    clock.now = 60.0
+    kv.expire_retention()
+    assert kv.retention.expired == {0, 1}
+    # The expired session's blocks go first and are dropped; d's cached blocks move down.
+    assert kv.allocate("b", 8 * BS) == [6, 7, 1, 0, 2, 5, 4, 3]
+    assert kv.pool.evicted == [(cold[1], 4), (cold[0], 3)]
+    assert kv.retention.expired == set()
+    kv.free("b")
+    # A block hit after its TTL is an ordinary block again: it moves down when evicted.
+    run_turn(kv, "a2", prompt(100), session="t")
+    clock.now = 200.0
+    kv.expire_retention()
+    hits = kv.get_computed_blocks("a3", prompt(100))
+    assert kv.retention.expired == {b.block_id for b in hits}
+    kv.allocate("a3", 9, hits)
+    assert kv.retention.expired == set()
