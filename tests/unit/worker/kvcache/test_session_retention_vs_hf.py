@@ -11,10 +11,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from kv.block_hash import hash_full_blocks
+from router.routing.types import ReplicaReport
 from worker.api import RequestOutput, SamplingParams
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine.build import build_engine
 from worker.engine.core import Engine
+from worker.serving.routing_report import build_routing_stats
 
 if TYPE_CHECKING:
     from tests.conftest import HFReference
@@ -93,6 +96,13 @@ def test_second_turn_after_pause_hits_retained_prefix(case: str, tiny_llama: Pat
     if ttl:
         assert engine.kv.retention.retained_block_ids("s") == [0, 1, 2, 3, 4]  # its full blocks
         assert engine.stats().kv.retained_blocks == 5
+        # The routing report: retained blocks are part of the free blocks (no headroom
+        # lost), and lead the prefix hashes a capped snapshot carries.
+        stats = build_routing_stats(engine, engine.stats(), engine.kv.cached_block_hashes(5), 0.0).to_dict()
+        report = ReplicaReport.from_stats(stats)
+        assert report is not None and report.retained_blocks == 5
+        assert report.free_blocks == engine.kv.num_total_blocks
+        assert report.prefix_hashes == set(hash_full_blocks(FIRST, BLOCK))
     # The tool runs; other clients' requests use the pool meanwhile.
     clock.now += TTL_S + 1 if case == "expired" else 30.0
     fillers = [(f"filler{i}", f, None) for i, f in enumerate(FILLERS)]
