@@ -180,7 +180,8 @@ class BlockPool:
             # Retained blocks go last: only when no ordinary free block is left.
             block = queue.pop_front() if queue.num_free or retention is None else retention.pop_for_pressure()
             # A block whose session's TTL ran out is dropped, not moved down (kv/retention.py).
-            self._evict(block, move_down=not (retention is not None and retention.expired and retention.reused(block)))
+            drop = retention is not None and (retention.expired or retention.displaced) and retention.handed_out(block)
+            self._evict(block, move_down=not drop)
             block.ref_count = 1
             out.append(block)
         return out
@@ -210,8 +211,9 @@ class BlockPool:
                     self.retention.queue.remove(block)  # type: ignore[union-attr]
                 else:
                     self.free_queue.remove(block)
-                    if self.retention is not None and self.retention.expired:
-                        self.retention.reused(block)  # hit after its TTL: an ordinary block again
+                    retention = self.retention
+                    if retention is not None and (retention.expired or retention.displaced):
+                        retention.hit(block)  # hit after its TTL or displacement: an ordinary block again
             block.ref_count += 1
 
     def cache_block(self, block: Block, block_hash: int, private: bool = False) -> bool:

@@ -26,8 +26,9 @@ Invariants:
   share bound, or by its session's next turn, to the tail (it was used lately);
 - a block whose session's TTL ran out is in `expired` until it is handed out or hit: its
   eviction then drops it instead of moving it down a tier (the session did not come back
-  within the TTL; a host tier keeps its room for blocks that may still be read). Blocks
-  released by the share bound move down as any evicted block.
+  within the TTL; a host tier keeps its room for blocks that may still be read). A block
+  the share bound released is in `displaced` likewise: evicted, it moves down and is kept
+  apart in the host tier as a retained block is (its session is still live).
 Every operation is O(1) per block.
 """
 from __future__ import annotations
@@ -62,10 +63,16 @@ class SessionRetention:
             raise ValueError(f"session KV retention's pool share must be in (0, 1], got {max_share}")
         self.pool = pool
         self.ttl_s = ttl_s
+        self.max_share = max_share
         self.max_blocks = int(max_share * pool.num_blocks)
         self.clock = clock  # the engine's (time.monotonic), or the simulator's virtual clock
         self.queue = FreeBlockQueue(())
         self.expired: set[int] = set()  # block ids (see the invariants)
+        self.displaced: set[int] = set()  # block ids released by the share bound, free
+        # Hashes of retained blocks evicted under pressure while the pool moves evicted
+        # blocks down a tier: the tier manager keeps them in the host tier
+        # (kv/tier_report.py keep_retained, kv/host_tier.py protect) and clears this.
+        self.moved_down: list[int] = []
         self._held: OrderedDict[str, RetainedTurn] = OrderedDict()
         self.num_tagged = 0
         # Counters: turns retained, blocks released by TTL / by the share bound, and blocks
@@ -114,7 +121,7 @@ class SessionRetention:
         while self.num_tagged - stolen + len(keep) > self.max_blocks and self._held:
             oldest = next(iter(self._held))
             stolen -= self._count_own(oldest, keep)
-            self.num_displaced_blocks += self._release(oldest)
+            self.num_displaced_blocks += self._release(oldest, displaced=True)
         turn = RetainedTurn(session_id, self.clock() + self.ttl_s, keep)
         for block in keep:
             self._tag(block, turn)
@@ -129,6 +136,7 @@ class SessionRetention:
 
     def _tag(self, block: Block, turn: RetainedTurn) -> None:
         self.expired.discard(block.block_id)
+        self.displaced.discard(block.block_id)
         if block.retained is None:
             self.num_tagged += 1
             if block.ref_count == 0:  # free in the pool's queue: it moves here
@@ -140,7 +148,7 @@ class SessionRetention:
         """Stop retaining the session's blocks (they become ordinary cached blocks)."""
         return self._release(session_id) if session_id in self._held else 0
 
-    def _release(self, session_id: str, expired: bool = False) -> int:
+    def _release(self, session_id: str, expired: bool = False, displaced: bool = False) -> int:
         turn = self._held.pop(session_id)
         n = 0
         for block in turn.blocks:  # expired: each pushed to the front, so its last block is evicted first
@@ -156,6 +164,8 @@ class SessionRetention:
                     self.expired.add(block.block_id)
                 else:  # displaced by the share bound: an ordinary cached block, used at its turn's end
                     self.pool.free_queue.append(block)
+                    if displaced:
+                        self.displaced.add(block.block_id)
         return n
 
     def expire(self) -> int:
@@ -174,21 +184,35 @@ class SessionRetention:
         """The pool's free queue is empty: hand out the oldest retained block (the caller
         evicts it, so it moves down a tier where there is one)."""
         block = self.queue.pop_front()
+        if self.pool.evicted is not None and block.block_hash is not None:
+            self.moved_down.append(block.block_hash)
         block.retained = None
         self.num_tagged -= 1
         self.num_pressure_evictions += 1
         return block
 
-    def reused(self, block: Block) -> bool:
-        """`block` leaves the free queue (hit, or handed out): True when it had expired (an
-        eviction then drops it: no move down a tier)."""
-        if block.block_id in self.expired:
-            self.expired.discard(block.block_id)
+    def handed_out(self, block: Block) -> bool:
+        """`block` leaves the free queue to be evicted: True when its session's TTL had run
+        out (the eviction drops it: no move down a tier); a block the share bound displaced
+        moves down and is kept in the host tier (`moved_down`), as a retained one is."""
+        block_id = block.block_id
+        if block_id in self.expired:
+            self.expired.discard(block_id)
             return True
+        if block_id in self.displaced:
+            self.displaced.discard(block_id)
+            if self.pool.evicted is not None and block.block_hash is not None:
+                self.moved_down.append(block.block_hash)
         return False
+
+    def hit(self, block: Block) -> None:
+        """`block` leaves the free queue as a cache hit: an ordinary block again."""
+        self.expired.discard(block.block_id)
+        self.displaced.discard(block.block_id)
 
     def clear(self) -> None:
         """Release every session (a prefix-cache reset)."""
         for session_id in list(self._held):
             self._release(session_id)
         self.expired.clear()
+        self.displaced.clear()

@@ -120,6 +120,7 @@ class Engine:
                 f"blocks (KV layout: {self.kv.layout.describe()}); an engine built with "
                 "cache.host_kv_cache_bytes set keeps one table of every layer instead")
         self.tiers = self.requests.tiers = tiers
+        tiers.use_retention(self.kv.pool.retention)  # its evicted blocks stay apart in the host tier
         self.kv.pool.evicted = []
         if tiers.shared is not None:
             self.kv.pool.stored = []

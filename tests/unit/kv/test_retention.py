@@ -66,6 +66,7 @@ def test_pressure_evicts_retained_tail_first_and_records_the_move_down() -> None
     assert kv.can_allocate("b", 7 * BS)
     assert kv.allocate("b", 7 * BS) == [3, 4, 5, 6, 7, 2, 1]  # then the retained tail block
     assert kv.pool.evicted == [(hashes[1], 1)]
+    assert kv.retention.moved_down == [hashes[1]]  # for the host tier to keep apart
     assert kv.retention.retained_block_ids("s") == [0]
     assert kv.retention.num_pressure_evictions == 1
     assert kv.allocate("b", 8 * BS) == [3, 4, 5, 6, 7, 2, 1, 0]  # admission never starves
@@ -182,3 +183,16 @@ def test_expired_blocks_are_dropped_not_moved_down_unless_hit_again() -> None:
     assert kv.retention.expired == {b.block_id for b in hits}
     kv.allocate("a3", 9, hits)
     assert kv.retention.expired == set()
+
+
+def test_displaced_blocks_move_down_to_be_kept_in_the_host_tier() -> None:
+    kv, _ = manager(num_blocks=8, share=0.25)  # at most 2 blocks retained
+    kv.pool.evicted = []  # as with KV tiers
+    run_turn(kv, "a", prompt(100), session="s")  # retains 0, 1
+    kv.get_computed_blocks("probe", prompt(100))
+    s_hashes = kv.block_hashes("probe")
+    run_turn(kv, "t1", prompt(300), session="t")  # displaces s: 0, 1 to the LRU's tail
+    assert kv.retention.displaced == {0, 1}
+    assert kv.allocate("b", 6 * BS) == [6, 7, 2, 0, 1, 5]
+    assert kv.pool.evicted == [(s_hashes[0], 0), (s_hashes[1], 1)]  # moved down, not dropped
+    assert kv.retention.moved_down == s_hashes[:2] and kv.retention.displaced == set()

@@ -109,6 +109,9 @@ def test_second_turn_after_pause_hits_retained_prefix(case: str, tiny_llama: Pat
     if case == "host_tier":  # all at once: they need the retained blocks, which move to the host tier
         got = _serve(engine, fillers, finals)
         assert engine.kv.retention.num_pressure_evictions > 0
+        # The session's blocks moved down are kept apart from the host tier's LRU.
+        kept = set(engine.tiers.host._kept)
+        assert kept and kept <= set(hash_full_blocks(FIRST, BLOCK)) and not engine.kv.retention.moved_down
     else:  # one after another: each fits beside the retained blocks
         got = {}
         for filler in fillers:
