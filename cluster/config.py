@@ -123,6 +123,10 @@ class EngineSection(Section):
     kv_store_key_env: str = default_of(CacheConfig, "kv_store_key_env")
     # A disk-tier call slower than this is given up; the replica reports itself unhealthy.
     tier_io_timeout_s: float = Field(default_of(CacheConfig, "tier_io_timeout_s"), gt=0)
+    # KV kept across a session's pauses (x-session-id): a finished turn's blocks are kept
+    # this long (0: off), evicted last, at most this share of the pool (kv/retention.py).
+    session_kv_ttl_s: float = Field(default_of(CacheConfig, "session_kv_ttl_s"), ge=0)
+    session_kv_max_share: float = Field(default_of(CacheConfig, "session_kv_max_share"), gt=0.0, le=1.0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = default_of(ModelConfig, "dtype")
     # The KV pool's element type: auto (the model's dtype) or fp8 (e4m3: half of bf16's bytes).
     kv_cache_dtype: Literal["auto", "fp8"] = default_of(CacheConfig, "kv_cache_dtype")

@@ -3,7 +3,9 @@
 Pure bookkeeping (no torch): block ids index the KV tensors owned elsewhere.
 
 Invariants:
-- every block is either in use (ref_count > 0) or in the free queue (ref_count == 0);
+- every block is either in use (ref_count > 0) or free (ref_count == 0): in the free queue,
+  or, retained for a session (block.retained set), in the retention's queue, which is
+  handed out only once the free queue is empty (kv/retention.py);
 - a free block may still hold a cached full block (block_hash set); it stays findable
   through `cached` until it is handed out again, which evicts it;
 - the free queue is ordered by eviction priority: the head is evicted first. Freed blocks
@@ -18,16 +20,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from typing import TYPE_CHECKING
+
 from kv.kv_events import DEVICE, KVEventLog
+
+if TYPE_CHECKING:
+    from kv.retention import RetainedTurn, SessionRetention
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_count", "block_hash", "prev", "next", "retained")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: int | None = None
+        # The session turn that retains it (kv/retention.py's RetainedTurn), or None.
+        self.retained: RetainedTurn | None = None
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -62,6 +71,16 @@ class FreeBlockQueue:
         block.prev = last
         block.next = self._tail
         self._tail.prev = block
+        self.num_free += 1
+
+    def push_front(self, block: Block) -> None:
+        """Insert `block` where it is evicted next (after the untouched blocks)."""
+        first = self._head.next
+        assert first is not None
+        self._head.next = block
+        block.prev = self._head
+        block.next = first
+        first.prev = block
         self.num_free += 1
 
     def remove(self, block: Block) -> None:
@@ -120,6 +139,9 @@ class BlockPool:
         # the cache cleared. An evicted block recorded in `evicted` is reported by the
         # tiers instead (moved down, or removed when the host tier has it already).
         self.events: KVEventLog | None = None
+        # Sessions' retained blocks (kv/retention.py): a second free queue, handed out only
+        # when `free_queue` is empty. None: no retention.
+        self.retention: SessionRetention | None = None
 
     def _make_block(self, block_id: int) -> Block:
         if block_id < len(self._blocks):  # made already by `blocks`
@@ -139,21 +161,27 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now, cached-but-unreferenced ones included."""
-        return self.free_queue.num_free
+        """Blocks that can be handed out now, cached-but-unreferenced ones included
+        (retained ones too: kv/retention.py)."""
+        retention = self.retention
+        return self.free_queue.num_free + (retention.queue.num_free if retention is not None else 0)
 
     # -- allocation ------------------------------------------------------------------
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.free_queue.num_free
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, num_blocks: int) -> list[Block]:
         """Hand out `num_blocks` fresh blocks (evicting cached ones, LRU first)."""
         if not self.can_allocate(num_blocks):
             raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         out = []
+        queue, retention = self.free_queue, self.retention
         for _ in range(num_blocks):
-            block = self.free_queue.pop_front()
-            self._evict(block)
+            # Retained blocks go last: only when no ordinary free block is left.
+            block = queue.pop_front() if queue.num_free or retention is None else retention.pop_for_pressure()
+            # A block whose session's TTL ran out is dropped, not moved down (kv/retention.py).
+            drop = retention is not None and (retention.expired or retention.displaced) and retention.handed_out(block)
+            self._evict(block, move_down=not drop)
             block.ref_count = 1
             out.append(block)
         return out
@@ -166,7 +194,10 @@ class BlockPool:
             assert block.ref_count > 0, f"double free of {block}"
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_queue.append(block)
+                if block.retained is not None:
+                    self.retention.queue.append(block)  # type: ignore[union-attr]
+                else:
+                    self.free_queue.append(block)
 
     # -- prefix cache ----------------------------------------------------------------
     def lookup(self, block_hash: int) -> Block | None:
@@ -176,7 +207,13 @@ class BlockPool:
         """Take a reference on cache hits (a free cached block leaves the free queue)."""
         for block in blocks:
             if block.ref_count == 0:
-                self.free_queue.remove(block)
+                if block.retained is not None:
+                    self.retention.queue.remove(block)  # type: ignore[union-attr]
+                else:
+                    self.free_queue.remove(block)
+                    retention = self.retention
+                    if retention is not None and (retention.expired or retention.displaced):
+                        retention.hit(block)  # hit after its TTL or displacement: an ordinary block again
             block.ref_count += 1
 
     def cache_block(self, block: Block, block_hash: int, private: bool = False) -> bool:
@@ -199,12 +236,12 @@ class BlockPool:
             self.events.stored(block_hash, DEVICE)
         return True
 
-    def _evict(self, block: Block, record: bool = True) -> None:
+    def _evict(self, block: Block, record: bool = True, move_down: bool = True) -> None:
         if block.block_hash is not None:
             if self.private and block.block_hash in self.private:
                 self.private.discard(block.block_hash)
                 record = False
-            if record and self.evicted is not None:
+            if record and move_down and self.evicted is not None:
                 self.evicted.append((block.block_hash, block.block_id))
             elif record and self.events is not None:
                 self.events.removed(block.block_hash, DEVICE)
@@ -214,6 +251,8 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (a clear, not an eviction: nothing moves down)."""
+        if self.retention is not None:
+            self.retention.clear()
         for block in list(self.cached.values()):
             self._evict(block, record=False)
         self.private.clear()

@@ -16,12 +16,13 @@ pool; a sliding group's entries behind its window name the null block once relea
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kv.block_hash import ROOT_HASH, hash_full_blocks
 from kv.block_pool import Block, BlockPool
 from kv.group_hits import group_key, longest_hit
 from kv.kv_groups import FULL_ATTENTION, KVGroupSpec, KVLayout, cdiv
+from kv.retention import SessionRetention
 from kv.stats import KVStats
 
 __all__ = ["GroupHits", "KVCacheManager", "cdiv"]
@@ -69,6 +70,23 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    # -- sessions' KV kept across pauses (kv/retention.py) ---------------------------------
+    def enable_retention(self, ttl_s: float, max_share: float, clock: Callable[[], float]) -> SessionRetention:
+        """Keep finished session turns' cached blocks for `ttl_s`, at most `max_share` of the pool."""
+        if not self.pool.enable_prefix_caching:
+            raise ValueError("session KV retention needs the prefix cache (enable_prefix_caching)")
+        self.pool.retention = SessionRetention(self.pool, ttl_s, max_share, clock)
+        return self.pool.retention
+
+    @property
+    def retention(self) -> SessionRetention | None:
+        return self.pool.retention
+
+    def expire_retention(self) -> None:
+        """Release the sessions whose TTL has ended (the scheduler calls it every step)."""
+        if self.pool.retention is not None:
+            self.pool.retention.expire()
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -252,9 +270,15 @@ class KVCacheManager:
         null = self.null_block
         return [sum(1 for b in row if b is not null) for row in self._blocks.get(request_id, [[] for _ in self.groups])]
 
-    def free(self, request_id: str, keep_hashes: bool = False) -> None:
+    def free(self, request_id: str, keep_hashes: bool = False, session_id: str | None = None) -> None:
         """Release the request's blocks (tail first, so its last blocks are evicted first).
-        `keep_hashes` for preemption: the tokens stay the same, the hashes stay valid."""
+        `keep_hashes` for preemption: the tokens stay the same, the hashes stay valid.
+        `session_id`: a finished turn of that session; with retention on, its cached blocks
+        are retained for the session's next turn (kv/retention.py) as they are freed."""
+        retention = self.pool.retention
+        if session_id is not None and retention is not None and request_id in self._blocks:
+            null = self.null_block
+            retention.retain(session_id, (b for row in self._blocks[request_id] for b in row if b is not null))
         blocks = self._blocks.pop(request_id, None)
         self._group_ids.pop(request_id, None)
         self._tables.pop(request_id, None)
@@ -287,14 +311,22 @@ class KVCacheManager:
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
             num_cached_blocks=len(self.pool.cached),
+            retained_blocks=self.pool.retention.queue.num_free if self.pool.retention is not None else 0,
         )
 
     def cached_block_hashes(self, limit: int) -> list[int]:
-        """Up to `limit` cached block hashes, most recently cached first (for routing on
-        prefix overlap). Call it from the thread that owns the pool."""
-        out = []
+        """Up to `limit` cached block hashes (for routing on prefix overlap): those retained
+        for paused sessions first (newest session first), then the rest, most recently
+        cached first. Call it from the thread that owns the pool."""
+        retention = self.pool.retention
+        out = retention.recent_hashes(limit) if retention is not None else []
         private = self.pool.private
+        seen = set(out) if out else ()
         for block_hash in reversed(self.pool.cached):
+            if len(out) >= limit:
+                break
+            if block_hash in seen:
+                continue
             if private and block_hash in private:
                 continue  # another group's key: no prefix the router can look up
             out.append(block_hash)

@@ -17,6 +17,9 @@ class KVStats:
     num_host_blocks: int = 0
     num_disk_blocks: int = 0
     num_tier_loaded_blocks: int = 0
+    # Free blocks retained for paused sessions (kv/retention.py): part of free_blocks (they
+    # are evicted, last, when a request needs them), so they take no headroom away.
+    retained_blocks: int = 0
 
     @property
     def usage(self) -> float:
@@ -38,4 +41,5 @@ class KVStats:
             "num_host_blocks": self.num_host_blocks,
             "num_disk_blocks": self.num_disk_blocks,
             "num_tier_loaded_blocks": self.num_tier_loaded_blocks,
+            "retained_blocks": self.retained_blocks,
         }

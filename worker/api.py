@@ -52,7 +52,8 @@ class GenerateRequest:
     # (router/tracing.py). None: nothing on the worker side traces it (worker/serving/tracing.py).
     trace_context: dict[str, str] | None = None
     # The client's session (router/routing/sessions.py's client_session_id): the request router's
-    # soft affinity and its spread of new sessions. The engine ignores it.
+    # soft affinity and its spread of new sessions; the engine keeps a finished turn's KV
+    # for the session's next turn (CacheConfig.session_kv_ttl_s, kv/retention.py).
     session_id: str | None = None
     # The caller's batched output stream (worker/outputs/streams.py): outputs leave through
     # the worker's `outputs(output_stream)` with every other request of that caller, once per

@@ -33,6 +33,12 @@ class CacheConfig:
     # The KV pool's element type: auto (the model's dtype) or fp8 (e4m3, one scale per
     # tensor: worker/attention/kv_quant.py), half of bf16's bytes per token.
     kv_cache_dtype: str = "auto"
+    # KV kept across a session's pauses (kv/retention.py): a finished turn of a request with
+    # a session id keeps its cached blocks this long (0: off), evicted only after every
+    # other free block, at most session_kv_max_share of the pool; under pressure they are
+    # evicted oldest session first, and move to the host tier when there is one.
+    session_kv_ttl_s: float = 300.0
+    session_kv_max_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "fp8"):
@@ -43,6 +49,9 @@ class CacheConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.host_kv_cache_bytes < 0 or self.disk_kv_cache_bytes <= 0 or self.shared_kv_store_bytes <= 0:
             raise ValueError("host_kv_cache_bytes must be >= 0, disk_kv_cache_bytes and shared_kv_store_bytes > 0")
+        if self.session_kv_ttl_s < 0 or not 0.0 < self.session_kv_max_share <= 1.0:
+            raise ValueError("session_kv_ttl_s must be >= 0 and session_kv_max_share in (0, 1], got "
+                             f"{self.session_kv_ttl_s} and {self.session_kv_max_share}")
         if self.tier_io_timeout_s <= 0:
             raise ValueError(f"tier_io_timeout_s must be > 0, got {self.tier_io_timeout_s}")
         below_host = self.disk_kv_cache_dir is not None or self.shared_kv_store_dir is not None

@@ -58,6 +58,7 @@ class Sequence:
         "lora_name",
         "lora_slot",
         "quiet_from",
+        "session_id",
         "num_resumed_tokens",
     )
 
@@ -108,6 +109,9 @@ class Sequence:
         # A quiet request (Engine.add_request): the index in token_ids after the tokens its
         # outputs carried so far; None for one that gets an output every step.
         self.quiet_from: int | None = None
+        # The client's session (GenerateRequest.session_id): with session KV retention on,
+        # its blocks are kept for the session's next turn when it finishes (kv/retention.py).
+        self.session_id: str | None = None
         # A migrated request: its last prompt tokens that are output of an earlier attempt
         # (Engine.add_request); its grammar starts past them.
         self.num_resumed_tokens = 0

@@ -93,7 +93,7 @@ class Orchestrator:
         params = SamplingParams(max_tokens=1 if export else req.max_tokens, ignore_eos=True)
         error = replica.submit(req.request_id, list(req.prompt_token_ids), params, export_kv=export,
                                profile=flight.routing_request.profile,  # type: ignore[union-attr]
-                               lora_name=req.lora_name)
+                               lora_name=req.lora_name, session_id=req.session_id)
         if error is not None:
             self._fail(flight, error)
 
@@ -102,7 +102,8 @@ class Orchestrator:
         replica.num_ongoing -= 1  # submit counts it again
         error = replica.submit(req.request_id, list(req.prompt_token_ids),
                                SamplingParams(max_tokens=req.max_tokens, ignore_eos=True), kv_import=flight.export,
-                               profile=flight.routing_request.profile)  # type: ignore[union-attr]
+                               profile=flight.routing_request.profile,  # type: ignore[union-attr]
+                               session_id=req.session_id)
         flight.prefill_replica.release_kv(req.request_id)  # type: ignore[union-attr]
         flight.export = None
         if error is not None:

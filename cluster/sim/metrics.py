@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,8 @@ class Tracker:
         self.num_done = 0
         self.slo_ttft_s = slo_ttft_s
         self.num_late = 0  # requests whose first token came after slo_ttft_s
+        # Called with (request id, now) as each request finishes (closed-loop turns).
+        self.on_finish: Callable[[str, float], None] | None = None
 
     def add(self, request_id: str, arrival_s: float, num_prompt_tokens: int, max_tokens: int,
             warmup: bool = False) -> RequestRecord:
@@ -147,6 +150,8 @@ class Tracker:
         rec.finish_reason = reason
         rec.error = error
         self.num_done += 1
+        if self.on_finish is not None:
+            self.on_finish(rec.request_id, now)
 
 
 def _percentiles(values: Any) -> dict[str, float]:

@@ -125,23 +125,28 @@ class SimReplica:
         self._prefill_tokens_per_s: float | None = None  # modelled once, on the first report
         self.max_report_hashes = MAX_PREFIX_HASHES  # per tier, as the worker's snapshot caps them
         self.kv_events = KVEventStream(engine.enable_kv_events(), clock=lambda: clock.now)
+        if engine.kv.retention is not None:  # sessions' TTLs run on the virtual clock
+            engine.kv.retention.clock = lambda: clock.now
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                export_kv: bool = False, kv_import: KVExport | None = None,
-               profile: RequestProfile | None = None, lora_name: str | None = None) -> str | None:
+               profile: RequestProfile | None = None, lora_name: str | None = None,
+               session_id: str | None = None) -> str | None:
         """Hand a request to the engine now. Returns None, or the engine's RequestError
         message when it refuses the request (then it is not counted as ongoing).
         `profile`: the router's profile of the prompt; its block hashes (memoised there,
         computed there if no router needed them) are handed to the engine, which would
         otherwise hash the same prompt again (a real replica does: another process).
         `lora_name`: the request's adapter (cluster/sim/lora.py), learnt on first use as a
-        real replica learns it from the request."""
+        real replica learns it from the request. `session_id`: the client's session (its
+        finished turn's KV is retained for the next: kv/retention.py)."""
         hashes = profile.block_hashes(self.engine.kv.block_size) if profile is not None else None
         lora = {"lora_name": lora_name, "lora_path": sim_lora_path(lora_name)} if lora_name is not None else {}
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=self.clock.now,
-                                    export_kv=export_kv, kv_import=kv_import, prompt_block_hashes=hashes, **lora)
+                                    export_kv=export_kv, kv_import=kv_import, prompt_block_hashes=hashes,
+                                    session_id=session_id, **lora)
         except RequestError as e:
             return str(e)
         self.num_ongoing += 1

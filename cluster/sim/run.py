@@ -26,6 +26,7 @@ from cluster.sim.autoscale import AutoscaleOptions, SimAutoscaler
 from cluster.sim.clock import EventQueue
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.flow import Flight, Orchestrator
+from cluster.sim.follow_ups import FollowUps
 from cluster.sim.ingress import Pool, SimRouter
 from cluster.sim.lora import SimLoRA, enable_sim_lora
 from cluster.sim.shared_view import pool_views
@@ -91,6 +92,10 @@ class SimConfig:
     num_blocks: int | None = None  # overrides the KV size the cost model derives
     kv_cache_dtype: str = _CACHE.kv_cache_dtype  # "fp8": one byte per KV element (half of bf16's)
     enable_prefix_caching: bool = True
+    # KV kept across a session's pauses on every replica (CacheConfig's fields, kv/retention.py;
+    # 0: off, plain LRU as vLLM and SGLang evict).
+    session_kv_ttl_s: float = _CACHE.session_kv_ttl_s
+    session_kv_max_share: float = _CACHE.session_kv_max_share
     lora: SimLoRA | None = None  # LoRA adapters on every replica (cluster/sim/lora.py); None: base model only
     disagg: DisaggOptions = field(default_factory=DisaggOptions)
     tiers: SimTierOptions = field(default_factory=SimTierOptions)  # KV tiers below each device (off by default)
@@ -186,10 +191,14 @@ class Simulation:
         self.clock = EventQueue()
         self.rng = random.Random(config.seed)
         self.tracker = Tracker(config.keep_token_times, config.slo_ttft_ms / 1000.0)
+        self.follow_ups = FollowUps(self.clock, self._arrive)  # closed-loop turns
+        self.tracker.on_finish = self.follow_ups.finished
         max_model_len = config.max_model_len or device.max_model_len
         self.scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                                 config.max_step_time_s)
-        self.cache_config = CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.cache_config = CacheConfig(block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                        session_kv_ttl_s=config.session_kv_ttl_s,
+                                        session_kv_max_share=config.session_kv_max_share)
         self.replicas: list[SimReplica] = []  # every replica ever created, in creation order
         self.replica_count: list[tuple[float, int]] = []
         roles = ("prefill", "decode") if config.disagg.enabled else ("mixed",)
@@ -356,7 +365,8 @@ class Simulation:
             for pool in self.pools.values():
                 self.autoscalers.append(SimAutoscaler(self, pool, self.config.autoscale))
         for i, (request, latency) in enumerate(zip(requests, self._dispatch_latencies(len(requests)))):
-            self.clock.at(request.arrival_s + latency, self._arrive, i, request)
+            if not self.follow_ups.hold(i, request, latency):
+                self.clock.at(request.arrival_s + latency, self._arrive, i, request)
         if requests:
             self.clock.run(stop=lambda: self.done() or self.missed_slo())
         return SimResult(

@@ -224,6 +224,7 @@ class SimTierManager(TierReport):
             events.evicted_to_host(evicted, self.host)
         evicted.clear()
         if not fresh:
+            self.keep_retained()
             return
         pushed = self.host.put([h for h, _ in fresh], self.device.export_kv([b for _, b in fresh]))
         self._copy_s += len(fresh) * self.block_bytes / self.host_link.bandwidth
@@ -233,6 +234,7 @@ class SimTierManager(TierReport):
                 events.removed(block_hash, HOST)
             if self.disk is not None:
                 self._write_disk(block_hash)
+        self.keep_retained()
 
     def _write_disk(self, block_hash: int) -> None:
         assert self.disk is not None

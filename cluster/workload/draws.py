@@ -70,3 +70,11 @@ def gamma_arrivals(rng: np.random.Generator, n: int, rate_rps: float, shape: flo
 def around(rng: np.random.Generator, mean: int, size: int | None = None) -> np.ndarray | np.integer:
     """Uniform integers within +-50% of `mean` (at least 1): distinct draws of a similar size."""
     return rng.integers(max(1, mean // 2), mean * 3 // 2 + 1, size=size)
+
+
+def log_uniform(rng: np.random.Generator, low: float, high: float) -> float:
+    """One draw whose log is uniform in [log low, log high]: as many draws in 1-10 as in
+    10-100 (tool calls: most return in seconds, some run for minutes)."""
+    if not 0 < low <= high:
+        raise ValueError(f"a log-uniform range needs 0 < low <= high, got {low}, {high}")
+    return float(math.exp(rng.uniform(math.log(low), math.log(high))))

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.workload.draws import around, gamma_arrivals, lognormal_lengths, poisson_arrivals
+from cluster.workload.draws import around, gamma_arrivals, log_uniform, lognormal_lengths, poisson_arrivals
 
 # Token ids are drawn from [1, DEFAULT_VOCAB); every shape we ship has a larger vocabulary.
 DEFAULT_VOCAB = 32000
@@ -46,6 +46,10 @@ class SimRequest:
     # brings the replicas' caches to the state a long-running cluster would be in.
     warmup: bool = False
     lora_name: str | None = None  # the LoRA adapter that serves it (None: the base model)
+    # Closed loop (cluster/sim/follow_ups.py): it arrives pause_s after request `after`
+    # finishes; arrival_s is then only the open-loop estimate the list is sorted by.
+    after: str | None = None
+    pause_s: float = 0.0
 
 
 def make_workload(kind: str, num_requests: int, rate_rps: float, seed: int, **kw: object) -> list[SimRequest]:
@@ -184,10 +188,17 @@ AGENTIC_THINK_S = 2.0
 def _agentic(rng: np.random.Generator, n: int, rate_rps: float, turns: int = AGENTIC_TURNS,
              system_len: int = AGENTIC_SYSTEM_LEN, turn_len: int = AGENTIC_TURN_LEN,
              output_len: int = AGENTIC_OUTPUT_LEN, think_s: float = AGENTIC_THINK_S,
-             warmup_s: float = 0.0) -> list[SimRequest]:
+             warmup_s: float = 0.0, pause_s: tuple[float, float] | None = None,
+             answer: Callable[[tuple[int, ...], int], tuple[int, ...]] | None = None) -> list[SimRequest]:
     """Sessions start as a Poisson process at rate_rps / turns (so requests arrive at
     ~rate_rps overall); turn k+1 arrives think time (exponential, mean think_s) after turn
-    k's arrival: open loop, it does not wait for turn k's answer. The answer re-sent in
+    k's arrival: open loop, it does not wait for turn k's answer. `pause_s` = (low, high):
+    tool pauses instead, each drawn log-uniform in [low, high] seconds (an agent waiting on
+    its tool calls: seconds to minutes), counted from turn k's END (closed loop: the turn
+    names its predecessor, cluster/sim/follow_ups.py); arrival_s is then the estimate
+    pause + the previous estimate. `answer(history, n)`: the n tokens the simulated engine
+    answers `history` with (worker/sim/runner.py's tokens are a function of the history),
+    re-sent in the next turn as a real client re-sends the answer it got. The answer re-sent in
     the history is the workload's own draw, not the tokens the simulated engine produced,
     so a turn's cache hit covers the previous prompt, not the previous answer (a real
     client re-sends the answer the engine did produce; that part would hit as well).
@@ -211,10 +222,14 @@ def _agentic(rng: np.random.Generator, n: int, rate_rps: float, turns: int = AGE
             history = history + _tokens(rng, around(rng, turn_len))
             max_tokens = int(around(rng, output_len))
             warm = t < warmup_s
-            out.append(SimRequest(f"agentic-{s}-{k}", t, history, max_tokens, session_id=f"session-{s}", warmup=warm))
+            follow = {} if pause_s is None or k == 0 else {"after": f"agentic-{s}-{k - 1}", "pause_s": pause}
+            out.append(SimRequest(f"agentic-{s}-{k}", t, history, max_tokens, session_id=f"session-{s}", warmup=warm,
+                                  **follow))  # type: ignore[arg-type]
             measured += not warm
-            history = history + _tokens(rng, max_tokens)  # the answer, as the client re-sends it
-            t += float(rng.exponential(think_s))
+            # The answer, as the client re-sends it.
+            history = history + (answer(history, max_tokens) if answer is not None else _tokens(rng, max_tokens))
+            pause = log_uniform(rng, *pause_s) if pause_s is not None else float(rng.exponential(think_s))
+            t += pause
         s += 1
     return out
 

@@ -189,6 +189,9 @@ class ReplicaReport:
     kv_full_groups: int = 1
     kv_sliding_windows: tuple[int, ...] = ()
     kv_bytes_per_block: int = 0
+    # Free blocks it keeps for paused sessions (worker.api.RoutingStats): counted in
+    # free_blocks, so headroom stays whole; their hashes are in prefix_hashes.
+    retained_blocks: int = 0
 
     @property
     def geometry(self) -> KVGeometry:
@@ -247,12 +250,14 @@ class ReplicaReport:
                 kv_full_groups=int(stats.get("kv_full_groups", 1)),  # type: ignore[arg-type]
                 kv_sliding_windows=tuple(int(w) for w in stats.get("kv_sliding_windows") or ()),  # type: ignore[attr-defined]
                 kv_bytes_per_block=int(stats.get("kv_bytes_per_block") or 0),  # type: ignore[arg-type]
+                retained_blocks=int(stats.get("retained_blocks") or 0),  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError):
             return None
         if (report.block_size <= 0 or report.capacity_weight <= 0 or report.prefill_tokens_per_s < 0
                 or report.decode_growth_blocks < 0 or not report.mean_output_tokens >= 0
                 or report.num_running_prompt_tokens < 0 or report.kv_full_groups < 0
+                or not 0 <= report.retained_blocks <= report.free_blocks
                 or any(w < 1 for w in report.kv_sliding_windows)
                 or report.kv_full_groups + len(report.kv_sliding_windows) < 1):
             return None

@@ -120,6 +120,7 @@ class AsyncEngine:
         text_at_end: bool = False,
         export_kv: bool = False,
         kv_import: Any = None,
+        session_id: str | None = None,
     ) -> None:
         """Run a request whose outputs are handed to `on_output` in the event-loop turn that
         delivers their step: no task wakes per output (the batched output streams' path,
@@ -130,7 +131,8 @@ class AsyncEngine:
         the text only at the end (worker/outputs/processor.py); unless a stop string must be
         watched for or logprobs were asked, the engine then makes no output between the
         first and the finished one (Engine.add_request's `quiet`). `export_kv` / `kv_import`:
-        the prefill and decode halves of a disaggregated request (Engine.add_request)."""
+        the prefill and decode halves of a disaggregated request (Engine.add_request).
+        `session_id`: the client's session (Engine.add_request)."""
         self._ensure_started()
         if request_id in self._streams:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -149,7 +151,7 @@ class AsyncEngine:
                           on_end=lambda: self._forget(request_id, sink))
         self._streams[request_id] = sink
         self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, export_kv, kv_import, lora,
-                                   processor.defers_text, num_resumed_tokens))
+                                   processor.defers_text, num_resumed_tokens, session_id))
         try:
             await sink.done
         finally:
@@ -289,7 +291,7 @@ class AsyncEngine:
                     self.engine.add_request(
                         item.request_id, item.prompt_token_ids, item.params,
                         export_kv=item.export_kv, kv_import=item.kv_import, quiet=item.quiet,
-                        num_resumed_tokens=item.num_resumed_tokens,
+                        num_resumed_tokens=item.num_resumed_tokens, session_id=item.session_id,
                         **({"lora_name": item.lora[0], "lora_path": item.lora[1]} if item.lora else {}),
                     )
                 except RequestError as e:

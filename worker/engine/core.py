@@ -69,6 +69,11 @@ class Engine:
         # The runner's KV groups (kv/kv_groups.py); a runner without any keeps one full group.
         self.kv = KVCacheManager(runner.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
                                  getattr(runner, "kv_layout", None))
+        if cache_config.session_kv_ttl_s > 0 and cache_config.enable_prefix_caching:
+            # Sessions' finished turns keep their blocks (kv/retention.py); the simulator
+            # swaps the clock for its virtual one.
+            self.kv.enable_retention(cache_config.session_kv_ttl_s, cache_config.session_kv_max_share,
+                                     time.monotonic)
         # A runner that overlaps the device gets async scheduling (plans made and launched ahead).
         self.scheduler = (AsyncScheduler if overlaps(runner) else Scheduler)(scheduler_config, self.kv)
         self.scheduler.step_budget = engine_step_budget(scheduler_config.max_step_time_s, runner,
@@ -115,6 +120,7 @@ class Engine:
                 f"blocks (KV layout: {self.kv.layout.describe()}); an engine built with "
                 "cache.host_kv_cache_bytes set keeps one table of every layer instead")
         self.tiers = self.requests.tiers = tiers
+        tiers.use_retention(self.kv.pool.retention)  # its evicted blocks stay apart in the host tier
         self.kv.pool.evicted = []
         if tiers.shared is not None:
             self.kv.pool.stored = []
@@ -175,6 +181,7 @@ class Engine:
         lora_path: str | None = None,
         quiet: bool = False,
         num_resumed_tokens: int = 0,
+        session_id: str | None = None,
     ) -> None:
         """`num_resumed_tokens`: the prompt's last tokens are output of an earlier attempt (a
         migrated request): a structured-output grammar starts past them.
@@ -188,7 +195,9 @@ class Engine:
         `prompt_block_hashes`: the prompt's full-block hashes (kv.block_hash at this engine's
         block size) when the caller in this process has them already (the simulator).
         `lora_name`: the adapter that serves it (LoRANotFoundError if unknown); with
-        `lora_path`, an adapter this engine learns if it does not know it yet."""
+        `lora_path`, an adapter this engine learns if it does not know it yet.
+        `session_id`: the client's session; with session KV retention
+        (CacheConfig.session_kv_ttl_s) its finished turn's blocks are kept for the next."""
         if request_id in self.seqs:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -209,6 +218,7 @@ class Engine:
             check_import_root(kv_import, lora_root if lora_root is not None else root_hash(params.cache_keys))
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         seq.num_resumed_tokens = max(0, min(num_resumed_tokens, len(prompt_token_ids) - 1))
+        seq.session_id = session_id
         if quiet and params.logprobs is None:  # per-token logprobs leave with each token's output
             seq.quiet_from = seq.num_prompt_tokens
         self.connector.add_request(seq, export_kv, kv_import)

@@ -22,6 +22,7 @@ class AddRequest:
     lora: tuple[str, str | None] | None = None  # (adapter name, its PEFT directory)
     quiet: bool = False  # outputs at the first token and the end only (Engine.add_request)
     num_resumed_tokens: int = 0  # a migrated request's earlier output (Engine.add_request)
+    session_id: str | None = None  # the client's session (Engine.add_request)
 
 
 @dataclass

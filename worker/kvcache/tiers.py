@@ -164,6 +164,7 @@ class TierManager(TierReport):
             events.evicted_to_host(evicted, self.host)
         evicted.clear()
         if not fresh:
+            self.keep_retained()
             return
         kv = self.runner.export_kv([b for _, b in fresh])
         pushed = self.host.put([h for h, _ in fresh], kv)
@@ -174,6 +175,7 @@ class TierManager(TierReport):
         if self.disk is not None and self._io is not None and not self._stalled:
             for block_hash, block_kv in pushed:
                 self._submit(self.disk.put, block_hash, block_kv)
+        self.keep_retained()
 
     def publish(self, stored: list[tuple[int, int]] | None) -> None:
         """Write blocks newly cached on the device (their KV computed) to the shared

@@ -109,6 +109,7 @@ class Scheduler:
     # -- planning ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv.expire_retention()  # sessions past their TTL: their blocks are evictable as any
         budget = self.config.max_num_batched_tokens
         self._caps.start_step(self.running, self.waiting, self.step_budget)
         shares = self._shares()

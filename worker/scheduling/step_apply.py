@@ -51,7 +51,7 @@ def append_sampled(out: SchedulerOutput, sampled_token_ids: list[int | None], kv
         changed.append(seq)
         if check_stop(seq, token_id, max_model_len):
             any_finished = True
-            kv.free(seq.request_id)
+            kv.free(seq.request_id, session_id=seq.session_id)
             if seq.lora_slot >= 0:
                 release_lora(seq)
     return changed, any_finished

@@ -131,7 +131,8 @@ class WorkerReplica:
             try:
                 await self.engine.run_into(request.prompt_token_ids, request.params, request.request_id, deliver,
                                            request.num_resumed_tokens, lora=_lora_of(request),
-                                           text_at_end=text_at_end, export_kv=export_kv, kv_import=kv_import)
+                                           text_at_end=text_at_end, export_kv=export_kv, kv_import=kv_import,
+                                           session_id=request.session_id)
             except BaseException as e:
                 error = e
                 raise

@@ -118,6 +118,7 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
         "prefix_hashes": prefix_hashes, "host_prefix_hashes": tier_hashes[0], "disk_prefix_hashes": tier_hashes[1]}
     return RoutingStats(
         free_blocks=stats.kv.free_blocks,
+        retained_blocks=stats.kv.retained_blocks,
         total_blocks=stats.kv.total_blocks,
         block_size=block_size,
         num_running=stats.num_running,

@@ -72,6 +72,10 @@ class RoutingStats:
     kv_full_groups: int = 1
     kv_sliding_windows: tuple[int, ...] = ()
     kv_bytes_per_block: int = 0
+    # Free blocks kept for paused sessions (kv/retention.py). Already part of free_blocks:
+    # they are evicted (last) for any request that needs them, so they take no headroom;
+    # their hashes lead prefix_hashes, so a capped snapshot still shows them.
+    retained_blocks: int = 0
 
     def to_dict(self) -> dict[str, object]:
         # Not dataclasses.asdict: that deep-copies prefix_hashes on every report.

@@ -64,3 +64,27 @@ def test_more_new_blocks_than_slots_keeps_the_latest() -> None:
     assert torch.equal(pushed[1][1], blocks(2.0).reshape(SHAPE_ONE))
     assert tier.hashes() == [3, 4]
     assert torch.equal(tier.get([3, 4]), blocks(3.0, 4.0))
+
+
+def test_kept_blocks_are_pushed_out_after_every_ordinary_one() -> None:
+    tier = HostTier(SPEC, num_slots=4)  # max_kept 2
+    tier.put([1, 2, 3], blocks(1.0, 2.0, 3.0))
+    tier.protect([1, 9])  # 9 is not held: ignored
+    assert tier._kept == {1: 0} and tier.hashes() == [2, 3, 1]
+    pushed = tier.put([4, 5], blocks(4.0, 5.0))  # one free slot, then the ordinary LRU head
+    assert [h for h, _ in pushed] == [2]
+    assert tier.hashes() == [3, 4, 5, 1]
+    assert tier.recent_hashes(2) == [1, 5]  # kept first, as the router should see them
+    # Beyond max_kept the oldest kept block is the next ordinary one pushed out.
+    tier.protect([3, 4])
+    assert list(tier._kept) == [3, 4] and tier.hashes() == [1, 5, 3, 4]
+    assert [h for h, _ in tier.put([6], blocks(6.0))] == [1]
+    # A kept block read back is an ordinary one again, most recently used.
+    assert torch.equal(tier.get([3]), blocks(3.0))
+    assert list(tier._kept) == [4] and tier.hashes() == [5, 6, 3, 4]
+    # With no ordinary block left, kept ones go, oldest first.
+    tier.protect([5, 6])  # 5 kept, then 4 demoted to the front of the ordinary LRU
+    assert tier.hashes() == [4, 3, 5, 6]
+    assert tier.discard(6) and 6 not in tier and len(tier) == 3
+    tier.clear()
+    assert len(tier) == 0 and tier.put([7, 8, 9, 10], blocks(7.0, 8.0, 9.0, 10.0)) == []
