@@ -21,6 +21,7 @@ from router.frontend.openai_api import convert
 from router.frontend.openai_api.chat_call import ChatCall, start_chat
 from router.frontend.openai_api.http_body import parse
 from router.frontend.pipeline import RequestPipeline
+from router.frontend.messages_api.conversation import conversation_session
 from router.routing import client_session_id
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class MessagesEndpoint:
         """Validate and start the chat call (inside the intake slot)."""
         req = parse(MessagesRequest, body)
         chat = t.chat_request(req, req.stream)
-        session = client_session_id(session_header, chat.user)
+        session = client_session_id(session_header, chat.user) or conversation_session(principal.key_id, req)
         call = await start_chat(self.pipeline, principal, chat, num_bytes, arrival, session, req.model)
         return Turn(req, call, t.new_id("msg"))
 
