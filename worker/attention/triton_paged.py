@@ -46,22 +46,9 @@ import torch
 from worker.attention.base import AttentionMetadata, write_kv
 from worker.attention.kv_quant import KV_FP8_DTYPE, KV_FP8_SCALE
 from worker.attention.triton_split_kv import decode_splits, split_kv_decode
+from worker.attention.triton_support import TRITON_IMPORT_ERROR, next_pow2, tl, triton
 
 _LOG2E = 1.4426950408889634
-
-try:  # Triton is optional: absent on CPU-only installs, bundled with CUDA torch builds.
-    import triton
-    import triton.language as tl
-
-    TRITON_IMPORT_ERROR: str | None = None
-except Exception as e:  # ImportError, or a broken install raising at import
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    TRITON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 if triton is not None:
@@ -164,7 +151,7 @@ def tile_shape(group: int, max_query_len: int) -> tuple[int, int, int]:
     """(BLOCK_M, GROUP_PAD, num_q_tiles) for a launch. Decodes (max_query_len 1) use the
     smallest tile tl.dot accepts (16 rows) so a decode row wastes little; prefill chunks
     use 64-row tiles. A decode-only batch always gets num_q_tiles = 1 (graph-static)."""
-    group_pad = _next_pow2(group)
+    group_pad = next_pow2(group)
     block_m = max(16, group_pad) if max_query_len == 1 else max(64, group_pad)
     block_q = block_m // group_pad
     return block_m, group_pad, math.ceil(max_query_len / block_q)
@@ -217,7 +204,7 @@ def paged_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         meta.block_table.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=max(16, min(64, 4 * block_size)) if block_size < 64 else block_size,
         SLIDING_WINDOW=sliding_window or 0,
         # fp32 models multiply in full fp32: Triton's default for fp32 dots on NVIDIA is

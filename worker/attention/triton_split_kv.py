@@ -27,23 +27,14 @@ import torch
 
 from worker.attention.base import AttentionMetadata
 from worker.attention.kv_quant import KV_FP8_DTYPE, KV_FP8_SCALE
+from worker.attention.triton_support import next_pow2, tl, triton
 
-try:  # Triton is optional (worker/attention/triton_paged.py says when it is used).
-    import triton
-    import triton.language as tl
-except Exception:  # ImportError, or a broken install raising at import
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
 
 _LOG2E = 1.4426950408889634
 
 MAX_SPLITS = 16
 # Splits aim at this many programs per SM: enough to hide a program's load latency.
 PROGRAMS_PER_SM = 2
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,7 +170,7 @@ def split_kv_decode(
     acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     ml = torch.empty((num_seqs, num_heads, num_splits, 2), dtype=torch.float32, device=q.device)
     kwargs: dict[str, Any] = {"num_warps": 4, "num_stages": 2} if q.device.type == "cuda" else {}
-    head_dim_pad = max(16, _next_pow2(head_dim))
+    head_dim_pad = max(16, next_pow2(head_dim))
     _split_kv_partial_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, key_cache, value_cache, meta.block_table, meta.cu_seqlens_q, meta.seqused_k, acc, ml, scale * _LOG2E,
         KV_FP8_SCALE, q.stride(0), q.stride(1),
@@ -187,7 +178,7 @@ def split_kv_decode(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         meta.block_table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=max(16, _next_pow2(group)), BLOCK_N=max(16, min(64, 4 * block_size)) if block_size < 64 else block_size,
+        BLOCK_M=max(16, next_pow2(group)), BLOCK_N=max(16, min(64, 4 * block_size)) if block_size < 64 else block_size,
         NUM_SPLITS=num_splits, SLIDING_WINDOW=sliding_window or 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=key_cache.dtype == KV_FP8_DTYPE,
         **kwargs,
@@ -195,7 +186,7 @@ def split_kv_decode(
     _split_kv_reduce_kernel[(num_seqs, num_heads)](
         out, acc, ml, meta.cu_seqlens_q, sinks if sinks is not None else q,
         out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, next_pow2(num_splits)),
         HAS_SINKS=sinks is not None,
     )
     return out

@@ -18,19 +18,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton is optional: absent on CPU-only installs, bundled with CUDA torch builds.
-    import triton
-    import triton.language as tl
-
-    TRITON_IMPORT_ERROR: str | None = None
-except Exception as e:  # ImportError, or a broken install raising at import
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    TRITON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+from worker.attention.triton_support import TRITON_IMPORT_ERROR, next_pow2, tl, triton
 
 
 if triton is not None:
@@ -157,7 +145,7 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x2.shape[0]:
         _add_rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            n, eps, HAS_RES=residual is not None, BLOCK=_next_pow2(n),
+            n, eps, HAS_RES=residual is not None, BLOCK=next_pow2(n),
         )
     return out.view(x.shape), res_out.view(x.shape)
 
@@ -170,7 +158,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.stride(-1) != 1:
         gate_up = gate_up.contiguous()
     out = torch.empty((num_rows, half), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, _next_pow2(half))
+    block = min(1024, next_pow2(half))
     if num_rows:
         _silu_mul_kernel[(num_rows, triton.cdiv(half, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), half, BLOCK=block)
@@ -199,7 +187,7 @@ def rope_qk_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
             q, k, v_arg, cos, sin, slot_mapping if write else cos, kv_cache[0] if write else k,
             kv_cache[1] if write else k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), cos.stride(0),
-            NUM_Q_HEADS=num_q_heads, Q_HEADS_PAD=_next_pow2(num_q_heads),
-            NUM_K_HEADS=num_k_heads, K_HEADS_PAD=_next_pow2(num_k_heads),
-            HALF=half, HALF_PAD=_next_pow2(half), WRITE_KV=write,
+            NUM_Q_HEADS=num_q_heads, Q_HEADS_PAD=next_pow2(num_q_heads),
+            NUM_K_HEADS=num_k_heads, K_HEADS_PAD=next_pow2(num_k_heads),
+            HALF=half, HALF_PAD=next_pow2(half), WRITE_KV=write,
         )

@@ -25,18 +25,9 @@ from typing import Any
 
 import torch
 
+from worker.attention.triton_support import TRITON_IMPORT_ERROR, tl, triton
 from worker.costs.shape_parts import moe_tile_rows
 from worker.model.moe_activation import MoEActivation, apply_activation
-
-try:  # Triton is optional: absent on CPU-only installs, bundled with CUDA torch builds.
-    import triton
-    import triton.language as tl
-
-    TRITON_IMPORT_ERROR: str | None = None
-except Exception as e:  # ImportError, or a broken install raising at import
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    TRITON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 
 def available() -> bool:

@@ -17,12 +17,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton is optional: absent on CPU-only installs, bundled with CUDA torch builds.
-    import triton
-    import triton.language as tl
-except Exception:  # ImportError, or a broken install raising at import
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from worker.attention.triton_support import tl, triton
 
 
 def pack_k_major(q: torch.Tensor) -> torch.Tensor:
