@@ -23,6 +23,7 @@ from typing import Any
 from cluster.config import WorkersSection
 from kv.host_tier import HostTier
 from cluster.sim.autoscale import AutoscaleOptions, SimAutoscaler
+from cluster.sim.planner import SimPlanner, SimPlannerOptions
 from cluster.sim.clock import EventQueue
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.flow import Flight, Orchestrator
@@ -98,6 +99,8 @@ class SimConfig:
     # counts only where the index rebuilds (a router's first report, a gap).
     max_report_hashes: int | None = None
     autoscale: AutoscaleOptions | None = None
+    # The SLO planner (cluster/sim/planner.py) sizes the pools instead of `autoscale`.
+    planner: SimPlannerOptions | None = None
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 100.0
     # End the run as soon as enough requests missed the TTFT SLO that its TTFT p99 misses it
@@ -125,6 +128,8 @@ class SimConfig:
         if self.lora is not None and self.disagg.enabled:
             raise ValueError("LoRA adapters are not simulated with disaggregated pools (the KV export does not "
                              "carry the adapter)")
+        if self.autoscale is not None and self.planner is not None:
+            raise ValueError("autoscale and planner both size the pools: choose one")
         if self.shared_view and self.router not in VIEW_POLICIES:
             raise ValueError(f"shared_view needs a policy that reads a routing view {sorted(VIEW_POLICIES)}, "
                              f"not {self.router!r}")
@@ -204,6 +209,7 @@ class Simulation:
             pool.routers = self.routers
         self.orchestrator = Orchestrator(self, config.disagg, device.kv_bytes_per_token)
         self.autoscalers: list[SimAutoscaler] = []
+        self.planner: SimPlanner | None = None
         # The routers' exact index of every replica's KV cache, from the KV events the
         # reports carry (router/routing/kv_index.py, as PolicyRouter keeps it). One for all
         # routers: each real router copy applies the same reports, delivered to every
@@ -352,6 +358,8 @@ class Simulation:
         if self.config.autoscale is not None:
             for pool in self.pools.values():
                 self.autoscalers.append(SimAutoscaler(self, pool, self.config.autoscale))
+        if self.config.planner is not None:
+            self.planner = SimPlanner(self, self.config.planner)
         for i, (request, latency) in enumerate(zip(requests, self._dispatch_latencies(len(requests)))):
             self.clock.at(request.arrival_s + latency, self._arrive, i, request)
         if requests:
