@@ -68,3 +68,17 @@ def test_a_restarted_replica_counts_from_zero_and_the_budget_binds(monkeypatch: 
     replicas, _ = policy(_context(10.0, {"b": (240, 240 * 8000, 240 * 1024)}))
     assert replicas == 3  # wanted more, the budget grants 3 GPUs
     assert policy.planner.forecaster.level > 0
+
+
+def test_slo_targets_without_a_step_cost_model_are_refused() -> None:
+    import pytest
+
+    from cluster.config import ConfigError
+
+    with pytest.raises(ConfigError, match="step_time_profile"):
+        KVServeConfig.from_dict({"engine": {"device": "cpu"},
+                                 "workers": {"autoscaling": {"slo": {"ttft_ms": 1000, "itl_ms": 50}}}})
+    # without targets the queue-depth policy stays the default
+    plain = KVServeConfig.from_dict({"workers": {"autoscaling": {"max_replicas": 2}}})
+    policy = autoscaling_config(plain.workers.autoscaling, plain).policy
+    assert policy is not None and policy.policy_function == "cluster.autoscaling:QueueDepthPolicy"
