@@ -64,7 +64,7 @@ class PoolPlanner:
 
     def wanted(self, observation: PoolObservation) -> int:
         """Replicas the pool should have now, within its bounds, before the budget."""
-        horizon = self.sizer_settings_horizon()
+        horizon = self.forecaster.settings.horizon_s
         now, peak = self.forecaster.now(), self.forecaster.peak(horizon)
         self.last_load = peak
         replicas = max(self.sizer.replicas(self.role, now, observation.backlog, observation.running, horizon),
@@ -73,9 +73,6 @@ class PoolPlanner:
         if self.bounds.scale_to_zero and not busy and peak.rate * horizon < 0.5:
             return self.bounds.min_replicas  # idle: under half a request before a replica could start
         return min(max(replicas, 1, self.bounds.min_replicas), self.bounds.max_replicas)
-
-    def sizer_settings_horizon(self) -> float:
-        return self.forecaster.settings.horizon_s
 
     def demand(self, wanted: int) -> PoolDemand:
         minimum = self.bounds.min_replicas if self.bounds.scale_to_zero else max(1, self.bounds.min_replicas)
