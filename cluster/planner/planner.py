@@ -1,7 +1,8 @@
 """One pool's planning decision, the same in Ray Serve (serve_policy.py) and in the
 simulator (cluster/sim/planner.py):
 
-    observe   what arrived since the last tick (forecast.py)
+    observe   what arrived since the last tick (forecast.py); a disaggregated decode pool
+              the model's arrivals, as its prefill pool saw them (decode_arrivals)
     wanted    max(replicas for the load now, the backlog drained within the horizon and
                   the decodes running now,
                   replicas for the most load forecast before a replica started now is ready)
@@ -30,6 +31,14 @@ class PoolObservation:
     arrivals: Arrivals  # since the previous tick
     backlog: float = 0.0  # requests waiting at the pool's replicas and in handle queues
     running: float = 0.0  # requests running on its replicas
+
+
+def decode_arrivals(prefill: Arrivals, decode: Arrivals) -> Arrivals:
+    """What a disaggregated model's decode pool plans from: the MODEL's arrivals (the prefill
+    pool's: a decode pool sees a request only once its prefill is done, so while prefill is
+    the bottleneck its own arrivals understate the load coming) with the decode pool's
+    generated tokens (the answers' length)."""
+    return Arrivals(decode.dt_s, prefill.num_requests, prefill.prompt_tokens, decode.output_tokens)
 
 
 @dataclass(frozen=True)

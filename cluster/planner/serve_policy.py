@@ -9,6 +9,7 @@ every autoscaling tick with an AutoscalingContext. Each tick:
     num_generated_tokens; their latest raw values, else the look-back aggregate) are
     differenced per replica against the previous tick (a new replica counts from zero);
   * backlog = the replicas' waiting requests + requests queued at handles; running = theirs;
+  * a decode pool takes its model's arrivals from the prefill pool's policy (same process);
   * the pool's PoolPlanner (planner.py, as in the simulator) gives the replicas wanted;
   * FLEET (one per controller process: every planned pool of every app registers there)
     shares `gpu_budget` across pools by priority (budget.py).
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from cluster.autoscaling import NUM_RUNNING, NUM_WAITING, _log_once
 from cluster.planner.budget import PoolDemand, share_budget
 from cluster.planner.forecast import Arrivals, Forecaster
-from cluster.planner.planner import PoolBounds, PoolObservation, PoolPlanner
+from cluster.planner.planner import PoolBounds, PoolObservation, PoolPlanner, decode_arrivals
 from cluster.planner.sizing import EngineLimits, PoolSizer
 from cluster.planner.targets import PlannerSettings, SLOTargets
 
@@ -32,10 +34,12 @@ COUNTERS = ("num_arrived", "num_arrived_prompt_tokens", "num_generated_tokens")
 
 
 class FleetBudget:
-    """The latest demand of every planned pool in this process, and what the budget grants."""
+    """The latest demand of every planned pool in this process, and what the budget grants;
+    each model's latest prefill arrivals (its decode pool plans from them)."""
 
     def __init__(self) -> None:
         self.demands: dict[tuple[str, str], PoolDemand] = {}
+        self.prefill_arrivals: dict[str, Arrivals] = {}
 
     def grant(self, demand: PoolDemand, budget_gpus: float | None) -> int:
         self.demands[demand.key] = demand
@@ -114,6 +118,12 @@ class SLOPlannerPolicy:
         self.planner.bounds = PoolBounds(minimum if self.scale_to_zero else max(1, minimum), maximum,
                                          self.scale_to_zero, self.gpus_per_replica)
         observation = self.observe(ctx, now)
+        model, role = self.planner.model, self.planner.role
+        if role == "prefill":
+            FLEET.prefill_arrivals[model] = observation.arrivals
+        elif role == "decode" and model in FLEET.prefill_arrivals:
+            arrivals = decode_arrivals(FLEET.prefill_arrivals[model], observation.arrivals)
+            observation = replace(observation, arrivals=arrivals)
         self.planner.observe(observation)
         wanted = self.planner.wanted(observation)
         try:

@@ -5,19 +5,20 @@ budget -> delays), every `interval_s`, on the simulated replicas.
 What a pool observes is what its workers report under Serve (record_autoscaling_stats):
 the engines' arrival and generated-token totals, differenced per replica between ticks
 (a replica's first report counts from zero), their waiting and running requests, plus the
-requests queued in the routers for the pool (Serve's handle queues). Resizing is
+requests queued in the routers for the pool (Serve's handle queues). A decode pool plans
+from the model's arrivals, as its prefill pool saw them (planner.py decode_arrivals). Resizing is
 cluster/sim/autoscale.py's PoolResizer: replicas join after the start-up delay, shrinking
 drains; with scale_to_zero a pool may drop to none, and requests then wait in the routers'
 queues until a replica is up (admission holds them, nothing fails).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from cluster.planner.budget import share_budget
 from cluster.planner.forecast import Arrivals, Forecaster
-from cluster.planner.planner import PoolBounds, PoolObservation, PoolPlanner
+from cluster.planner.planner import PoolBounds, PoolObservation, PoolPlanner, decode_arrivals
 from cluster.planner.sizing import EngineLimits, PoolSizer
 from cluster.planner.targets import PlannerSettings, SLOTargets
 from cluster.sim.autoscale import PoolResizer
@@ -103,10 +104,14 @@ class SimPlanner:
         now = self.sim.clock.now
         dt, self._last_tick = now - self._last_tick, now
         wanted: dict[str, int] = {}
+        observations = {role: self._observe(role, dt) for role in self.planners}
+        if "prefill" in observations:
+            decode = observations["decode"]
+            observations["decode"] = replace(decode, arrivals=decode_arrivals(observations["prefill"].arrivals,
+                                                                              decode.arrivals))
         for role, planner in self.planners.items():
-            observation = self._observe(role, dt)
-            planner.observe(observation)
-            wanted[role] = planner.wanted(observation)
+            planner.observe(observations[role])
+            wanted[role] = planner.wanted(observations[role])
         granted = share_budget([p.demand(wanted[role]) for role, p in self.planners.items()], self.options.gpu_budget)
         for role, planner in self.planners.items():
             resizer = self.resizers[role]

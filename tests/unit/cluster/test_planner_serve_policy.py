@@ -82,3 +82,15 @@ def test_slo_targets_without_a_step_cost_model_are_refused() -> None:
     plain = KVServeConfig.from_dict({"workers": {"autoscaling": {"max_replicas": 2}}})
     policy = autoscaling_config(plain.workers.autoscaling, plain).policy
     assert policy is not None and policy.policy_function == "cluster.autoscaling:QueueDepthPolicy"
+
+
+def test_a_decode_pool_plans_from_its_models_prefill_arrivals(monkeypatch: Any) -> None:
+    monkeypatch.setattr(serve_policy, "FLEET", FleetBudget())
+    prefill, decode = _policy("prefill"), _policy("decode")
+    for policy in (prefill, decode):
+        policy(_context(0.0, {"a": (0, 0, 0)}))
+    # 240 requests reached the prefill pool; only 24 have reached the decode pool yet
+    prefill(_context(10.0, {"p": (240, 240 * 8000, 240)}))
+    decode(_context(10.0, {"d": (24, 24 * 8000, 240 * 1024)}))
+    assert decode.planner.forecaster.level == prefill.planner.forecaster.level == 24.0
+    assert decode.planner.forecaster.now().output_tokens == 1024
