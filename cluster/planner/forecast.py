@@ -108,17 +108,19 @@ class Forecaster:
         return best[1]
 
     def seasonal_peak(self, horizon_s: float) -> float:
-        """The most rate seen one period ago over the next `horizon_s`; 0 when not recurring."""
+        """The most rate seen one period ago over the next `horizon_s`; 0 when not recurring.
+        Each tick is the median of it and its neighbours (one noisy tick is not a peak, a
+        step of two is), the window reaching one tick past the horizon so that a step right
+        at the horizon still counts."""
         lag = self.period_ticks()
         if lag is None:
             return 0.0
         ticks = math.ceil(horizon_s / self.settings.interval_s)
         start = len(self.rates) - lag
-        window = self.rates[start: start + ticks + 1]
+        window = np.asarray(self.rates[max(start - 1, 0): start + ticks + 2], dtype=float)
         if len(window) < 3:
-            return max(window, default=0.0)
-        smooth = np.convolve(np.asarray(window), np.ones(3) / 3.0, mode="valid")  # one noisy tick is not a peak
-        return float(smooth.max())
+            return float(window.max(initial=0.0))
+        return float(np.median(np.lib.stride_tricks.sliding_window_view(window, 3), axis=1).max())
 
     def now(self) -> Load:
         return Load(self.level, self.prompt_tokens, self.output_tokens)

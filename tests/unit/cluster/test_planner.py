@@ -85,6 +85,23 @@ def test_a_recurring_burst_is_forecast_one_period_later() -> None:
     assert f.peak(SETTINGS.horizon_s).rate == pytest.approx(24.0)
 
 
+def test_a_recurring_burst_counts_from_the_tick_it_reaches_the_horizon() -> None:
+    # 9 ticks low, 9 high, repeated (period 18); ticks 0..37 seen, 36 and 37 low again. One
+    # period ago, ticks 27.. were high: the burst is due at tick 45, 7 ticks from now --
+    # exactly the horizon (60 + 10 s) -- and is forecast already.
+    rates = [24.0 if (i // 9) % 2 else 1.0 for i in range(38)]
+    f = Forecaster(SETTINGS)
+    for r in rates:
+        f.observe(Arrivals(10.0, num_requests=r * 10))
+    assert f.period_ticks() == 18
+    assert f.seasonal_peak(SETTINGS.horizon_s) == pytest.approx(24.0)
+    # one tick earlier the burst was beyond the horizon: not yet
+    g = Forecaster(SETTINGS)
+    for r in rates[:-1]:
+        g.observe(Arrivals(10.0, num_requests=r * 10))
+    assert g.seasonal_peak(SETTINGS.horizon_s) == pytest.approx(1.0)
+
+
 def test_a_steady_rate_is_not_recurring() -> None:
     f = Forecaster(SETTINGS)
     for _ in range(40):
