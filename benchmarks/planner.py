@@ -92,6 +92,9 @@ def run_bursty(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         print(f"  {name:8s} attainment {o['attainment']:.3f}  GPU-hours {o['gpu_hours']:.2f}  TTFT p90 "
               f"{o['ttft_p90']:.2f} s  ITL p90 {o['itl_p90'] * 1000:.1f} ms  max live replicas "
               f"{o['max_replicas']}  ({time.time() - t0:.0f} s wall)", flush=True)
+        cycles = [attainment(result, BURSTY_SLO.ttft_s, BURSTY_SLO.itl_s, 2 * k * args.phase_s,
+                             2 * (k + 1) * args.phase_s) for k in range(args.cycles)]
+        print(f"    attainment per low+high cycle: {' '.join(f'{a:.3f}' for a in cycles)}", flush=True)
         if name == "planner" and result.replica_count:
             trace = " ".join(f"{t:.0f}:{n}" for t, n in result.replica_count[:: max(1, len(result.replica_count) // 24)])
             print(f"    live replicas over time (s:count): {trace}", flush=True)

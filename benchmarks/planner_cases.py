@@ -74,13 +74,17 @@ def gpu_seconds(result: SimResult) -> float:
     return total
 
 
-def attainment(result: SimResult, ttft_s: float, itl_s: float) -> float:
-    """The share of requests that finished with TTFT <= ttft_s and a mean ITL <= itl_s
-    (rejected and unfinished ones count as missed)."""
-    good = 0
+def attainment(result: SimResult, ttft_s: float, itl_s: float, start_s: float = 0.0,
+               end_s: float = float("inf")) -> float:
+    """The share of requests arriving in [start_s, end_s) that finished with TTFT <= ttft_s
+    and a mean ITL <= itl_s (rejected and unfinished ones count as missed)."""
+    good = total = 0
     for r in result.records:
+        if not start_s <= r.arrival_s < end_s:
+            continue
+        total += 1
         if r.first_token_s is None or r.finish_s is None:
             continue
         tpot = (r.finish_s - r.first_token_s) / (r.num_output_tokens - 1) if r.num_output_tokens > 1 else 0.0
         good += (r.first_token_s - r.arrival_s) <= ttft_s and tpot <= itl_s
-    return good / len(result.records) if result.records else 0.0
+    return good / total if total else 0.0
