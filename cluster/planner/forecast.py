@@ -13,8 +13,8 @@ arrived, their prompt tokens, and the output tokens generated). The forecast kee
              period L, and what came one period ago is a forecast too
 
 The planner sizes for the MOST load expected before a replica started now would be ready,
-so `peak(h)` is the largest of: the level now, the trend's value at h, and (when recurring)
-the rate history's peak over [now - L, now - L + h]. A ramp is met before its top, and a
+so `peak(h)` is the largest of the level now and, when recurring, the rate history's peak
+over [now - L, now - L + h], else the trend's value at h. A ramp is met before its top, and a
 recurring burst before it starts.
 """
 from __future__ import annotations
@@ -126,6 +126,11 @@ class Forecaster:
         return Load(self.level, self.prompt_tokens, self.output_tokens)
 
     def peak(self, horizon_s: float) -> Load:
-        """The most load expected within `horizon_s` from now."""
-        rate = max(self.level, self.level + self.trend * horizon_s, self.seasonal_peak(horizon_s))
+        """The most load expected within `horizon_s` from now: the level, and the season's
+        peak when the load recurs, else the trend's value at the horizon (a recurring step
+        is better foretold by its last period than by a line through its first ticks)."""
+        if self.period_ticks() is not None:
+            rate = max(self.level, self.seasonal_peak(horizon_s))
+        else:
+            rate = max(self.level, self.level + self.trend * horizon_s)
         return Load(rate, self.prompt_tokens, self.output_tokens)

@@ -83,6 +83,11 @@ def test_a_recurring_burst_is_forecast_one_period_later() -> None:
     # is forecast although the level is low.
     assert f.level < 2.0
     assert f.peak(SETTINGS.horizon_s).rate == pytest.approx(24.0)
+    # inside a recurring burst the season, not the step's trend, bounds the forecast
+    for r in (24.0, 24.0):
+        f.observe(Arrivals(10.0, num_requests=r * 10))
+    assert f.trend > 0 and f.level + f.trend * SETTINGS.horizon_s > 24.0
+    assert f.peak(SETTINGS.horizon_s).rate == pytest.approx(24.0)
 
 
 def test_a_recurring_burst_counts_from_the_tick_it_reaches_the_horizon() -> None:
