@@ -57,3 +57,19 @@ def share_budget(demands: Sequence[PoolDemand], budget_gpus: float | None) -> di
             left -= pick.gpus_per_replica
         break  # the budget is spent: lower levels keep their minimum
     return granted
+
+
+class FleetBudget:
+    """The latest demand of every planned pool sharing one budget (one per Serve controller
+    process, one per simulated fleet), and what the budget grants each as it asks."""
+
+    def __init__(self, budget_gpus: float | None = None) -> None:
+        self.budget_gpus = budget_gpus
+        self.demands: dict[tuple[str, str], PoolDemand] = {}
+
+    def grant(self, demand: PoolDemand, budget_gpus: float | None = None) -> int:
+        """Replicas granted to `demand`'s pool, the others' latest demands standing;
+        `budget_gpus` (the pool's own setting) wins over the fleet's."""
+        self.demands[demand.key] = demand
+        budget = budget_gpus if budget_gpus is not None else self.budget_gpus
+        return share_budget(list(self.demands.values()), budget)[demand.key]

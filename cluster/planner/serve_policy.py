@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from cluster.autoscaling import NUM_RUNNING, NUM_WAITING, _log_once
-from cluster.planner.budget import PoolDemand, share_budget
+from cluster.planner.budget import FleetBudget
 from cluster.planner.forecast import Arrivals, Forecaster
 from cluster.planner.planner import PoolBounds, PoolObservation, PoolPlanner, decode_arrivals
 from cluster.planner.sizing import EngineLimits, PoolSizer
@@ -33,20 +33,16 @@ from cluster.planner.targets import PlannerSettings, SLOTargets
 COUNTERS = ("num_arrived", "num_arrived_prompt_tokens", "num_generated_tokens")
 
 
-class FleetBudget:
-    """The latest demand of every planned pool in this process, and what the budget grants;
-    each model's latest prefill arrivals (its decode pool plans from them)."""
+class ServeFleet(FleetBudget):
+    """The controller process's fleet: budget.py's FleetBudget, and each model's latest
+    prefill arrivals (its decode pool plans from them)."""
 
     def __init__(self) -> None:
-        self.demands: dict[tuple[str, str], PoolDemand] = {}
+        super().__init__()
         self.prefill_arrivals: dict[str, Arrivals] = {}
 
-    def grant(self, demand: PoolDemand, budget_gpus: float | None) -> int:
-        self.demands[demand.key] = demand
-        return share_budget(list(self.demands.values()), budget_gpus)[demand.key]
 
-
-FLEET = FleetBudget()
+FLEET = ServeFleet()
 
 
 def _latest(ctx: Any, name: str) -> dict[Any, float]:

@@ -34,7 +34,8 @@ class SimPlannerOptions:
     min_replicas: int = 1
     max_replicas: int = 16
     scale_to_zero: bool = False
-    gpu_budget: float | None = None  # GPUs all pools of the simulation share (None: no limit)
+    gpu_budget: float | None = None  # GPUs all pools of the simulation (or fleet) share (None: no limit)
+    model: str = "model"  # the model's name in a fleet's budget (cluster/sim/fleet.py)
     prompt_tokens_prior: float = 1024.0  # the token mix assumed until requests are seen
     output_tokens_prior: float = 256.0
 
@@ -66,7 +67,7 @@ class SimPlanner:
                               sim.device.num_blocks * config.block_size)
         settings = options.settings
         self.planners = {
-            role: PoolPlanner("sim", role, PoolSizer(cost, limits, options.slo, settings),
+            role: PoolPlanner(options.model, role, PoolSizer(cost, limits, options.slo, settings),
                               Forecaster(settings, options.prompt_tokens_prior, options.output_tokens_prior),
                               options.bounds(), options.slo.priority)
             for role in sim.pools
@@ -112,7 +113,11 @@ class SimPlanner:
         for role, planner in self.planners.items():
             planner.observe(observations[role])
             wanted[role] = planner.wanted(observations[role])
-        granted = share_budget([p.demand(wanted[role]) for role, p in self.planners.items()], self.options.gpu_budget)
+        demands = [p.demand(wanted[role]) for role, p in self.planners.items()]
+        if self.sim.fleet is not None:  # several models' planners share one budget
+            granted = {d.key: self.sim.fleet.grant(d, self.options.gpu_budget) for d in demands}
+        else:
+            granted = share_budget(demands, self.options.gpu_budget)
         for role, planner in self.planners.items():
             resizer = self.resizers[role]
             replicas = planner.delayed(granted[(planner.model, role)], resizer.current, now)

@@ -22,6 +22,7 @@ from typing import Any
 
 from cluster.config import WorkersSection
 from kv.host_tier import HostTier
+from cluster.planner.budget import FleetBudget
 from cluster.sim.autoscale import AutoscaleOptions, SimAutoscaler
 from cluster.sim.planner import SimPlanner, SimPlannerOptions
 from cluster.sim.clock import EventQueue
@@ -182,10 +183,14 @@ class SimDevice:
 
 
 class Simulation:
-    def __init__(self, config: SimConfig, device: SimDevice) -> None:
+    def __init__(self, config: SimConfig, device: SimDevice, clock: EventQueue | None = None,
+                 fleet: FleetBudget | None = None) -> None:
+        """`clock` and `fleet`: shared with other simulations (cluster/sim/fleet.py: several
+        models on one cluster, their planners sharing one GPU budget)."""
         self.config = config
         self.device = device
-        self.clock = EventQueue()
+        self.clock = clock if clock is not None else EventQueue()  # an empty queue is falsy
+        self.fleet = fleet
         self.rng = random.Random(config.seed)
         self.tracker = Tracker(config.keep_token_times, config.slo_ttft_ms / 1000.0)
         max_model_len = config.max_model_len or device.max_model_len
@@ -348,6 +353,13 @@ class Simulation:
         return [rng.choice(samples) for _ in range(n)]
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        self.start(requests)
+        if requests:
+            self.clock.run(stop=lambda: self.done() or self.missed_slo())
+        return self.result()
+
+    def start(self, requests: Sequence[SimRequest]) -> None:
+        """The replicas, scalers and arrivals on the clock; `run` (or a fleet) runs it."""
         self._num_requests = len(requests)
         num_measured = sum(1 for r in requests if not r.warmup)
         self._late_limit = late_requests_proving_p99_miss(num_measured) if self.config.stop_at_slo_miss else math.inf
@@ -362,8 +374,8 @@ class Simulation:
             self.planner = SimPlanner(self, self.config.planner)
         for i, (request, latency) in enumerate(zip(requests, self._dispatch_latencies(len(requests)))):
             self.clock.at(request.arrival_s + latency, self._arrive, i, request)
-        if requests:
-            self.clock.run(stop=lambda: self.done() or self.missed_slo())
+
+    def result(self) -> SimResult:
         return SimResult(
             config=self.config,
             records=list(self.tracker.records.values()),

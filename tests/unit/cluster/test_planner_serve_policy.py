@@ -12,7 +12,7 @@ from ray.serve._private.common import TimeStampedValue
 from cluster.config import KVServeConfig
 from cluster.app import autoscaling_config
 from cluster.planner import serve_policy
-from cluster.planner.serve_policy import FleetBudget, SLOPlannerPolicy
+from cluster.planner.serve_policy import ServeFleet, SLOPlannerPolicy
 from cluster.slo_config import PLANNER_POLICY
 
 
@@ -47,7 +47,7 @@ def _policy(role: str = "decode", budget: float | None = None, model: str = "m")
 
 
 def test_the_policy_sizes_a_decode_pool_from_the_reported_totals(monkeypatch: Any) -> None:
-    monkeypatch.setattr(serve_policy, "FLEET", FleetBudget())
+    monkeypatch.setattr(serve_policy, "FLEET", ServeFleet())
     policy = _policy()
     assert policy(_context(0.0, {"a": (0, 0, 0)}))[0] == 1  # nothing seen yet: the floor
     # 10 s later: 240 requests of 8000 prompt tokens arrived, 1024 tokens each generated per
@@ -61,7 +61,7 @@ def test_the_policy_sizes_a_decode_pool_from_the_reported_totals(monkeypatch: An
 
 
 def test_a_restarted_replica_counts_from_zero_and_the_budget_binds(monkeypatch: Any) -> None:
-    monkeypatch.setattr(serve_policy, "FLEET", FleetBudget())
+    monkeypatch.setattr(serve_policy, "FLEET", ServeFleet())
     policy = _policy(budget=3)
     policy(_context(0.0, {"a": (1000, 1000 * 8000, 1000 * 1024)}))
     # replica a went away, b is new: its totals are all new arrivals
@@ -85,7 +85,7 @@ def test_slo_targets_without_a_step_cost_model_are_refused() -> None:
 
 
 def test_a_decode_pool_plans_from_its_models_prefill_arrivals(monkeypatch: Any) -> None:
-    monkeypatch.setattr(serve_policy, "FLEET", FleetBudget())
+    monkeypatch.setattr(serve_policy, "FLEET", ServeFleet())
     prefill, decode = _policy("prefill"), _policy("decode")
     for policy in (prefill, decode):
         policy(_context(0.0, {"a": (0, 0, 0)}))
