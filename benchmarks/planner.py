@@ -11,7 +11,9 @@ the simulator (simulated H200s, llama-3-8b, replicas take `--startup-s` to start
                       as kvserve's config sets them: up 10 s, down 120 s)
             static    the pools the planner's sizing gives for the peak rate, all run long
   day     three models over a compressed day (benchmarks/planner_cases.py), each its own
-          mixed pool planned with scale-to-zero; TTFT <= 2 s, ITL <= 50 ms at p90
+          mixed pool planned with scale-to-zero, on one clock (cluster/sim/fleet.py);
+          TTFT <= 2 s, ITL <= 50 ms at p90; once with no GPU budget (the RESULT's figure),
+          once with --day-budget GPUs shared by priority (day > evening > night)
 
 SLO attainment: the share of requests with TTFT and mean ITL within the targets (a request
 that never finished counts as missed). GPU hours: each replica from its creation to its
@@ -37,6 +39,7 @@ from cluster.planner.sizing import EngineLimits, PoolSizer
 from cluster.planner.targets import PlannerSettings, SLOTargets
 from cluster.sim.autoscale import AutoscaleOptions
 from cluster.sim.disagg import DisaggOptions
+from cluster.sim.fleet import simulate_fleet
 from cluster.sim.planner import SimPlannerOptions
 from cluster.sim.run import SimConfig, SimDevice, simulate
 from cluster.pool_config import DOWNSCALE_DELAY_S, UPSCALE_DELAY_S
@@ -101,21 +104,32 @@ def run_bursty(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_day(args: argparse.Namespace) -> float:
+DAY_PRIORITIES = {"day": 2, "evening": 1, "night": 0}
+
+
+def run_day(args: argparse.Namespace, gpu_budget: float | None) -> float:
+    """The three models as one fleet on one clock (cluster/sim/fleet.py); their planners
+    share `gpu_budget` by priority (day > evening > night). Returns the attainment over all."""
     settings = PlannerSettings(startup_s=args.startup_s, interval_s=10.0)
-    good = total = 0.0
+    models = []
     for i, model in enumerate(DAY_RATES):
-        requests = day_requests(model, args.hour_s, 1000, 250, args.seed + 1 + i)
+        slo = replace(DAY_SLO, priority=DAY_PRIORITIES[model])
         config = replace(base_config(DAY_SLO, args.seed), num_replicas=1, planner=SimPlannerOptions(
-            DAY_SLO, settings, 0, MAX_REPLICAS, scale_to_zero=True, prompt_tokens_prior=1000,
-            output_tokens_prior=250))
-        t0 = time.time()
-        result = simulate(config, requests)
+            slo, settings, 0, MAX_REPLICAS, scale_to_zero=True, prompt_tokens_prior=1000, output_tokens_prior=250,
+            model=model))
+        models.append((config, day_requests(model, args.hour_s, 1000, 250, args.seed + 1 + i)))
+    t0 = time.time()
+    results = simulate_fleet(models, gpu_budget)
+    good = total = 0.0
+    budget = "no GPU budget" if gpu_budget is None else f"a budget of {gpu_budget:g} GPUs"
+    print(f"  day, {budget} ({time.time() - t0:.0f} s wall):", flush=True)
+    for (config, requests), result in zip(models, results):
         a = attainment(result, DAY_SLO.ttft_s, DAY_SLO.itl_s)
         zero = sum(1 for _, n in result.replica_count if n == 0)
-        print(f"  day/{model:8s} {len(requests)} requests, attainment {a:.3f}, GPU-hours "
-              f"{gpu_seconds(result) / 3600:.2f}, times at zero replicas {zero}, max live "
-              f"{result.summary()['max_live_replicas']} ({time.time() - t0:.0f} s wall)", flush=True)
+        assert config.planner is not None
+        print(f"    {config.planner.model:8s} priority {config.planner.slo.priority}: {len(requests)} requests, "
+              f"attainment {a:.3f}, GPU-hours {gpu_seconds(result) / 3600:.2f}, times at zero replicas {zero}, "
+              f"max live {result.summary()['max_live_replicas']}", flush=True)
         good += a * len(requests)
         total += len(requests)
     return good / total if total else 0.0
@@ -131,9 +145,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="both burst rates times this (a shorter run on a shared machine: below 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-day", action="store_true")
+    p.add_argument("--day-budget", type=float, default=2.0, help="GPUs the day's models share in its second run")
     args = p.parse_args(argv)
     bursty = run_bursty(args)
-    multi = float("nan") if args.skip_day else run_day(args)
+    multi = float("nan")
+    if not args.skip_day:
+        multi = run_day(args, None)
+        run_day(args, args.day_budget)  # the same day when the budget binds: priorities decide
     planner, queue, static = bursty["planner"], bursty["queue"], bursty["static"]
     print("serve_vs_sim: not run (the bursty case on a real Serve cluster of simulated devices is not part of "
           "this script yet)")
