@@ -23,6 +23,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 from cluster.config import KVSERVE_POLICY, AutoscalingSection, KVServeConfig
 from cluster.deps import missing
 from cluster.pool_config import IngressAutoscalingSection
+from cluster.slo_config import PLANNER_POLICY, planner_policy_kwargs
 from cluster.tracing import TracingSetup, check_exporter
 from router.frontend.ingress import Ingress
 from router.frontend.settings import IngressSettings
@@ -187,7 +188,7 @@ def worker_options(config: KVServeConfig, output_streams: bool = True) -> dict[s
         "logging_config": {"enable_access_log": False},
     }
     if w.autoscaling is not None:
-        options["autoscaling_config"] = autoscaling_config(w.autoscaling)
+        options["autoscaling_config"] = autoscaling_config(w.autoscaling, config)
         options["num_replicas"] = "auto"
     else:
         options["num_replicas"] = w.num_replicas
@@ -218,14 +219,23 @@ def tensor_parallel_placement(replica: dict[str, Any], size: int) -> dict[str, A
     }
 
 
-def autoscaling_config(a: AutoscalingSection) -> AutoscalingConfig:
+def autoscaling_config(a: AutoscalingSection, config: KVServeConfig | None = None) -> AutoscalingConfig:
     """Serve's AutoscalingConfig for the worker pool. kvserve's policy runs as the class
     QueueDepthPolicy, which Serve instantiates once with `policy_kwargs` (the typed
-    targets); Serve applies the delays and bounds to what it returns."""
+    targets), or, with `slo` targets, as the SLO planner (cluster/planner/serve_policy.py),
+    which prices steps from `config`'s engine; Serve applies the delays and bounds to what
+    either returns."""
     extra: dict[str, Any] = {}
     if a.initial_replicas is not None:
         extra["initial_replicas"] = a.initial_replicas
-    if a.uses_kvserve_policy():
+    if a.uses_planner() and a.slo is not None:
+        if config is None:
+            raise ValueError("the SLO planner needs the app's config (its engine prices the steps)")
+        gpus = float(config.workers.num_gpus or config.workers.tensor_parallel_size)  # a GPU per rank by default
+        kwargs = planner_policy_kwargs(a.slo, a.role, config.model.resolved_name(), config.engine,
+                                       config.model.resolved_path(), a.scale_to_zero, gpus, a.slo.interval_s)
+        extra["policy"] = AutoscalingPolicy(policy_function=PLANNER_POLICY, policy_kwargs=kwargs)
+    elif a.uses_kvserve_policy():
         extra["policy"] = AutoscalingPolicy(policy_function=KVSERVE_POLICY, policy_kwargs=a.kvserve_policy_kwargs())
     elif a.policy != "serve":
         extra["policy"] = AutoscalingPolicy(policy_function=a.policy, policy_kwargs=dict(a.policy_kwargs))

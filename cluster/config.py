@@ -312,6 +312,18 @@ class KVServeConfig(Section):
                              "terminate TLS in front of HAProxy, or turn direct ingress off")
         return self
 
+    @model_validator(mode="after")
+    def _planner_has_a_cost_model(self) -> KVServeConfig:
+        # The SLO planner prices steps with the step-cost model: refuse a pool with SLO
+        # targets that has none, here rather than in Serve's controller.
+        pools = [self.workers] + ([self.disaggregation.prefill, self.disaggregation.decode]
+                                  if self.disaggregation is not None else [])
+        if any(p.autoscaling is not None and p.autoscaling.slo is not None for p in pools):
+            from cluster.slo_config import cost_model_names
+
+            cost_model_names(self.engine, self.model.path or "")
+        return self
+
     # -- loading -----------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> KVServeConfig:

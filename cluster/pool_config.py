@@ -13,6 +13,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from cluster.autoscaling import PoolTargets, Role
 from cluster.config_fields import Section, build, default_of
+from cluster.slo_config import PLANNER_POLICY, SLOSection
 from worker.config import ModelConfig
 
 # kvserve's policy (cluster/autoscaling.py), by either of its import paths; both run as the
@@ -65,6 +66,9 @@ class AutoscalingSection(Section):
     # above instead (they are moved there).
     policy: str = KVSERVE_POLICY
     policy_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # TTFT / ITL targets: with them, the SLO planner (cluster/planner/) sizes this pool in
+    # place of the queue-depth policy (unless `policy` names another one).
+    slo: SLOSection | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -101,7 +105,10 @@ class AutoscalingSection(Section):
         return self
 
     def uses_kvserve_policy(self) -> bool:
-        return self.policy in KVSERVE_POLICIES
+        return self.policy in KVSERVE_POLICIES and self.slo is None
+
+    def uses_planner(self) -> bool:
+        return self.slo is not None and self.policy in (*KVSERVE_POLICIES, PLANNER_POLICY)
 
     def pool_targets(self) -> PoolTargets:
         return build(PoolTargets, self)

@@ -60,35 +60,34 @@ def replica_load(replica: SimReplica) -> ReplicaLoad:
                        num_running=float(stats.num_running), kv_usage=stats.kv.usage)
 
 
-class SimAutoscaler:
-    def __init__(self, sim: Simulation, pool: Pool, options: AutoscaleOptions) -> None:
+class PoolResizer:
+    """Grows or shrinks one simulated pool to a size: new replicas join after the start-up
+    delay, shrinking cancels starting ones first, then drains the newest live ones. A pool
+    shrinks to zero replicas only with `allow_zero` (scale-to-zero: requests then wait in the
+    routers' queues for the next replica)."""
+
+    def __init__(self, sim: Simulation, pool: Pool, startup_delay_s: float, allow_zero: bool = False) -> None:
         self.sim = sim
         self.pool = pool
-        self.options = options
-        self.bounds = options.bounds()
-        self.targets = options.targets(pool.role)
-        self.state: dict[str, Any] = {}
+        self.startup_delay_s = startup_delay_s
+        self.allow_zero = allow_zero
         self.starting: list[SimReplica] = []  # created, not yet ready
         self.decisions: list[tuple[float, int]] = []  # (time, target size) on each change
-        sim.clock.after(options.interval_s, self._tick)
 
-    def _tick(self) -> None:
-        sim = self.sim
-        live = self.pool.live()
-        current = len(live) + len(self.starting)
-        queued = float(sum(len(r.queues[self.pool.role]) for r in sim.routers))
-        loads = [replica_load(r) for r in live] or None
-        desired, self.state = decide(loads, current, sim.clock.now, self.state, self.bounds, self.targets,
-                                     queued_elsewhere=queued)
+    @property
+    def current(self) -> int:
+        return len(self.pool.live()) + len(self.starting)
+
+    def resize(self, desired: int) -> None:
+        current = self.current
         if desired != current:
-            self.decisions.append((sim.clock.now, desired))
+            self.decisions.append((self.sim.clock.now, desired))
         for _ in range(desired - current):
-            replica = sim.new_replica(self.pool.role)
+            replica = self.sim.new_replica(self.pool.role)
             self.starting.append(replica)
-            sim.clock.after(self.options.startup_delay_s, self._ready, replica)
+            self.sim.clock.after(self.startup_delay_s, self._ready, replica)
         for _ in range(current - desired):
             self._shrink_one()
-        sim.clock.after(self.options.interval_s, self._tick)
 
     def _ready(self, replica: SimReplica) -> None:
         if replica not in self.starting:
@@ -102,10 +101,30 @@ class SimAutoscaler:
             replica.removed_at = self.sim.clock.now
             return
         live = self.pool.live()
-        if len(live) <= 1:
+        if len(live) <= (0 if self.allow_zero else 1):
             return
         victim = live[-1]  # the newest
         victim.draining = True
         self.sim.count_live()
         if victim.num_ongoing == 0:
             self.sim.remove(victim)
+
+
+class SimAutoscaler(PoolResizer):
+    def __init__(self, sim: Simulation, pool: Pool, options: AutoscaleOptions) -> None:
+        super().__init__(sim, pool, options.startup_delay_s)
+        self.options = options
+        self.bounds = options.bounds()
+        self.targets = options.targets(pool.role)
+        self.state: dict[str, Any] = {}
+        sim.clock.after(options.interval_s, self._tick)
+
+    def _tick(self) -> None:
+        sim = self.sim
+        live = self.pool.live()
+        queued = float(sum(len(r.queues[self.pool.role]) for r in sim.routers))
+        loads = [replica_load(r) for r in live] or None
+        desired, self.state = decide(loads, self.current, sim.clock.now, self.state, self.bounds, self.targets,
+                                     queued_elsewhere=queued)
+        self.resize(desired)
+        sim.clock.after(self.options.interval_s, self._tick)

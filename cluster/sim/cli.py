@@ -4,6 +4,7 @@
         --workload b2b --requests 2000 --rate 40 --seed 0 --json --plot out.png
     kvserve simulate --prefill-replicas 2 --decode-replicas 6 --workload code --rate 2
     kvserve simulate --autoscale --min-replicas 1 --max-replicas 16 --workload bursty
+    kvserve simulate --planner --slo-ttft-ms 3000 --slo-itl-ms 35 --workload bursty   # the SLO planner
     kvserve simulate --router headroom --workload agentic --num-blocks 4096 --host-kv-cache-gib 16
 
 Prints a short report (or the summary as JSON with --json); --plot writes a PNG of
@@ -16,7 +17,9 @@ import sys
 import time
 from typing import Any
 
+from cluster.planner.targets import PlannerSettings, SLOTargets
 from cluster.sim.autoscale import AutoscaleOptions
+from cluster.sim.planner import SimPlannerOptions
 from cluster.sim.disagg import (
     DEFAULT_LINK_BANDWIDTH,
     DEFAULT_LINK_LATENCY_S,
@@ -89,6 +92,11 @@ def register(subparsers: Any) -> None:
                    help="plan the serving layer's cores as `kvserve serve --serve-proxy` runs it (Serve's proxies); "
                         "default: as `kvserve serve` runs it, through direct ingress (HAProxy)")
     p.add_argument("--autoscale", action="store_true", help="scale each pool with the real policy")
+    p.add_argument("--planner", action="store_true",
+                   help="size each pool with the SLO planner (cluster/planner/) for --slo-ttft-ms / --slo-itl-ms "
+                        "at --slo-percentile; bounds and start-up as for --autoscale")
+    p.add_argument("--slo-percentile", type=float, default=90.0, help="the planner's TTFT and ITL percentile")
+    p.add_argument("--scale-to-zero", action="store_true", help="with --planner: an idle pool may go to zero")
     p.add_argument("--min-replicas", type=int, default=_AUTOSCALE.min_replicas)
     p.add_argument("--max-replicas", type=int, default=_AUTOSCALE.max_replicas)
     p.add_argument("--startup-delay-s", type=float, default=_AUTOSCALE.startup_delay_s)
@@ -99,12 +107,23 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def planner_from_args(args: argparse.Namespace) -> SimPlannerOptions | None:
+    """The SLO planner's options (--planner), from the run's SLO and autoscaling flags."""
+    if not getattr(args, "planner", False):
+        return None
+    slo = SLOTargets(args.slo_ttft_ms / 1000.0, args.slo_itl_ms / 1000.0, args.slo_percentile, args.slo_percentile)
+    settings = PlannerSettings(startup_s=args.startup_delay_s, interval_s=args.autoscale_interval_s)
+    minimum = 0 if args.scale_to_zero else args.min_replicas
+    return SimPlannerOptions(slo, settings, minimum, args.max_replicas, scale_to_zero=args.scale_to_zero)
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     autoscale = None
     if args.autoscale:
         autoscale = AutoscaleOptions(min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                                      startup_delay_s=args.startup_delay_s, interval_s=args.autoscale_interval_s)
     return SimConfig(
+        planner=planner_from_args(args),
         shape=args.shape, profile=args.profile, num_replicas=args.replicas, router=args.router,
         num_ingress=args.ingress, ingress_assignment=args.ingress_assignment,
         shared_view=args.shared_view, shared_view_rtt_s=args.shared_view_rtt_ms / 1000.0,

@@ -118,6 +118,7 @@ class SimReplica:
         self.busy_s = 0.0  # virtual time spent executing steps
         self.num_steps = 0
         self.draining = False  # scale-down: takes no new requests, finishes what it has
+        self.created_at = clock.now  # a starting replica holds its device from here
         self.ready_at: float | None = None  # None: never became ready (cancelled while starting)
         self.removed_at: float | None = None
         self.timeline = ReplicaTimeline()

@@ -22,7 +22,9 @@ from typing import Any
 
 from cluster.config import WorkersSection
 from kv.host_tier import HostTier
+from cluster.planner.budget import FleetBudget
 from cluster.sim.autoscale import AutoscaleOptions, SimAutoscaler
+from cluster.sim.planner import SimPlanner, SimPlannerOptions
 from cluster.sim.clock import EventQueue
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.flow import Flight, Orchestrator
@@ -104,6 +106,8 @@ class SimConfig:
     # counts only where the index rebuilds (a router's first report, a gap).
     max_report_hashes: int | None = None
     autoscale: AutoscaleOptions | None = None
+    # The SLO planner (cluster/sim/planner.py) sizes the pools instead of `autoscale`.
+    planner: SimPlannerOptions | None = None
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 100.0
     # End the run as soon as enough requests missed the TTFT SLO that its TTFT p99 misses it
@@ -131,6 +135,8 @@ class SimConfig:
         if self.lora is not None and self.disagg.enabled:
             raise ValueError("LoRA adapters are not simulated with disaggregated pools (the KV export does not "
                              "carry the adapter)")
+        if self.autoscale is not None and self.planner is not None:
+            raise ValueError("autoscale and planner both size the pools: choose one")
         if self.shared_view and self.router not in VIEW_POLICIES:
             raise ValueError(f"shared_view needs a policy that reads a routing view {sorted(VIEW_POLICIES)}, "
                              f"not {self.router!r}")
@@ -185,10 +191,14 @@ class SimDevice:
 
 
 class Simulation:
-    def __init__(self, config: SimConfig, device: SimDevice) -> None:
+    def __init__(self, config: SimConfig, device: SimDevice, clock: EventQueue | None = None,
+                 fleet: FleetBudget | None = None) -> None:
+        """`clock` and `fleet`: shared with other simulations (cluster/sim/fleet.py: several
+        models on one cluster, their planners sharing one GPU budget)."""
         self.config = config
         self.device = device
-        self.clock = EventQueue()
+        self.clock = clock if clock is not None else EventQueue()  # an empty queue is falsy
+        self.fleet = fleet
         self.rng = random.Random(config.seed)
         self.tracker = Tracker(config.keep_token_times, config.slo_ttft_ms / 1000.0)
         self.follow_ups = FollowUps(self.clock, self._arrive)  # closed-loop turns
@@ -216,6 +226,7 @@ class Simulation:
             pool.routers = self.routers
         self.orchestrator = Orchestrator(self, config.disagg, device.kv_bytes_per_token)
         self.autoscalers: list[SimAutoscaler] = []
+        self.planner: SimPlanner | None = None
         # The routers' exact index of every replica's KV cache, from the KV events the
         # reports carry (router/routing/kv_index.py, as PolicyRouter keeps it). One for all
         # routers: each real router copy applies the same reports, delivered to every
@@ -354,6 +365,13 @@ class Simulation:
         return [rng.choice(samples) for _ in range(n)]
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        self.start(requests)
+        if requests:
+            self.clock.run(stop=lambda: self.done() or self.missed_slo())
+        return self.result()
+
+    def start(self, requests: Sequence[SimRequest]) -> None:
+        """The replicas, scalers and arrivals on the clock; `run` (or a fleet) runs it."""
         self._num_requests = len(requests)
         num_measured = sum(1 for r in requests if not r.warmup)
         self._late_limit = late_requests_proving_p99_miss(num_measured) if self.config.stop_at_slo_miss else math.inf
@@ -364,11 +382,13 @@ class Simulation:
         if self.config.autoscale is not None:
             for pool in self.pools.values():
                 self.autoscalers.append(SimAutoscaler(self, pool, self.config.autoscale))
+        if self.config.planner is not None:
+            self.planner = SimPlanner(self, self.config.planner)
         for i, (request, latency) in enumerate(zip(requests, self._dispatch_latencies(len(requests)))):
             if not self.follow_ups.hold(i, request, latency):
                 self.clock.at(request.arrival_s + latency, self._arrive, i, request)
-        if requests:
-            self.clock.run(stop=lambda: self.done() or self.missed_slo())
+
+    def result(self) -> SimResult:
         return SimResult(
             config=self.config,
             records=list(self.tracker.records.values()),

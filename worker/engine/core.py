@@ -222,6 +222,8 @@ class Engine:
         if quiet and params.logprobs is None:  # per-token logprobs leave with each token's output
             seq.quiet_from = seq.num_prompt_tokens
         self.connector.add_request(seq, export_kv, kv_import)
+        self.counters.num_arrived += 1
+        self.counters.num_arrived_prompt_tokens += seq.num_prompt_tokens
         self.requests.seqs[request_id] = seq
         if lora_name is not None:
             seq.lora_name = lora_name

@@ -24,6 +24,8 @@ class EngineStats:
     tokens_per_s: float  # generated tokens per second over the last few seconds
     forward_share: float  # share of step time spent in the model forward (cumulative)
     scheduler_share: float = 0.0  # share of step time in schedule + update (cumulative)
+    num_arrived: int = 0  # requests handed to the engine since it started
+    num_arrived_prompt_tokens: int = 0  # their prompt tokens
 
     def to_dict(self) -> dict[str, float]:
         d = {k: v for k, v in self.__dict__.items() if k != "kv"}
@@ -45,4 +47,6 @@ def engine_stats(kv: KVStats, scheduler: Scheduler, counters: StepCounters) -> E
         tokens_per_s=counters.tokens_per_s,
         forward_share=counters.forward_share,
         scheduler_share=counters.scheduler_share,
+        num_arrived=counters.num_arrived,
+        num_arrived_prompt_tokens=counters.num_arrived_prompt_tokens,
     )

@@ -43,6 +43,10 @@ class StepCounters:
     def __init__(self) -> None:
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # Requests handed to the engine, and their prompt tokens: the SLO planner's arrival
+        # counts (cluster/planner/), read as differences between reports.
+        self.num_arrived = 0
+        self.num_arrived_prompt_tokens = 0
         self.step_time_s = 0.0
         self.forward_time_s = 0.0
         self.schedule_time_s = 0.0  # in Scheduler.schedule + Scheduler.update (CPU work)

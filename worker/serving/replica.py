@@ -225,6 +225,10 @@ class WorkerReplica:
             "num_waiting_prompt_tokens": float(stats.num_waiting_prompt_tokens),
             "num_running": float(stats.num_running),
             "kv_usage": stats.kv.usage,
+            # Totals since the engine started (the SLO planner takes their differences).
+            "num_arrived": float(stats.num_arrived),
+            "num_arrived_prompt_tokens": float(stats.num_arrived_prompt_tokens),
+            "num_generated_tokens": float(stats.num_generated_tokens),
         }
 
     async def stats(self) -> dict[str, float | str]:

@@ -49,7 +49,7 @@ NOT_MAPPED: dict[type[BaseModel], set[str]] = {
     StateSection: {"redis_url", "key_prefix"},  # given to RedisStoreSpec as url / key_prefix
     AutoscalingSection: {"min_replicas", "max_replicas", "initial_replicas", "target_ongoing_requests",
                          "upscale_delay_s", "downscale_delay_s", "look_back_period_s", "metrics_interval_s",
-                         "policy", "policy_kwargs"},
+                         "policy", "policy_kwargs", "slo"},  # slo: the SLO planner (cluster/slo_config.py)
     RoutingSection: {"router", "router_kwargs", "shared_view", "warm_start"},  # router kwargs (cluster/app.py)
 }
 

@@ -91,3 +91,12 @@ def test_simulate_plans_the_serving_layer_for_either_front_door(capsys) -> None:
     assert proxy[1].startswith(f"  serving layer (not streamed, measured {us(cost['serve_proxy']['plain'])} us of CPU "
                                "per output token)")
     assert all("Serve's HTTP proxies" in line and "HAProxy" not in line for line in proxy)
+
+
+def test_simulate_with_the_slo_planner(capsys) -> None:
+    assert main(["simulate", "--planner", "--slo-ttft-ms", "2000", "--slo-itl-ms", "50", "--startup-delay-s", "5",
+                 "--autoscale-interval-s", "1", "--max-replicas", "3", "--requests", "40", "--rate", "20",
+                 "--num-blocks", "4000", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_finished"] == 40
+    assert main(["simulate", "--planner", "--autoscale", "--requests", "5"]) == 2  # one sizes the pools, not both
+    assert "choose one" in capsys.readouterr().err

@@ -37,6 +37,8 @@ def test_stats_sync_engine(tiny_llama: Path) -> None:
     engine.step()
     s1 = engine.stats()
     assert s1.num_running == 1 and s1.num_waiting == 1 and s1.num_waiting_prompt_tokens == 20
+    # the SLO planner's arrival totals: both requests and their 37 + 20 prompt tokens
+    assert (s0.num_arrived, s1.num_arrived, s1.num_arrived_prompt_tokens) == (0, 2, 57)
     assert s1.kv.free_blocks == NUM_BLOCKS - 3 and 0.0 < s1.kv.usage < 1.0
     assert s1.num_steps == 1 and s1.num_generated_tokens == 1
     while engine.has_unfinished():
