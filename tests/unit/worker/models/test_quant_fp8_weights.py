@@ -71,6 +71,7 @@ def test_a_kept_fp8_model_predicts_what_the_dequantized_one_does(tiny_model: Tin
         assert ((ya - yb).norm() / yb.norm()) < 0.05
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch._scaled_mm)")
 def test_scaled_mm_matches_the_dequantized_product_on_cuda() -> None:
     x = torch.randn(33, 128, device="cuda", dtype=torch.bfloat16)
