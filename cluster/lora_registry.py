@@ -18,17 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
-
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from router import errors
-
-if TYPE_CHECKING:
-    from cluster.state_store import RedisStoreSpec
 
 # KEYS: adapters, version; ARGV: name, entry JSON, max adapters -> "ok" | "exists" | "full"
 _ADD = """
@@ -51,15 +46,15 @@ def _unavailable() -> errors.APIError:
 
 
 class RedisAdapterRegistry:
-    def __init__(self, spec: RedisStoreSpec) -> None:
-        password = os.environ.get(spec.password_env) if spec.password_env else None
+    def __init__(self, url: str, key_prefix: str, password_env: str | None, socket_timeout_s: float) -> None:
+        """The shared state's Redis (cluster/state_store.py's RedisStoreSpec gives these)."""
+        password = os.environ.get(password_env) if password_env else None
         self._client = aioredis.Redis.from_url(
-            spec.url, password=password or None, socket_timeout=spec.socket_timeout_s * 5,
-            socket_connect_timeout=spec.socket_timeout_s * 5, retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
+            url, password=password or None, socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s, retry=Retry(NoBackoff(), 0), health_check_interval=0,
         )
-        self._adapters = f"{spec.key_prefix}:lora:adapters"
-        self._version = f"{spec.key_prefix}:lora:version"
+        self._adapters = f"{key_prefix}:lora:adapters"
+        self._version = f"{key_prefix}:lora:version"
         self._add = self._client.register_script(_ADD)
         self._remove = self._client.register_script(_REMOVE)
 

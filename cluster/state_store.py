@@ -77,8 +77,10 @@ class RedisStoreSpec:
         return RedisLimitStore(self)
 
     def adapter_registry(self) -> RedisAdapterRegistry:
-        """The run-time LoRA adapters' shared list (cluster/lora_registry.py)."""
-        return RedisAdapterRegistry(self)
+        """The run-time LoRA adapters' shared list (cluster/lora_registry.py). Its calls are
+        rare (loads, unloads, a version read per second per replica): they may wait longer
+        than a limit check."""
+        return RedisAdapterRegistry(self.url, self.key_prefix, self.password_env, self.socket_timeout_s * 5)
 
 
 def exposure_warning(spec: RedisStoreSpec) -> str | None:
