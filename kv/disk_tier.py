@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,7 +92,10 @@ def entry_name(block_hash: int) -> str:
 
 class DiskTier:
     def __init__(self, directory: str | os.PathLike[str], capacity_bytes: int, spec: KVCacheSpec,
-                 model_id: str, shared: bool = False, key: bytes = b"", retry_after_s: float = RETRY_AFTER_S) -> None:
+                 model_id: str, shared: bool = False, key: bytes = b"", retry_after_s: float = RETRY_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: what the write back-off is timed by (a test's own clock steps it)."""
+        self._clock = clock
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self.spec = spec
@@ -102,7 +106,7 @@ class DiskTier:
         self.writable = True
         self._retry_after_s = retry_after_s
         self._backoff_s = retry_after_s
-        self._retry_at = 0.0  # monotonic time of the next write attempt while not writable
+        self._retry_at = 0.0  # clock time of the next write attempt while not writable
         self.num_dropped = 0  # entries that failed a check (deleted, recomputed)
         self.num_written = 0
         self._lock = threading.Lock()
@@ -150,7 +154,7 @@ class DiskTier:
     @property
     def accepts_writes(self) -> bool:
         """Writing is on, or off and due to be tried again."""
-        return self.writable or time.monotonic() >= self._retry_at
+        return self.writable or self._clock() >= self._retry_at
 
     # -- reads and writes (the I/O thread) ---------------------------------------------------
     def get(self, block_hash: int) -> torch.Tensor | None:
@@ -305,7 +309,7 @@ class DiskTier:
 
     def _may_retry(self) -> bool:
         """Writing is off: True once its back-off has passed (the directory is made again)."""
-        if time.monotonic() < self._retry_at:
+        if self._clock() < self._retry_at:
             return False
         try:
             self._open_directory()
@@ -328,4 +332,4 @@ class DiskTier:
         else:
             self._backoff_s = min(self._backoff_s * 2, MAX_RETRY_S)
         self.writable = False
-        self._retry_at = time.monotonic() + self._backoff_s
+        self._retry_at = self._clock() + self._backoff_s

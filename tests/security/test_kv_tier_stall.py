@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kv.block_hash import hash_full_blocks
+from tests.support.waiting import wait_until
 from worker.api import SamplingParams
 from worker.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from worker.engine.build import build_engine
@@ -123,17 +123,14 @@ def test_a_hung_store_read_times_out_and_check_health_reports_it(
         assert not thread.is_alive(), "the engine waited on the hung store"
         assert out["tokens"] == expected["tokens"]  # recomputed, the same greedy output
         assert engine.tiers.num_timed_out_loads == 1
-        while engine.tiers.stalled_s() <= 0.5:
-            time.sleep(0.05)
+        wait_until(lambda: engine.tiers.stalled_s() > 0.5, 10, message="the store's stall past io_timeout_s")
         with pytest.raises(RuntimeError, match="stalled"):
             engine.tiers.check_health()
         assert engine.tiers.num_available(hash_full_blocks(PROMPT, BLOCK)) == 0  # skipped while hung
     finally:  # the store answers again: the reader gets an empty file, a bad entry
         fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
         os.close(fd)
-    deadline = time.monotonic() + 10
-    while engine.tiers.stalled_s() > 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: engine.tiers.stalled_s() == 0, 10, message="the I/O thread back from the store")
     engine.tiers.check_health()  # healthy again
     engine.tiers.flush()
     assert not fifo.exists() and shared.num_dropped == 1

@@ -39,6 +39,16 @@ def tier(path: Path, capacity: int = 1 << 20, shared: bool = False, key: bytes =
     return DiskTier(path, capacity, SPEC, "m", shared=shared, key=key, **kw)
 
 
+class _Clock:
+    """The back-off's clock, stepped by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def forge(header: Any, payload: bytes, key: bytes = KEY) -> bytes:
     """An entry whose MAC is valid under `key` whatever its header says (a buggy or older
     writer that holds the key)."""
@@ -203,7 +213,8 @@ def test_writing_resumes_after_a_full_disk_once_space_is_back(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Finding: after ENOSPC `writable` stayed False for good. A file-size limit makes the
     # kernel refuse the write (EFBIG) as a full disk would (ENOSPC); both are OSErrors.
-    t = tier(tmp_path, retry_after_s=0.2)
+    clock = _Clock()
+    t = tier(tmp_path, retry_after_s=0.2, clock=clock)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
@@ -216,16 +227,17 @@ def test_writing_resumes_after_a_full_disk_once_space_is_back(
     assert not t.writable and "not writable" in caplog.text
     assert not list(tmp_path.glob(".*.tmp"))  # the failed write left nothing behind
     assert not t.put(2, block(2.0))  # within the back-off: not tried
-    time.sleep(0.25)
+    clock.now += 0.25
     assert t.put(3, block(3.0)) and t.writable  # space is back: writes go on
     assert torch.equal(t.get(3), block(3.0))
 
 
 def test_a_vanished_directory_is_made_again_after_the_back_off(tmp_path: Path) -> None:
-    t = tier(tmp_path / "store", retry_after_s=0.1)
+    clock = _Clock()
+    t = tier(tmp_path / "store", retry_after_s=0.1, clock=clock)
     (tmp_path / "store").rename(tmp_path / "gone")  # the volume went away
     assert not t.put(1, block(1.0)) and not t.writable
-    time.sleep(0.15)
+    clock.now += 0.15
     assert t.put(2, block(2.0)) and (tmp_path / "store" / entry_name(2)).is_file()
 
 
