@@ -175,12 +175,10 @@ def chat_inputs(
 
 
 # The outgoing half (router/frontend/openai_api/formatting.py), re-exported for `convert.` users.
+from router.frontend.openai_api.logprobs import TokenTexts, chat_logprobs, completion_logprobs  # noqa: E402,F401
 from router.frontend.openai_api.formatting import (  # noqa: E402,F401
-    TokenTexts,
     ChoiceState,
     usage_of,
-    completion_logprobs,
-    chat_logprobs,
     CompletionFormatter,
     ChatFormatter,
     sse,
