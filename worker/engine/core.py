@@ -41,7 +41,6 @@ from worker.engine.overlap import AppliedStep, LaunchedStep, overlaps
 from worker.scheduling.async_scheduler import AsyncScheduler
 from worker.scheduling.requests import Requests
 from worker.structured.compile_waits import CompileWaits
-from worker.lora.identity import confine
 
 if TYPE_CHECKING:  # torch: a simulated-device engine never imports it
     from worker.kvcache.tiers import TierManager
@@ -204,9 +203,7 @@ class Engine:
         if lora_name is not None:
             if self.lora is None:
                 raise LoRANotFoundError(lora_name, [])
-            if lora_path is not None:
-                self.lora.ensure(lora_name, lora_path)
-            self.lora.registry.check(lora_name)
+            self.lora.resolve(lora_name, lora_path)
         # An adapter changes every layer's K and V: its blocks chain from a root of their
         # own (router/routing/types.py request_hash_root hashes the same way).
         lora_root = root_hash((*params.cache_keys, self.lora.cache_key(lora_name))) if lora_name is not None else None
@@ -235,17 +232,11 @@ class Engine:
         self.requests.admit(seq)
 
     def check_lora(self, name: str, path: str, roots: tuple[str, ...] = ()) -> tuple[str, str]:
-        """Read an adapter as a request would (any thread: nothing shared is touched);
-        raises LoRAAdapterError with what is wrong with it. With `roots`, the directory must
-        resolve inside one of them (worker/lora/identity.py confine). Returns (the resolved
-        directory, the digest of its files; "" where the loader computes none)."""
+        """EngineLoRA.check, on any thread; LoRAAdapterError when this engine serves no adapters."""
         if self.lora is None:
             raise LoRAAdapterError("this server does not serve LoRA adapters (start it with engine.lora.enable "
                                    "or --lora-modules)")
-        if roots:
-            path = confine(path, roots)
-        adapter = self.lora.registry.load(name, path)
-        return path, str(getattr(adapter, "digest", ""))
+        return self.lora.check(name, path, roots)
 
     # -- disaggregation: the connector's pins, as the async engine and replica see them -----
     def release_kv(self, request_id: str) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 from worker.api import lora_cache_key
 from worker.config import LoRAConfig
+from worker.lora.identity import confine
 from worker.lora.registry import Loader, LoRARegistry
 from worker.lora.slots import LoRASlots
 from worker.sequence import Sequence
@@ -79,6 +80,23 @@ class EngineLoRA:
         """A request names the adapter with its path: learn it, or its new path."""
         if self.registry.paths.get(name) != path:
             self.register(name, path)
+
+    def resolve(self, name: str, path: str | None) -> None:
+        """A request's adapter: learned from `path` when given, else it must be known
+        (LoRANotFoundError)."""
+        if path is not None:
+            self.ensure(name, path)
+        self.registry.check(name)
+
+    def check(self, name: str, path: str, roots: tuple[str, ...] = ()) -> tuple[str, str]:
+        """Read an adapter as a request would (any thread: nothing shared is touched);
+        raises LoRAAdapterError with what is wrong with it. With `roots`, the directory must
+        resolve inside one of them (worker/lora/identity.py confine). Returns (the resolved
+        directory, the digest of its files; "" where the loader computes none)."""
+        if roots:
+            path = confine(path, roots)
+        adapter = self.registry.load(name, path)
+        return path, str(getattr(adapter, "digest", ""))
 
     def unload(self, name: str) -> bool:
         """The ingress unloaded `name`: forget it, its host copy and its device slot (the ones
