@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from cluster.bench.report import DEFAULT_PERCENTILES, format_summary, jsonable
 from cluster.bench.stream import ENDPOINTS
 from cluster.workload.text_prompts import DATASETS, BenchRequest, PromptCalibration, generate_workload
-from cluster.config import HTTPSection
+from cluster.listen_config import HTTPSection
 
 if TYPE_CHECKING:
     from cluster.bench.run import BenchResult

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.config import ConfigError, GRPCSection, HTTPSection, KVServeConfig
+from cluster.config import ConfigError, KVServeConfig
+from cluster.listen_config import GRPCSection, HTTPSection
 from cluster.lora_config import parse_lora_modules
 from cluster.deps import MissingDependencyError, missing
 from cluster.serve_exposure import (direct_ingress, direct_ingress_off_reason, endpoint_lines, grpc_proxy_env,

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any, TextIO
 
-from cluster.config import GRPCSection, HTTPSection
+from cluster.listen_config import GRPCSection, HTTPSection
 
 # Where `kvserve serve` listens by default (the config schema's defaults).
 DEFAULT_TARGET = f"{HTTPSection().host}:{GRPCSection().port}"
