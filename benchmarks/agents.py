@@ -46,7 +46,8 @@ import numpy as np
 from benchmarks.routing.search import collector_paused
 from benchmarks.routing.setup import HEADROOM, log, sim_config
 from cluster.sim.answers import Answer, engine_answers
-from cluster.sim.run import SimConfig, SimDevice, SimResult, simulate
+from cluster.sim.run import SimResult, simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.sim.tiers import SimTierOptions
 from cluster.workload.draws import around
 from cluster.workload.sim_kinds import SimRequest, make_workload

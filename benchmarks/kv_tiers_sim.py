@@ -57,7 +57,8 @@ from benchmarks.routing.setup import (
     modelled_prefill_tokens_per_s,
     sim_config,
 )
-from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.sim.tiers import SimTierOptions
 from cluster.workload.sim_kinds import AGENTIC_TURNS, B2B_PREFIX_LEN, B2B_QUESTION_LEN, make_workload
 

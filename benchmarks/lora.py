@@ -37,7 +37,8 @@ from dataclasses import dataclass, replace
 from benchmarks.routing.search import RunFigures, Runner, Search, Window, collector_paused
 from benchmarks.routing.setup import MIN_REQUESTS, MAX_REQUESTS, RATE_STEP, STATS_PERIOD_S, log, sim_config
 from cluster.sim.lora import SimLoRA
-from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.workload.sim_kinds import make_workload
 from worker.config import LoRAConfig
 

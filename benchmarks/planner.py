@@ -41,7 +41,8 @@ from cluster.sim.autoscale import AutoscaleOptions
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.fleet import simulate_fleet
 from cluster.sim.planner import SimPlannerOptions
-from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.pool_config import DOWNSCALE_DELAY_S, UPSCALE_DELAY_S
 from worker.costs.cost_model import StepCostModel
 from worker.costs.profiles import load_profile

@@ -160,7 +160,7 @@ def score(router: str, results: list[Any], arrivals_s: list[float], spec: BenchS
 
 # -- the simulator's view: capacity and forecast ------------------------------------------------
 def sim_config(spec: BenchSpec, router: str) -> Any:
-    from cluster.sim.run import SimConfig
+    from cluster.sim.setup import SimConfig
 
     d = spec.time_dilation
     return SimConfig(shape="llama-3-8b", profile="h200", num_replicas=spec.num_replicas, router=SIM_POLICY[router],

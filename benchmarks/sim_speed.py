@@ -19,7 +19,8 @@ import pstats
 import resource
 import time
 
-from cluster.sim.run import SimConfig, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig
 from cluster.workload.sim_kinds import WORKLOAD_NAMES, make_workload
 
 

@@ -118,7 +118,8 @@ def app_config(spec: BenchSpec, otlp_endpoint: str | None = None) -> Any:
 
 def modelled_capacity_rps(spec: BenchSpec) -> float:
     """Requests/s the cluster completes with every request waiting at once (the simulator)."""
-    from cluster.sim.run import SimConfig, simulate
+    from cluster.sim.run import simulate
+    from cluster.sim.setup import SimConfig
     from cluster.workload.sim_kinds import make_workload
 
     d = spec.time_dilation

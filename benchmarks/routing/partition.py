@@ -22,7 +22,8 @@ from dataclasses import replace
 from benchmarks.routing.search import RunFigures, collector_paused, goodput_at_slo
 from benchmarks.routing.setup import HEADROOM, Plan, sim_config
 from cluster.sim.metrics import SimResult
-from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.workload.sim_kinds import SimRequest, make_workload
 
 Log = Callable[[str], None]

@@ -24,7 +24,8 @@ from benchmarks.routing.partition import run_partition
 from benchmarks.routing.search import RunFigures, collector_paused
 from benchmarks.routing.setup import HEADROOM, QUICK, sim_config, workload_kw
 from cluster.sim.metrics import SimResult
-from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.workload.sim_kinds import SimRequest, make_workload
 
 

@@ -28,7 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.workload.sim_kinds import make_workload
 
 # Stepping down: a miss whose shortfall (RunFigures.shortfall: its TTFT p99, or its share

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.routing.search import Search, Window
-from cluster.sim.run import SimConfig, SimDevice
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.workload.sim_kinds import (
     AGENTIC_THINK_S,
     AGENTIC_TURNS,

@@ -19,7 +19,8 @@ from dataclasses import replace
 from benchmarks.routing.search import collector_paused
 from benchmarks.routing.setup import HEADROOM, log, sim_config
 from cluster.percentile import percentile
-from cluster.sim.run import SimDevice, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimDevice
 from cluster.workload.sim_kinds import make_workload
 from router.routing.policies.headroom import HeadroomPolicy
 

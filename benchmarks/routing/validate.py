@@ -36,7 +36,8 @@ from benchmarks.routing.engine_grid import (ENGINE_CLOCK, ENGINE_NUM_THREADS, en
                                            grid_moment, workload_grid)
 from cluster.calibrate import CLOCKS, age_pool
 from cluster.percentile import percentile
-from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.workload.sim_kinds import SimRequest, make_workload
 
 Log = Callable[[str], None]

@@ -24,7 +24,8 @@ from benchmarks.open_loop import replay
 from benchmarks.routing.validate import Figures, Log, compare
 from cluster.percentile import percentile
 from cluster.serve_env import controller_options, job_runtime_env
-from cluster.sim.run import SimConfig, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig
 from cluster.workload.sim_kinds import SimRequest, make_workload
 
 CLUSTER_REPLICAS = 8

@@ -16,7 +16,7 @@ from worker.api import SamplingParams
 from worker.sequence import Sequence
 
 if TYPE_CHECKING:
-    from cluster.sim.run import SimDevice
+    from cluster.sim.setup import SimDevice
 
 Answer = Callable[[tuple[int, ...], int], tuple[int, ...]]
 

@@ -25,7 +25,8 @@ from cluster.sim.disagg import (
     DEFAULT_LINK_LATENCY_S,
     DisaggOptions,
 )
-from cluster.sim.run import SimConfig, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig
 from cluster.sim.serving_cost import ServingCost, describe
 from cluster.sim.lora import SimLoRA
 from cluster.sim.tiers import SimTierOptions

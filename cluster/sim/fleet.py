@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from cluster.planner.budget import FleetBudget
 from cluster.sim.clock import EventQueue
 from cluster.sim.metrics import SimResult
-from cluster.sim.run import SimConfig, SimDevice, Simulation
+from cluster.sim.run import Simulation
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.workload.sim_kinds import SimRequest
 
 

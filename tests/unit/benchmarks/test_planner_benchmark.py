@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.planner_cases import DAY_RATES, Phase, attainment, bursty_phases, gpu_seconds, phased_requests
-from cluster.sim.run import SimConfig, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig
 
 
 def test_phases_alternate_and_arrivals_follow_their_rates() -> None:

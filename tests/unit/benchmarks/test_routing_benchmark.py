@@ -118,7 +118,7 @@ def test_b2b_is_sized_to_llm_ds_share_of_the_clusters_kv_with_a_warm_up() -> Non
         sim_config,
         workload_kw,
     )
-    from cluster.sim.run import SimDevice
+    from cluster.sim.setup import SimDevice
     from cluster.workload.sim_kinds import B2B_KV_SHARE, B2B_PREFIX_LEN, B2B_QUESTION_LEN
 
     assert workload_kw("sharegpt", 4) == {} and workload_kw("agentic", 8) == {"warmup_s": 24.0}

@@ -8,7 +8,8 @@ import pytest
 
 from benchmarks.routing.partition import deal_shares, merge_results
 from benchmarks.routing.setup import HEADROOM, sim_config
-from cluster.sim.run import SimDevice, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimDevice
 from cluster.workload.sim_kinds import SimRequest, make_workload
 
 

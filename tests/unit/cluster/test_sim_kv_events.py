@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cluster.sim.replica import SimReplica
-from cluster.sim.run import SimConfig, SimDevice, Simulation, simulate
+from cluster.sim.run import Simulation, simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.sim.tiers import SimTierOptions
 from cluster.workload.sim_kinds import make_workload
 from kv.block_hash import hash_full_blocks

@@ -10,7 +10,8 @@ import pytest
 
 from cluster.sim.clock import EventQueue
 from cluster.sim.lora import SimLoRA, VirtualLoader, lora_adapter_bytes
-from cluster.sim.run import SimConfig, Simulation, SimDevice, simulate
+from cluster.sim.run import Simulation, simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.workload.sim_kinds import SimRequest
 from worker.config import LoRAConfig
 from worker.costs.profiles import load_profile

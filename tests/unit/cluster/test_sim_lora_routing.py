@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 from cluster.sim.lora import SimLoRA
-from cluster.sim.run import SimConfig, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig
 from cluster.workload.sim_kinds import lora_adapter_name, make_workload
 from worker.config import LoRAConfig
 

@@ -7,7 +7,8 @@ import numpy as np
 from cluster.planner.targets import PlannerSettings, SLOTargets
 from cluster.sim.disagg import DisaggOptions
 from cluster.sim.planner import SimPlannerOptions
-from cluster.sim.run import SimConfig, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig
 from cluster.workload.sim_kinds import SimRequest
 
 SETTINGS = PlannerSettings(startup_s=15.0, interval_s=2.0, downscale_delay_s=4.0)

@@ -6,7 +6,8 @@ import pytest
 
 from cluster.sim.autoscale import AutoscaleOptions
 from cluster.sim.disagg import DisaggOptions
-from cluster.sim.run import SimConfig, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig
 from cluster.workload.sim_kinds import SimRequest, make_workload
 from worker.costs.cost_model import SeqWork, StepCostModel
 from worker.costs.profiles import load_profile
@@ -250,7 +251,8 @@ def test_dispatch_latency_samples_are_drawn_per_request_and_seeded() -> None:
 def test_policy_options_reach_the_policy_and_unknown_ones_fail() -> None:
     reqs = _requests([(0.0, 64, 2)])
     cfg = SimConfig(num_replicas=2, router="sticky", policy_options=(("prefill_tokens_per_s", 1234.0),))
-    from cluster.sim.run import SimDevice, Simulation
+    from cluster.sim.run import Simulation
+    from cluster.sim.setup import SimDevice
 
     sim = Simulation(cfg, SimDevice.from_config(cfg))
     assert sim.routers[0].policies["mixed"].options.prefill_tokens_per_s == 1234.0

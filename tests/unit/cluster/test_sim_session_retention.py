@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from cluster.sim.answers import engine_answers
-from cluster.sim.run import SimConfig, SimDevice, simulate
+from cluster.sim.run import simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.workload.sim_kinds import SimRequest, make_workload
 
 BLOCK = 16

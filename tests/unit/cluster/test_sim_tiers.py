@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from cluster.sim.run import SimConfig, SimDevice, Simulation, simulate
+from cluster.sim.run import Simulation, simulate
+from cluster.sim.setup import SimConfig, SimDevice
 from cluster.sim.tiers import SimTierManager, SimTierOptions
 from cluster.workload.sim_kinds import SimRequest, make_workload
 from worker.api import SamplingParams

@@ -187,7 +187,8 @@ def test_headroom_deals_agentic_sessions_evenly_and_keeps_each_on_its_replica() 
     """The real policy in the simulated cluster: 24 sessions of 4 turns arrive at replicas
     of changing headroom; each replica gets 6 (dealt by count) and no turn leaves its
     session's replica (the gate's move cost keeps the histories where they are cached)."""
-    from cluster.sim.run import SimConfig, simulate
+    from cluster.sim.run import simulate
+    from cluster.sim.setup import SimConfig
     from cluster.workload.sim_kinds import make_workload
 
     requests = make_workload("agentic", 96, 12.0, seed=0, turns=4, system_len=512, turn_len=128, output_len=16)

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.cli import build_parser
 from cluster.sim.cli import config_from_args
-from cluster.sim.run import SimDevice
+from cluster.sim.setup import SimDevice
 from worker.config import CacheConfig, SchedulerConfig
 from worker.costs.cost_model import SeqWork, StepCostModel
 from worker.costs.profiles import load_profile
