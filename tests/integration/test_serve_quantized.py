@@ -8,11 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.integration.conftest import free_port
-from tests.support.serve_process import kvserve_serve, short_ray_tmp
+from tests.support.serve_process import served_completion
 
 pytestmark = pytest.mark.integration
 
@@ -29,19 +27,8 @@ def test_serve_a_gptq_directory(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(qdir)
     ids = tokenizer(prompt)["input_ids"]
     (expected,) = hf_greedy(rdir, [ids], [8])
-    port, grpc_port = free_port(), free_port()
-    config = (
-        f"model: {qdir}\n"
-        "engine: {device: cpu, dtype: float32, num_threads: 1, num_blocks: 64}\n"
-        "workers: {num_replicas: 1, num_cpus: 1, drain_timeout_s: 5}\n"
-        "ingress: {num_cpus: 0.5}\n"
-    )
-    with kvserve_serve(tmp_path, config, port, grpc_port, short_ray_tmp("kvgptq-")):
-        name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["id"]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
-            "model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-        })
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"]["completion_tokens"] == len(expected)
-        assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    r = served_completion(tmp_path, qdir, prompt, 8, "kvgptq-")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == len(expected)
+    assert body["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.redis_server import free_port
 from tests.support.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -69,3 +70,20 @@ def kvserve_serve(tmp_path: Path, config_yaml: str, port: int, grpc_port: int, r
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=30)
+
+
+def served_completion(tmp_path: Path, model_dir: Path, prompt: str, max_tokens: int, ray_prefix: str) -> httpx.Response:
+    """`kvserve serve` on `model_dir` (CPU, float32, one worker replica) and one greedy
+    OpenAI completion of `prompt` under the model's served name: the response."""
+    port, grpc_port = free_port(), free_port()
+    config = (
+        f"model: {model_dir}\n"
+        "engine: {device: cpu, dtype: float32, num_threads: 1, num_blocks: 64}\n"
+        "workers: {num_replicas: 1, num_cpus: 1, drain_timeout_s: 5}\n"
+        "ingress: {num_cpus: 0.5}\n"
+    )
+    with kvserve_serve(tmp_path, config, port, grpc_port, short_ray_tmp(ray_prefix)):
+        name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]["id"]
+        return httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120, json={
+            "model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        })
