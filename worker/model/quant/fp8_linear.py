@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from worker.model.parallel import ColumnParallelLinear, RowParallelLinear, all_reduce
+from worker.model.quant.kept import convert_projections
 
 E4M3_MAX = 448.0
 FP8 = torch.float8_e4m3fn
@@ -88,26 +89,11 @@ def keep_fp8_weights(model: nn.Module) -> int:
     """Turn every projection of the decoder layers into its FP8 form, empty, before loading
     (after the model's dtype cast, which would turn e4m3 parameters into the model dtype).
     Returns how many were converted."""
-    converted = 0
-    for name, module in model.named_modules():
-        if not name.startswith("layers.") or isinstance(module, _FP8Weights):
-            continue
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            base = FP8ColumnParallelLinear if isinstance(module, ColumnParallelLinear) else FP8RowParallelLinear
-            module.__class__ = _fp8_class(base, type(module))
-            rows, cols = module.weight.shape
-            device = module.weight.device
-            module.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8, device=device), requires_grad=False)
-            module.register_buffer("weight_scale", torch.ones(rows, dtype=torch.float32, device=device))
-            converted += 1
-    return converted
+    return convert_projections(model, "FP8", FP8ColumnParallelLinear, FP8RowParallelLinear, _FP8Weights, _empty_fp8)
 
 
-_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def _fp8_class(base: type, cls: type) -> type:
-    """The FP8 form of a projection class (QKVParallelLinear keeps its own attributes)."""
-    if (base, cls) not in _CLASSES:
-        _CLASSES[(base, cls)] = type(f"FP8{cls.__name__}", (base, cls), {})
-    return _CLASSES[(base, cls)]
+def _empty_fp8(module: nn.Module) -> None:
+    rows, cols = module.weight.shape
+    device = module.weight.device
+    module.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8, device=device), requires_grad=False)
+    module.register_buffer("weight_scale", torch.ones(rows, dtype=torch.float32, device=device))

@@ -16,12 +16,15 @@ which must fall on group boundaries (desc_act under row parallelism is refused).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from worker.model.parallel import ColumnParallelLinear, RowParallelLinear, all_reduce
 from worker.model.quant.awq import unpack_awq
 from worker.model.quant.int4_gemm import int4_gemm, int4_gemm_torch, pack_k_major
+from worker.model.quant.kept import convert_projections
 from worker.model.quant.layout import CorruptCheckpointError, unpack_last
 from worker.model.quant.spec import QuantSpec
 
@@ -125,29 +128,16 @@ class Int4RowParallelLinear(_Int4Weights, RowParallelLinear):
 
 def keep_int4_weights(model: nn.Module, group_size: int) -> int:
     """Turn every projection of the decoder layers into its int4 form, empty, before loading."""
-    converted = 0
-    for name, module in model.named_modules():
-        if not name.startswith("layers.") or isinstance(module, _Int4Weights):
-            continue
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            base = Int4ColumnParallelLinear if isinstance(module, ColumnParallelLinear) else Int4RowParallelLinear
-            module.__class__ = _int4_class(base, type(module))
-            n, k = module.weight.shape
-            group = group_size or k
-            device = module.weight.device
-            module.group = group
-            module.perm, module.perm_loaded = None, False
-            module.weight = nn.Parameter(torch.empty(k // 8, n, dtype=torch.int32, device=device), requires_grad=False)
-            module.register_buffer("scales", torch.empty(-(-k // group), n, dtype=torch.float32, device=device))
-            module.register_buffer("zeros", torch.empty(-(-k // group), n, dtype=torch.float32, device=device))
-            converted += 1
-    return converted
+    return convert_projections(model, "Int4", Int4ColumnParallelLinear, Int4RowParallelLinear, _Int4Weights,
+                               partial(_empty_int4, group_size=group_size))
 
 
-_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def _int4_class(base: type, cls: type) -> type:
-    if (base, cls) not in _CLASSES:
-        _CLASSES[(base, cls)] = type(f"Int4{cls.__name__}", (base, cls), {})
-    return _CLASSES[(base, cls)]
+def _empty_int4(module: nn.Module, group_size: int) -> None:
+    n, k = module.weight.shape
+    group = group_size or k
+    device = module.weight.device
+    module.group = group
+    module.perm, module.perm_loaded = None, False
+    module.weight = nn.Parameter(torch.empty(k // 8, n, dtype=torch.int32, device=device), requires_grad=False)
+    module.register_buffer("scales", torch.empty(-(-k // group), n, dtype=torch.float32, device=device))
+    module.register_buffer("zeros", torch.empty(-(-k // group), n, dtype=torch.float32, device=device))
