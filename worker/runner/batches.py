@@ -20,7 +20,10 @@ class HostBatch:
     input_ids: torch.Tensor  # (T,) long
     positions: torch.Tensor  # (T,) long
     slot_mapping: torch.Tensor  # (T,) long
-    block_table: torch.Tensor  # (S, max_blocks) long, rows padded with block 0
+    # (S, max_blocks) long, rows padded with block 0; None when the tables are persistent
+    block_table: torch.Tensor | None
+    # the persistent tables' (S, W) int32 rows on the device (worker/runner/block_table.py)
+    device_table: torch.Tensor | None
     context_lens: torch.Tensor  # (S,) long: cached + this step's tokens
     starts: list[int]  # first position computed this step, per row
     lens: list[int]  # tokens this step, per row

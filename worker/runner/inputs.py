@@ -14,19 +14,23 @@ import torch
 
 from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo
 from worker.runner.batches import HostBatch
+from worker.runner.block_table import PersistentBlockTable
 from worker.runner.decode_groups import decode_group_bounds
 from worker.runner.kv_group_binding import group_table_tensor
 from worker.scheduling.plan import SchedulerOutput
 
 
-def host_batch(plan: SchedulerOutput, order: list[int], block_size: int, num_groups: int) -> HostBatch:
-    """The step's flat inputs on the host, its rows in `order` (decodes first, by context)."""
+def host_batch(plan: SchedulerOutput, order: list[int], block_size: int, num_groups: int,
+               tables: PersistentBlockTable | None = None) -> HostBatch:
+    """The step's flat inputs on the host, its rows in `order` (decodes first, by context).
+    Given `tables` (one KV group), the block tables come from its persistent rows: slots
+    read the host mirror and the step's table is a device gather (worker/runner/block_table.py)."""
     bs = block_size
     seqs, num_new = plan.seqs, plan.num_new_tokens
     flat_ids: list[int] = []
     starts: list[int] = []  # first position computed this step, per seq (in `order`)
     lens: list[int] = []
-    tables: list[list[int]] = []
+    rows_tables: list[list[int]] = []
     # Launched ahead, a row's one input token is not in token_ids yet (launch gathers it
     # on the device; 0 holds its place here), and the row samples one past token_ids.
     pending = int(plan.pending_inputs)
@@ -36,19 +40,25 @@ def host_batch(plan: SchedulerOutput, order: list[int], block_size: int, num_gro
         flat_ids.extend(seq.token_ids[c : c + n] if not pending else (0,))
         starts.append(c)
         lens.append(n)
-        tables.append(plan.block_ids[i])
+        if tables is None:
+            rows_tables.append(plan.block_ids[i])
     num_seqs = len(order)
-    if num_groups > 1:  # (groups, S, max_blocks): one table per KV group
-        table = group_table_tensor(tables, num_groups)  # type: ignore[arg-type]
+    slots_of_row = None
+    if tables is not None:
+        slots_of_row = tables.sync(plan, order)
+        table = torch.from_numpy(tables.host)  # indexed by slot, not by row
+    elif num_groups > 1:  # (groups, S, max_blocks): one table per KV group
+        table = group_table_tensor(rows_tables, num_groups)  # type: ignore[arg-type]
     else:
-        table = padded_table(tables)  # type: ignore[arg-type]
+        table = padded_table(rows_tables)  # type: ignore[arg-type]
     lens_t = torch.tensor(lens, dtype=torch.long)
     starts_t = torch.tensor(starts, dtype=torch.long)
     query_start = torch.cumsum(lens_t, 0) - lens_t
     # position of flat token j = starts[seq(j)] + (j - query_start[seq(j)])
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), lens_t)
     positions = torch.arange(len(flat_ids)) + (starts_t - query_start)[seq_of_token]
-    slots = table[..., seq_of_token, positions // bs] * bs + positions % bs  # (T,) or (groups, T)
+    table_row = seq_of_token if slots_of_row is None else torch.from_numpy(slots_of_row)[seq_of_token]
+    slots = table[..., table_row, positions // bs].long() * bs + positions % bs  # (T,) or (groups, T)
     qs = query_start.tolist()
     # Sample where a seq reaches its last token; its logits come from that token.
     sample_rows: list[int] = []
@@ -61,7 +71,8 @@ def host_batch(plan: SchedulerOutput, order: list[int], block_size: int, num_gro
         input_ids=torch.tensor(flat_ids, dtype=torch.long),
         positions=positions,
         slot_mapping=slots,
-        block_table=table,
+        block_table=table if tables is None else None,
+        device_table=tables.gather(slots_of_row) if tables is not None else None,
         context_lens=starts_t + lens_t,
         starts=starts,
         lens=lens,
@@ -96,7 +107,7 @@ def attention_metadata(batch: HostBatch, block_size: int, num_groups: int, devic
     return metas[0]
 
 
-def _group_metadata(batch: HostBatch, table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+def _group_metadata(batch: HostBatch, table: torch.Tensor | None, slot_mapping: torch.Tensor, block_size: int,
                     device: torch.device, varlen: bool) -> AttentionMetadata:
     """One group's metadata: decode groups and prefill infos for the torch backend, the
     varlen fields for the flash and triton backends."""
@@ -112,7 +123,8 @@ def _group_metadata(batch: HostBatch, table: torch.Tensor, slot_mapping: torch.T
         cu[1:] = torch.cumsum(lens_t, 0)
         meta.cu_seqlens_q = cu.to(dev, non_blocking=True)
         meta.seqused_k = context_lens.to(torch.int32).to(dev, non_blocking=True)
-        meta.block_table = table.to(torch.int32).to(dev, non_blocking=True)
+        meta.block_table = (batch.device_table if batch.device_table is not None
+                            else table.to(torch.int32).to(dev, non_blocking=True))
         meta.max_query_len = max(lens)
         meta.max_context_len = int(context_lens.max())
         return meta

@@ -40,6 +40,7 @@ from worker.model.parallel import SINGLE, TPContext
 from worker.sampling import prompt_logprobs
 from worker.api import TokenLogprob
 from worker.runner.batches import HostBatch, LaunchedBatch
+from worker.runner.block_table import PersistentBlockTable
 from worker.runner.inputs import attention_metadata, host_batch
 from worker.sampling.sampled_batch import SampledBatch
 from worker.sampling.sampler import Sampler, argmax_only
@@ -131,6 +132,14 @@ class ModelRunner:
         self.timer = ForwardTimer(self.device)
         self._in_flight: LaunchedBatch | None = None  # launched last, not yet waited for
         self.graphs = self._capture_graphs(max_model_len) if use_graphs else None
+        # Varlen backends read the block tables on the device: there they persist between
+        # steps and take only new block ids (worker/runner/block_table.py). One rank: a TP
+        # rank's mirror may rewrite a table in place (worker/tp/plan_codec.py).
+        self.tables = (
+            PersistentBlockTable(2 * config.scheduler.max_num_seqs, -(-max_model_len // self.block_size),
+                                 self.device, fill_block=self.num_blocks if use_graphs else 0)
+            if self.backend.varlen and self._num_groups == 1 and tp.size == 1 else None
+        )
 
     # -- disaggregation: the engine moves a request's KV through these, never kv_caches --
     @property
@@ -228,7 +237,7 @@ class ModelRunner:
             range(len(seqs)),
             key=lambda i: (num_new[i] != 1, seqs[i].num_computed_tokens if num_new[i] == 1 else 0),
         )
-        batch = host_batch(plan, order, self.block_size, self._num_groups)
+        batch = host_batch(plan, order, self.block_size, self._num_groups, self.tables)
         if before is not None:
             batch.input_ids = self._pending_inputs(plan, order, before)
         if self.lora is not None:
@@ -329,10 +338,11 @@ class ModelRunner:
         num_seqs = len(batch.lens)
         # Graphs hold the base model only (captured with no adapter rows).
         no_lora = self.lora is None or self.lora.state.num_active == 0
-        if self.graphs is not None and no_lora and batch.num_decodes == num_seqs and self.graphs.fits(num_seqs, batch.block_table.shape[1]):
+        table = batch.device_table if batch.device_table is not None else batch.block_table
+        assert table is not None
+        if self.graphs is not None and no_lora and batch.num_decodes == num_seqs and self.graphs.fits(num_seqs, table.shape[1]):
             self.timer.start()
-            return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping,
-                                   batch.block_table, batch.context_lens)
+            return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, table, batch.context_lens)
         dev = self.device
         meta = attention_metadata(batch, self.block_size, self._num_groups, self.device, self.backend.varlen)
         input_ids = batch.input_ids.to(dev, non_blocking=True)
