@@ -18,6 +18,12 @@ the block pool never hands it to a sequence. Their outputs are computed and igno
     persistent buffers (B = largest bucket, W = cdiv(max_model_len, block_size)):
       input_ids (B,) long    positions (B,) long    slot_mapping (B,) long
       block_table (B, W) int32    seqused_k (B,) int32    cu_seqlens_q (B+1,) = 0..B
+
+Each graph also holds the LM head and the greedy argmax behind the model (worker/runner/
+lm_head.py): its outputs are the hidden states, the logits (model dtype where the model
+offers it) and the argmax ids of the bucket's rows. All three are views of graph memory,
+overwritten by the next replay: every read of them (the sampler, the next step's input
+gather, the host copy of the ids) is queued on the stream before that replay.
 """
 from __future__ import annotations
 
@@ -125,18 +131,31 @@ class DecodeBuffers:
 
 # (input_ids, positions, meta) -> hidden states (T, hidden); kv caches are bound inside.
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# hidden states (T, hidden) -> (logits (T, V'), greedy ids (T,))
+DecodeHead = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class GraphOutputs:
+    """A replay's outputs for its n real rows (views of graph memory)."""
+
+    hidden: torch.Tensor  # (n, hidden)
+    logits: torch.Tensor  # (n, V')
+    greedy_ids: torch.Tensor  # (n,) long
 
 
 class DecodeGraphs:
     """Captures `forward` once per bucket and replays it for decode-only steps."""
 
-    def __init__(self, forward: DecodeForward, buffers: DecodeBuffers, sizes: list[int], max_context_len: int) -> None:
+    def __init__(self, forward: DecodeForward, head: DecodeHead, buffers: DecodeBuffers, sizes: list[int],
+                 max_context_len: int) -> None:
         self.forward = forward
+        self.head = head
         self.buffers = buffers
         self.sizes = sizes
         self.max_context_len = max_context_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -149,10 +168,11 @@ class DecodeGraphs:
                 meta = self.buffers.metadata(bucket, self.max_context_len)
                 ids, pos = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
                 for _ in range(2):  # warm-up outside the graph: kernel autotuning, lazy init
-                    self.forward(ids, pos, meta)
+                    self.head(self.forward(ids, pos, meta))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bucket] = self.forward(ids, pos, meta)
+                    hidden = self.forward(ids, pos, meta)
+                    self.outputs[bucket] = (hidden, *self.head(hidden))
                 pool = graph.pool()
                 self.graphs[bucket] = graph
         torch.cuda.current_stream().wait_stream(stream)
@@ -173,13 +193,14 @@ class DecodeGraphs:
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        """Hidden states (n, hidden) of a decode-only step of n <= max bucket rows. The
-        returned tensor is a view of the graph's output: read it before the next replay."""
+    ) -> GraphOutputs:
+        """The outputs of a decode-only step of n <= max bucket rows: views of the graph's
+        memory, read before the next replay."""
         n = input_ids.shape[0]
         bucket = self.bucket(n)
         if bucket is None or bucket not in self.graphs:
             raise ValueError(f"no captured graph for {n} sequences (buckets {sorted(self.graphs)})")
         self.buffers.fill(input_ids, positions, slot_mapping, block_table, context_lens, bucket)
         self.graphs[bucket].replay()
-        return self.outputs[bucket][:n]
+        hidden, logits, ids = self.outputs[bucket]
+        return GraphOutputs(hidden[:n], logits[:n], ids[:n])

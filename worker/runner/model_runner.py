@@ -24,7 +24,7 @@ from worker.api import RunnerOutput
 from worker.attention import AttentionMetadata, select_backend
 from worker.attention.kv_quant import kv_cache_dtype
 from worker.config import EngineConfig
-from worker.runner.cuda_graphs import DecodeBuffers, DecodeGraphs, graph_batch_sizes
+from worker.runner.cuda_graphs import DecodeBuffers, DecodeGraphs, GraphOutputs, graph_batch_sizes
 from worker.runner.forward_timer import ForwardTimer
 from worker.runner.kv_group_binding import (
     bind_groups, gather_table, layer_caches, model_kv_layout, scatter_table,
@@ -41,6 +41,7 @@ from worker.sampling import prompt_logprobs
 from worker.api import TokenLogprob
 from worker.runner.batches import HostBatch, LaunchedBatch
 from worker.runner.block_table import PersistentBlockTable
+from worker.runner.lm_head import greedy_ids, head_logits
 from worker.runner.inputs import attention_metadata, host_batch
 from worker.sampling.sampled_batch import SampledBatch
 from worker.sampling.sampler import Sampler, argmax_only
@@ -203,7 +204,13 @@ class ModelRunner:
         def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
             return self.model(input_ids, positions, kv_caches, meta)
 
-        graphs = DecodeGraphs(forward, buffers, sizes, max_model_len)
+        vocab, in_model_dtype = self.arch.vocab_size, self._logits_in_model_dtype
+
+        def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = head_logits(self.model.compute_logits, hidden, in_model_dtype)
+            return logits, greedy_ids(logits, vocab)
+
+        graphs = DecodeGraphs(forward, head, buffers, sizes, max_model_len)
         graphs.capture()
         return graphs
 
@@ -248,7 +255,7 @@ class ModelRunner:
         # forward runs (on a CPU device the sampler computes them: worker/structured/bitmask.py).
         sampling = [plan.seqs[i] for i in batch.sample_rows]
         masks = self.masks.start(sampling, self.arch.vocab_size) if self.sampler is not None else None
-        hidden = self._forward(batch)
+        hidden, replayed = self._forward(batch)
         if self.supports_prompt_logprobs:
             self._prompt_logprobs(plan, order, batch, hidden)
         sample_rows = batch.sample_rows
@@ -257,20 +264,29 @@ class ModelRunner:
                 self.model.compute_logits(hidden[last_token_idx])
             self.timer.stop()
             return LaunchedBatch(plan, [], None, None)
-        if self._logits_in_model_dtype and argmax_only(sampling):  # no fp32 copy of (rows, V)
-            logits = self.model.compute_logits(hidden[last_token_idx], fp32=False)
-        else:
-            logits = self.model.compute_logits(hidden[last_token_idx])
+        greedy = argmax_only(sampling)
+        ids: torch.Tensor | None = None
+        if replayed is not None and len(sample_rows) == len(order):  # row r samples from flat token r
+            logits, ids = replayed.logits, replayed.greedy_ids
+        else:  # model dtype for a greedy batch: no fp32 copy of (rows, V)
+            logits = head_logits(self.model.compute_logits, hidden[last_token_idx],
+                                 self._logits_in_model_dtype and greedy)
         self.timer.stop()
-        self._in_flight = LaunchedBatch(plan, sample_rows, logits, masks)
-        return self._in_flight
+        launched = LaunchedBatch(plan, sample_rows, logits, masks)
+        if greedy:  # a plain argmax: no sampler (worker/runner/lm_head.py)
+            if ids is None:
+                ids = greedy_ids(logits, self.arch.vocab_size)
+            launched.sampled = SampledBatch(ids, ids, None, sampling, [])
+        self._in_flight = launched
+        return launched
 
     def _sample_in_flight(self) -> LaunchedBatch:
         """The step launched last, its sampling queued now (it has not been waited for)."""
         before = self._in_flight
         if before is None or before.logits is None:
             raise RuntimeError("a plan launched ahead needs the step before it still on the device")
-        before.sampled = self._sample(before)
+        if before.sampled is None:  # a greedy batch's ids were taken at its launch
+            before.sampled = self._sample(before)
         return before
 
     def _pending_inputs(self, plan: SchedulerOutput, order: list[int], before: LaunchedBatch) -> torch.Tensor:
@@ -331,10 +347,11 @@ class ModelRunner:
         if rows is not None:
             prompt_logprobs.compute(rows, plan.seqs, hidden, self.model.compute_logits, self.arch.vocab_size)
 
-    def _forward(self, batch: HostBatch) -> torch.Tensor:
-        """Hidden states of every flat token: a graph replay for a decode-only step that
-        fits a captured bucket, the eager model otherwise. Starts the forward timer (the
-        metadata built before it is host work, not forward time)."""
+    def _forward(self, batch: HostBatch) -> tuple[torch.Tensor, GraphOutputs | None]:
+        """Hidden states of every flat token, and the replay's outputs (LM head and greedy
+        ids included) when a decode-only step fit a captured graph; the eager model and
+        None otherwise. Starts the forward timer (the metadata built before it is host
+        work, not forward time)."""
         num_seqs = len(batch.lens)
         # Graphs hold the base model only (captured with no adapter rows).
         no_lora = self.lora is None or self.lora.state.num_active == 0
@@ -342,7 +359,8 @@ class ModelRunner:
         assert table is not None
         if self.graphs is not None and no_lora and batch.num_decodes == num_seqs and self.graphs.fits(num_seqs, table.shape[1]):
             self.timer.start()
-            return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, table, batch.context_lens)
+            out = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, table, batch.context_lens)
+            return out.hidden, out
         dev = self.device
         meta = attention_metadata(batch, self.block_size, self._num_groups, self.device, self.backend.varlen)
         input_ids = batch.input_ids.to(dev, non_blocking=True)
@@ -353,4 +371,4 @@ class ModelRunner:
             self._layer_caches = layer_caches(self.kv_caches, self.kv_layout)
             self._layer_caches_of = self.kv_caches
         caches = self._layer_caches
-        return self.model(input_ids, positions, caches, meta)
+        return self.model(input_ids, positions, caches, meta), None

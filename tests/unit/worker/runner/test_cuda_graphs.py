@@ -57,7 +57,7 @@ def test_a_step_that_does_not_fit_the_buffers_runs_eagerly() -> None:
     # The runner asks `fits` before replaying; a wider block table than the buffers (or
     # more rows than the largest bucket) must take the eager path, not fail the step.
     buffers = DecodeBuffers.allocate(4, 2, SCRATCH, BLOCK_SIZE, torch.device("cpu"))
-    graphs = DecodeGraphs(lambda ids, pos, meta: ids, buffers, [1, 2, 4], max_context_len=32)
+    graphs = DecodeGraphs(lambda ids, pos, meta: ids, lambda h: (h, h), buffers, [1, 2, 4], max_context_len=32)
     assert graphs.fits(3, 2) and not graphs.fits(3, 3) and not graphs.fits(5, 1)
 
 
@@ -83,9 +83,15 @@ def test_replay_matches_eager_decode() -> None:
         return backend.forward(q_in[:n], k_in[:n], v_in[:n], cache, m, D**-0.5)
 
     buffers = DecodeBuffers.allocate(4, 16, num_blocks, kv_cache.shape[2], torch.device("cuda"))
-    graphs = DecodeGraphs(forward, buffers, [1, 2, 4], max_context_len=64)
+    def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = hidden.flatten(1)
+        return logits, logits.argmax(dim=-1)
+
+    graphs = DecodeGraphs(forward, head, buffers, [1, 2, 4], max_context_len=64)
     graphs.capture()
     q_in[:3], k_in[:3], v_in[:3] = q, k, v
     out = graphs.run(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), meta.slot_mapping,
                      meta.block_table, meta.seqused_k)
-    torch.testing.assert_close(out.cpu(), ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out.hidden.cpu(), ref, rtol=1e-3, atol=1e-3)
+    # the head ran inside the graph, on the replay's own hidden states
+    assert torch.equal(out.greedy_ids, out.hidden.flatten(1).argmax(dim=-1))

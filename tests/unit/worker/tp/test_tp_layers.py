@@ -80,7 +80,7 @@ def _model_logits(
         if runner.lora is not None:
             runner.lora.prepare([0] * len(order), batch.lens, runner.device, runner.dtype)
         with torch.inference_mode():
-            outs.append(runner.model.compute_logits(runner._forward(batch)))
+            outs.append(runner.model.compute_logits(runner._forward(batch)[0]))
     stats = runner.model.load_stats
     return outs, {"num_tensors": stats.num_tensors, "num_bytes": stats.num_bytes}
 
