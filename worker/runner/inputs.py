@@ -8,6 +8,7 @@ tables, which rows sample) and the attention metadata the backends read, per KV 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ import torch
 from worker.attention import AttentionMetadata, DecodeGroup, PrefillInfo
 from worker.runner.batches import HostBatch
 from worker.runner.block_table import PersistentBlockTable
+from worker.runner.staging import InputStaging
 from worker.runner.decode_groups import decode_group_bounds
 from worker.runner.kv_group_binding import group_table_tensor
 from worker.scheduling.plan import SchedulerOutput
@@ -144,3 +146,36 @@ def _group_metadata(batch: HostBatch, table: torch.Tensor | None, slot_mapping: 
             PrefillInfo(batch.query_start[row], lens[row], ctx, table[row, : -(-ctx // bs)].to(dev, non_blocking=True))
         )
     return meta
+
+
+@dataclass
+class DeviceInputs:
+    """A one-group varlen step's inputs on the device, staged in one copy per dtype
+    (worker/runner/staging.py)."""
+
+    input_ids: torch.Tensor  # (T,) long
+    positions: torch.Tensor  # (T,) long
+    last_token_idx: torch.Tensor  # (R,) long: the flat token each sampling row reads
+    context_lens: torch.Tensor  # (S,) int32
+    meta: AttentionMetadata
+
+
+def staged_inputs(batch: HostBatch, staging: InputStaging) -> DeviceInputs:
+    """The step's ids, positions, slots, sampling rows and varlen lengths in one pinned
+    copy per dtype; the block table is the persistent tables' device gather. Input ids
+    already on the device (a step launched ahead) are not copied again."""
+    assert batch.device_table is not None, "staged inputs read the persistent block table"
+    lens = torch.tensor(batch.lens, dtype=torch.int32)
+    cu = torch.zeros(len(batch.lens) + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=cu[1:])
+    on_host = batch.input_ids.device.type == "cpu"
+    longs = [batch.positions, batch.slot_mapping, torch.tensor(batch.last_token_idx, dtype=torch.long)]
+    parts = longs + [cu, batch.context_lens.to(torch.int32)] + ([batch.input_ids] if on_host else [])
+    up = staging.upload(parts)
+    positions, slots, last_idx, cu_dev, ctx_dev = up[:5]
+    meta = AttentionMetadata(
+        slot_mapping=slots, num_decode_tokens=batch.num_decodes, cu_seqlens_q=cu_dev, seqused_k=ctx_dev,
+        block_table=batch.device_table, max_query_len=max(batch.lens),
+        max_context_len=int(batch.context_lens.max()),
+    )
+    return DeviceInputs(up[5] if on_host else batch.input_ids, positions, last_idx, ctx_dev, meta)

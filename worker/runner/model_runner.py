@@ -42,7 +42,8 @@ from worker.api import TokenLogprob
 from worker.runner.batches import HostBatch, LaunchedBatch
 from worker.runner.block_table import PersistentBlockTable
 from worker.runner.lm_head import greedy_ids, head_logits
-from worker.runner.inputs import attention_metadata, host_batch
+from worker.runner.inputs import DeviceInputs, attention_metadata, host_batch, staged_inputs
+from worker.runner.staging import InputStaging
 from worker.sampling.sampled_batch import SampledBatch
 from worker.sampling.sampler import Sampler, argmax_only
 from worker.structured.bitmask import MaskPrefetcher
@@ -141,6 +142,8 @@ class ModelRunner:
                                  self.device, fill_block=self.num_blocks if use_graphs else 0)
             if self.backend.varlen and self._num_groups == 1 and tp.size == 1 else None
         )
+        # With them, a step's small inputs go up in one pinned copy per dtype.
+        self.staging = InputStaging(self.device) if self.tables is not None else None
 
     # -- disaggregation: the engine moves a request's KV through these, never kv_caches --
     @property
@@ -249,13 +252,14 @@ class ModelRunner:
             batch.input_ids = self._pending_inputs(plan, order, before)
         if self.lora is not None:
             self._prepare_lora(plan, order, batch)
-        dev = self.device
-        last_token_idx = torch.tensor(batch.last_token_idx, dtype=torch.long).to(dev, non_blocking=True)
+        staged = staged_inputs(batch, self.staging) if self.staging is not None else None
+        last_token_idx = (staged.last_token_idx if staged is not None else
+                          torch.tensor(batch.last_token_idx, dtype=torch.long).to(self.device, non_blocking=True))
         # Structured outputs: on an accelerator the grammar masks are computed while the
         # forward runs (on a CPU device the sampler computes them: worker/structured/bitmask.py).
         sampling = [plan.seqs[i] for i in batch.sample_rows]
         masks = self.masks.start(sampling, self.arch.vocab_size) if self.sampler is not None else None
-        hidden, replayed = self._forward(batch)
+        hidden, replayed = self._forward(batch, staged)
         if self.supports_prompt_logprobs:
             self._prompt_logprobs(plan, order, batch, hidden)
         sample_rows = batch.sample_rows
@@ -347,7 +351,7 @@ class ModelRunner:
         if rows is not None:
             prompt_logprobs.compute(rows, plan.seqs, hidden, self.model.compute_logits, self.arch.vocab_size)
 
-    def _forward(self, batch: HostBatch) -> tuple[torch.Tensor, GraphOutputs | None]:
+    def _forward(self, batch: HostBatch, staged: DeviceInputs | None = None) -> tuple[torch.Tensor, GraphOutputs | None]:
         """Hidden states of every flat token, and the replay's outputs (LM head and greedy
         ids included) when a decode-only step fit a captured graph; the eager model and
         None otherwise. Starts the forward timer (the metadata built before it is host
@@ -359,12 +363,19 @@ class ModelRunner:
         assert table is not None
         if self.graphs is not None and no_lora and batch.num_decodes == num_seqs and self.graphs.fits(num_seqs, table.shape[1]):
             self.timer.start()
-            out = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, table, batch.context_lens)
+            if staged is not None:
+                out = self.graphs.run(staged.input_ids, staged.positions, staged.meta.slot_mapping, table,
+                                      staged.context_lens)
+            else:
+                out = self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, table, batch.context_lens)
             return out.hidden, out
         dev = self.device
-        meta = attention_metadata(batch, self.block_size, self._num_groups, self.device, self.backend.varlen)
-        input_ids = batch.input_ids.to(dev, non_blocking=True)
-        positions = batch.positions.to(dev, non_blocking=True)
+        if staged is not None:
+            meta, input_ids, positions = staged.meta, staged.input_ids, staged.positions
+        else:
+            meta = attention_metadata(batch, self.block_size, self._num_groups, self.device, self.backend.varlen)
+            input_ids = batch.input_ids.to(dev, non_blocking=True)
+            positions = batch.positions.to(dev, non_blocking=True)
         self.timer.start()
         # One group: the tensor itself; several: each layer's slot view.
         if self._layer_caches_of is not self.kv_caches:
