@@ -285,7 +285,7 @@ class KVServeConfig(Section):
 
     @model_validator(mode="after")
     def _models_are_distinct(self) -> KVServeConfig:
-        from cluster.models_config import check_models
+        from cluster.models_config import check_models  # it builds KVServeConfig views: a cycle at import
 
         check_models(self)
         return self

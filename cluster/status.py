@@ -129,8 +129,8 @@ def gather(address: str, app_name: str, timeout_s: float = STATS_TIMEOUT_S) -> C
 def pool_role(deployment: str) -> tuple[str, str]:
     """(role, model slug) of one of the app's deployments: `ingress`; `worker`, `prefill`,
     `decode` (one model); `<role>-<slug>` (one of several models: cluster/models_config.py)."""
-    from cluster.app import INGRESS_DEPLOYMENT
-    from cluster.models_config import POOL_ROLES
+    from cluster.app import INGRESS_DEPLOYMENT  # Ray and Serve: imported only once connected
+    from cluster.models_config import POOL_ROLES  # beside it, as the rest of this module's lazy imports
 
     if deployment == INGRESS_DEPLOYMENT:
         return "ingress", ""

@@ -82,3 +82,13 @@ def test_key_models_must_name_served_models() -> None:
 def test_slug() -> None:
     assert slug_of("meta-llama/Llama-3.2-1B") == "meta-llama-Llama-3.2-1B"
     assert slug_of("///") == "model"
+
+
+def test_a_local_cluster_gets_cpus_for_every_models_pools() -> None:
+    from cluster.cli import local_num_cpus
+
+    config = KVServeConfig.from_dict({"engine": {"device": "cpu"}, "models": [
+        {"name": "a", "workers": {"num_replicas": 40, "num_cpus": 1}},
+        {"name": "b", "disaggregation": {"prefill": {"num_replicas": 20, "num_cpus": 1},
+                                         "decode": {"num_replicas": 10, "num_cpus": 1}}}]})
+    assert local_num_cpus(config) == 71  # 40 + 20 + 10 worker CPUs and the ingress's 0.5
