@@ -304,10 +304,11 @@ class Ingress(GrpcMethods):
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
         """vLLM's /tokenize: the ids generation would see, with the context length."""
-        serving, req, num_bytes = await self._read_for_model(request, tk.TokenizeRequest)
+        principal = self._authenticate(request)
+        serving, req, num_bytes = await self._read_for_model(request, tk.TokenizeRequest, principal)
         pipeline = serving.pipeline
         tokenizer = pipeline.tokenizer
-        ids = await pipeline.tokenizer_work(self._authenticate(request), num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
+        ids = await pipeline.tokenizer_work(principal, num_bytes, lambda: tk.tokenize_ids(req, tokenizer))
         info = await pipeline.workers.model_info()
         strs = [pipeline.texts(t) for t in ids] if req.return_token_strs else None
         out = tk.TokenizeResponse(count=len(ids), max_model_len=int(info["max_model_len"]), tokens=ids, token_strs=strs)
@@ -316,10 +317,10 @@ class Ingress(GrpcMethods):
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:
         """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM)."""
-        serving, req, num_bytes = await self._read_for_model(request, tk.DetokenizeRequest)
+        principal = self._authenticate(request)
+        serving, req, num_bytes = await self._read_for_model(request, tk.DetokenizeRequest, principal)
         tokenizer = serving.pipeline.tokenizer
-        text = await serving.pipeline.tokenizer_work(self._authenticate(request), num_bytes,
-                                                     lambda: tk.detokenize_text(req, tokenizer))
+        text = await serving.pipeline.tokenizer_work(principal, num_bytes, lambda: tk.detokenize_text(req, tokenizer))
         return JSONResponse(tk.DetokenizeResponse(prompt=text).model_dump())
 
     @app.get("/version")
@@ -367,28 +368,21 @@ class Ingress(GrpcMethods):
 
     async def _read(self, request: Request, model: type[M], principal: Principal | None = None
                     ) -> tuple[Principal, M, int]:
-        """Authenticate (unless the caller has: `principal`), read the JSON body (bounded),
-        validate it and check its `model` (optional where the endpoint allows it): every
-        POST endpoint starts so."""
+        """Authenticate (unless the caller has: `principal`), read the JSON body (bounded)
+        and validate it: every POST endpoint starts so."""
         principal = principal if principal is not None else self._authenticate(request)
         body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
-        req = parse(model, body)
-        name = getattr(req, "model", None)
-        if name is not None:
-            await self.pipeline.lora.refresh(name)  # the cluster's run-time adapters
-            self.pipeline.lora.resolve(name)  # the base model or a known adapter; else 404
-        return principal, req, num_bytes
+        return principal, parse(model, body), num_bytes
 
-    async def _read_for_model(self, request: Request, model: type[M], principal: Principal | None = None
+    async def _read_for_model(self, request: Request, model: type[M], principal: Principal
                               ) -> tuple[ModelServing, M, int]:
-        """As _read, for an endpoint served by the model the body names (its pools, its
-        tokenizer): that model, or 404 when the caller may use no model of that name."""
-        principal = principal if principal is not None else self._authenticate(request)
-        body, num_bytes = await read_json(request, self.settings.max_body_bytes, self.settings.body_read_timeout_s)
-        req = parse(model, body)
+        """As _read, for an endpoint served by the model the body names (optional where the
+        endpoint allows it): that model's serving, or 404 when the caller may use no model
+        or adapter of that name (router/frontend/models/directory.py)."""
+        _, req, num_bytes = await self._read(request, model, principal)
         name = getattr(req, "model", None)
         serving = await self.served.find(name, principal)
         if name is not None:
-            await serving.pipeline.lora.refresh(name)
-            serving.pipeline.lora.resolve(name)
+            await serving.pipeline.lora.refresh(name)  # the cluster's run-time adapters
+            serving.pipeline.lora.resolve(name)  # the base model or a known adapter; else 404
         return serving, req, num_bytes

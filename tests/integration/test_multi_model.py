@@ -2,8 +2,8 @@
 two tiny checkpoints with different weights and engine settings, each in its own worker
 pool, each answering through the official `openai` client with transformers' own greedy
 text; a key limited to one model is told the other does not exist (404 model_not_found,
-in Anthropic's shape on /v1/messages); /v1/models lists both; `kvserve status` and
-/metrics show each model's own pool."""
+in Anthropic's shape on /v1/messages, NOT_FOUND over gRPC, which routes by its `model` too);
+/v1/models lists both; `kvserve status` and /metrics show each model's own pool."""
 from __future__ import annotations
 
 import hashlib
@@ -24,6 +24,7 @@ KEY_ALL, KEY_CHAT = "kvs-mm-key-all-2b61", "kvs-mm-key-chat-91c0"
 ENV = {"KVSERVE_TEST_API_KEYS": ",".join(f"sha256:{hashlib.sha256(k.encode()).hexdigest()}" for k in (KEY_ALL, KEY_CHAT))}
 CHAT_KEY_ID = hashlib.sha256(KEY_CHAT.encode()).hexdigest()[:12]
 PROMPT, MAX_TOKENS = "Paged attention stores keys", 6
+Served = tuple[str, dict[str, str], str]  # HTTP root, each model's greedy text, gRPC target
 
 
 def config(chat_dir: Path, coder_dir: Path) -> Any:
@@ -57,7 +58,8 @@ def expected_text(model_dir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+def served(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """(the app's HTTP root, each model's greedy text for PROMPT by transformers)."""
     from ray import serve
 
     from tests.support.tiny_models import make_tiny_model
@@ -69,15 +71,15 @@ def served(serve_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iter
     expected = {"chat": expected_text(chat_dir), "org/coder": expected_text(coder_dir)}
     tiny_app.deploy(config(chat_dir, coder_dir), ingress_env=ENV)
     try:
-        yield f"{serve_cluster.http_url}/{APP}", expected
+        yield f"{serve_cluster.http_url}/{APP}", expected, f"127.0.0.1:{serve_cluster.grpc_port}"
     finally:
         serve.delete(APP)
 
 
-def test_each_model_answers_with_its_own_greedy_text(served: tuple[str, dict[str, str]]) -> None:
+def test_each_model_answers_with_its_own_greedy_text(served: Served) -> None:
     import openai
 
-    root, expected = served
+    root, expected, _ = served
     assert expected["chat"] != expected["org/coder"]  # two models, told apart by their output
     with openai.OpenAI(base_url=f"{root}/v1", api_key=KEY_ALL, max_retries=0) as client:
         for model, text in expected.items():
@@ -89,10 +91,10 @@ def test_each_model_answers_with_its_own_greedy_text(served: tuple[str, dict[str
         assert unknown.value.code == "model_not_found"
 
 
-def test_a_key_limited_to_one_model_is_refused_the_other(served: tuple[str, dict[str, str]]) -> None:
+def test_a_key_limited_to_one_model_is_refused_the_other(served: Served) -> None:
     import openai
 
-    root, expected = served
+    root, expected, _ = served
     with openai.OpenAI(base_url=f"{root}/v1", api_key=KEY_CHAT, max_retries=0) as client:
         out = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert out.model == "chat"
@@ -104,14 +106,17 @@ def test_a_key_limited_to_one_model_is_refused_the_other(served: tuple[str, dict
     r = httpx.post(f"{root}/v1/messages", headers=headers, timeout=60,
                    json={"model": "org/coder", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and r.json()["type"] == "error" and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.post(f"{root}/v1/responses", headers={"authorization": f"Bearer {KEY_CHAT}"}, timeout=60,
+                   json={"model": "org/coder", "input": "hi", "max_output_tokens": 1})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
-def test_status_and_metrics_are_per_model(served: tuple[str, dict[str, str]]) -> None:
+def test_status_and_metrics_are_per_model(served: Served) -> None:
     import ray
 
     from cluster.status import gather
 
-    root, _ = served
+    root, _, _ = served
     auth = {"authorization": f"Bearer {KEY_ALL}"}
     for model in ("chat", "org/coder"):
         body = {"model": model, "prompt": PROMPT, "max_tokens": 2}
@@ -124,3 +129,33 @@ def test_status_and_metrics_are_per_model(served: tuple[str, dict[str, str]]) ->
     assert text.count("# TYPE kvserve:e2e_request_latency_seconds histogram") == 1  # one family, both models
     for model in ("chat", "org/coder"):  # the tokens each model generated above, under its own label
         assert re.search(rf'^kvserve:generation_tokens_total{{[^}}]*model_name="{model}"[^}}]*}} [1-9]', text, re.M), model
+
+
+def test_grpc_routes_by_the_request_model_with_the_same_key_limits(served: Served) -> None:
+    import grpc
+
+    from router.frontend.grpc_api.client import KVServeClient, KVServeError
+    from tests.support.waiting import wait_until
+
+    _, expected, target = served
+    with KVServeClient(target, api_key=KEY_ALL, application=APP, timeout=60) as client:
+        # The proxy learns of a new application asynchronously (as in test_grpc_api.py).
+        wait_until(lambda: _listed(client) == ["chat", "org/coder"], 60, message="the gRPC proxy to route here")
+        out = client.generate(PROMPT, model="org/coder", max_tokens=MAX_TOKENS, temperature=0.0)
+        assert (out.model, out.text) == ("org/coder", expected["org/coder"])
+    with KVServeClient(target, api_key=KEY_CHAT, application=APP, timeout=60) as client:
+        assert _listed(client) == ["chat"]
+        with pytest.raises(KVServeError) as refused:
+            client.generate(PROMPT, model="org/coder", max_tokens=1)
+        assert refused.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def _listed(client: Any) -> list[str] | None:
+    import grpc
+
+    from router.frontend.grpc_api.client import KVServeError
+
+    try:
+        return [m.id for m in client.list_models()]
+    except (grpc.RpcError, KVServeError):
+        return None
