@@ -92,3 +92,34 @@ def test_a_local_cluster_gets_cpus_for_every_models_pools() -> None:
         {"name": "b", "disaggregation": {"prefill": {"num_replicas": 20, "num_cpus": 1},
                                          "decode": {"num_replicas": 10, "num_cpus": 1}}}]})
     assert local_num_cpus(config) == 71  # 40 + 20 + 10 worker CPUs and the ingress's 0.5
+
+
+def test_the_app_binds_every_models_pools_to_one_ingress() -> None:
+    from cluster.app import app_builder
+
+    app = app_builder({**TWO, "ingress": {"key_models": {"0123456789ab": ["chat"]}}})
+    ingress = app._bound_deployment
+    assert ingress.name == "ingress"
+    worker, settings = ingress.init_args
+    assert worker._bound_deployment.name == "worker-chat" and settings.served_model_name == "chat"
+    assert settings.key_models == {"0123456789ab": ["chat"]} and "prefill_worker" not in ingress.init_kwargs
+    [coder] = ingress.init_kwargs["other_models"]
+    assert coder.settings.served_model_name == "org/coder"
+    assert (coder.worker._bound_deployment.name, coder.prefill_worker._bound_deployment.name) == (
+        "decode-org-coder", "prefill-org-coder")
+    # Each pool runs its model's engine, and its router shares its view in its own namespace.
+    chat_engine = worker._bound_deployment.init_args[0]
+    assert chat_engine.scheduler.max_num_seqs == 4 and chat_engine.lora.modules == (("sql", "/adapters/sql"),)
+    views = {d.name: d._deployment_config.request_router_config.request_router_kwargs["shared_view"]["key_prefix"]
+             for d in (worker._bound_deployment, coder.worker._bound_deployment)}
+    assert views == {"worker-chat": "kvserve:kvserve:model:chat", "decode-org-coder": "kvserve:kvserve:model:org-coder"}
+
+
+def test_a_single_model_app_keeps_its_deployment_names() -> None:
+    from cluster.app import app_builder
+
+    ingress = app_builder({"engine": {"device": "cpu"}})._bound_deployment
+    assert ingress.init_args[0]._bound_deployment.name == "worker" and "other_models" not in ingress.init_kwargs
+    disagg = app_builder({"engine": {"device": "cpu"}, "disaggregation": {}})._bound_deployment
+    assert disagg.init_args[0]._bound_deployment.name == "decode"
+    assert disagg.init_kwargs["prefill_worker"]._bound_deployment.name == "prefill"
