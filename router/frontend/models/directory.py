@@ -1,7 +1,8 @@
 """The models an ingress replica serves, and which one a request is for.
 
 A request's `model` names a served model or one of its LoRA adapters (an adapter resolves
-to its base model's pools); no `model` (where an endpoint allows it) is the first model.
+to its base model's pools); no `model` (where an endpoint allows it) is the first model
+the caller may use.
 A key limited to some models (settings.key_models) is told that any other model does not
 exist: the same 404 model_not_found as an unknown name, listing only what the key may use,
 so that a key cannot learn which other models run here (docs/security.md).
@@ -21,7 +22,7 @@ class ModelDirectory:
         if not servings:
             raise ValueError("an ingress serves at least one model")
         self.servings = {s.name: s for s in servings}
-        self.default = servings[0]  # the one a request without `model` is for
+        self.default = servings[0]  # the first model: the ingress-wide settings are its
         self._key_models = {key_id: frozenset(names) for key_id, names in key_models.items()}
 
     def allowed(self, principal: Principal) -> list[ModelServing]:
@@ -32,8 +33,13 @@ class ModelDirectory:
     async def find(self, model: str | None, principal: Principal) -> ModelServing:
         """The served model a request's `model` is for (404 model_not_found when it names
         none the caller may use)."""
+        if not model:  # the first model the caller may use
+            allowed = self.allowed(principal)
+            if not allowed:
+                raise self.not_found("", principal)
+            return allowed[0]
         serving = self._lookup(model)
-        if serving is None and model:  # perhaps an adapter another replica loaded at run time
+        if serving is None:  # perhaps an adapter another replica loaded at run time
             for candidate in self.servings.values():
                 await candidate.pipeline.lora.refresh(model)
             serving = self._lookup(model)
@@ -41,9 +47,7 @@ class ModelDirectory:
             raise self.not_found(model or "", principal)
         return serving
 
-    def _lookup(self, model: str | None) -> ModelServing | None:
-        if not model:
-            return self.default
+    def _lookup(self, model: str) -> ModelServing | None:
         serving = self.servings.get(model)
         if serving is not None:
             return serving

@@ -77,6 +77,8 @@ def test_a_key_limited_to_a_model_is_told_the_others_do_not_exist(two: tuple[Mod
     assert [s.name for s in directory.allowed(limited)] == ["chat"]
     assert [s.name for s in directory.allowed(unlimited)] == ["chat", "org/coder"]
     assert find(directory, "org/coder", unlimited) == "org/coder"
+    coder_only = ModelDirectory(list(directory.servings.values()), {CHAT_ONLY: ["org/coder"]})
+    assert find(coder_only, None, limited) == "org/coder"  # no model: the first one the key may use
 
 
 def test_grpc_routes_by_the_request_model_with_the_same_key_limits(two: tuple[ModelDirectory, FakeWorker, FakeWorker]) -> None:
