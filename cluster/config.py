@@ -293,7 +293,10 @@ class KVServeConfig(Section):
     @model_validator(mode="after")
     def _planner_has_a_cost_model(self) -> KVServeConfig:
         # The SLO planner prices steps with the step-cost model: refuse a pool with SLO
-        # targets that has none, here rather than in Serve's controller.
+        # targets that has none, here rather than in Serve's controller. With `models:`
+        # each model's view is checked with its own model and engine.
+        if self.models:
+            return self
         pools = [self.workers] + ([self.disaggregation.prefill, self.disaggregation.decode]
                                   if self.disaggregation is not None else [])
         if any(p.autoscaling is not None and p.autoscaling.slo is not None for p in pools):

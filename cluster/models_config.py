@@ -28,6 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from cluster.config_errors import ConfigError
 
 if TYPE_CHECKING:
@@ -65,11 +67,22 @@ def model_views(config: KVServeConfig) -> list[ModelView]:
     for index, entry in enumerate(config.models):
         name = entry.model_section().resolved_name()
         try:
-            view = type(config).from_dict(_view_data(config, index))
-        except ConfigError as e:
-            raise ConfigError(f"models[{index}] ({name}): {e}") from None
+            view = type(config).model_validate(_view_data(config, index))
+        except ValidationError as e:
+            raise ConfigError(f"models[{index}] ({name}): {_problems(e)}") from None
         views.append(ModelView(name, slug_of(name), view))
     return views
+
+
+def _problems(error: ValidationError) -> str:
+    """A view's validation errors in one line, without the input they were found in (the
+    user's own config is quoted by the caller's error)."""
+    parts = []
+    for e in error.errors(include_input=False):
+        where = ".".join(str(part) for part in e["loc"])
+        message = str(e["msg"]).removeprefix("Value error, ")
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)
 
 
 def _view_data(config: KVServeConfig, index: int) -> dict[str, Any]:

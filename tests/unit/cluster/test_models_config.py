@@ -123,3 +123,23 @@ def test_a_single_model_app_keeps_its_deployment_names() -> None:
     disagg = app_builder({"engine": {"device": "cpu"}, "disaggregation": {}})._bound_deployment
     assert disagg.init_args[0]._bound_deployment.name == "decode"
     assert disagg.init_kwargs["prefill_worker"]._bound_deployment.name == "prefill"
+
+
+def test_each_model_has_its_own_planner_targets() -> None:
+    from cluster.app import worker_options
+
+    config = KVServeConfig.from_dict({
+        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b"},
+        "models": [
+            {"name": "chat", "workers": {"autoscaling": {"max_replicas": 8, "slo": {
+                "ttft_ms": 500, "itl_ms": 30, "priority": 2}}}},
+            {"name": "batch", "engine": {"max_num_seqs": 32}, "workers": {"autoscaling": {"max_replicas": 2}}},
+        ]})
+    chat, batch = (worker_options(view.config)["autoscaling_config"] for view in model_views(config))
+    assert chat.policy.policy_function == "cluster.planner.serve_policy:SLOPlannerPolicy"
+    assert chat.policy.policy_kwargs["model"] == "chat" and chat.max_replicas == 8
+    assert batch.policy.policy_function == "cluster.autoscaling:QueueDepthPolicy" and batch.max_replicas == 2
+    # The planner prices the model's own engine; a model without a cost model is refused.
+    with pytest.raises(ConfigError, match=r"models\[0\] \(a\).*step_time_profile"):
+        KVServeConfig.from_dict({"engine": {"device": "cpu"}, "models": [
+            {"name": "a", "workers": {"autoscaling": {"slo": {"ttft_ms": 1000, "itl_ms": 50}}}}]})
