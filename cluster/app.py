@@ -25,7 +25,9 @@ from cluster.deps import missing
 from cluster.pool_config import IngressAutoscalingSection
 from cluster.slo_config import PLANNER_POLICY, planner_policy_kwargs
 from cluster.tracing import TracingSetup, check_exporter
+from cluster.models_config import ModelView, model_views
 from router.frontend.ingress import Ingress
+from router.frontend.models.pools import ModelPools
 from router.frontend.settings import IngressSettings
 from router.routing import ROUTER_CLASS
 from worker.serving.replica import WorkerReplica
@@ -46,34 +48,43 @@ _SERVE_METRICS_INTERVAL_S = AutoscalingConfig.model_fields["metrics_interval_s"]
 
 
 def build_app(config: KVServeConfig) -> Application:
-    if config.disaggregation is not None:
-        return build_disaggregated_app(config)
-    worker = serve.deployment(WorkerReplica, name=WORKER_DEPLOYMENT).options(**worker_options(config))
+    """The ingress over every served model's pools (cluster/models_config.py): one model,
+    as `model:` configures it, or each of `models:`."""
+    first, *others = [model_pools(view) for view in model_views(config)]
     ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
-    engine = worker.bind(config.engine_config(), drain_timeout_s=config.workers.drain_timeout_s,
-                         setup=tracing_setup(config, WORKER_DEPLOYMENT),
-                         stream_interval_s=config.workers.stream_interval_ms / 1000)
-    return ingress.bind(engine, ingress_settings(config))
+    kwargs: dict[str, Any] = {}
+    if first.prefill_worker is not None:
+        kwargs.update(prefill_worker=first.prefill_worker, max_waiting_for_decode=first.max_waiting_for_decode)
+    if others:
+        kwargs["other_models"] = tuple(others)
+    settings = replace(first.settings, key_models=dict(config.ingress.key_models))
+    return ingress.bind(first.worker, settings, **kwargs)
+
+
+def model_pools(view: ModelView) -> ModelPools:
+    """One model's pools, bound: its worker deployment, or its prefill and decode ones
+    (router/frontend/disagg.py: ingress -> prefill pool (exports KV) -> decode pool)."""
+    config = view.config
+    settings = ingress_settings(config)
+    if config.disaggregation is None:
+        name = view.deployment(WORKER_DEPLOYMENT)
+        worker = serve.deployment(WorkerReplica, name=name).options(**worker_options(config))
+        engine = worker.bind(config.engine_config(), drain_timeout_s=config.workers.drain_timeout_s,
+                             setup=tracing_setup(config, name),
+                             stream_interval_s=config.workers.stream_interval_ms / 1000)
+        return ModelPools(settings, engine)
+    pools = {}
+    for role, (pool_config, options) in pool_options(config).items():
+        name = view.deployment(role)
+        deployment = serve.deployment(WorkerReplica, name=name).options(**options)
+        pools[role] = deployment.bind(pool_config.engine_config(), drain_timeout_s=pool_config.workers.drain_timeout_s,
+                                      setup=tracing_setup(config, name))
+    return ModelPools(settings, pools[DECODE_DEPLOYMENT], pools[PREFILL_DEPLOYMENT],
+                      config.disaggregation.max_waiting_for_decode)
 
 
 PREFILL_DEPLOYMENT = "prefill"
 DECODE_DEPLOYMENT = "decode"
-
-
-def build_disaggregated_app(config: KVServeConfig) -> Application:
-    """ingress -> prefill pool (exports KV) -> decode pool (imports it): router/frontend/disagg.py."""
-    assert config.disaggregation is not None
-    pools = {}
-    for name, (pool_config, options) in pool_options(config).items():
-        deployment = serve.deployment(WorkerReplica, name=name).options(**options)
-        pools[name] = deployment.bind(pool_config.engine_config(), drain_timeout_s=pool_config.workers.drain_timeout_s,
-                                      setup=tracing_setup(config, name))
-    ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT).options(**ingress_options(config))
-    return ingress.bind(
-        pools[DECODE_DEPLOYMENT], ingress_settings(config),
-        prefill_worker=pools[PREFILL_DEPLOYMENT],
-        max_waiting_for_decode=config.disaggregation.max_waiting_for_decode,
-    )
 
 
 def pool_options(config: KVServeConfig) -> dict[str, tuple[KVServeConfig, dict[str, Any]]]:

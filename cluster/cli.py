@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ConfigError, KVServeConfig
+from cluster.models_config import model_views
 from cluster.listen_config import GRPCSection, HTTPSection
 from cluster.lora_config import parse_lora_modules
 from cluster.deps import MissingDependencyError, missing
@@ -230,12 +231,12 @@ def local_num_cpus(config: KVServeConfig) -> int:
     rather than wait forever for a CPU that does not exist)."""
     from cluster.app import worker_resources
 
-    d = config.disaggregation
-    pools = [config.workers] if d is None else [d.prefill, d.decode]
     wanted = config.ingress.max_num_replicas() * config.ingress.num_cpus
-    for pool in pools:
-        replicas = pool.autoscaling.max_replicas if pool.autoscaling else pool.num_replicas
-        wanted += replicas * worker_resources(config.model_copy(update={"workers": pool}))["num_cpus"]
+    for view in model_views(config):  # every model's pools
+        d = view.config.disaggregation
+        for pool in [view.config.workers] if d is None else [d.prefill, d.decode]:
+            replicas = pool.autoscaling.max_replicas if pool.autoscaling else pool.num_replicas
+            wanted += replicas * worker_resources(view.config.model_copy(update={"workers": pool}))["num_cpus"]
     return max(os.cpu_count() or 1, math.ceil(wanted))
 
 
@@ -266,9 +267,12 @@ def drain_ingress(app_name: str, timeout_s: float) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    engine_config = config.engine_config()  # fails early (and readably) on a missing model
-    # ... and on a checkpoint the workers would refuse (quantized, another architecture).
-    check_local_model(engine_config.model.model, engine_config.model.trust_remote_code)
+    paths = []
+    for view in model_views(config):  # every served model
+        engine_config = view.config.engine_config()  # fails early (and readably) on a missing model
+        # ... and on a checkpoint the workers would refuse (quantized, another architecture).
+        check_local_model(engine_config.model.model, engine_config.model.trust_remote_code)
+        paths.append(engine_config.model.model)
     from cluster.local_ray import forget_local_cluster, keep_ray_on_loopback
 
     if args.address is None:
@@ -296,7 +300,7 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
     try:
-        _serve_until_stopped(config, engine_config.model.model, ingress, stop)
+        _serve_until_stopped(config, ", ".join(paths), ingress, stop)
     finally:
         try:
             serve.shutdown()
@@ -380,8 +384,8 @@ def _serve_until_stopped(config: KVServeConfig, model: str, ingress: HttpIngress
     )
     print(f"kvserve: loading {model} on {config.workers.num_replicas} worker(s) ...", flush=True)
     serve.run(build_app(config), name=config.app_name, route_prefix=config.route_prefix, blocking=False)
-    name = config.model.resolved_name()
-    print(f"kvserve: serving model {name!r}", flush=True)
+    names = [view.name for view in model_views(config)]
+    print(f"kvserve: serving model{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))}", flush=True)
     for line in endpoint_lines(config, ingress.direct, ingress.off_reason):
         print(f"kvserve: {line}", flush=True)
     for line in listen_warnings(config, ingress.direct):

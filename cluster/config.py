@@ -222,6 +222,26 @@ class DisaggregationSection(Section):
     max_waiting_for_decode: int = Field(MAX_WAITING_FOR_DECODE, ge=1)
 
 
+class ModelEntry(Section):
+    """One model of a `models:` list (cluster/models_config.py): the model section's fields
+    (`name` is its served_model_name), and its own engine, pools and adapters. An omitted
+    `engine` key keeps the top-level engine's value; an omitted workers, disaggregation or
+    lora section is the top-level one."""
+
+    name: str | None = Field(None, min_length=1, max_length=128)
+    path: str | None = None
+    trust_remote_code: bool = default_of(ModelConfig, "trust_remote_code")
+    seed: int = Field(default_of(ModelConfig, "seed"), ge=0)
+    engine: EngineSection | None = None
+    workers: WorkersSection | None = None
+    disaggregation: DisaggregationSection | None = None
+    lora: LoRASection | None = None
+
+    def model_section(self) -> ModelSection:
+        return ModelSection(path=self.path, served_model_name=self.name, trust_remote_code=self.trust_remote_code,
+                            seed=self.seed)
+
+
 class KVServeConfig(Section):
     app_name: str = "kvserve"
     route_prefix: str = Field("/", json_schema_extra={"pattern": "^/"})  # see _prefix
@@ -237,6 +257,9 @@ class KVServeConfig(Section):
     disaggregation: DisaggregationSection | None = None
     observability: ObservabilitySection = ObservabilitySection()  # tracing: cluster/tracing.py
     lora: LoRASection = LoRASection()  # multi-LoRA serving: cluster/lora_config.py
+    # Many models on one cluster (cluster/models_config.py): each its own pools behind the one
+    # ingress, routed by the request's `model`. Empty: the one model of `model:`.
+    models: list[ModelEntry] = Field(default_factory=list)
 
     @field_validator("model", mode="before")
     @classmethod
@@ -261,9 +284,19 @@ class KVServeConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _models_are_distinct(self) -> KVServeConfig:
+        from cluster.models_config import check_models  # it builds KVServeConfig views: a cycle at import
+
+        check_models(self)
+        return self
+
+    @model_validator(mode="after")
     def _planner_has_a_cost_model(self) -> KVServeConfig:
         # The SLO planner prices steps with the step-cost model: refuse a pool with SLO
-        # targets that has none, here rather than in Serve's controller.
+        # targets that has none, here rather than in Serve's controller. With `models:`
+        # each model's view is checked with its own model and engine.
+        if self.models:
+            return self
         pools = [self.workers] + ([self.disaggregation.prefill, self.disaggregation.decode]
                                   if self.disaggregation is not None else [])
         if any(p.autoscaling is not None and p.autoscaling.slo is not None for p in pools):

@@ -89,6 +89,10 @@ class IngressSection(Section):
     # its weight (a key of weight 3 is served up to 3 times in a row, and keeps up to 3x
     # the places of a weight-1 key when the queue is full). Unlisted keys: 1.
     key_weights: dict[str, PositiveInt] = Field(default_of(IngressSettings, "key_weights"))
+    # Models per API key (cluster/models_config.py): key id -> the models (and their LoRA
+    # adapters) it may use; any other model is answered as unknown (404 model_not_found,
+    # docs/security.md) and left out of its /v1/models. Unlisted keys: every model.
+    key_models: dict[str, list[str]] = Field(default_of(IngressSettings, "key_models"))
     # Serve /metrics without an API key (for a Prometheus scraper) when keys are on.
     metrics_public: bool = default_of(IngressSettings, "metrics_public")
     # Admission control (router/routing/admission.py): while no worker replica can take a request

@@ -72,6 +72,9 @@ class PoolStatus:
     kv_total_blocks: int | None = None
     num_running: int | None = None
     num_waiting: int | None = None
+    # The served model whose pool it is, by its slug (cluster/models_config.py); "" for the
+    # ingress and for the pools of a single-model app.
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -110,17 +113,31 @@ def gather(address: str, app_name: str, timeout_s: float = STATS_TIMEOUT_S) -> C
     pools, replicas = [], []
     # The ingress first, then the worker pools by name.
     for name, deployment in sorted((app.get("deployments") or {}).items(), key=lambda kv: (kv[0] != INGRESS_DEPLOYMENT, kv[0])):
-        role = "ingress" if name == INGRESS_DEPLOYMENT else name if name in ("prefill", "decode") else "worker"
+        role, model = pool_role(name)
         members = [_replica(name, r) for r in deployment.get("replicas") or []]
         in_flight = None
         if role == "ingress":
             in_flight = sum(r for r in _broadcast(name, app_name, "num_in_flight", timeout_s) if isinstance(r, int))
         else:
             members = _with_stats(members, _broadcast(name, app_name, "stats", timeout_s))
-        pools.append(_pool(name, role, deployment, members, in_flight))
+        pools.append(replace(_pool(name, role, deployment, members, in_flight), model=model))
         replicas += members
     replicas.sort(key=lambda r: (r.node_ip, r.node_id, r.pool, r.replica_id))
     return ClusterStatus(address, app_name, _text(app.get("status")), pools, replicas)
+
+
+def pool_role(deployment: str) -> tuple[str, str]:
+    """(role, model slug) of one of the app's deployments: `ingress`; `worker`, `prefill`,
+    `decode` (one model); `<role>-<slug>` (one of several models: cluster/models_config.py)."""
+    from cluster.app import INGRESS_DEPLOYMENT  # Ray and Serve: imported only once connected
+    from cluster.models_config import POOL_ROLES  # beside it, as the rest of this module's lazy imports
+
+    if deployment == INGRESS_DEPLOYMENT:
+        return "ingress", ""
+    role, _, slug = deployment.partition("-")
+    if role in POOL_ROLES:
+        return role, slug
+    return "worker", ""
 
 
 def _text(value: Any) -> str:
@@ -207,6 +224,9 @@ def render(status: ClusterStatus) -> str:
             _kv(p.kv_used_blocks, p.kv_total_blocks), _n(p.num_running), _n(p.num_waiting), _n(p.num_in_flight),
             _autoscaling_text(p.autoscaling),
         ))
+    if any(p.model for p in status.pools):  # several models: which model each pool serves
+        pool_rows = [(*row[:2], "MODEL" if i == 0 else status.pools[i - 1].model or "-", *row[2:])
+                     for i, row in enumerate(pool_rows)]
     lines += _table(pool_rows)
     lines.append("")
     rows = [("NODE", "REPLICA", "POOL", "STATE", "KV USED", "RUNNING", "WAITING", "WAITING TOKENS", "TOKENS/S", "PREEMPTIONS")]

@@ -64,6 +64,9 @@ class LoadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
     lora_path: str = Field(min_length=1, max_length=4096)
+    # The served model the adapter is for, where the ingress serves several (kvserve's own
+    # field; None: the first model).
+    base_model: str | None = Field(None, min_length=1, max_length=MAX_LORA_NAME_CHARS)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

@@ -149,7 +149,12 @@ class IngressMetrics:
     def render(self, worker_stats: list[dict[str, Any]]) -> bytes:
         # Synchronous from here to the end: a concurrent scrape cannot interleave.
         self.workers.latest = worker_stats
-        return generate_latest(_Labelled(self.registry, self.source_labels))
+        return generate_latest(labelled(self))
+
+
+def labelled(metrics: IngressMetrics) -> _Labelled:
+    """The replica's registry with its source labels on every sample (what render writes)."""
+    return _Labelled(metrics.registry, metrics.source_labels)
 
 
 # name, help, stats key, kind

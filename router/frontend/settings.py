@@ -4,7 +4,7 @@ A frozen dataclass (not the pydantic schema) so that router/ does not depend on 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from router.frontend.auth import DEFAULT_ADMIN_API_KEYS_ENV, DEFAULT_API_KEYS_ENV
@@ -66,6 +66,10 @@ class IngressSettings:
     # Weighted fair shares within a band (router/routing/fair_queue.py): each listed key id's
     # weight in the hold queue's rotation and its share of a full queue; unlisted keys: 1.
     key_weights: Mapping[str, int] = field(default_factory=dict, compare=False)
+
+    # Models per API key: key id -> the served models it may use (their adapters too); any
+    # other model is answered as unknown (404). Unlisted keys: every model.
+    key_models: Mapping[str, Sequence[str]] = field(default_factory=dict, compare=False)
 
     @property
     def unlisted_key_priority(self) -> int:

@@ -118,6 +118,28 @@ SCENARIOS: dict[str, dict[str, Any]] = {
                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
                        {"matchExpressions": [{"key": "nvidia.com/gpu.count", "operator": "In", "values": ["4", "8"]}]}]}}}}],
     },
+    # Three models on one cluster (cluster/models_config.py): two on pools of their own (one
+    # of them disaggregated, its decode pool tensor-parallel), one on the shared pool.
+    "multi_model": {
+        "kvserve": {"model": None, "models": [
+            {"name": "chat", "path": "/models/model/chat",
+             "workers": {"num_gpus": 1, "autoscaling": {"min_replicas": 1, "max_replicas": 4}},
+             "lora": {"modules": {"sql": "/models/model/adapters/sql"}}},
+            {"name": "org/coder", "path": "/models/model/coder", "engine": {"max_num_seqs": 32},
+             "disaggregation": {"prefill": {"num_gpus": 1},
+                                "decode": {"num_gpus": 2, "tensor_parallel_size": 2}}},
+            {"name": "small", "path": "/models/model/small"},
+        ], "ingress": {"key_models": {"0123456789ab": ["chat"]}}},
+        "pools": [
+            {"name": "chat", "model": "chat", "role": "mixed", "replicas": 1, "minReplicas": 1, "maxReplicas": 4,
+             "gpusPerPod": 1},
+            {"name": "coder-prefill", "model": "org/coder", "role": "prefill", "replicas": 1, "minReplicas": 1,
+             "maxReplicas": 2, "gpusPerPod": 1},
+            {"name": "coder-decode", "model": "org/coder", "role": "decode", "replicas": 1, "minReplicas": 1,
+             "maxReplicas": 2, "gpusPerPod": 2},
+            {"name": "shared", "role": "mixed", "replicas": 1, "minReplicas": 0, "maxReplicas": 2, "gpusPerPod": 1},
+        ],
+    },
     "redis": {
         "gcsFaultTolerance": {"enabled": True, "redisAddress": "redis-master.redis.svc.cluster.local:6379",
                               "redisPasswordSecret": {"name": "kvserve-redis", "key": "password"}},

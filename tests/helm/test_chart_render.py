@@ -96,9 +96,34 @@ def with_pool_pinning(values: dict[str, Any]) -> dict[str, Any]:
         sections = [(args.setdefault("workers", {}), "mixed")]
     for section, role in sections:
         section.setdefault("resources", {f"kvserve_pool_{role}": 1})
+    if args.get("models"):
+        args["models"] = [pinned_model(entry, args, values["pools"]) for entry in args["models"]]
     if values["ingressGroup"]["enabled"]:
         args.setdefault("ingress", {}).setdefault("resources", {"kvserve_ingress": 1})
     return args
+
+
+def pinned_model(entry: dict[str, Any], args: dict[str, Any], pools: list[dict[str, Any]]) -> dict[str, Any]:
+    """One of kvserve.models as kvserve.pinnedModel writes it: each worker section (its own,
+    else the top level's, pinned as above) asks for its pools' resource: those that name
+    the model (`kvserve_pool_<role>_<slug>`), else the shared ones."""
+    from cluster.models_config import slug_of
+
+    entry = copy.deepcopy(entry)
+    suffix = f"_{slug_of(entry['name'])}" if any(p.get("model") == entry["name"] for p in pools) else ""
+    own = entry.get("disaggregation")
+    if own or args.get("disaggregation"):
+        disagg = entry["disaggregation"] = copy.deepcopy(own or args["disaggregation"])
+        for role in ("prefill", "decode"):
+            section = disagg.setdefault(role, {})
+            if "resources" not in section or role not in (own or {}):
+                section["resources"] = {f"kvserve_pool_{role}{suffix}": 1}
+    else:
+        inherited = not entry.get("workers")
+        workers = entry["workers"] = entry.get("workers") or copy.deepcopy(args.get("workers", {}))
+        if inherited or "resources" not in workers:
+            workers["resources"] = {f"kvserve_pool_mixed{suffix}": 1}
+    return entry
 
 
 # The servicer function the chart names in grpc_options (templates/_helpers.tpl).
@@ -214,6 +239,30 @@ def test_worker_replicas_are_pinned_to_their_pool(rendered: dict[str, Rendered])
         args = rendered[scenario].serve_config["applications"][0]["args"]
         assert args["workers"]["resources"] == {"kvserve_pool_mixed": 1}, scenario
     assert "resources" not in rendered["default"].values.get("kvserve", {}).get("workers", {})
+
+
+def test_each_model_gets_its_deployments_pinned_to_its_pools(rendered: dict[str, Rendered]) -> None:
+    r = rendered["multi_model"]
+    groups = {g["groupName"]: g for g in r.rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][1:]}
+    resources = {name: json.loads(json.loads(g["rayStartParams"]["resources"])) for name, g in groups.items()}
+    assert resources == {"chat": {"kvserve_pool_mixed_chat": 1}, "coder-prefill": {"kvserve_pool_prefill_org-coder": 1},
+                         "coder-decode": {"kvserve_pool_decode_org-coder": 2}, "shared": {"kvserve_pool_mixed": 1}}
+    args = r.serve_config["applications"][0]["args"]
+    chat, coder, small = args["models"]
+    assert chat["workers"]["resources"] == {"kvserve_pool_mixed_chat": 1}
+    assert chat["workers"]["autoscaling"]["max_replicas"] == 4 and chat["lora"]["modules"] == {"sql": "/models/model/adapters/sql"}
+    assert coder["disaggregation"]["prefill"]["resources"] == {"kvserve_pool_prefill_org-coder": 1}
+    assert coder["disaggregation"]["decode"]["resources"] == {"kvserve_pool_decode_org-coder": 1}
+    assert coder["disaggregation"]["decode"]["tensor_parallel_size"] == 2 and coder["engine"] == {"max_num_seqs": 32}
+    # A model without pools of its own runs on the shared pool, with the top-level workers.
+    assert small["workers"]["resources"] == {"kvserve_pool_mixed": 1} and small["workers"]["num_gpus"] == 1
+    assert "model" not in args and args["ingress"]["key_models"] == {"0123456789ab": ["chat"]}
+    from cluster.config import KVServeConfig
+    from cluster.models_config import model_views
+
+    views = model_views(KVServeConfig.from_dict(args))
+    assert [(v.name, v.deployment("worker")) for v in views] == [
+        ("chat", "worker-chat"), ("org/coder", "worker-org-coder"), ("small", "worker-small")]
 
 
 def test_tensor_parallel_pool(rendered: dict[str, Rendered]) -> None:

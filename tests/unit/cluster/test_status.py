@@ -144,3 +144,25 @@ def test_joining_by_address_uses_the_token_ray_wrote(tmp_path: Path) -> None:
     assert use_token_auth_if_available(disabled, home=tmp_path) is False and disabled == {"RAY_AUTH_MODE": "disabled"}
     by_env = {"RAY_AUTH_TOKEN": "secret"}
     assert use_token_auth_if_available(by_env, home=tmp_path / "nowhere") is True and by_env["RAY_AUTH_MODE"] == "token"
+
+
+def test_each_models_pools_are_shown_as_that_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    import router.serve_internals
+
+    app = {"status": "RUNNING", "deployments": {
+        "ingress": DETAILS["applications"]["kvserve"]["deployments"]["ingress"],
+        "worker-chat": {"status": "HEALTHY", "target_num_replicas": 1, "deployment_config": {}, "replicas": [
+            {"replica_id": "c1", "state": "RUNNING", "node_id": "n2", "node_ip": "10.0.0.2", "pid": 20}]},
+        "decode-org-coder": DETAILS["applications"]["kvserve"]["deployments"]["decode"],
+    }}
+    stats = {"ingress": [1], "worker-chat": [{"replica_id": "c1", "total_blocks": 10, "free_blocks": 4}],
+             "decode-org-coder": STATS["decode"]}
+    monkeypatch.setattr(router.serve_internals, "serve_instance_details", lambda: {"applications": {"kvserve": app}})
+    monkeypatch.setattr(status, "_broadcast", lambda deployment, app, method, timeout_s: stats[deployment])
+    gathered = gather("10.0.0.1:6379", "kvserve")
+    assert [(p.name, p.role, p.model) for p in gathered.pools] == [
+        ("ingress", "ingress", ""), ("decode-org-coder", "decode", "org-coder"), ("worker-chat", "worker", "chat")]
+    assert gathered.pools[2].kv_used_blocks == 6
+    lines = render(gathered).splitlines()
+    assert lines[2].split()[:4] == ["POOL", "ROLE", "MODEL", "STATUS"]
+    assert next(line for line in lines if line.startswith("worker-chat ")).split()[1:3] == ["worker", "chat"]

@@ -152,7 +152,51 @@ replicas land on prefill pods and decode replicas on decode pods. */}}
   {{- end -}}
   {{- $_ := set $args "workers" $workers -}}
 {{- end -}}
+{{- if $args.models -}}
+  {{- $models := list -}}
+  {{- range $entry := $args.models -}}
+    {{- $models = append $models (include "kvserve.pinnedModel" (dict "entry" $entry "args" $args "pools" $.Values.pools) | fromYaml) -}}
+  {{- end -}}
+  {{- $_ := set $args "models" $models -}}
+{{- end -}}
 {{- toYaml $args -}}
+{{- end -}}
+
+{{/* One entry of kvserve.models with its worker sections pinned to its pools: the pools
+that name the model, else the shared ones (no `model`); a section it inherits from the
+top level is written into the entry, pinned. Each section asks for
+kvserve_pool_<role>[_<model slug>] (one unit per rank) unless it sets `resources`. */}}
+{{- define "kvserve.pinnedModel" -}}
+{{- $entry := deepCopy .entry -}}
+{{- $suffix := "" -}}
+{{- range $pool := .pools -}}
+  {{- if and $pool.model (eq $pool.model ($entry.name | default "")) -}}
+    {{- $suffix = printf "_%s" (include "kvserve.modelSlug" $pool.model) -}}
+  {{- end -}}
+{{- end -}}
+{{- $disagg := $entry.disaggregation | default (deepCopy (.args.disaggregation | default dict)) -}}
+{{- if $disagg -}}
+  {{- range $role := list "prefill" "decode" -}}
+    {{- $section := get $disagg $role | default dict -}}
+    {{- if or (not (hasKey $section "resources")) (not (hasKey ($entry.disaggregation | default dict) $role)) -}}
+      {{- $_ := set $section "resources" (dict (printf "kvserve_pool_%s%s" $role $suffix) 1) -}}
+    {{- end -}}
+    {{- $_ := set $disagg $role $section -}}
+  {{- end -}}
+  {{- $_ := set $entry "disaggregation" $disagg -}}
+{{- else -}}
+  {{- $workers := $entry.workers | default (deepCopy (.args.workers | default dict)) -}}
+  {{- if or (not (hasKey $workers "resources")) (not $entry.workers) -}}
+    {{- $_ := set $workers "resources" (dict (printf "kvserve_pool_mixed%s" $suffix) 1) -}}
+  {{- end -}}
+  {{- $_ := set $entry "workers" $workers -}}
+{{- end -}}
+{{- toYaml $entry -}}
+{{- end -}}
+
+{{/* A model name as it appears in Ray resource names: cluster/models_config.py's slug. */}}
+{{- define "kvserve.modelSlug" -}}
+{{- regexReplaceAll "[^A-Za-z0-9._-]+" . "-" | trimAll "-" -}}
 {{- end -}}
 
 {{/* ---------------------------------------------------------------- validation */}}
@@ -175,7 +219,7 @@ runs it. */}}
   {{- $_ := set $roles $pool.role true -}}
   {{- $gpus := $pool.gpusPerPod | int -}}
   {{- if gt $gpus $maxGpus -}}{{- $maxGpus = $gpus -}}{{- end -}}
-  {{- if and (not $.Values.kvserve.disaggregation) (ne (mod $gpus $tp) 0) -}}
+  {{- if and (not $.Values.kvserve.disaggregation) (not $.Values.kvserve.models) (ne (mod $gpus $tp) 0) -}}
     {{- fail (printf "pools[%d] (%s): gpusPerPod=%d is not a multiple of kvserve.workers.tensor_parallel_size=%d; a tensor-parallel group must not span pods" $i $pool.name $gpus $tp) -}}
   {{- end -}}
   {{- if gt ($pool.minReplicas | int) ($pool.maxReplicas | int) -}}
@@ -183,6 +227,14 @@ runs it. */}}
   {{- end -}}
   {{- if or (lt ($pool.replicas | int) ($pool.minReplicas | int)) (gt ($pool.replicas | int) ($pool.maxReplicas | int)) -}}
     {{- fail (printf "pools[%d] (%s): replicas=%d must lie in [minReplicas=%d, maxReplicas=%d]" $i $pool.name ($pool.replicas | int) ($pool.minReplicas | int) ($pool.maxReplicas | int)) -}}
+  {{- end -}}
+{{- end -}}
+{{- if .Values.kvserve.models -}}
+  {{- include "kvserve.validateModels" . -}}
+{{- else -}}
+{{- range $i, $pool := .Values.pools -}}
+  {{- if $pool.model -}}
+    {{- fail (printf "pools[%d] (%s): `model` names one of kvserve.models, which is not set" $i $pool.name) -}}
   {{- end -}}
 {{- end -}}
 {{- if or (hasKey $roles "prefill") (hasKey $roles "decode") -}}
@@ -208,6 +260,7 @@ runs it. */}}
       {{- fail (printf "pools[%d] (%s): gpusPerPod=%d is not a multiple of kvserve.disaggregation.%s.tensor_parallel_size=%d; a tensor-parallel group must not span pods" $i $pool.name ($pool.gpusPerPod | int) $pool.role $ptp) -}}
     {{- end -}}
   {{- end -}}
+{{- end -}}
 {{- end -}}
 {{- $state := .Values.kvserve.state | default dict -}}
 {{- if .Values.stateStore.redisPasswordSecret.name -}}
@@ -261,7 +314,15 @@ runs it. */}}
     {{- fail "modelSource.type is 'hostPath' but modelSource.hostPath.path is empty: give the node directory that holds the model" -}}
   {{- end -}}
 {{- end -}}
-{{- if ne $src.type "none" -}}
+{{- if and (ne $src.type "none") .Values.kvserve.models -}}
+  {{- $mount := trimSuffix "/" $src.mountPath -}}
+  {{- range $i, $entry := .Values.kvserve.models -}}
+    {{- $path := $entry.path | default "" -}}
+    {{- if not (or (eq $path $mount) (hasPrefix (printf "%s/" $mount) $path)) -}}
+      {{- fail (printf "kvserve.models[%d].path=%q does not lie under modelSource.mountPath=%q: the engine would not find the mounted model (put every model's directory under the mount, or set modelSource.type to 'none')" $i $path $src.mountPath) -}}
+    {{- end -}}
+  {{- end -}}
+{{- else if ne $src.type "none" -}}
   {{- $model := .Values.kvserve.model | default dict -}}
   {{- $path := "" -}}
   {{- if kindIs "string" $model -}}{{- $path = $model -}}{{- else -}}{{- $path = $model.path | default "" -}}{{- end -}}
@@ -285,6 +346,49 @@ runs it. */}}
 {{- $ingressCfg := .Values.kvserve.ingress | default dict -}}
 {{- if and .Values.serviceMonitor.enabled .Values.apiKeys.existingSecret (not $ingressCfg.metrics_public) (not .Values.serviceMonitor.bearerTokenSecret.name) -}}
   {{- fail "serviceMonitor.enabled with API keys on: /metrics needs a key. Set serviceMonitor.bearerTokenSecret.name (a Secret whose key serviceMonitor.bearerTokenSecret.key holds one plaintext API key), or make /metrics public explicitly with kvserve.ingress.metrics_public=true" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* kvserve.models: every pool's `model` names a model, and every model has the pools
+its worker deployments need (its own, else the shared ones without `model`): a mixed pool,
+or a prefill and a decode pool when it is disaggregated; each of them holds whole
+tensor-parallel groups of the section that runs there. */}}
+{{- define "kvserve.validateModels" -}}
+{{- $top := .Values.kvserve -}}
+{{- $names := dict -}}
+{{- range $entry := $top.models -}}{{- $_ := set $names ($entry.name | default "") true -}}{{- end -}}
+{{- range $i, $pool := .Values.pools -}}
+  {{- if and $pool.model (not (hasKey $names $pool.model)) -}}
+    {{- fail (printf "pools[%d] (%s): model %q is not the name of one of kvserve.models" $i $pool.name $pool.model) -}}
+  {{- end -}}
+{{- end -}}
+{{- range $entry := $top.models -}}
+  {{- $name := $entry.name | default "" -}}
+  {{- $own := list -}}
+  {{- $shared := list -}}
+  {{- range $pool := $.Values.pools -}}
+    {{- if eq ($pool.model | default "") $name -}}{{- $own = append $own $pool -}}{{- end -}}
+    {{- if not $pool.model -}}{{- $shared = append $shared $pool -}}{{- end -}}
+  {{- end -}}
+  {{- $pools := ternary $own $shared (gt (len $own) 0) -}}
+  {{- $disagg := $entry.disaggregation | default ($top.disaggregation | default dict) -}}
+  {{- $sections := dict "mixed" ($entry.workers | default ($top.workers | default dict)) -}}
+  {{- if $disagg -}}{{- $sections = dict "prefill" ($disagg.prefill | default dict) "decode" ($disagg.decode | default dict) -}}{{- end -}}
+  {{- range $role, $section := $sections -}}
+    {{- $found := false -}}
+    {{- $tp := $section.tensor_parallel_size | default 1 | int -}}
+    {{- range $pool := $pools -}}
+      {{- if eq $pool.role $role -}}
+        {{- $found = true -}}
+        {{- if ne (mod ($pool.gpusPerPod | int) $tp) 0 -}}
+          {{- fail (printf "pools (%s): gpusPerPod=%d is not a multiple of model %q's tensor_parallel_size=%d; a tensor-parallel group must not span pods" $pool.name ($pool.gpusPerPod | int) $name $tp) -}}
+        {{- end -}}
+      {{- end -}}
+    {{- end -}}
+    {{- if not $found -}}
+      {{- fail (printf "kvserve.models: model %q has no %q pool: give a pool `model: %s` and `role: %s`, or keep a shared %s pool (no `model`)" $name $role $name $role $role) -}}
+    {{- end -}}
+  {{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -518,6 +622,7 @@ kvserve.io/client-proxy: "true"
 
 {{/* `ray start --resources` takes a JSON object; KubeRay wants it as a quoted string. */}}
 {{- define "kvserve.poolResources" -}}
-{{- $res := dict (printf "kvserve_pool_%s" .role) (.gpusPerPod | int) -}}
+{{- $suffix := ternary (printf "_%s" (include "kvserve.modelSlug" (.model | default ""))) "" (not (empty .model)) -}}
+{{- $res := dict (printf "kvserve_pool_%s%s" .role $suffix) (.gpusPerPod | int) -}}
 {{- toJson $res | quote -}}
 {{- end -}}
