@@ -151,6 +151,9 @@ class Requests:
                 out.extra["kv_export"] = kv
             if seq.status is finished:  # after the export check: a failed export is no answer length
                 self.output_lengths.observe(seq)
+                if seq.num_draft_tokens:  # speculative decoding: the request's own acceptance
+                    out.extra["spec_draft_tokens"] = seq.num_draft_tokens
+                    out.extra["spec_accepted_tokens"] = seq.num_accepted_draft_tokens
             outputs.append(out)
         return outputs
 

@@ -43,6 +43,8 @@ def append_verified(out: SchedulerOutput, sampled_token_ids: list[int | None],
         tokens = verified_token_ids[i] if drafts is not None else [token_id]
         if drafts is not None:
             counters.verified(len(drafts), len(tokens) - 1)
+            seq.num_draft_tokens += len(drafts)
+            seq.num_accepted_draft_tokens += len(tokens) - 1
         stopped = False
         num = 0
         for token in tokens:  # at most k + 1: each token is checked as a sampled one is
