@@ -1,7 +1,7 @@
 """N-gram speculative decoding on the CPU engine, on and off side by side, on a copy-heavy
 workload.
 
-    python -m benchmarks.spec [--repeats 3] [--num-tokens 4] [--prefix-tokens 96] [--max-tokens 96]
+    python -m benchmarks.spec [--repeats 5] [--num-tokens 4] [--prefix-tokens 96] [--max-tokens 96]
 
 The model is the embedded default model (`kvserve-tiny`, worker/default_model/), trained,
 fp32, one torch thread. The workload is built so that each answer really copies spans of
@@ -13,7 +13,8 @@ g[:prefix], and its answer is g[prefix:], which repeats the turns and phrases th
 already wrote in the prompt. Every request is greedy with EOS ignored, so each side
 produces exactly max_tokens tokens.
 
-Per repeat the sides take turns (the order alternating), each running every prompt alone
+After one untimed pass of each side, per repeat the sides take turns (the order
+alternating), each running every prompt alone
 (batch 1) and then all at once (batch = number of seeds). Measured per request: the mean
 inter-token latency (time from its first output to its last over the tokens between;
 tokens a verify step emits together share that step's time) and the decode steps that gave
@@ -114,6 +115,8 @@ def measure(engines: dict[str, Engine], prompts: list[list[int]], max_tokens: in
     """(side, batch) -> runs: batch 1 (each prompt alone, one SideRun per repeat) and all at once."""
     runs: dict[tuple[str, int], list[SideRun]] = {}
     names = list(engines)
+    for name in names:  # warm-up, untimed: each side's first steps of each shape
+        run(engines[name], prompts, max_tokens, f"{name}warm")
     for repeat in range(repeats):
         order = names if repeat % 2 == 0 else names[::-1]
         for name in order:
@@ -133,7 +136,7 @@ def measure(engines: dict[str, Engine], prompts: list[list[int]], max_tokens: in
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--num-tokens", type=int, default=4, help="draft tokens per decode row (k)")
     p.add_argument("--prefix-tokens", type=int, default=96, help="tokens of the model's own continuation in each prompt")
     p.add_argument("--max-tokens", type=int, default=96)
