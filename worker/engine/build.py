@@ -69,6 +69,18 @@ def check_speculative(config: EngineConfig) -> None:
     if is_sim_device(config.model.device):
         raise ValueError("speculative decoding is not supported on a simulated device (sim:...); "
                          "the simulator prices it from an acceptance rate instead")
+    if config.speculative.draft_model is not None:
+        check_draft_model(config.speculative.draft_model, config.model.model)
+
+
+def check_draft_model(draft: str, target: str) -> None:
+    """A draft model must share the target's vocabulary (its token ids are proposed as the
+    target's): the same vocab_size in both config.json files."""
+    draft_vocab = load_hf_config(resolve_model_path(draft)).vocab_size
+    target_vocab = load_hf_config(resolve_model_path(target)).vocab_size
+    if draft_vocab != target_vocab:
+        raise ValueError(f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
+                         f"({target_vocab}): a draft model must share the target's tokenizer")
 
 
 def _sequence_blocks(runner: object, block_size: int, max_model_len: int) -> int:

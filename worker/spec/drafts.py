@@ -13,11 +13,20 @@ prefix-cache block hashes are computed from token_ids, so only verified tokens m
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 from kv.cache_manager import KVCacheManager
 from worker.config import SpeculativeConfig
 from worker.sequence import Sequence
+from worker.spec.draft_model import DraftModelProposer
 from worker.spec.ngram import NgramProposer
 from worker.spec.stats import SpecCounters
+
+
+class Proposer(Protocol):
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        """Up to `max_tokens` draft tokens to follow `token_ids` ([] for none)."""
+        ...
 
 
 def eligible(seq: Sequence) -> bool:
@@ -35,7 +44,11 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.num_tokens, config.ngram_min, config.ngram_max)
+        self.proposer: Proposer = NgramProposer(config.num_tokens, config.ngram_min, config.ngram_max)
+        self.draft_model: DraftModelProposer | None = None
+        if config.method == "draft_model":
+            assert config.draft_model is not None
+            self.draft_model = DraftModelProposer(config.draft_model, config.num_tokens)
         self.counters = SpecCounters()
 
     def plan(self, seq: Sequence, budget: int, kv: KVCacheManager) -> tuple[list[int], list[int]] | None:
@@ -49,7 +62,10 @@ class Speculator:
                     self.max_model_len - num_tokens - 1)
         if limit <= 0:
             return None
-        drafts = self.proposer.propose(seq.token_ids, limit)
+        if self.draft_model is not None:
+            drafts = self.draft_model.propose_for(seq, limit)
+        else:
+            drafts = self.proposer.propose(seq.token_ids, limit)
         if not drafts:
             return None
         rid, computed = seq.request_id, seq.num_computed_tokens

@@ -12,6 +12,8 @@ def test_off_by_default_and_mapped() -> None:
     assert KVServeConfig.from_dict({}).engine_config().speculative == SpeculativeConfig()
     config = KVServeConfig.from_dict({"engine": {"speculative": {"method": "ngram", "num_tokens": 3, "ngram_max": 5}}})
     assert config.engine_config().speculative == SpeculativeConfig(method="ngram", num_tokens=3, ngram_max=5)
+    draft = KVServeConfig.from_dict({"engine": {"speculative": {"method": "draft_model", "draft_model": "/m"}}})
+    assert draft.engine_config().speculative == SpeculativeConfig(method="draft_model", draft_model="/m")
 
 
 @pytest.mark.parametrize("bad,named", [
@@ -20,6 +22,8 @@ def test_off_by_default_and_mapped() -> None:
     ({"speculative": {"ngram_min": 3, "ngram_max": 2}}, "ngram_min"),
     ({"speculative": {"k": 3}}, "engine.speculative.k"),
     ({"device": "sim:h100", "speculative": {"method": "ngram"}}, "simulated device"),
+    ({"speculative": {"method": "draft_model"}}, "needs draft_model"),
+    ({"speculative": {"method": "ngram", "draft_model": "/m"}}, "needs that method"),
 ])
 def test_refused(bad: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
