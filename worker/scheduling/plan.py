@@ -67,9 +67,12 @@ class SchedulerOutput:
         return not self.seqs
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the plan before it executes (its KV import failed)."""
+        """Take a sequence out of the plan before it executes (its KV import failed, or it was
+        preempted to make room)."""
         i = next(j for j, s in enumerate(self.seqs) if s is seq)
         del self.seqs[i], self.num_new_tokens[i], self.block_ids[i]
+        if self.draft_token_ids:  # its drafts leave with it (it may be planned again this step)
+            self.draft_token_ids.pop(seq.request_id, None)
 
     def samples(self, i: int) -> bool:
         """Does seqs[i] reach the end of its tokens this step (and so sample one)?"""

@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 from kv.cache_manager import KVCacheManager
+from worker.api import SamplingParams
+from worker.scheduling.plan import SchedulerOutput
+from worker.sequence import Sequence
 from worker.config import EngineConfig, ModelConfig, SpeculativeConfig
 from worker.engine.build import build_engine, check_speculative
 from tests.unit.worker.spec.test_spec_vs_hf import _engine
@@ -53,3 +56,13 @@ def test_shrink_frees_trailing_blocks_of_every_group() -> None:
     kv.free("r")
     assert kv.num_free_blocks == 16
 
+
+
+def test_a_row_taken_out_of_the_plan_takes_its_drafts() -> None:
+    """A verify row preempted later in the same schedule may be planned again as a prompt:
+    its drafts must not follow it."""
+    seq, other = Sequence("a", [1, 2, 3], SamplingParams()), Sequence("b", [4, 5], SamplingParams())
+    plan = SchedulerOutput([seq, other], [3, 1], [[0], [1]], draft_token_ids={"a": [7, 8]})
+    assert plan.samples(0) and not plan.samples(1)  # a verify row samples; a prompt chunk short of its end not
+    plan.remove(seq)
+    assert plan.draft_token_ids == {} and plan.seqs == [other]
