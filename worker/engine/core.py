@@ -40,6 +40,7 @@ from worker.engine.step_meters import OutputLengthTracker, PrefillRateMeter, Ste
 from worker.engine.overlap import AppliedStep, LaunchedStep, overlaps
 from worker.scheduling.async_scheduler import AsyncScheduler
 from worker.scheduling.requests import Requests
+from worker.spec.apply import num_step_tokens, prefill_rows
 from worker.spec.drafts import Speculator
 from worker.structured.compile_waits import CompileWaits
 
@@ -278,10 +279,8 @@ class Engine:
             return step.outputs + self._failed_step(step.plan, e)
         applied = self._apply(step, result)
         outputs = step.outputs + self.step_outputs(applied)
-        num_tokens = len(applied.changed)
-        if step.plan.num_appended:  # verify rows appended several tokens each
-            num_tokens += sum(step.plan.num_appended.values()) - len(step.plan.num_appended)
-        self.counters.account(num_tokens, time.perf_counter() - step.start_s, result.forward_s)
+        self.counters.account(num_step_tokens(step.plan, applied.changed), time.perf_counter() - step.start_s,
+                              result.forward_s)
         return outputs
 
     # The overlapped step (worker/scheduling/async_scheduler.py draws its timeline): launch_step, then
@@ -404,10 +403,7 @@ class Engine:
         changed = self.counters.timed(self.scheduler.update, plan, result.token_ids, verified)
         if self.tiers is not None:  # blocks computed this step, out to the shared store
             self.tiers.publish(self.kv.pool.stored)
-        # Verify rows are decodes, not prefill: the router's prefill rate must not count them.
-        self.prefill_meter.record(plan.num_new_tokens if not plan.draft_token_ids else
-                                  [1 if s.request_id in plan.draft_token_ids else n
-                                   for s, n in zip(plan.seqs, plan.num_new_tokens)], result.forward_s)
+        self.prefill_meter.record(prefill_rows(plan), result.forward_s)
         return AppliedStep(plan, result.logprobs, changed, saved)
 
     def _failed_step(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:

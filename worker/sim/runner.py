@@ -47,7 +47,7 @@ from worker.sequence import Sequence, SequenceStatus
 from worker.costs.cost_model import StepCostModel, StepFeatures
 from worker.sim.device import parse_sim_device
 from worker.sim.lora import SimAdapter, SimLoRA
-from worker.sim.spec import SimDraftProposer, verify_row
+from worker.sim.spec import SimDraftProposer, verify_rows
 from worker.costs.profiles import DeviceProfile, load_profile
 from worker.costs.shapes import ModelShape, load_shape
 from worker.lora.engine_lora import EngineLoRA
@@ -171,7 +171,8 @@ class SimRunner:
         """The serial device (Engine.step): returns once the step's time has passed, the
         engine's host work since the previous step counted against the modelled overheads."""
         start = time.perf_counter()
-        verified = self._verify(plan) if plan.draft_token_ids else None
+        verified = (verify_rows(plan, self.spec_acceptance, self.next_token, self._token_from_state)
+                    if plan.draft_token_ids else None)
         token_ids, logprobs, features, modelled = self._model_step(plan)
         forward_s = modelled
         if self.sleep:
@@ -181,13 +182,6 @@ class SimRunner:
             for i, tokens in verified.items():
                 token_ids[i] = tokens[0]
         return RunnerOutput(token_ids, logprobs, forward_s, verified)
-
-    def _verify(self, plan: SchedulerOutput) -> dict[int, list[int]]:
-        """Speculative decoding (worker/sim/spec.py): each verify row's tokens."""
-        drafts = plan.draft_token_ids
-        return {i: verify_row(seq, len(drafts[seq.request_id]), self.spec_acceptance, self.next_token,
-                              self._token_from_state)
-                for i, seq in enumerate(plan.seqs) if seq.request_id in drafts}
 
     # -- the overlapping device (worker/scheduling/async_scheduler.py) ------------------------------------------
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from worker.scheduling.plan import SchedulerOutput
 from worker.sequence import Sequence
 
 _MASK = (1 << 64) - 1
@@ -53,3 +54,11 @@ def verify_row(seq: Sequence, num_drafts: int, acceptance: float, next_token: Ca
         state = (state * _BASE + tokens[-1] + 1) & _MASK  # the history with that token appended
         tokens.append(token_from_state(state, seq))
     return tokens
+
+
+def verify_rows(plan: SchedulerOutput, acceptance: float, next_token: Callable[[Sequence], int],
+                token_from_state: Callable[[int, Sequence], int]) -> dict[int, list[int]]:
+    """Each verify row's tokens, by plan index (RunnerOutput.verified_token_ids)."""
+    drafts = plan.draft_token_ids
+    return {i: verify_row(seq, len(drafts[seq.request_id]), acceptance, next_token, token_from_state)
+            for i, seq in enumerate(plan.seqs) if seq.request_id in drafts}

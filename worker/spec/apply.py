@@ -74,3 +74,20 @@ def _advance_accepted(seq: Sequence, num_accepted: int, kv: KVCacheManager) -> N
     if after // kv.block_size > before // kv.block_size:
         kv.cache_computed(seq.request_id, seq.token_ids, after, seq.hash_root)
     kv.shrink(seq.request_id, len(seq.token_ids))
+
+
+def num_step_tokens(plan: SchedulerOutput, changed: list[Sequence]) -> int:
+    """Tokens a step appended: one per sequence that got any, and a verify row's whole run."""
+    appended = plan.num_appended
+    if not appended:
+        return len(changed)
+    return len(changed) + sum(appended.values()) - len(appended)
+
+
+def prefill_rows(plan: SchedulerOutput) -> list[int]:
+    """The plan's new tokens per row as the prefill-rate meter reads them: a verify row is a
+    decode (one token), not prefill, whatever its drafts."""
+    drafts = plan.draft_token_ids
+    if not drafts:
+        return plan.num_new_tokens
+    return [1 if seq.request_id in drafts else n for seq, n in zip(plan.seqs, plan.num_new_tokens)]
