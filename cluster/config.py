@@ -30,6 +30,7 @@ from cluster.config_fields import ByteSize, OrString, Section, build, default_of
 from cluster.ingress_config import IngressSection, StateSection
 from cluster.listen_config import GRPCSection, HTTPSection
 from cluster.lora_config import LoRASection
+from cluster.speculative_config import SpeculativeSection
 from cluster.pool_config import (  # noqa: F401 -- re-exported: part of the one schema
     KVSERVE_POLICIES,
     KVSERVE_POLICY,
@@ -144,6 +145,8 @@ class EngineSection(Section):
     enable_cuda_graphs: bool = default_of(ModelConfig, "enable_cuda_graphs")
     # torch CPU threads per worker
     num_threads: int | None = Field(default_of(ModelConfig, "num_threads"), ge=1)
+    # Speculative decoding, off by default (cluster/speculative_config.py).
+    speculative: SpeculativeSection = SpeculativeSection()
 
     @field_validator("block_size")
     @classmethod
@@ -167,6 +170,13 @@ class EngineSection(Section):
 
         check_model_shape(v, info.data.get("device", "auto"))
         return v
+
+    @model_validator(mode="after")
+    def _speculative_device(self) -> EngineSection:
+        if self.speculative.method is not None and self.device.startswith("sim:"):
+            raise ValueError("speculative decoding does not run on a simulated device (the simulator "
+                             "prices it from an acceptance rate instead)")
+        return self
 
 
 class RoutingSection(Section):
@@ -350,7 +360,7 @@ class KVServeConfig(Section):
         )
         cache = build(CacheConfig, self.engine, renames=_CACHE_RENAMES)
         return EngineConfig(model=model, cache=cache, scheduler=build(SchedulerConfig, self.engine),
-                            lora=self.lora.lora_config())
+                            lora=self.lora.lora_config(), speculative=self.engine.speculative.speculative_config())
 
     def ingress_settings(self, state_store: Any = None) -> IngressSettings:
         """router.frontend.settings' IngressSettings from the ingress and model sections."""

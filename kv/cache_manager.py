@@ -195,6 +195,22 @@ class KVCacheManager:
                 ids[gi].extend(b.block_id for b in new)
         return self._tables[request_id]  # type: ignore[return-value]
 
+    def shrink(self, request_id: str, num_tokens: int) -> None:
+        """Give back the table's trailing blocks beyond what `num_tokens` tokens need, in
+        every group: lookahead blocks that only rejected draft tokens wrote (speculative
+        decoding, worker/spec/). None of them holds a registered block: registration covers
+        computed full blocks only, and computed tokens stay below `num_tokens`."""
+        ids = self._group_ids.get(request_id)
+        keep = self.blocks_for_tokens(num_tokens)
+        if ids is None or len(ids[0]) <= keep:
+            return
+        assert self._num_registered.get(request_id, 0) <= keep
+        blocks = self._blocks[request_id]
+        for row, row_ids in zip(blocks, ids):
+            gone = row[keep:]
+            del row[keep:], row_ids[keep:]  # in place: the runner's table is this list
+            self.pool.free(reversed(gone))
+
     def _new_tables(self, request_id: str) -> None:
         ids: list[list[int]] = [[] for _ in self.groups]
         self._blocks[request_id] = [[] for _ in self.groups]

@@ -143,6 +143,9 @@ class RunnerOutput:
     token_ids: list[int | None]  # None where the seq did not sample
     logprobs: list[TokenLogprob | None]
     forward_s: float  # time in the model forward + logits (for the overhead figure)
+    # Speculative decoding (worker/spec/): plan index of a verify row -> every token it
+    # yields (accepted drafts, then the target's own); token_ids holds the first of them.
+    verified_token_ids: dict[int, list[int]] | None = None
 
 
 # -- errors a caller can see ------------------------------------------------------------

@@ -147,9 +147,46 @@ class LoRAConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (worker/spec/): off unless `method` is set. A decode row of an
+    eligible request carries up to `num_tokens` draft tokens, verified in the same step."""
+
+    # None: off | "ngram" (prompt lookup, worker/spec/ngram.py) | "draft_model" (a small model
+    # of the same tokenizer drafting greedily, worker/spec/draft_model.py)
+    method: str | None = None
+    num_tokens: int = 4  # draft tokens proposed per decode row (k)
+    draft_model: str | None = None  # draft_model: its checkpoint directory
+    # ngram: the longest suffix of the sequence, between these lengths, found earlier in
+    # its own tokens is the match whose continuation is proposed.
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} "
+                             f"(or unset: off), got {self.method!r}")
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"speculative num_tokens must be in [1, 16], got {self.num_tokens}")
+        if (self.method == "draft_model") != (self.draft_model is not None):
+            raise ValueError("speculative method draft_model needs draft_model (a checkpoint directory), "
+                             "and draft_model needs that method")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"speculative ngram_min and ngram_max need 1 <= min <= max, got "
+                             f"{self.ngram_min} and {self.ngram_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     lora: LoRAConfig = LoRAConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()

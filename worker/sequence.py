@@ -60,6 +60,8 @@ class Sequence:
         "quiet_from",
         "session_id",
         "num_resumed_tokens",
+        "num_draft_tokens",
+        "num_accepted_draft_tokens",
     )
 
     def __init__(
@@ -115,6 +117,9 @@ class Sequence:
         # A migrated request: its last prompt tokens that are output of an earlier attempt
         # (Engine.add_request); its grammar starts past them.
         self.num_resumed_tokens = 0
+        # Speculative decoding (worker/spec/): draft tokens verified for it, and accepted.
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
 
     @property
     def num_tokens(self) -> int:

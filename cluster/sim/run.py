@@ -39,7 +39,8 @@ from router.routing.kv_index import KVIndex
 from router.routing.types import RoutingParams, ReplicaReport
 from router.routing.policies.base import check_options
 from router.routing.routing_view import RoutingView
-from worker.config import CacheConfig, SchedulerConfig
+from worker.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from worker.sim.runner import use_sim_drafts
 from worker.engine.core import Engine
 
 # Virtual seconds without any token or dispatch, with requests unfinished, that end a run
@@ -102,7 +103,11 @@ class Simulation:
     # -- replicas --------------------------------------------------------------------------------
     def new_replica(self, role: str) -> SimReplica:
         dev = VirtualDevice(self.device.make_runner(self.device.num_blocks), self.config.block_size)
-        engine = Engine(self.scheduler_config, self.cache_config, dev, self.device.vocab_size)  # dev.kv_layout: its groups
+        speculative = (SpeculativeConfig(method="ngram", num_tokens=self.config.spec_num_tokens)
+                       if self.config.spec_num_tokens else None)
+        engine = Engine(self.scheduler_config, self.cache_config, dev, self.device.vocab_size,  # dev.kv_layout: its groups
+                        speculative=speculative)
+        use_sim_drafts(engine)  # speculation: drafts accepted at the workload's rate (worker/sim/spec.py)
         # The engine times out unacknowledged KV exports on the WALL clock; here every export
         # is released explicitly when its transfer completes, so a timeout could only make
         # the run depend on how fast this machine is.

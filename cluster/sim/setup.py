@@ -74,6 +74,10 @@ class SimConfig:
     # worker's cap (None). Routers score from the index the KV events keep; the snapshot
     # counts only where the index rebuilds (a router's first report, a gap).
     max_report_hashes: int | None = None
+    # Speculative decoding on every replica (worker/sim/spec.py): draft tokens per decode row
+    # (0: off) and the workload's chance that each draft is accepted.
+    spec_num_tokens: int = 0
+    spec_acceptance: float = 0.0
     autoscale: AutoscaleOptions | None = None
     # The SLO planner (cluster/sim/planner.py) sizes the pools instead of `autoscale`.
     planner: SimPlannerOptions | None = None
@@ -87,6 +91,9 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.spec_num_tokens < 0 or not 0.0 <= self.spec_acceptance <= 1.0:
+            raise ValueError(f"spec_num_tokens must be >= 0 and spec_acceptance in [0, 1], got "
+                             f"{self.spec_num_tokens} and {self.spec_acceptance}")
         if self.num_replicas < 1 and not self.disagg.enabled:
             raise ValueError("num_replicas must be >= 1")
         if self.num_ingress < 1:
@@ -147,7 +154,8 @@ class SimDevice:
         cost = StepCostModel(shape, profile)
         num_blocks = config.num_blocks or cost.num_kv_blocks(config.block_size, config.gpu_memory_utilization)
         return cls(
-            make_runner=lambda n: SimRunner(cost, n, config.block_size, shape.vocab_size, sleep=False),
+            make_runner=lambda n: SimRunner(cost, n, config.block_size, shape.vocab_size, sleep=False,
+                                            spec_acceptance=config.spec_acceptance),
             num_blocks=num_blocks,
             vocab_size=shape.vocab_size,
             kv_bytes_per_token=shape.kv_bytes_per_token(),

@@ -168,6 +168,9 @@ _PER_REPLICA = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries", "counter"),
     ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits", "counter"),
     ("num_preemptions", "Preemptions (a running request's blocks taken back).", "num_preemptions", "counter"),
+    ("spec_decode_num_draft_tokens", "Speculative draft tokens verified.", "num_draft_tokens", "counter"),
+    ("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.", "num_accepted_draft_tokens",
+     "counter"),
 )
 
 

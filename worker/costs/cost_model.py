@@ -18,7 +18,8 @@ inside one kernel compute and memory traffic overlap, so each takes the max):
   and writes;
 - lm_head: only for the rows that sample (a prefill chunk that does not reach the end
   of its prompt computes no logits): 2 * vocab * hidden FLOPs per row, the head's
-  weights once, the fp32 logits written and read back by the sampler;
+  weights once, the fp32 logits written and read back by the sampler; a row's `samples`
+  is its number of logits rows (1 + k for a speculative verify row, worker/spec/);
 - decode attention and prefill attention (rows of one new token vs more): for a
   sequence with c tokens cached and n new ones, the new tokens attend to
   n*c + n(n+1)/2 (query, key) pairs: 4 * heads * head_dim FLOPs per pair per layer
@@ -30,6 +31,10 @@ inside one kernel compute and memory traffic overlap, so each takes the max):
   layer_windows) reads at most its window: a query at p sees min(p + 1, w) keys there, and
   the context it reads is the window's, so those layers' share of the pairs and KV bytes
   is clipped per row (all layers of a shape share one per-layer cost).
+A speculative verify row (k drafts after one decode token) is a (1 + k)-token chunk over
+its context with 1 + k logits rows: the weights are still read once for the step, so at
+small batches it costs about one decode step and yields up to 1 + k tokens
+(worker/costs/speculation.py weighs that against the acceptance rate).
 Mixture-of-experts layers read the weights of the experts the step's tokens route to
 (more than the active ones once T > 1) and pad each touched expert's rows to a GEMM tile;
 multi-head latent attention prices decode pairs in the latent space and prefill pairs
@@ -63,9 +68,11 @@ COMPONENTS = ("dense", "lm_head", "decode_attention", "prefill_attention")
 class SeqWork:
     """One sequence's share of one step."""
 
-    num_new_tokens: int  # 1 for a decode, the chunk length for a prefill chunk
+    num_new_tokens: int  # 1 for a decode, the chunk length for a prefill chunk, 1 + k for a verify row
     context_len: int  # tokens already in the KV cache before this step
-    samples: bool = True  # reaches the end of its tokens this step (computes logits)
+    # Logits rows it computes: True (1) when it reaches the end of its tokens this step, 0
+    # for a prompt chunk short of it, 1 + k for a speculative verify row.
+    samples: bool | int = True
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,18 @@ class RowSums:
                        num_sampled=self.num_sampled + samples, prefill_pairs=self.prefill_pairs + pairs,
                        prefill_kv_tokens=self.prefill_kv_tokens + c + n, prefill_new=self.prefill_new + n,
                        num_prompt_seqs=self.num_prompt_seqs + 1)
+
+
+def plan_rows(plan: SchedulerOutput) -> list[tuple[int, int, bool | int]]:
+    """A plan's (new tokens, context, logits rows) rows, read before its update; a verify
+    row (worker/spec/) computes logits at each of its tokens."""
+    drafts = plan.draft_token_ids
+    if not drafts:
+        return [(n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens)
+                for seq, n in zip(plan.seqs, plan.num_new_tokens)]
+    return [(n, seq.num_computed_tokens,
+             n if seq.request_id in drafts else seq.num_computed_tokens + n == seq.num_tokens)
+            for seq, n in zip(plan.seqs, plan.num_new_tokens)]
 
 
 def _clipped_pairs(c: int, n: int, w: int) -> int:
@@ -335,15 +354,10 @@ class StepCostModel:
     def plan_work(plan: SchedulerOutput) -> list[SeqWork]:
         """Each scheduled sequence's work; call before the step's update (it reads
         num_computed_tokens, which the update advances)."""
-        return [SeqWork(n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens)
-                for seq, n in zip(plan.seqs, plan.num_new_tokens)]
+        return [SeqWork(*row) for row in plan_rows(plan)]
 
     def plan_features(self, plan: SchedulerOutput, follows_prompt: bool = False) -> StepFeatures:
-        return self.rows_features(
-            ((n, seq.num_computed_tokens, seq.num_computed_tokens + n == seq.num_tokens)
-             for seq, n in zip(plan.seqs, plan.num_new_tokens)),
-            follows_prompt,
-        )
+        return self.rows_features(plan_rows(plan), follows_prompt)
 
     def plan_time_s(self, plan: SchedulerOutput) -> float:
         """step_time_s(plan_work(plan)) without building the SeqWork list (the hot path)."""

@@ -19,6 +19,7 @@ from worker.sim.runner import sim_engine_from_config
 
 
 def build_engine(config: EngineConfig) -> Engine:
+    check_speculative(config)
     if is_sim_device(config.model.device):  # a simulated device: no weights, no torch (worker/sim/)
         return sim_engine_from_config(config)
     from worker.runner.model_runner import ModelRunner  # torch: a simulated device builds without it
@@ -43,7 +44,7 @@ def build_engine(config: EngineConfig) -> Engine:
                                        config.cache.block_size)
     scheduler_config = replace(config.scheduler, max_model_len=max_model_len)
     engine = Engine(scheduler_config, config.cache, runner, hf_config.vocab_size, eos_token_ids_of(path, hf_config),
-                    step_time_predictor=predictor)
+                    step_time_predictor=predictor, speculative=config.speculative)
     engine.model_path = path
     if config.cache.host_kv_cache_bytes:
         from worker.kvcache.tiers import TierManager  # torch: a simulated device builds without it
@@ -55,6 +56,31 @@ def build_engine(config: EngineConfig) -> Engine:
     if getattr(runner, "lora", None) is not None:
         engine.enable_lora(EngineLoRA(config.lora, runner.lora_loader))
     return engine
+
+
+def check_speculative(config: EngineConfig) -> None:
+    """Refuse speculative decoding where it is not built: under tensor parallelism (the
+    ranks' plan codec carries no drafts) and on a simulated device (its runner samples no
+    logits to verify against; the cost model prices speculation instead, worker/costs/)."""
+    if not config.speculative.enabled:
+        return
+    if config.model.tensor_parallel_size > 1:
+        raise ValueError("speculative decoding is not supported with tensor_parallel_size > 1")
+    if is_sim_device(config.model.device):
+        raise ValueError("speculative decoding is not supported on a simulated device (sim:...); "
+                         "the simulator prices it from an acceptance rate instead")
+    if config.speculative.draft_model is not None:
+        check_draft_model(config.speculative.draft_model, config.model.model)
+
+
+def check_draft_model(draft: str, target: str) -> None:
+    """A draft model must share the target's vocabulary (its token ids are proposed as the
+    target's): the same vocab_size in both config.json files."""
+    draft_vocab = load_hf_config(resolve_model_path(draft)).vocab_size
+    target_vocab = load_hf_config(resolve_model_path(target)).vocab_size
+    if draft_vocab != target_vocab:
+        raise ValueError(f"the draft model's vocabulary ({draft_vocab} tokens) differs from the target's "
+                         f"({target_vocab}): a draft model must share the target's tokenizer")
 
 
 def _sequence_blocks(runner: object, block_size: int, max_model_len: int) -> int:

@@ -25,7 +25,7 @@ from kv.cache_manager import KVCacheManager
 from kv.kv_events import KVEventLog
 from kv.transfer import KVExport, KVTransferError
 from worker.api import KVImportError, LoRAAdapterError, LoRANotFoundError, RequestError
-from worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from worker.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from worker.engine.stats import EngineStats, engine_stats
 from worker.kvcache.connector import KVConnector, make_connector
 from worker.lora.engine_lora import EngineLoRA
@@ -40,6 +40,8 @@ from worker.engine.step_meters import OutputLengthTracker, PrefillRateMeter, Ste
 from worker.engine.overlap import AppliedStep, LaunchedStep, overlaps
 from worker.scheduling.async_scheduler import AsyncScheduler
 from worker.scheduling.requests import Requests
+from worker.spec.apply import num_step_tokens, prefill_rows
+from worker.spec.drafts import Speculator
 from worker.structured.compile_waits import CompileWaits
 
 if TYPE_CHECKING:  # torch: a simulated-device engine never imports it
@@ -57,6 +59,7 @@ class Engine:
         vocab_size: int,
         eos_token_ids: frozenset[int] = frozenset(),
         step_time_predictor: StepPredictor | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         if not isinstance(runner, Runner):
             raise TypeError(f"{type(runner).__name__} is not a runner (needs num_blocks and execute(plan))")
@@ -73,8 +76,14 @@ class Engine:
             # swaps the clock for its virtual one.
             self.kv.enable_retention(cache_config.session_kv_ttl_s, cache_config.session_kv_max_share,
                                      time.monotonic)
+        # Speculative decoding (worker/spec/) verifies drafts with the tokens of the step
+        # before in hand: it runs the serial loop, never a step launched ahead.
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
         # A runner that overlaps the device gets async scheduling (plans made and launched ahead).
-        self.scheduler = (AsyncScheduler if overlaps(runner) else Scheduler)(scheduler_config, self.kv)
+        overlapped = overlaps(runner) and self.speculative is None
+        self.scheduler = (AsyncScheduler if overlapped else Scheduler)(scheduler_config, self.kv)
+        if self.speculative is not None:
+            self.scheduler.speculator = Speculator(self.speculative, scheduler_config.max_model_len)
         self.scheduler.step_budget = engine_step_budget(scheduler_config.max_step_time_s, runner,
                                                            step_time_predictor)
         self.connector: KVConnector = make_connector(runner, self.kv, vocab_size)
@@ -270,15 +279,17 @@ class Engine:
             return step.outputs + self._failed_step(step.plan, e)
         applied = self._apply(step, result)
         outputs = step.outputs + self.step_outputs(applied)
-        self.counters.account(len(applied.changed), time.perf_counter() - step.start_s, result.forward_s)
+        self.counters.account(num_step_tokens(step.plan, applied.changed), time.perf_counter() - step.start_s,
+                              result.forward_s)
         return outputs
 
     # The overlapped step (worker/scheduling/async_scheduler.py draws its timeline): launch_step, then
     # the previous step's step_outputs while the device works, then complete_step.
     @property
     def overlaps_device(self) -> bool:
-        """Whether this engine's runner returns from a launch while the device works."""
-        return overlaps(self.runner)
+        """Whether this engine's runner returns from a launch while the device works (never
+        with speculative decoding, which steps serially)."""
+        return overlaps(self.runner) and self.speculative is None
 
     @property
     def launches_ahead(self) -> bool:
@@ -293,6 +304,9 @@ class Engine:
         if self._launched_ahead is not None:
             step, self._launched_ahead = self._launched_ahead, None
             return step
+        if self.speculative is not None:
+            raise RuntimeError("speculative decoding runs the serial step loop (Engine.step): a step "
+                               "overlapped or launched ahead cannot verify drafts")
         step = self._plan_step()
         if not step.plan.is_empty:
             try:
@@ -385,10 +399,11 @@ class Engine:
         if budget is not None and budget.corrected:  # before update moves num_computed_tokens
             budget.observe_plan(plan, result.token_ids, result.forward_s)
         saved = self.connector.save_kv(plan, result.token_ids)  # before update frees blocks
-        changed = self.counters.timed(self.scheduler.update, plan, result.token_ids)
+        verified = result.verified_token_ids if plan.draft_token_ids else None  # only verify rows carry them
+        changed = self.counters.timed(self.scheduler.update, plan, result.token_ids, verified)
         if self.tiers is not None:  # blocks computed this step, out to the shared store
             self.tiers.publish(self.kv.pool.stored)
-        self.prefill_meter.record(plan.num_new_tokens, result.forward_s)
+        self.prefill_meter.record(prefill_rows(plan), result.forward_s)
         return AppliedStep(plan, result.logprobs, changed, saved)
 
     def _failed_step(self, plan: SchedulerOutput, error: Exception) -> list[RequestOutput]:
@@ -399,4 +414,6 @@ class Engine:
         kv = self.kv.stats()
         if self.tiers is not None:
             kv = replace(kv, **self.tiers.stats())
-        return engine_stats(kv, self.scheduler, self.counters)
+        speculator = self.scheduler.speculator
+        return engine_stats(kv, self.scheduler, self.counters,
+                            speculator.counters if speculator is not None else None)

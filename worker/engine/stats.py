@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv.stats import KVStats
+from worker.spec.stats import SpecCounters
 
 if TYPE_CHECKING:
     from worker.scheduling.scheduler import Scheduler
@@ -26,6 +27,11 @@ class EngineStats:
     scheduler_share: float = 0.0  # share of step time in schedule + update (cumulative)
     num_arrived: int = 0  # requests handed to the engine since it started
     num_arrived_prompt_tokens: int = 0  # their prompt tokens
+    # Speculative decoding (worker/spec/stats.py): drafts verified, those accepted, and the
+    # decode rows that carried them (all 0 with speculation off).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_verify_rows: int = 0
 
     def to_dict(self) -> dict[str, float]:
         d = {k: v for k, v in self.__dict__.items() if k != "kv"}
@@ -33,8 +39,10 @@ class EngineStats:
         return d
 
 
-def engine_stats(kv: KVStats, scheduler: Scheduler, counters: StepCounters) -> EngineStats:
+def engine_stats(kv: KVStats, scheduler: Scheduler, counters: StepCounters,
+                 spec: SpecCounters | None = None) -> EngineStats:
     """The report of an engine whose KV cache (with its tiers) stands at `kv`."""
+    spec = spec if spec is not None else SpecCounters()
     return EngineStats(
         kv=kv,
         num_running=scheduler.num_running,
@@ -49,4 +57,7 @@ def engine_stats(kv: KVStats, scheduler: Scheduler, counters: StepCounters) -> E
         scheduler_share=counters.scheduler_share,
         num_arrived=counters.num_arrived,
         num_arrived_prompt_tokens=counters.num_arrived_prompt_tokens,
+        num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_draft_tokens=spec.num_accepted_tokens,
+        num_verify_rows=spec.num_verify_rows,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.outputs.detokenizer import IncrementalDetokenizer
+from worker.outputs.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 from worker.api import RequestOutput
 from worker.api import SamplingParams
 
@@ -42,6 +42,7 @@ class RequestOutputProcessor:
             else None
         )
         self.stopped = False  # a stop string ended the request here (the core must abort it)
+        self._watches_stops = bool(params.stop)
         self._defer = text_at_end and not params.stop
         self._started = False  # an output with tokens was processed
         self._pending: list[int] = []  # deferred token ids, decoded with the finished output
@@ -59,7 +60,10 @@ class RequestOutputProcessor:
         if self._pending:
             ids, self._pending = self._pending + ids, []
         self._started = self._started or bool(ids)
-        update = self.detokenizer.update(ids) if ids else None
+        if len(ids) > 1 and self._watches_stops:
+            update = self._update_to_stop(out)
+        else:
+            update = self.detokenizer.update(ids) if ids else None
         delta = update.text_delta if update is not None else ""
         if update is not None and update.stop_string is not None:
             self.stopped = True
@@ -68,6 +72,27 @@ class RequestOutputProcessor:
             delta += self.detokenizer.flush()
         out.text_delta = delta
         return out
+
+    def _update_to_stop(self, out: RequestOutput) -> DetokenizerUpdate:
+        """Several tokens at once (a verified run of drafts, folded outputs) with stop strings
+        to watch: fed one by one, so that a stop string completed by one of them ends the
+        output at that token, as it would have ended the request there; the tokens after it
+        leave the output and its count."""
+        assert self.detokenizer is not None
+        ids = out.new_token_ids
+        deltas: list[str] = []
+        for j, token_id in enumerate(ids):  # stops: the detokenizer's own per-token rule
+            update = self.detokenizer.update([token_id])
+            deltas.append(update.text_delta)
+            if update.stop_string is not None:
+                dropped = len(ids) - j - 1
+                if dropped:
+                    out.new_token_ids = ids[: j + 1]
+                    out.num_output_tokens -= dropped
+                    if out.logprobs is not None:
+                        out.logprobs = out.logprobs[: len(out.logprobs) - dropped]
+                return DetokenizerUpdate("".join(deltas), update.stop_string)
+        return DetokenizerUpdate("".join(deltas), None)
 
     @property
     def defers_text(self) -> bool:

@@ -30,12 +30,13 @@ def request_output(seq: Sequence, new_token_ids: list[int], logprobs: list | Non
     )
 
 
-def sampled_output(seq: Sequence, logprob: object | None) -> RequestOutput:
-    """The output of a step that sampled `seq` a token (and its logprob entry, if asked).
-    A request's first output also carries its prompt logprobs, when they are complete: a
-    decode-side import computed no prompt, and its prefill replica's first output carried
-    them."""
-    out = request_output(seq, [seq.token_ids[-1]], [logprob] if logprob is not None else None)
+def sampled_output(seq: Sequence, logprob: object | None, num_tokens: int = 1) -> RequestOutput:
+    """The output of a step that gave `seq` its last `num_tokens` tokens (one, or a verified
+    run of drafts: worker/spec/) and its logprob entry, if asked. A request's first output
+    also carries its prompt logprobs, when they are complete: a decode-side import computed
+    no prompt, and its prefill replica's first output carried them."""
+    new = [seq.token_ids[-1]] if num_tokens == 1 else seq.token_ids[-num_tokens:]
+    out = request_output(seq, new, [logprob] if logprob is not None else None)
     entries = seq.prompt_logprobs
     if entries is not None and seq.num_output_tokens == 1 and len(entries) == seq.num_prompt_tokens - 1:
         out.prompt_logprobs = [None, *entries]

@@ -3,13 +3,14 @@ between launch and wait (worker/runner/model_runner.py)."""
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from worker.sampling.sampled_batch import SampledBatch
 from worker.scheduling.plan import SchedulerOutput
+from worker.spec.verify import VerifyLaunch
 
 
 @dataclass
@@ -31,6 +32,9 @@ class HostBatch:
     num_decodes: int
     sample_rows: list[int]  # plan indices of the seqs that sample this step
     last_token_idx: list[int]  # flat token whose logits each of them samples from
+    # Verify rows (speculative decoding, worker/spec/): (plan index, first flat token,
+    # number of drafts k); logits at its k + 1 flat tokens. Not in sample_rows.
+    draft_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -45,3 +49,5 @@ class LaunchedBatch:
     # Queued by the next launch when that one was launched ahead (it reads the ids on the
     # device); else by wait.
     sampled: SampledBatch | None = None
+    # Its verify rows' acceptance, queued on the device (speculative decoding).
+    verify: VerifyLaunch | None = None

@@ -36,10 +36,14 @@ def host_batch(plan: SchedulerOutput, order: list[int], block_size: int, num_gro
     # Launched ahead, a row's one input token is not in token_ids yet (launch gathers it
     # on the device; 0 holds its place here), and the row samples one past token_ids.
     pending = int(plan.pending_inputs)
+    # A verify row's inputs: its one uncomputed token, then its drafts (worker/spec/drafts.py).
+    drafts_of = plan.draft_token_ids
     for i in order:
         seq, n = seqs[i], num_new[i]
         c = seq.num_computed_tokens
         flat_ids.extend(seq.token_ids[c : c + n] if not pending else (0,))
+        if drafts_of and seq.request_id in drafts_of:
+            flat_ids.extend(drafts_of[seq.request_id])
         starts.append(c)
         lens.append(n)
         if tables is None:
@@ -65,10 +69,13 @@ def host_batch(plan: SchedulerOutput, order: list[int], block_size: int, num_gro
     # Sample where a seq reaches its last token; its logits come from that token.
     sample_rows: list[int] = []
     last_idx: list[int] = []
+    draft_rows: list[tuple[int, int, int]] = []
     for row, i in enumerate(order):
         if starts[row] + lens[row] == seqs[i].num_tokens + pending:
             sample_rows.append(i)
             last_idx.append(qs[row] + lens[row] - 1)
+        elif drafts_of and seqs[i].request_id in drafts_of:  # logits at each of its 1 + k tokens
+            draft_rows.append((i, qs[row], lens[row] - 1))
     return HostBatch(
         input_ids=torch.tensor(flat_ids, dtype=torch.long),
         positions=positions,
@@ -82,6 +89,7 @@ def host_batch(plan: SchedulerOutput, order: list[int], block_size: int, num_gro
         num_decodes=sum(1 for n in lens if n == 1),
         sample_rows=sample_rows,
         last_token_idx=last_idx,
+        draft_rows=draft_rows,
     )
 
 

@@ -46,6 +46,7 @@ from worker.runner.inputs import DeviceInputs, attention_metadata, host_batch, s
 from worker.runner.staging import InputStaging
 from worker.sampling.sampled_batch import SampledBatch
 from worker.sampling.sampler import Sampler, argmax_only
+from worker.spec.verify import launch_verify
 from worker.structured.bitmask import MaskPrefetcher
 from worker.scheduling.scheduler import SchedulerOutput
 
@@ -263,6 +264,8 @@ class ModelRunner:
         if self.supports_prompt_logprobs:
             self._prompt_logprobs(plan, order, batch, hidden)
         sample_rows = batch.sample_rows
+        if batch.draft_rows and self.sampler is not None:
+            return self._launch_verify(plan, batch, hidden, masks)
         if not sample_rows or self.sampler is None:
             if sample_rows:  # a TP rank other than 0: it only joins the collectives
                 self.model.compute_logits(hidden[last_token_idx])
@@ -281,6 +284,25 @@ class ModelRunner:
             if ids is None:
                 ids = greedy_ids(logits, self.arch.vocab_size)
             launched.sampled = SampledBatch(ids, ids, None, sampling, [])
+        self._in_flight = launched
+        return launched
+
+    def _launch_verify(self, plan: SchedulerOutput, batch: HostBatch, hidden: torch.Tensor,
+                       masks: Any) -> LaunchedBatch:
+        """A step with verify rows (speculative decoding, worker/spec/): one LM head call over
+        the sampling rows' last tokens and every verify position; the sampler takes the
+        first, the verifier the rest."""
+        assert self.sampler is not None
+        positions = [q + j for _, q, k in batch.draft_rows for j in range(k + 1)]
+        index = torch.tensor(batch.last_token_idx + positions, dtype=torch.long).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[index])
+        self.timer.stop()
+        num_sampled = len(batch.sample_rows)
+        rows = [i for i, _, _ in batch.draft_rows]
+        verify = launch_verify(logits[num_sampled:], [plan.seqs[i] for i in rows], rows,
+                               [plan.draft_token_ids[plan.seqs[i].request_id] for i in rows], self.sampler)
+        launched = LaunchedBatch(plan, batch.sample_rows, logits[:num_sampled] if num_sampled else None, masks,
+                                 verify=verify)
         self._in_flight = launched
         return launched
 
@@ -338,7 +360,12 @@ class ModelRunner:
             for row, i in enumerate(launched.sample_rows):
                 token_ids[i] = sampled.token_ids[row]
                 logprobs[i] = sampled.logprobs[row]
-        return RunnerOutput(token_ids, logprobs, self.timer.elapsed_s())
+        if launched.verify is None:
+            return RunnerOutput(token_ids, logprobs, self.timer.elapsed_s())
+        verified = launched.verify.result()
+        for i, tokens in verified.items():
+            token_ids[i] = tokens[0]
+        return RunnerOutput(token_ids, logprobs, self.timer.elapsed_s(), verified)
 
     @property
     def supports_prompt_logprobs(self) -> bool:

@@ -250,7 +250,29 @@ class Sampler:
         """Sample one token per row; every row here has temperature > 0 and top_k != 1."""
         params = [s.params for s in seqs]
         num_rows = len(seqs)
+        x = self.filtered(logits, seqs)
 
+        # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) samples from p. In log
+        # space that is argmax_i x_i - log E_i (Gumbel-max), which needs no softmax.
+        # Seeded rows draw their noise from their own generator, so the draw depends
+        # only on the request's seed and how many steps it has sampled, never on which
+        # other rows share the batch.
+        noise = torch.empty_like(x)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if len(seeded) < num_rows:
+            noise.exponential_()  # one batch-level draw for the unseeded rows
+        for i in seeded:
+            noise[i].exponential_(generator=self._generator(seqs[i]))
+        # Exp(1) can round to 0 in float32; log(0) = -inf would give +inf noise and
+        # -inf + inf = NaN on a masked token, which argmax would pick.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()
+        return x.sub_(noise).argmax(dim=-1)
+
+    def filtered(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The rows' logits as random sampling draws from them: divided by the temperature,
+        then min_p, top_k and top_p cut (a new tensor). softmax of it is the distribution
+        a row samples (speculative decoding's rejection sampling reads it, worker/spec/)."""
+        params = [s.params for s in seqs]
         # Out of place: `logits` may be the caller's tensor.
         temps = self._to_device([[p.temperature] for p in params], torch.float32)
         x = logits / temps
@@ -270,22 +292,11 @@ class Sampler:
             x = self._apply_top_k_top_p(x, params, vocab)
         elif any(p.top_k > 0 for p in params):
             x = self._apply_top_k(x, params, vocab)
+        return x
 
-        # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) samples from p. In log
-        # space that is argmax_i x_i - log E_i (Gumbel-max), which needs no softmax.
-        # Seeded rows draw their noise from their own generator, so the draw depends
-        # only on the request's seed and how many steps it has sampled, never on which
-        # other rows share the batch.
-        noise = torch.empty_like(x)
-        seeded = [i for i, p in enumerate(params) if p.seed is not None]
-        if len(seeded) < num_rows:
-            noise.exponential_()  # one batch-level draw for the unseeded rows
-        for i in seeded:
-            noise[i].exponential_(generator=self._generator(seqs[i]))
-        # Exp(1) can round to 0 in float32; log(0) = -inf would give +inf noise and
-        # -inf + inf = NaN on a masked token, which argmax would pick.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()
-        return x.sub_(noise).argmax(dim=-1)
+    def generator(self, seq: Sequence) -> torch.Generator:
+        """The seeded request's own generator (made on its first draw)."""
+        return self._generator(seq)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         generator = seq.sampler_state

@@ -50,6 +50,13 @@ class SchedulerOutput:
     # the token at position num_computed_tokens, is the previous step's sample, not yet
     # in token_ids when the plan is launched; the runner takes it from that step's output.
     pending_inputs: bool = False
+    # Speculative decoding (worker/spec/): request id -> the draft tokens its decode row
+    # carries after its one input token (num_new_tokens = 1 + len(drafts)). Never in
+    # token_ids until verified.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Set when the result is applied to a plan with drafts: request id -> tokens the row
+    # appended (accepted drafts and the target's own token), for the step's outputs.
+    num_appended: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -60,12 +67,17 @@ class SchedulerOutput:
         return not self.seqs
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the plan before it executes (its KV import failed)."""
+        """Take a sequence out of the plan before it executes (its KV import failed, or it was
+        preempted to make room)."""
         i = next(j for j, s in enumerate(self.seqs) if s is seq)
         del self.seqs[i], self.num_new_tokens[i], self.block_ids[i]
+        if self.draft_token_ids:  # its drafts leave with it (it may be planned again this step)
+            self.draft_token_ids.pop(seq.request_id, None)
 
     def samples(self, i: int) -> bool:
         """Does seqs[i] reach the end of its tokens this step (and so sample one)?"""
         seq = self.seqs[i]
         end = seq.num_computed_tokens + (0 if self.advanced else self.num_new_tokens[i])
+        if self.draft_token_ids and seq.request_id in self.draft_token_ids:
+            return True  # a verify row (its end counts its drafts, which token_ids lacks)
         return end == seq.num_tokens

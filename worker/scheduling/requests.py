@@ -130,6 +130,7 @@ class Requests:
         outputs = []
         now = time.monotonic()
         finished = SequenceStatus.FINISHED
+        appended = plan.num_appended  # verify rows' token counts (speculative decoding)
         for seq in changed:
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -139,7 +140,8 @@ class Requests:
                 continue  # a quiet request between its first output and its last
             if seq.status is finished:
                 self._forget(seq)
-            out = sampled_output(seq, logprobs_of.get(seq.request_id) if logprobs_of is not None else None)
+            out = sampled_output(seq, logprobs_of.get(seq.request_id) if logprobs_of is not None else None,
+                                 appended.get(seq.request_id, 1) if appended else 1)
             if seq.quiet_from is not None:
                 out.new_token_ids = seq.token_ids[seq.quiet_from:]
                 seq.quiet_from = len(seq.token_ids)
@@ -149,6 +151,9 @@ class Requests:
                 out.extra["kv_export"] = kv
             if seq.status is finished:  # after the export check: a failed export is no answer length
                 self.output_lengths.observe(seq)
+                if seq.num_draft_tokens:  # speculative decoding: the request's own acceptance
+                    out.extra["spec_draft_tokens"] = seq.num_draft_tokens
+                    out.extra["spec_accepted_tokens"] = seq.num_accepted_draft_tokens
             outputs.append(out)
         return outputs
 

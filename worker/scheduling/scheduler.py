@@ -53,6 +53,8 @@ from worker.scheduling.preemption import make_room, may_admit, preempt_for_prior
 from worker.scheduling.plan import SchedulerOutput, TierIndex, TierLoad  # noqa: F401
 from worker.sequence import Sequence, SequenceStatus
 from worker.scheduling.step_apply import advance_plan, append_sampled
+from worker.spec.apply import append_verified
+from worker.spec.drafts import Speculator
 from worker.scheduling.step_budget import StepTimeBudget
 from worker.kvcache.tier_admission import apply_load, num_tier_blocks, start_load
 
@@ -72,6 +74,8 @@ class Scheduler:
         self.band_limit = BandPrefillLimit(n) if n else None
         self._caps = PrefillCaps(self.band_limit)
         self.lora_slots: LoRASlots | None = None  # the engine's, when LoRA is enabled
+        # Speculative decoding (worker/spec/): decode rows carry draft tokens. Serial loop only.
+        self.speculator: Speculator | None = None
         # Waiting sequences per (band, key), and each key's weight (worker/scheduling/bands.py).
         self._waiting_keys: Counter[tuple[int, str]] = Counter()
         self._weights: dict[str, int] = {}
@@ -138,6 +142,7 @@ class Scheduler:
         """Plan `seqs` (running, in order) within `budget`; returns what is left of it."""
         kv, running, caps = self.kv, SequenceStatus.RUNNING, self._caps
         held = kv.held_block_ids
+        spec = self.speculator
         # The plan's lists, appended in place (this loop runs once per running sequence).
         plan_seqs, plan_new, plan_blocks = out.seqs, out.num_new_tokens, out.block_ids
         for seq in seqs:
@@ -147,6 +152,15 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             left = len(seq.token_ids) - computed
+            if left == 1 and spec is not None and budget > 1:  # a decode that may carry drafts
+                drafted = spec.plan(seq, budget, kv)
+                if drafted is not None:
+                    out.draft_token_ids[seq.request_id] = drafted[0]
+                    plan_seqs.append(seq)
+                    plan_new.append(1 + len(drafted[0]))
+                    plan_blocks.append(drafted[1])
+                    budget -= 1 + len(drafted[0])
+                    continue
             num_new = left if left < budget else budget
             if num_new > 1:  # a prompt chunk
                 num_new = caps.cap(seq, num_new, computed)
@@ -274,13 +288,21 @@ class Scheduler:
         step ends: only the next schedule, after the step's wait, admits against them."""
         advance_plan(out, self.kv)
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int | None],
+               verified_token_ids: dict[int, list[int]] | None = None) -> list[Sequence]:
         """Apply a step's result (advancing the plan first if that has not been done):
-        append sampled tokens; finish and free the sequences that stop. Returns the
+        append sampled tokens (a verify row's: every token of `verified_token_ids[i]`,
+        worker/spec/apply.py); finish and free the sequences that stop. Returns the
         sequences that got a token (finished ones included)."""
         advance_plan(out, self.kv)
-        changed, any_finished = append_sampled(out, sampled_token_ids, self.kv, self.config.max_model_len,
-                                               self._release_lora)
+        if out.draft_token_ids:
+            assert self.speculator is not None and verified_token_ids is not None
+            changed, any_finished = append_verified(out, sampled_token_ids, verified_token_ids, self.kv,
+                                                    self.config.max_model_len, self._release_lora,
+                                                    self.speculator.counters)
+        else:
+            changed, any_finished = append_sampled(out, sampled_token_ids, self.kv, self.config.max_model_len,
+                                                   self._release_lora)
         if any_finished:
             running = SequenceStatus.RUNNING
             self.running = [s for s in self.running if s.status is running]

@@ -26,9 +26,12 @@ def advance_plan(out: SchedulerOutput, kv: KVCacheManager) -> None:
     out.advanced = True
     block_size = kv.block_size
     running = SequenceStatus.RUNNING
+    drafts = out.draft_token_ids
     for seq, num_new in zip(out.seqs, out.num_new_tokens):
         if seq.status is not running:
             continue
+        if drafts and seq.request_id in drafts:
+            num_new = 1  # a verify row: its drafts count once accepted (worker/spec/apply.py)
         before = seq.num_computed_tokens
         seq.num_computed_tokens = after = before + num_new
         if after // block_size > before // block_size:  # a block filled: register it

@@ -87,7 +87,9 @@ class StepTimeBudget:
     def observe_plan(self, plan: SchedulerOutput, token_ids: list, measured_s: float) -> None:
         """A step the engine ran; its rows' contexts as they were when it was planned."""
         back = plan.advanced
-        self.observe([(n, seq.num_computed_tokens - (n if back else 0), t is not None)
+        drafts = plan.draft_token_ids  # a verify row (serial loop, never advanced) has logits at each token
+        self.observe([(n, seq.num_computed_tokens - (n if back else 0),
+                       n if drafts and seq.request_id in drafts else t is not None)
                       for seq, n, t in zip(plan.seqs, plan.num_new_tokens, token_ids)], measured_s)
 
     def observe(self, rows: Sequence[Row], measured_s: float) -> None:

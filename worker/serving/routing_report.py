@@ -14,6 +14,9 @@ taken (router/routing/scoring.py's capacity):
     growth(s)          = blocks(min(prompt(s) + forecast(s), max_model_len)) - blocks held,
                          at least 0
     decode_growth_blocks = sum of growth over running AND waiting sequences
+    with speculative decoding (k drafts a row), prompt(s) + forecast(s) is raised to at
+                         least num_tokens(s) + k (within prompt + max_tokens): the
+                         lookahead blocks its next verify step holds
 
 Blocks are the replica's own (kv/kv_geometry.py): blocks(n) counts every KV group, a
 sliding-window group's at most its window's, so a Gemma-like replica forecasts what its
@@ -52,24 +55,32 @@ def forecast_output_tokens(seq: Sequence, expected_output_tokens: float) -> int:
 
 
 def growth_blocks(seq: Sequence, held_tokens: int, expected_output_tokens: float, block_size: int,
-                  max_model_len: int, geometry: KVGeometry | None = None) -> int:
-    """Blocks `seq` will still allocate beyond those covering `held_tokens` tokens."""
-    total = min(seq.num_prompt_tokens + forecast_output_tokens(seq, expected_output_tokens), max_model_len)
+                  max_model_len: int, geometry: KVGeometry | None = None, lookahead_tokens: int = 0) -> int:
+    """Blocks `seq` will still allocate beyond those covering `held_tokens` tokens; with
+    speculative decoding, at least its next verify step's lookahead (its tokens plus
+    `lookahead_tokens` drafts, within max_tokens), which that step holds."""
+    total = seq.num_prompt_tokens + forecast_output_tokens(seq, expected_output_tokens)
+    if lookahead_tokens:
+        total = max(total, min(seq.num_tokens + lookahead_tokens, seq.num_prompt_tokens + seq.params.max_tokens))
+    total = min(total, max_model_len)
     if geometry is not None:
         return max(geometry.blocks_for_tokens(total) - geometry.blocks_for_tokens(held_tokens), 0)
     return max(cdiv(total, block_size) - cdiv(held_tokens, block_size), 0)
 
 
 def decode_growth_blocks(running: Iterable[Sequence], waiting: Iterable[Sequence], expected_output_tokens: float,
-                         block_size: int, max_model_len: int, geometry: KVGeometry | None = None) -> int:
-    """KV blocks the running sequences (prompt rest + decode) and the waiting ones (decode
-    only: their prompts are reserved_blocks) will still allocate before they finish."""
+                         block_size: int, max_model_len: int, geometry: KVGeometry | None = None,
+                         lookahead_tokens: int = 0) -> int:
+    """KV blocks the running sequences (prompt rest + decode, and speculative lookahead)
+    and the waiting ones (decode only: their prompts are reserved_blocks) will still
+    allocate before they finish."""
     growth = 0
     for seq in running:
         growth += growth_blocks(seq, seq.num_computed_tokens, expected_output_tokens, block_size, max_model_len,
-                                geometry)
+                                geometry, lookahead_tokens)
     for seq in waiting:
-        growth += growth_blocks(seq, seq.num_tokens, expected_output_tokens, block_size, max_model_len, geometry)
+        growth += growth_blocks(seq, seq.num_tokens, expected_output_tokens, block_size, max_model_len, geometry,
+                                lookahead_tokens)
     return growth
 
 
@@ -103,7 +114,8 @@ def build_routing_stats(engine: Engine, stats: EngineStats, prefix_hashes: list[
     scheduler = engine.scheduler
     running, waiting = list(scheduler.running), list(scheduler.waiting)
     geometry = engine_geometry(engine)
-    growth = decode_growth_blocks(running, waiting, mean, block_size, engine.max_model_len, geometry)
+    lookahead = engine.speculative.num_tokens if engine.speculative is not None else 0
+    growth = decode_growth_blocks(running, waiting, mean, block_size, engine.max_model_len, geometry, lookahead)
     if geometry is None:
         reserved = cdiv(stats.num_waiting_prompt_tokens, block_size)
         # The block's bytes are said on every replica: an FP8 pool's are half of bf16's.

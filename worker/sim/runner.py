@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from worker.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from worker.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from worker.engine.core import Engine
 from worker.model_config import cap_to_kv_capacity, max_model_len_for
 from worker.api import RunnerOutput
@@ -47,6 +47,7 @@ from worker.sequence import Sequence, SequenceStatus
 from worker.costs.cost_model import StepCostModel, StepFeatures
 from worker.sim.device import parse_sim_device
 from worker.sim.lora import SimAdapter, SimLoRA
+from worker.sim.spec import SimDraftProposer, verify_rows
 from worker.costs.profiles import DeviceProfile, load_profile
 from worker.costs.shapes import ModelShape, load_shape
 from worker.lora.engine_lora import EngineLoRA
@@ -126,7 +127,10 @@ class SimRunner:
         sleep: bool = True,
         avoid_token_ids: frozenset[int] = frozenset(),
         lora: SimLoRA | None = None,
+        spec_acceptance: float = 0.0,
     ) -> None:
+        """`spec_acceptance`: with speculative decoding on the engine, the chance each draft
+        is accepted (worker/sim/spec.py)."""
         if time_dilation <= 0:
             raise ValueError(f"time_dilation must be > 0, got {time_dilation}")
         if vocab_size <= len(avoid_token_ids):
@@ -153,6 +157,9 @@ class SimRunner:
         self.lora = lora
         self.lora_loader = lora.loader if lora is not None else None
         self.lora_adapters: Callable[[str], SimAdapter] | None = None
+        if not 0.0 <= spec_acceptance <= 1.0:
+            raise ValueError(f"spec_acceptance must be in [0, 1], got {spec_acceptance}")
+        self.spec_acceptance = spec_acceptance
 
     @property
     def forward_time_dilation(self) -> float:
@@ -164,12 +171,17 @@ class SimRunner:
         """The serial device (Engine.step): returns once the step's time has passed, the
         engine's host work since the previous step counted against the modelled overheads."""
         start = time.perf_counter()
+        verified = (verify_rows(plan, self.spec_acceptance, self.next_token, self._token_from_state)
+                    if plan.draft_token_ids else None)
         token_ids, logprobs, features, modelled = self._model_step(plan)
         forward_s = modelled
         if self.sleep:
             forward_s = self._wait(start, modelled, self.cost.overhead_s(features))
         self._last_return = time.perf_counter()
-        return RunnerOutput(token_ids, logprobs, forward_s)
+        if verified is not None:
+            for i, tokens in verified.items():
+                token_ids[i] = tokens[0]
+        return RunnerOutput(token_ids, logprobs, forward_s, verified)
 
     # -- the overlapping device (worker/scheduling/async_scheduler.py) ------------------------------------------
     @property
@@ -237,8 +249,12 @@ class SimRunner:
         if plan.pending_inputs:  # every row samples; wait draws the tokens
             rows = [(1, seq.num_computed_tokens, True) for seq in seqs]
             seqs = []
+        drafts = plan.draft_token_ids
         for i, (seq, n) in enumerate(zip(seqs, plan.num_new_tokens)):
             context = seq.num_computed_tokens
+            if drafts and seq.request_id in drafts:  # a verify row: logits at each token; _verify drew them
+                rows.append((n, context, n))
+                continue
             samples = context + n == len(seq.token_ids)
             rows.append((n, context, samples))
             if samples:
@@ -287,6 +303,10 @@ class SimRunner:
         else:
             state = history_hash(token_ids)
         seq.sampler_state = (num_tokens, state)
+        return self._token_from_state(state, seq)
+
+    def _token_from_state(self, state: int, seq: Sequence) -> int:
+        """The token drawn after a history whose hash is `state`."""
         seed = seq.params.seed
         x = state if seed is None else state ^ _mix64(seed + 1)
         # _mix64 inlined (a call per token is a visible share of what a simulated token costs)
@@ -318,6 +338,8 @@ def build_sim_engine(
     token_vocab_size: int | None = None,
     eos_token_ids: frozenset[int] | None = None,
     lora: LoRAConfig = LoRAConfig(),
+    speculative: SpeculativeConfig | None = None,
+    spec_acceptance: float = 0.0,
 ) -> Engine:
     """The real Engine (scheduler, KV cache manager, step loop) on a SimRunner.
 
@@ -326,7 +348,9 @@ def build_sim_engine(
     max_position_embeddings when unset, never more than it, and never more than the KV
     pool holds. Tokens are drawn from [0, token_vocab_size) (default: the shape's
     vocabulary), never from eos_token_ids (default: the shape's). `lora`: adapters as on a
-    real device, priced by worker/sim/lora.py."""
+    real device, priced by worker/sim/lora.py. `speculative` (its num_tokens) with
+    `spec_acceptance`: verify rows priced by the cost model, drafts accepted at that rate
+    (worker/sim/spec.py); the engine then steps serially, as a real one does."""
     shape = load_shape(shape) if isinstance(shape, str) else shape
     if cache.kv_cache_dtype == "fp8":  # e4m3 KV: one byte per element (worker/attention/kv_quant.py)
         shape = replace(shape, kv_dtype_bytes=1)
@@ -343,8 +367,10 @@ def build_sim_engine(
         cost, num_blocks, cache.block_size, token_vocab_size or shape.vocab_size,
         time_dilation=time_dilation, sleep=sleep, avoid_token_ids=eos,
         lora=SimLoRA(shape, profile, lora.max_lora_rank) if lora.enabled else None,
+        spec_acceptance=spec_acceptance,
     )
-    engine = Engine(scheduler, cache, runner, shape.vocab_size, eos)
+    engine = Engine(scheduler, cache, runner, shape.vocab_size, eos, speculative=speculative)
+    use_sim_drafts(engine)
     if runner.lora_loader is not None:
         engine.enable_lora(EngineLoRA(lora, runner.lora_loader))
     return engine
@@ -378,3 +404,11 @@ def sim_engine_from_config(config: EngineConfig) -> Engine:
     )
     engine.model_path = path
     return engine
+
+
+def use_sim_drafts(engine: Engine) -> None:
+    """With speculation on, the engine's scheduler proposes placeholder drafts: on a
+    simulated device acceptance is the runner's rate, not a match (worker/sim/spec.py)."""
+    speculator = engine.scheduler.speculator
+    if speculator is not None:
+        speculator.proposer = SimDraftProposer(speculator.config.num_tokens)  # type: ignore[assignment]

@@ -24,7 +24,8 @@ from cluster.state_store import RedisStoreSpec
 from router.routing.types import RoutingParams
 from router.routing.redis_view import SharedViewSpec
 from router.frontend.settings import IngressSettings
-from worker.config import CacheConfig, ModelConfig, SchedulerConfig
+from cluster.speculative_config import SpeculativeSection
+from worker.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 
 # (section, dataclass, renames): the section fields that configure the dataclass.
 MAPPINGS: list[tuple[type[BaseModel], type, dict[str, str]]] = [
@@ -39,11 +40,13 @@ MAPPINGS: list[tuple[type[BaseModel], type, dict[str, str]]] = [
     (AutoscalingSection, PoolTargets, {}),
     (RoutingSection, RoutingParams, {}),
     (RoutingSection, SharedViewSpec, {"mode": "shared_view_mode", "refresh_s": "shared_view_refresh_s"}),
+    (SpeculativeSection, SpeculativeConfig, {}),
 ]
 # Section fields that configure no dataclass: Serve deployment options, or inputs that are
 # turned into a dataclass field by cluster/config.py or cluster/app.py (path -> model, ...).
 NOT_MAPPED: dict[type[BaseModel], set[str]] = {
-    EngineSection: set(),
+    EngineSection: {"speculative"},  # a section of its own (SpeculativeSection)
+    SpeculativeSection: set(),
     ModelSection: {"path", "served_model_name"},  # resolved into ModelConfig.model / IngressSettings
     IngressSection: {"num_replicas", "autoscaling", "num_cpus", "resources", "off_gpu_hosts"},
     StateSection: {"redis_url", "key_prefix"},  # given to RedisStoreSpec as url / key_prefix
