@@ -25,7 +25,16 @@ from kv.kv_groups import FULL_ATTENTION, KVGroupSpec, KVLayout, cdiv
 from kv.retention import SessionRetention
 from kv.stats import KVStats
 
-__all__ = ["GroupHits", "KVCacheManager", "cdiv"]
+__all__ = ["BlockIds", "GroupHits", "KVCacheManager", "cdiv"]
+
+
+class BlockIds(list):
+    """A table's block ids (a list that grows in place), with the mark a reader that
+    mirrors it needs (worker/runner/block_table.py): `rewrite_from`, the lowest length
+    the list has been cut back to since the reader last cleared the mark (None: only
+    appended since). The cache manager lowers it; the one reader clears it."""
+
+    rewrite_from: int | None = None
 
 
 class GroupHits(list):
@@ -40,7 +49,8 @@ class KVCacheManager:
     (kv/kv_groups.py). With one group a request's table is a list of block ids; with
     several it is a list of such lists, one per group, all the same length (a sliding
     group's released entries name the null block). Either way the table object the
-    runner gets stays the same for the request's lifetime and grows in place."""
+    runner gets stays the same for the request's lifetime and grows in place (cut back
+    only by `shrink`, which marks it: BlockIds.rewrite_from)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  layout: KVLayout | None = None) -> None:
@@ -209,10 +219,12 @@ class KVCacheManager:
         for row, row_ids in zip(blocks, ids):
             gone = row[keep:]
             del row[keep:], row_ids[keep:]  # in place: the runner's table is this list
+            mark = getattr(row_ids, "rewrite_from", None)
+            row_ids.rewrite_from = keep if mark is None else min(mark, keep)  # type: ignore[attr-defined]
             self.pool.free(reversed(gone))
 
     def _new_tables(self, request_id: str) -> None:
-        ids: list[list[int]] = [[] for _ in self.groups]
+        ids: list[list[int]] = [BlockIds() for _ in self.groups]
         self._blocks[request_id] = [[] for _ in self.groups]
         self._group_ids[request_id] = ids
         self._tables[request_id] = ids if self._multi else ids[0]

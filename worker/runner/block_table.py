@@ -18,6 +18,10 @@ Rules that keep the mirror right:
   appends to it, and makes a new one when the request is admitted again after
   preemption. (A TP rank's mirror may rewrite a list in place: no persistent table there.)
   A new object claims a row and writes it whole.
+- a table is cut back only by the cache manager's `shrink` (lookahead blocks of rejected
+  draft tokens), which marks the list (`BlockIds.rewrite_from`, the lowest length since
+  the mark was cleared); a step rewrites the row from there and clears the mark. A cut
+  seen directly (fewer entries than synced) is handled the same way.
 - entries only change in place behind a sliding window (released blocks renamed to the
   null block); attention never reads them there, so the stale ids left in the mirror for
   those positions are never read either.
@@ -70,6 +74,10 @@ class PersistentBlockTable:
             if row is None:
                 row = self._claim(table, step)
             n = len(table)
+            cut = getattr(table, "rewrite_from", None)  # kv/cache_manager.py BlockIds: cut back since
+            if cut is not None:
+                table.rewrite_from = None  # type: ignore[attr-defined]
+                row.synced = min(row.synced, cut)
             if n > self.width:
                 raise ValueError(f"a block table of {n} entries exceeds the {self.width} columns of max_model_len")
             if n < row.synced:  # the table shrank: what it grows back into is rewritten

@@ -106,3 +106,21 @@ def test_host_batch_over_persistent_tables_matches_the_padded_tables() -> None:
         tables[0].append(20 + step)  # a new block mid-run
         tables[2].append(30 + step)
     assert t.host[0, :6].tolist() == [5, 6, 7, 20, 21, 0]  # 22 joins at its next step
+
+
+def test_a_table_the_cache_manager_shrank_and_grew_back_is_rewritten() -> None:
+    """Lookahead blocks of rejected drafts go back (KVCacheManager.shrink) and the next
+    step grows the table to its old length with other blocks: same length, new ids."""
+    from kv.cache_manager import KVCacheManager
+
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    table = kv.allocate("r", 12)  # 3 blocks: the last one a draft's lookahead
+    t = PersistentBlockTable(2, 8, torch.device("cpu"))
+    seq = [Sequence("r", [1] * 9, SamplingParams())]
+    t.sync(_plan([table], seqs=seq), [0])
+    lookahead = table[2]
+    kv.shrink("r", 8)
+    kv.pool.allocate(1)  # someone else takes the freed block first
+    assert kv.allocate("r", 12) is table and table[2] != lookahead
+    t.sync(_plan([table], seqs=seq), [0])
+    assert t.device_table[0, :3].tolist() == table
