@@ -9,7 +9,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 name="$1"; shift
 log="benchmarks/results/${name}-$(date -u +%Y-%m-%d-%H%M).txt"
-python="${PYTHON:-.venv/bin/python}"
+# The versions are read from the benchmark's own interpreter when the command names one.
+if [[ -n "${PYTHON:-}" ]]; then python="$PYTHON"
+elif [[ "$(basename "$1")" == python* ]]; then python="$1"
+else python=.venv/bin/python
+fi
 {
     echo "command: $*"
     echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
