@@ -89,8 +89,10 @@ def test_a_decode_pool_plans_from_its_models_prefill_arrivals(monkeypatch: Any) 
     prefill, decode = _policy("prefill"), _policy("decode")
     for policy in (prefill, decode):
         policy(_context(0.0, {"a": (0, 0, 0)}))
-    # 240 requests reached the prefill pool; only 24 have reached the decode pool yet
+    # 240 requests reached the prefill pool; only 24 have reached the decode pool yet, and
+    # answered 1024 tokens each
     prefill(_context(10.0, {"p": (240, 240 * 8000, 240)}))
-    decode(_context(10.0, {"d": (24, 24 * 8000, 240 * 1024)}))
+    decode(_context(10.0, {"d": (24, 24 * 8000, 24 * 1024)}))
     assert decode.planner.forecaster.level == prefill.planner.forecaster.level == 24.0
+    # the answers' length is per request that reached decode (not 24 x 1024 / 240)
     assert decode.planner.forecaster.now().output_tokens == 1024
