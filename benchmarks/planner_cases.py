@@ -65,6 +65,25 @@ def day_requests(model: str, hour_s: float, prompt_tokens: int, output_tokens: i
                            prefix=f"{model}-")
 
 
+def oracle_gpu_seconds(phases: Sequence[Phase], high_rps: float, low_pools: Sequence[int],
+                       high_pools: Sequence[int], tails_s: Sequence[float], startup_s: float, end_s: float) -> float:
+    """GPU seconds of a fleet that knows the trace in advance, a lower bound for any planner
+    that meets every burst: pool i runs `high_pools[i]` replicas from a start-up before each
+    phase at `high_rps` until `tails_s[i]` after it ends (its last work done), and
+    `low_pools[i]` otherwise, up to `end_s` (on a 1 s grid)."""
+    grid = np.arange(0.0, end_s, 1.0)
+    total = 0.0
+    for low, high, tail in zip(low_pools, high_pools, tails_s):
+        peak = np.zeros(len(grid), dtype=bool)
+        start = 0.0
+        for phase in phases:
+            if phase.rate_rps >= high_rps:
+                peak |= (grid >= start - startup_s) & (grid < start + phase.duration_s + tail)
+            start += phase.duration_s
+        total += float(np.where(peak, high, low).sum())
+    return total
+
+
 def gpu_seconds(result: SimResult) -> float:
     end = max((r.finish_s for r in result.records if r.finish_s is not None), default=0.0)
     total = 0.0

@@ -76,4 +76,5 @@ def planner_policy_kwargs(slo: SLOSection, role: str, model: str, engine: Engine
         "kv_tokens": kv_tokens, "slo": dataclasses.asdict(slo.targets()),
         "settings": dataclasses.asdict(slo.settings(interval_s)), "scale_to_zero": scale_to_zero,
         "gpus_per_replica": gpus_per_replica, "gpu_budget": slo.gpu_budget,
+        "time_dilation": engine.time_dilation if engine.device.startswith("sim:") else 1.0,
     }

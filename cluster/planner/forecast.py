@@ -5,12 +5,17 @@ arrived, their prompt tokens, and the output tokens generated). The forecast kee
 
     rate     Holt's linear smoothing: level <- a r + (1 - a)(level + trend dt)
                                       trend <- b (level - level_before) / dt + (1 - b) trend
-    mix      the mean prompt and output tokens per request: the tokens over the requests of
-             the last `mix_window_s` (a ratio of sums, so that output still being generated
-             for requests that arrived in a burst biases it only by the burst's share of the window)
+    mix      the mean prompt and output tokens per request, ratios of sums over the last
+             `mix_window_s`: prompt tokens over the requests that arrived, output tokens over
+             the requests that started answering (`num_answering`: a disaggregated decode
+             pool's own arrivals, which come after their prefill however long it queued;
+             otherwise the arrivals), so a burst still queued for prefill does not read as
+             short answers; only the answers under way bias it, by their share of the window
     season   the per-tick rate history; when its autocorrelation at some lag L (longer than
-             the look-ahead) reaches `season_min_correlation`, the load is recurring with
-             period L, and what came one period ago is a forecast too
+             the look-ahead) reaches `season_min_correlation` over at least a whole period
+             of pairs (L at most half the history: a burst seen once is not yet a season),
+             the load is recurring with period L, and what came one period ago is a forecast
+             too; both copies must vary alike (a step lined up with a noisy tick is no season)
 
 The planner sizes for the MOST load expected before a replica started now would be ready,
 so `peak(h)` is the largest of the level now and, when recurring, the rate history's peak
@@ -36,6 +41,13 @@ class Arrivals:
     num_requests: float = 0.0
     prompt_tokens: float = 0.0
     output_tokens: float = 0.0  # generated during dt_s, by any request
+    # Requests that started answering during dt_s (None: num_requests): what output_tokens
+    # are per request of.
+    num_answering: float | None = None
+
+    @property
+    def answering(self) -> float:
+        return self.num_requests if self.num_answering is None else self.num_answering
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,12 @@ class Load:
 
     def scaled(self, rate: float) -> Load:
         return Load(rate, self.prompt_tokens, self.output_tokens)
+
+
+# A period counts only where both copies of the history it compares vary alike (the
+# smaller standard deviation at least this share of the larger): a load that recurs
+# varies in each period, while one step lined up with a noisy tick does not.
+SEASON_MIN_STD_RATIO = 0.5
 
 
 class Forecaster:
@@ -87,7 +105,9 @@ class Forecaster:
         num_requests = sum(a.num_requests for a in mix)
         if num_requests > 0:
             self.prompt_tokens = sum(a.prompt_tokens for a in mix) / num_requests
-            self.output_tokens = max(1.0, sum(a.output_tokens for a in mix) / num_requests)
+        answering = sum(a.answering for a in mix)
+        if answering > 0:
+            self.output_tokens = max(1.0, sum(a.output_tokens for a in mix) / answering)
 
     def period_ticks(self) -> int | None:
         """The recurring load's period in ticks, or None (not recurring, or not seen long enough)."""
@@ -96,10 +116,11 @@ class Forecaster:
         n = len(x)
         min_lag = max(3, math.ceil(s.horizon_s / s.interval_s) + 1)
         best: tuple[float, int] | None = None
-        for lag in range(min_lag, int(n / 1.5) + 1):
+        for lag in range(min_lag, n // 2 + 1):  # at least a whole period of pairs
             a, b = x[lag:], x[:-lag]
-            if a.std() == 0.0 or b.std() == 0.0:
-                continue
+            low, high = sorted((float(a.std()), float(b.std())))
+            if high == 0.0 or low < SEASON_MIN_STD_RATIO * high:
+                continue  # flat, or one copy flat beside the other (a step against noise): nothing recurred
             corr = float(np.corrcoef(a, b)[0, 1])
             if best is None or corr > best[0] + 0.05:  # the shortest of near-equal lags (L, 2L, ...)
                 best = (corr, lag)

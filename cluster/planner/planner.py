@@ -37,8 +37,10 @@ def decode_arrivals(prefill: Arrivals, decode: Arrivals) -> Arrivals:
     """What a disaggregated model's decode pool plans from: the MODEL's arrivals (the prefill
     pool's: a decode pool sees a request only once its prefill is done, so while prefill is
     the bottleneck its own arrivals understate the load coming) with the decode pool's
-    generated tokens (the answers' length)."""
-    return Arrivals(decode.dt_s, prefill.num_requests, prefill.prompt_tokens, decode.output_tokens)
+    generated tokens over its own arrivals (the answers' length: the requests still queued
+    for prefill have not started theirs)."""
+    return Arrivals(decode.dt_s, prefill.num_requests, prefill.prompt_tokens, decode.output_tokens,
+                    num_answering=decode.num_requests)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ every autoscaling tick with an AutoscalingContext. Each tick:
   * backlog = the replicas' waiting requests + requests queued at handles; running = theirs;
   * a decode pool takes its model's arrivals from the prefill pool's policy (same process);
   * the pool's PoolPlanner (planner.py, as in the simulator) gives the replicas wanted;
+  * on a simulated device at time dilation D, the controller's clock is divided by D
+    (time_dilation): the planner runs on the modelled clock, as in the simulator;
   * FLEET (one per controller process: every planned pool of every app registers there)
     shares `gpu_budget` across pools by priority (budget.py).
 What it returns is undelayed: Serve applies upscale/downscale delays and bounds to it (a
@@ -66,7 +68,7 @@ class SLOPlannerPolicy:
     def __init__(self, role: str, model: str, shape: str, profile: str, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_tokens: int, slo: dict[str, Any], settings: dict[str, Any],
                  scale_to_zero: bool = False, gpus_per_replica: float = 1.0,
-                 gpu_budget: float | None = None) -> None:
+                 gpu_budget: float | None = None, time_dilation: float = 1.0) -> None:
         from worker.costs.cost_model import StepCostModel
         from worker.costs.profiles import load_profile
         from worker.costs.shapes import load_shape
@@ -75,6 +77,11 @@ class SLOPlannerPolicy:
         cost = StepCostModel(load_shape(shape), load_profile(profile))
         sizer = PoolSizer(cost, EngineLimits(max_num_seqs, max_num_batched_tokens, kv_tokens), targets,
                           planner_settings)
+        if time_dilation <= 0:
+            raise ValueError(f"time_dilation must be > 0, got {time_dilation}")
+        # A simulated device at time dilation D runs D real seconds per modelled second: the
+        # planner's clock (its tick, start-up horizon and arrival rates) is the modelled one.
+        self.time_dilation = time_dilation
         self.scale_to_zero = scale_to_zero
         self.gpus_per_replica = gpus_per_replica
         self.gpu_budget = gpu_budget
@@ -104,7 +111,7 @@ class SLOPlannerPolicy:
         return PoolObservation(Arrivals(dt, *sums), waiting + queued, sum(_latest(ctx, NUM_RUNNING).values()))
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        now = float(ctx.current_time) if ctx.current_time is not None else 0.0
+        now = (float(ctx.current_time) if ctx.current_time is not None else 0.0) / self.time_dilation
         # Serve calls every control-loop turn; the forecast's history is one point per interval.
         interval = self.planner.forecaster.settings.interval_s
         if self._decision is not None and self._last_time is not None and now - self._last_time < interval:

@@ -38,6 +38,9 @@ class SimPlannerOptions:
     model: str = "model"  # the model's name in a fleet's budget (cluster/sim/fleet.py)
     prompt_tokens_prior: float = 1024.0  # the token mix assumed until requests are seen
     output_tokens_prior: float = 256.0
+    # How long a new replica really takes to start (None: the planner's settings.startup_s,
+    # what it plans with); a measured start-up, where a run mirrors a real cluster's.
+    replica_startup_s: float | None = None
 
     def bounds(self) -> PoolBounds:
         return PoolBounds(self.min_replicas, self.max_replicas, self.scale_to_zero)
@@ -72,7 +75,8 @@ class SimPlanner:
                               options.bounds(), options.slo.priority)
             for role in sim.pools
         }
-        self.resizers = {role: PoolResizer(sim, pool, settings.startup_s, options.scale_to_zero)
+        startup = settings.startup_s if options.replica_startup_s is None else options.replica_startup_s
+        self.resizers = {role: PoolResizer(sim, pool, startup, options.scale_to_zero)
                          for role, pool in sim.pools.items()}
         self._totals: dict[int, tuple[int, int, int]] = {}  # replica key -> its engine's last totals
         self._last_tick = sim.clock.now

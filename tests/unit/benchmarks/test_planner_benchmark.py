@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.planner_cases import DAY_RATES, Phase, attainment, bursty_phases, gpu_seconds, phased_requests
+from benchmarks.planner_cases import (
+    DAY_RATES, Phase, attainment, bursty_phases, gpu_seconds, oracle_gpu_seconds, phased_requests,
+)
 from cluster.sim.run import simulate
 from cluster.sim.setup import SimConfig
 
@@ -28,3 +30,14 @@ def test_attainment_and_gpu_time_of_a_small_run() -> None:
     assert attainment(result, 10.0, 1.0) == 1.0  # generous targets: every request
     assert attainment(result, 1e-6, 1.0) == 0.0  # no first token that fast
     assert attainment(result, 10.0, 1.0, start_s=100.0) == 0.0  # no request in that window
+
+
+def test_the_oracle_fleet_holds_the_peak_from_a_start_up_before_each_burst() -> None:
+    # low 100 s, high 100 s, low 100 s; start-up 30 s; prefill 1 -> 4 with no tail, decode
+    # 1 -> 6 with a 20 s tail; 300 s in all.
+    phases = bursty_phases(1.0, 24.0, 100.0, 1) + [Phase(100.0, 1.0)]
+    # prefill: 4 x (30 + 100) + 1 x (300 - 130); decode: 6 x (30 + 100 + 20) + 1 x (300 - 150)
+    expected = 4 * 130 + 170 + 6 * 150 + 150
+    assert oracle_gpu_seconds(phases, 24.0, (1, 1), (4, 6), (0.0, 20.0), 30.0, 300.0) == pytest.approx(expected)
+    # a start-up longer than the lull before the burst: the peak from time 0
+    assert oracle_gpu_seconds(phases, 24.0, (1,), (4,), (0.0,), 150.0, 300.0) == pytest.approx(4 * 200 + 100)

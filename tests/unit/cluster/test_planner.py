@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from cluster.planner.budget import PoolDemand, share_budget
 from cluster.planner.forecast import Arrivals, Forecaster, Load
-from cluster.planner.planner import PoolBounds, PoolObservation, PoolPlanner
+from cluster.planner.planner import PoolBounds, PoolObservation, PoolPlanner, decode_arrivals
 from cluster.planner.queueing import erlang_c, servers_for_wait, wait_percentile_s
 from cluster.planner.sizing import EngineLimits, PoolSizer
 from cluster.planner.targets import PlannerSettings, SLOTargets
@@ -105,6 +106,53 @@ def test_a_recurring_burst_counts_from_the_tick_it_reaches_the_horizon() -> None
     for r in rates[:-1]:
         g.observe(Arrivals(10.0, num_requests=r * 10))
     assert g.seasonal_peak(SETTINGS.horizon_s) == pytest.approx(1.0)
+
+
+def test_a_burst_seen_once_is_not_a_season_and_its_trend_counts() -> None:
+    # 5 ticks low, 5 high, 5 low, 1 high: lag 10 matches its 6 pairs exactly, but 6 pairs are
+    # not a whole period; lags 8 (the horizon's 7 ticks + 1) and up to half the history
+    # (8) do not correlate: not recurring, so the rise is met by its trend.
+    rates = [1.0] * 5 + [24.0] * 5 + [1.0] * 5 + [24.0]
+    f = Forecaster(SETTINGS)
+    for r in rates:
+        f.observe(Arrivals(10.0, num_requests=r * 10))
+    assert f.period_ticks() is None
+    assert f.trend > 0
+    assert f.peak(SETTINGS.horizon_s).rate == pytest.approx(f.level + f.trend * SETTINGS.horizon_s)
+
+
+def test_a_step_that_lines_up_with_one_noisy_tick_is_not_a_season() -> None:
+    # 19 quiet ticks with one blip (tick 10), then a step (tick 19). At lag 9 the step lines
+    # up with the blip: x[9:] = 1, 3, 1 x 8, 24 against x[:11] = 1 x 10, 3, a correlation of
+    # 0.996, but the earlier copy varies by a tenth of the later one (std 0.57 against 6.58):
+    # nothing recurred, and the step is met by its trend.
+    rates = [1.0] * 10 + [3.0] + [1.0] * 8 + [24.0]
+    a, b = np.asarray(rates[9:]), np.asarray(rates[:11])
+    assert np.corrcoef(a, b)[0, 1] > 0.99 and b.std() / a.std() < 0.1
+    f = Forecaster(SETTINGS)
+    for r in rates:
+        f.observe(Arrivals(10.0, num_requests=r * 10))
+    assert f.period_ticks() is None
+    assert f.trend > 0
+    assert f.peak(SETTINGS.horizon_s).rate == pytest.approx(f.level + f.trend * SETTINGS.horizon_s)
+
+
+def test_output_tokens_are_per_request_that_started_answering() -> None:
+    # A decode pool: 10 requests a tick answered at 200 tokens each, then the model's arrivals
+    # step to 50 a tick while prefill lets only 10 a tick through to decode.
+    prefill = [Arrivals(10.0, n, n * 1000) for n in (10, 10, 50, 50)]
+    decode = [Arrivals(10.0, 10, 10 * 1000, 2000) for _ in range(4)]
+    f = Forecaster(SETTINGS, prompt_tokens=500, output_tokens=100)
+    for p, d in zip(prefill, decode):
+        f.observe(decode_arrivals(p, d))
+    assert f.output_tokens == pytest.approx(8000 / 40)  # over the 40 that reached decode
+    assert f.prompt_tokens == pytest.approx(1000.0)
+    assert f.level > 2.0  # the rate is the model's (prefill's) arrivals: 1, 1, 5, 5 req/s
+    # over the model's 120 arrivals the same answers would read as 8000 / 120 tokens
+    g = Forecaster(SETTINGS, prompt_tokens=500, output_tokens=100)
+    for p, d in zip(prefill, decode):
+        g.observe(Arrivals(10.0, p.num_requests, p.prompt_tokens, d.output_tokens))
+    assert g.output_tokens == pytest.approx(8000 / 120)
 
 
 def test_a_steady_rate_is_not_recurring() -> None:

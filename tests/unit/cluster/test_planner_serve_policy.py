@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import pytest
+
 from ray.serve import config as serve_config
 from ray.serve._private.common import TimeStampedValue
 
@@ -34,10 +36,12 @@ def _context(now: float, totals: dict[str, tuple[float, float, float]], waiting:
     return serve_config.AutoscalingContext(**{k: v for k, v in kwargs.items() if k in params})
 
 
-def _policy(role: str = "decode", budget: float | None = None, model: str = "m") -> SLOPlannerPolicy:
+def _policy(role: str = "decode", budget: float | None = None, model: str = "m",
+            time_dilation: float = 1.0) -> SLOPlannerPolicy:
     config = KVServeConfig.from_dict({
         "model": {"served_model_name": model},
-        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "max_num_seqs": 256},
+        "engine": {"device": "sim:h200", "model_shape": "llama-3-8b", "max_num_seqs": 256,
+                   "time_dilation": time_dilation},
         "workers": {"autoscaling": {"role": role, "max_replicas": 16, "slo": {
             "ttft_ms": 3000, "itl_ms": 35, "gpu_budget": budget, "startup_s": 60}}},
     })
@@ -89,8 +93,23 @@ def test_a_decode_pool_plans_from_its_models_prefill_arrivals(monkeypatch: Any) 
     prefill, decode = _policy("prefill"), _policy("decode")
     for policy in (prefill, decode):
         policy(_context(0.0, {"a": (0, 0, 0)}))
-    # 240 requests reached the prefill pool; only 24 have reached the decode pool yet
+    # 240 requests reached the prefill pool; only 24 have reached the decode pool yet, and
+    # answered 1024 tokens each
     prefill(_context(10.0, {"p": (240, 240 * 8000, 240)}))
-    decode(_context(10.0, {"d": (24, 24 * 8000, 240 * 1024)}))
+    decode(_context(10.0, {"d": (24, 24 * 8000, 24 * 1024)}))
     assert decode.planner.forecaster.level == prefill.planner.forecaster.level == 24.0
+    # the answers' length is per request that reached decode (not 24 x 1024 / 240)
     assert decode.planner.forecaster.now().output_tokens == 1024
+
+
+def test_on_a_dilated_device_the_policy_runs_on_the_modelled_clock(monkeypatch: Any) -> None:
+    monkeypatch.setattr(serve_policy, "FLEET", ServeFleet())
+    policy = _policy(time_dilation=4.0)
+    assert policy.time_dilation == 4.0
+    policy(_context(0.0, {"a": (0, 0, 0)}))
+    # 40 real seconds are 10 modelled ones: 240 requests in them are 24 req/s, as undilated
+    replicas, _ = policy(_context(40.0, {"a": (240, 240 * 8000, 240 * 1024)}))
+    assert policy.planner.forecaster.level == pytest.approx(24.0)
+    # 20 real seconds later is 5 modelled: within the 10 s tick, the decision stands
+    assert policy(_context(60.0, {"a": (480, 480 * 8000, 480 * 1024)}))[0] == replicas
+    assert policy.planner.forecaster.level == pytest.approx(24.0)

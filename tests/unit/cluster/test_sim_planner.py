@@ -51,6 +51,18 @@ def test_an_idle_pool_goes_to_zero_and_a_late_request_is_held_not_lost() -> None
     assert all(r.first_token_s is not None and r.first_token_s >= up for r in held)
 
 
+def test_replicas_start_in_their_own_start_up_while_the_planner_plans_with_its_own() -> None:
+    # The planner plans with a 15 s start-up; the pool's replicas really take 5 s (a run that
+    # mirrors a measured cluster): the replicas it adds serve 5 s after it asked.
+    reqs = _requests([(i * 0.05, 4000, 16) for i in range(200)])  # 20 req/s for 10 s
+    options = SimPlannerOptions(SLOTargets(ttft_s=1.0, itl_s=0.05), SETTINGS, 1, 4, prompt_tokens_prior=4000,
+                                output_tokens_prior=16, replica_startup_s=5.0)
+    result = simulate(SimConfig(num_replicas=1, planner=options, seed=0), reqs)
+    added = [r for r in result.replicas[1:] if r.ready_at is not None]
+    assert added, "the pool should have grown"
+    assert all(abs(r.ready_at - r.created_at - 5.0) < 1e-9 for r in added)
+
+
 def test_two_models_share_a_binding_gpu_budget_by_priority() -> None:
     from dataclasses import replace
 
