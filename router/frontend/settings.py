@@ -11,6 +11,7 @@ from router.frontend.auth import DEFAULT_ADMIN_API_KEYS_ENV, DEFAULT_API_KEYS_EN
 from router.frontend.key_limits import StateStoreFactory
 from router.frontend.lora_policy import LoRAPolicy
 from router.frontend.responses_api.store import ResponseStoreSpec
+from router.routing import DEFAULT_RETRY_AFTER_S, ColdStartBound
 
 # Prefill/decode disaggregation (router/frontend/disagg.py): requests per ingress replica admitted
 # but not yet decoding (waiting for their prefill or for a decode replica); one more is
@@ -72,6 +73,12 @@ class IngressSettings:
     key_models: Mapping[str, Sequence[str]] = field(default_factory=dict, compare=False)
 
     @property
+    def cold_start(self) -> ColdStartBound:
+        """The bound on a request's wait for a worker replica to take it."""
+        retry = self.cold_start_retry_after_s
+        return ColdStartBound(self.cold_start_max_wait_s, DEFAULT_RETRY_AFTER_S if retry is None else retry)
+
+    @property
     def unlisted_key_priority(self) -> int:
         """The band of a key that `key_priorities` does not list."""
         if self.default_key_priority is not None:
@@ -88,6 +95,12 @@ class IngressSettings:
     admission_queue_size: int = 256
     admission_max_wait_s: float | None = None
     admission_max_waiting_per_replica: int = 8
+    # Scale to zero (router/routing/cold_start.py): a request waits at most this long for a
+    # worker replica to take it (a pool at zero replicas starts one for it meanwhile), then
+    # 503 with Retry-After `cold_start_retry_after_s` (the pool's start-up time; None: 60 s).
+    # `cold_start_max_wait_s` None: no bound but the request's own timeout.
+    cold_start_max_wait_s: float | None = 300.0
+    cold_start_retry_after_s: float | None = None
     # Tool calls in chat output (router/frontend/tool_calling/parsers.py): hermes | llama3_json | auto (from
     # the chat template's text).
     tool_call_parser: str = "auto"

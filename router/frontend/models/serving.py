@@ -57,7 +57,8 @@ def build_serving(pools: ModelPools, api_keys: ApiKeys, replica_id: str | None,
                      else DisaggregatedGenerate(process_transport(prefill, by_reference=True),
                                                 process_transport(worker, by_reference=True),
                                                 pools.max_waiting_for_decode))
-    workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill)
+    workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill,
+                      cold_start=settings.cold_start)
     # Per-key limits: counted here, or cluster-wide in the shared store cluster/ injected.
     store = settings.state_store.build() if settings.state_store is not None else None
     key_limits = KeyLimits(settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key, store=store)
