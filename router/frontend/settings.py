@@ -48,13 +48,18 @@ class IngressSettings:
     # Admin API keys (same format): the only keys that may load or unload adapters and reset
     # the prefix cache; they serve requests too.
     admin_api_keys_env: str | None = DEFAULT_ADMIN_API_KEYS_ENV
-    # Per API key; None: no limit. Counted per ingress replica, or cluster-wide when
-    # `state_store` is set.
+    # Per API key, one budget across every model of the ingress; None: no limit. Counted per
+    # ingress replica, or cluster-wide when `state_store` is set.
     max_concurrent_requests_per_key: int | None = None
     tokens_per_minute_per_key: int | None = None
     # Where the per-key limits are counted: None, this replica; else a factory built once
     # per replica (cluster/state_store.py: Redis, with this replica as the fallback).
     state_store: StateStoreFactory | None = None
+    # Where the per-key limits are counted when not in `state_store`: the app-wide store of a
+    # multi-model ingress (cluster/app.py), so that a key's limits are one budget across every
+    # model while each model's `state_store` keeps its run-time adapters in its own
+    # namespace. None: `state_store`.
+    key_limits_store: StateStoreFactory | None = None
     # Each API key's prompts get a prefix-cache partition of their own (the key's id salts
     # the block hashes): no key can learn from `cached_tokens` what another sent.
     isolate_prefix_cache_per_key: bool = False
