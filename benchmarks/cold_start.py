@@ -9,7 +9,7 @@ request to a pool at zero waits for its first token on a real local Serve cluste
    imports (torch, transformers' auto classes, the engine), config (config.json through
    AutoConfig), tokenizer, weights (worker/model/loader.py's load_model), the rest of the
    runner (KV allocation, CUDA graphs where present), the rest of the engine, the wait for
-   the structured-output tokenizer (GrammarCompiler.prewarm, started before the weights),
+   the tokenizer and the structured-output tokenizer (GrammarCompiler.prewarm),
    then the first request's first token and a second request's.
 2. A checkpoint of about --big-mb MB written by transformers with random weights and a
    128k-token byte-level BPE (deleted afterwards), three fresh processes:
@@ -18,8 +18,8 @@ request to a pool at zero waits for its first token on a real local Serve cluste
      before: pages cached (a second replica on the node: safetensors mmaps the files), no
              prewarm: the first grammar request builds the structured-output tokenizer
              (loading the tokenizer again, as the compiler did);
-     after:  pages cached, the grammar tokenizer built from the replica's tokenizer while
-             the weights load, and awaited before ready.
+     after:  pages cached, the grammar tokenizer built from the replica's tokenizer at
+             start, and awaited before ready.
    cold vs before: what the page cache saves; before vs after: what the prewarm costs at
    start and saves on the first grammar request. A raw read of the files after eviction
    and again shows that the eviction takes effect.
@@ -94,7 +94,7 @@ def child(model_path: str, do_evict: bool, first_token: bool, lazy_grammar: bool
     if lazy_grammar:  # as before: no prewarm, the first grammar request builds the tokenizer
         GrammarCompiler.prewarm = lambda self: None  # type: ignore[method-assign]
     t = time.perf_counter()
-    engine = build.build_engine(config)  # the tokenizer loads first, then the grammar tokenizer's prewarm starts
+    engine = build.build_engine(config)  # ends by starting the grammar tokenizer's prewarm
     engine_total = time.perf_counter() - t
     out["runner_rest"] = timed["runner"] - out["weights"]  # KV allocation, CUDA graphs where present
     out["engine_rest"] = engine_total - timed["runner"] - out["config"]

@@ -31,11 +31,6 @@ def build_engine(config: EngineConfig) -> Engine:
         scheduler=replace(config.scheduler, max_model_len=max_model_len),
     )
     predictor = profile_predictor(config)  # before any weights load or rank spawns
-    # The structured-output tokenizer is built on the compiler's thread while the weights
-    # load (it loads the model's tokenizer first; the replica then detokenizes with that
-    # one: AsyncEngine.from_config). A checkpoint without tokenizer files fails only there.
-    compiler = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
-    compiler.prewarm()
     if config.model.tensor_parallel_size > 1:
         from worker.tp.runner import TPModelRunner  # torch, ray: only a TP group spawns actors
 
@@ -56,6 +51,13 @@ def build_engine(config: EngineConfig) -> Engine:
         device = getattr(runner, "device", None)
         pin = device is not None and device.type == "cuda"
         engine.use_tiers(TierManager.from_config(config.cache, runner, path, pin_memory=pin))
+    # The structured-output tokenizer is built on the compiler's thread once the weights
+    # are in (it loads the model's tokenizer first; the replica then detokenizes with that
+    # one, and is ready once it is built: AsyncEngine.from_config). Not during the weights'
+    # load: its Python work holds the GIL and slows the load by more than it takes.
+    # A checkpoint without tokenizer files fails only there.
+    compiler = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
+    compiler.prewarm()
     engine.compiles.compiler = compiler
     if getattr(runner, "lora", None) is not None:
         engine.enable_lora(EngineLoRA(config.lora, runner.lora_loader))

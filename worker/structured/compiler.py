@@ -7,10 +7,9 @@
                  waits, and the step thread never waits on a compile.
 
 The llguidance tokenizer (built from the model's HF tokenizer: slow for a large
-vocabulary, too slow for the step thread) is built on the pool too: started while the
-engine builds (`prewarm`: it overlaps the weights' load) and awaited before the replica is
-ready (`wait_prewarmed`), so that no request waits for it; without a prewarm, by the first
-compile.
+vocabulary, too slow for the step thread) is built on the pool too: started when the
+engine is built (`prewarm`) and awaited before the replica is ready (`wait_prewarmed`), so
+that no request waits for it; without a prewarm, by the first compile.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The structured-output tokenizer is built while a replica starts, not by the first grammar
-request (worker/structured/compiler.py's prewarm, started by build_engine before the weights
-load, awaited by AsyncEngine.from_config), and the model's tokenizer is loaded once for
+request (worker/structured/compiler.py's prewarm, started by build_engine, awaited by
+AsyncEngine.from_config), and the model's tokenizer is loaded once for
 both the grammar and the replica. The embedded default model, on CPU."""
 from __future__ import annotations
 
