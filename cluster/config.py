@@ -359,8 +359,14 @@ class KVServeConfig(Section):
             served_model_name=self.model.resolved_name(), tokenizer_path=self.model.resolved_path(),
             state_store=state_store, lora_modules=self.lora.module_items, lora_enabled=self.lora.lora_config().enabled,
             lora_policy=self.lora.policy(), response_store=self.response_store_spec(),
-            cold_start_retry_after_s=self.cold_start_retry_after_s(),
+            cold_start_retry_after_s=self.cold_start_retry_after_s(), scale_to_zero=self.scales_to_zero(),
         )
+
+    def scales_to_zero(self) -> bool:
+        """Whether any of the model's pools may go to zero replicas."""
+        pools = [self.workers] + ([self.disaggregation.prefill, self.disaggregation.decode]
+                                  if self.disaggregation is not None else [])
+        return any(p.autoscaling is not None and p.autoscaling.scale_to_zero for p in pools)
 
     def cold_start_retry_after_s(self) -> float | None:
         """The Retry-After of a request no replica took in time: ingress.cold_start_retry_after_s,

@@ -106,6 +106,10 @@ class IngressSettings:
     # `cold_start_max_wait_s` None: no bound but the request's own timeout.
     cold_start_max_wait_s: float | None = 300.0
     cold_start_retry_after_s: float | None = None
+    # The model's pools may go to zero replicas (workers.autoscaling.scale_to_zero): /health
+    # then counts a pool without replicas as healthy and does not ask it (a call queued at
+    # an empty pool is demand: every probe would start a replica).
+    scale_to_zero: bool = False
     # Tool calls in chat output (router/frontend/tool_calling/parsers.py): hermes | llama3_json | auto (from
     # the chat template's text).
     tool_call_parser: str = "auto"

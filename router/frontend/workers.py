@@ -19,6 +19,7 @@ from router import errors
 from router.frontend.generation import api_error_of
 from router.frontend.health_verdict import HealthVerdict
 from router.routing import NO_BOUND, ColdStartBound
+from router.serve_internals import known_replica_count
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ HEALTH_TIMEOUT_S = 10.0
 
 class Workers:
     def __init__(self, handle: Any, generate: Any, stats_timeout_s: float, prefill_handle: Any = None,
-                 cold_start: ColdStartBound = NO_BOUND) -> None:
+                 cold_start: ColdStartBound = NO_BOUND, scale_to_zero: bool = False) -> None:
         self.handle = handle  # DeploymentHandle of the worker deployment (the decode pool when disaggregated)
         self.prefill_handle = prefill_handle  # the prefill pool's, when disaggregated
         # What GenerationStream sends engine requests through: handle.options(stream=True),
@@ -36,6 +37,8 @@ class Workers:
         self._stats_timeout_s = stats_timeout_s
         # The first model_info waits for a replica like a request does (a pool at zero).
         self._cold_start = cold_start
+        # The pools may have no replica (scale to zero): the health check does not ask one then.
+        self._scale_to_zero = scale_to_zero
         self._model_info: dict[str, Any] | None = None
         self._stats_call: asyncio.Future[list[dict[str, Any]]] | None = None
         # What /health and gRPC Health read: one check at a time, cached briefly.
@@ -142,10 +145,13 @@ class Workers:
 
     async def unhealthy_reason(self, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
         """None when a worker of every pool answers its health check within `timeout_s`;
-        else why not (the pools are asked at once)."""
-        pools = self.pools()
-        reasons = await asyncio.gather(*(_unhealthy(h, timeout_s) for h in pools.values()))
-        for name, reason in zip(pools, reasons):
+        else why not (the pools are asked at once). A pool that may scale to zero and has
+        no replica is healthy and is not asked: a health call queued at its handle would be
+        demand, and every probe would start a replica (requests wake it: cold_start.py)."""
+        asked = {name: h for name, h in self.pools().items()
+                 if not (self._scale_to_zero and known_replica_count(h) == 0)}
+        reasons = await asyncio.gather(*(_unhealthy(h, timeout_s) for h in asked.values()))
+        for name, reason in zip(asked, reasons):
             if reason is not None:
                 return f"{name} pool: {reason}" if name else reason
         return None

@@ -78,7 +78,7 @@ def build_serving(pools: ModelPools, api_keys: ApiKeys, replica_id: str | None,
                                                 process_transport(worker, by_reference=True),
                                                 pools.max_waiting_for_decode))
     workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill,
-                      cold_start=settings.cold_start)
+                      cold_start=settings.cold_start, scale_to_zero=settings.scale_to_zero)
     # Per-key limits: counted here, or cluster-wide in the shared store cluster/ injected;
     # built by the first model, shared by the others.
     own_limits = key_limits is None

@@ -6,11 +6,13 @@ does, until a replica starts.
 What it pins down: a request to an empty pool is held, not failed, and answered once a
 replica starts; past the bound it is a 503 with Retry-After, its call is cancelled in the
 handle's queue (nothing left there or on the replica that starts later) and everything it
-held is given back; the first model_info call is bounded the same way; the config gives
-the bound and the pool's start-up time as Retry-After."""
+held is given back; the first model_info call is bounded the same way; a health probe does
+not wake a pool at zero; the config gives the bound and the pool's start-up time as
+Retry-After."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -55,7 +57,8 @@ class QueuedCall:
         await self._pool.started.wait()
         self._pool.dispatch(self)
         replica = next(iter(self._pool.replicas.values()))
-        return await getattr(replica, self._name)(*self._args, **self._kwargs)
+        result = getattr(replica, self._name)(*self._args, **self._kwargs)
+        return await result if inspect.isawaitable(result) else result
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -69,10 +72,12 @@ class ColdPool(FakeHandle):
 
     def __init__(self) -> None:
         super().__init__([])
+        self.asked: list[str] = []  # every method called, in order
         self.queued: list[QueuedCall] = []
         self.started = asyncio.Event()
 
     def call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.asked.append(name)
         queued = QueuedCall(self, name, args, kwargs)
         self.queued.append(queued)
         return queued
@@ -165,6 +170,38 @@ async def test_model_info_waits_for_a_replica_within_the_bound() -> None:
     assert info_["max_model_len"] > 0
 
 
+class _RequestRouter:
+    """What Serve's router in this process knows: its replica set (serve_internals.known_replica_count)."""
+
+    def __init__(self, num_replicas: int) -> None:
+        self.curr_replicas = {f"r{i}": object() for i in range(num_replicas)}
+
+
+class _ServeRouter:
+    def __init__(self, num_replicas: int) -> None:
+        self._asyncio_router = type("AsyncioRouter", (), {"_request_router": _RequestRouter(num_replicas)})()
+
+
+async def test_health_does_not_wake_a_pool_at_zero() -> None:
+    pool = ColdPool()
+    pool._router = _ServeRouter(0)  # type: ignore[attr-defined]
+    assert await Workers(pool, OutputHub(pool), 1.0, scale_to_zero=True).unhealthy_reason(0.2) is None
+    assert pool.asked == []  # nothing queued at the empty pool: no demand, no replica started
+    # A pool that may not scale to zero is asked, and with no replica it is unhealthy.
+    reason = await Workers(pool, OutputHub(pool), 1.0).unhealthy_reason(0.2)
+    assert reason is not None and "health check" in reason
+    assert pool.asked == ["check_health"] and not pool.queued  # the probe's call was cancelled
+    # With a replica, a scale-to-zero pool is asked as any other.
+    [worker] = replicas(1, max_num_seqs=4, step_s=0.001)
+    pool._router = _ServeRouter(1)  # type: ignore[attr-defined]
+    pool.start(worker)
+    try:
+        assert await Workers(pool, OutputHub(pool), 1.0, scale_to_zero=True).unhealthy_reason(5.0) is None
+    finally:
+        stop([worker])
+    assert pool.asked == ["check_health", "check_health"]
+
+
 async def test_no_bound_waits() -> None:
     assert await NO_BOUND.answer(_value(7)) == 7
     assert await ColdStartBound(5.0, 1.0).answer(_value(8)) == 8
@@ -201,6 +238,7 @@ def test_config_gives_the_bound_and_the_pools_start_up_time() -> None:
         "ingress": {"cold_start_max_wait_s": 20},
     })
     assert config.ingress_settings().cold_start == ColdStartBound(20.0, 7.5)
+    assert config.ingress_settings().scale_to_zero and not KVServeConfig.from_dict({}).ingress_settings().scale_to_zero
     given = config.with_overrides({"ingress.cold_start_retry_after_s": 3})
     assert given.ingress_settings().cold_start.retry_after_s == 3
     unbounded = KVServeConfig.from_dict({"ingress": {"cold_start_max_wait_s": None}}).ingress_settings().cold_start
