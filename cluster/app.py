@@ -57,7 +57,10 @@ def build_app(config: KVServeConfig) -> Application:
         kwargs.update(prefill_worker=first.prefill_worker, max_waiting_for_decode=first.max_waiting_for_decode)
     if others:
         kwargs["other_models"] = tuple(others)
-    settings = replace(first.settings, key_models=dict(config.ingress.key_models))
+    # The per-key limits are the ingress's, one budget across every model: counted under the
+    # app's Redis prefix, not a model's namespace (cluster/models_config.py).
+    settings = replace(first.settings, key_models=dict(config.ingress.key_models),
+                       key_limits_store=config.redis_store_spec())
     return ingress.bind(first.worker, settings, **kwargs)
 
 

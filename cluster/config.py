@@ -369,7 +369,25 @@ class KVServeConfig(Section):
             served_model_name=self.model.resolved_name(), tokenizer_path=self.model.resolved_path(),
             state_store=state_store, lora_modules=self.lora.module_items, lora_enabled=self.lora.lora_config().enabled,
             lora_policy=self.lora.policy(), response_store=self.response_store_spec(),
+            cold_start_retry_after_s=self.cold_start_retry_after_s(), scale_to_zero=self.scales_to_zero(),
         )
+
+    def scales_to_zero(self) -> bool:
+        """Whether any of the model's pools may go to zero replicas."""
+        pools = [self.workers] + ([self.disaggregation.prefill, self.disaggregation.decode]
+                                  if self.disaggregation is not None else [])
+        return any(p.autoscaling is not None and p.autoscaling.scale_to_zero for p in pools)
+
+    def cold_start_retry_after_s(self) -> float | None:
+        """The Retry-After of a request no replica took in time: ingress.cold_start_retry_after_s,
+        else the start-up time the pool's planner is given (its serving pool: the decode
+        pool when disaggregated), else None (the ingress's default)."""
+        if self.ingress.cold_start_retry_after_s is not None:
+            return self.ingress.cold_start_retry_after_s
+        pool = self.disaggregation.decode if self.disaggregation is not None else self.workers
+        if pool.autoscaling is not None and pool.autoscaling.slo is not None:
+            return pool.autoscaling.slo.startup_s
+        return None
 
     def response_store_spec(self) -> ResponseStoreSpec:
         """Where /v1/responses keeps stored responses: Redis when state.redis_url is set

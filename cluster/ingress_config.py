@@ -103,6 +103,13 @@ class IngressSection(Section):
     admission_queue_size: int = Field(default_of(IngressSettings, "admission_queue_size"), ge=0)
     admission_max_wait_s: float | None = Field(default_of(IngressSettings, "admission_max_wait_s"), gt=0)
     admission_max_waiting_per_replica: int = Field(default_of(IngressSettings, "admission_max_waiting_per_replica"), ge=0)
+    # Scale to zero (docs/operations.md): a request waits at most cold_start_max_wait_s for a
+    # worker replica to take it (held at the pool's handle, where it counts as demand, while
+    # a pool at zero starts a replica), then 503 + Retry-After: cold_start_retry_after_s,
+    # unset: the pool's autoscaling.slo.startup_s, else 60 s. null: no bound but
+    # request_timeout_s. Keep it above the model's start-up time.
+    cold_start_max_wait_s: float | None = Field(default_of(IngressSettings, "cold_start_max_wait_s"), gt=0)
+    cold_start_retry_after_s: float | None = Field(default_of(IngressSettings, "cold_start_retry_after_s"), ge=0)
     # Tool calls in chat output: hermes (Hermes / Qwen <tool_call>), llama3_json (Llama 3.x),
     # deepseek_v3, mistral, or auto (chosen from the chat template's text).
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "deepseek_v3", "mistral", "harmony"] = default_of(IngressSettings, "tool_call_parser")

@@ -161,6 +161,18 @@ def initialized_request_router_of(handle: Any) -> Any:
     return getattr(router._asyncio_router, "_request_router", None)
 
 
+def known_replica_count(handle: Any) -> int | None:
+    """How many replicas the handle's router in this process knows of (its last replica set
+    from the controller), or None before it has one.
+
+    Public API it stands in for: none (serve.status() asks the controller, a blocking call).
+    Private: what initialized_request_router_of reads, and the router's `curr_replicas`.
+    """
+    router = initialized_request_router_of(handle)
+    replicas = getattr(router, "curr_replicas", None)
+    return None if replicas is None else len(replicas)
+
+
 # -- the controller's gRPC options --------------------------------------------------------------
 def grpc_servicer_functions() -> list[str]:
     """The servicer functions ("module.function") the running Serve instance's gRPC proxy

@@ -27,6 +27,7 @@ from router import errors
 from router.frontend.metrics import IngressMetrics
 from router.frontend.migration import Migration, is_replica_failure
 from router.frontend.openai_api.convert import EngineInput
+from router.routing import NO_BOUND, ColdStartBound
 from router.serve_internals import use_child_request_id
 from router.tracing import RequestTrace
 from worker.api import GenerateRequest, LoRANotFoundError, RequestError, RequestOutput, SamplingParamsError
@@ -115,6 +116,7 @@ def api_error_of(error: BaseException) -> errors.APIError:
 
 
 _DEADLINE = object()  # queued when the request's time is up
+_NOT_TAKEN = object()  # queued when no replica took an engine call within the cold-start bound
 
 
 @dataclass
@@ -152,7 +154,10 @@ class GenerationStream:
         session_id: str | None = None,  # the client's session (router/routing/sessions.py), for the request router
         stream: bool = True,  # False: the client reads only the final text (workers may fold outputs)
         lora: tuple[str, str] | None = None,  # the LoRA adapter (name, path) that serves it
+        # How long each engine call may wait for a replica to take it (router/routing/cold_start.py).
+        cold_start: ColdStartBound = NO_BOUND,
     ) -> None:
+        self._cold_start = cold_start
         self._stream = stream
         self._lora = lora
         self._handle = generate_handle
@@ -227,6 +232,7 @@ class GenerationStream:
         while True:
             response = self._handle.generate.remote(migration.request)
             finished = False
+            bound = self._bound_taking(index, response)
             try:
                 async for out in response:
                     finished = out.finished
@@ -252,13 +258,33 @@ class GenerationStream:
                                migration.num_migrations, migration.max_migrations)
                 use_child_request_id(f"{index}-m{migration.num_migrations}")
             finally:
+                if bound is not None:
+                    bound.cancel()
                 if not finished:
                     response.cancel()  # the worker's generator is cancelled -> engine abort
+
+    def _bound_taking(self, index: int, response: Any) -> asyncio.TimerHandle | None:
+        """A timer that fails the request (503) unless a replica has taken `response` within
+        the cold-start bound; None without a bound, or for a call that does not say when it
+        was taken (no `taken`: a disaggregated request's prefill answers with its output)."""
+        max_wait_s = self._cold_start.max_wait_s
+        if max_wait_s is None or not hasattr(response, "taken"):
+            return None
+
+        def check() -> None:
+            if not response.taken:
+                self._queue.put_nowait((index, _NOT_TAKEN))
+
+        return asyncio.get_running_loop().call_later(max_wait_s, check)
 
     async def _next(self) -> ChoiceEvent:
         index, item = await self._queue.get()
         if item is _DEADLINE:
             self._error = errors.timed_out(self._timeout_s)
+            raise self._error
+        if item is _NOT_TAKEN:
+            self._metrics.rejected.labels(self._metrics.model_name, "cold_start_timeout").inc()
+            self._error = self._cold_start.error()
             raise self._error
         if isinstance(item, BaseException):
             self._error = api_error_of(item)

@@ -57,7 +57,7 @@ from router.frontend.models.directory import ModelDirectory
 from router.frontend.models.grpc_models import ModelsGrpc
 from router.frontend.models.metrics_merge import render_models
 from router.frontend.models.pools import ModelPools
-from router.frontend.models.serving import ModelServing, build_serving, model_cards, serving_of
+from router.frontend.models.serving import ModelServing, build_servings, model_cards, serving_of
 from router.frontend.intake import IntakeWindow
 from router.frontend.messages_api.errors import error_response
 from router.routing import SESSION_HEADER, client_session_id
@@ -138,9 +138,9 @@ class Ingress(GrpcMethods):
         api_keys = ApiKeys.from_env(settings.api_keys_env, admin_name=settings.admin_api_keys_env)
         api_keys.log_startup(settings.api_keys_env)
         replica_id = serve.get_replica_context().replica_id.unique_id
-        first = build_serving(ModelPools(settings, worker, prefill_worker, max_waiting_for_decode), api_keys, replica_id)
-        # The models share this replica's arrival order and its stored responses.
-        others = [build_serving(m, api_keys, replica_id, first.pipeline.intake, first.responses.store) for m in other_models]
+        # The models share this replica's arrival order, its stored responses and the per-key limits.
+        first, *others = build_servings([ModelPools(settings, worker, prefill_worker, max_waiting_for_decode),
+                                         *other_models], api_keys, replica_id)
         self._models = ModelDirectory([first, *others], settings.key_models)
         self.pipeline = first.pipeline  # the first model's: keys, limits, operator endpoints
         self.grpc: Any = first.grpc if not others else ModelsGrpc(self._models)

@@ -160,6 +160,7 @@ class BatchedResponse:
         self._call = call
         self._control: asyncio.Task[None] | None = None
         self._ended = False
+        self.taken = False  # a replica took the call (its first item, the replica's id, came)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._stream()
@@ -184,6 +185,7 @@ class BatchedResponse:
         """The request's own call: its first item says where it runs; an error ends it."""
         try:
             async for replica_id in self._call:
+                self.taken = True
                 self._hub.attach(self._request_id, replica_id)
         except asyncio.CancelledError:
             raise

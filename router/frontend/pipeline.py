@@ -156,6 +156,7 @@ class RequestPipeline:
             self.workers.generate, inputs, request_id, AdmittedPermit(permit, ticket), self.settings.request_timeout_s,
             self.metrics, arrival,
             max_migrations=self.settings.max_migrations, session_id=session_id, stream=stream, lora=lora,
+            cold_start=self.settings.cold_start,
         )
         await stream.start()  # on failure the stream has closed: refunded, released
         return stream

@@ -11,6 +11,7 @@ from router.frontend.auth import DEFAULT_ADMIN_API_KEYS_ENV, DEFAULT_API_KEYS_EN
 from router.frontend.key_limits import StateStoreFactory
 from router.frontend.lora_policy import LoRAPolicy
 from router.frontend.responses_api.store import ResponseStoreSpec
+from router.routing import DEFAULT_RETRY_AFTER_S, ColdStartBound
 
 # Prefill/decode disaggregation (router/frontend/disagg.py): requests per ingress replica admitted
 # but not yet decoding (waiting for their prefill or for a decode replica); one more is
@@ -47,13 +48,18 @@ class IngressSettings:
     # Admin API keys (same format): the only keys that may load or unload adapters and reset
     # the prefix cache; they serve requests too.
     admin_api_keys_env: str | None = DEFAULT_ADMIN_API_KEYS_ENV
-    # Per API key; None: no limit. Counted per ingress replica, or cluster-wide when
-    # `state_store` is set.
+    # Per API key, one budget across every model of the ingress; None: no limit. Counted per
+    # ingress replica, or cluster-wide when `state_store` is set.
     max_concurrent_requests_per_key: int | None = None
     tokens_per_minute_per_key: int | None = None
     # Where the per-key limits are counted: None, this replica; else a factory built once
     # per replica (cluster/state_store.py: Redis, with this replica as the fallback).
     state_store: StateStoreFactory | None = None
+    # Where the per-key limits are counted when not in `state_store`: the app-wide store of a
+    # multi-model ingress (cluster/app.py), so that a key's limits are one budget across every
+    # model while each model's `state_store` keeps its run-time adapters in its own
+    # namespace. None: `state_store`.
+    key_limits_store: StateStoreFactory | None = None
     # Each API key's prompts get a prefix-cache partition of their own (the key's id salts
     # the block hashes): no key can learn from `cached_tokens` what another sent.
     isolate_prefix_cache_per_key: bool = False
@@ -72,6 +78,12 @@ class IngressSettings:
     key_models: Mapping[str, Sequence[str]] = field(default_factory=dict, compare=False)
 
     @property
+    def cold_start(self) -> ColdStartBound:
+        """The bound on a request's wait for a worker replica to take it."""
+        retry = self.cold_start_retry_after_s
+        return ColdStartBound(self.cold_start_max_wait_s, DEFAULT_RETRY_AFTER_S if retry is None else retry)
+
+    @property
     def unlisted_key_priority(self) -> int:
         """The band of a key that `key_priorities` does not list."""
         if self.default_key_priority is not None:
@@ -88,6 +100,16 @@ class IngressSettings:
     admission_queue_size: int = 256
     admission_max_wait_s: float | None = None
     admission_max_waiting_per_replica: int = 8
+    # Scale to zero (router/routing/cold_start.py): a request waits at most this long for a
+    # worker replica to take it (a pool at zero replicas starts one for it meanwhile), then
+    # 503 with Retry-After `cold_start_retry_after_s` (the pool's start-up time; None: 60 s).
+    # `cold_start_max_wait_s` None: no bound but the request's own timeout.
+    cold_start_max_wait_s: float | None = 300.0
+    cold_start_retry_after_s: float | None = None
+    # The model's pools may go to zero replicas (workers.autoscaling.scale_to_zero): /health
+    # then counts a pool without replicas as healthy and does not ask it (a call queued at
+    # an empty pool is demand: every probe would start a replica).
+    scale_to_zero: bool = False
     # Tool calls in chat output (router/frontend/tool_calling/parsers.py): hermes | llama3_json | auto (from
     # the chat template's text).
     tool_call_parser: str = "auto"

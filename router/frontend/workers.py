@@ -18,6 +18,8 @@ from typing import Any
 from router import errors
 from router.frontend.generation import api_error_of
 from router.frontend.health_verdict import HealthVerdict
+from router.routing import NO_BOUND, ColdStartBound
+from router.serve_internals import known_replica_count
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +27,18 @@ HEALTH_TIMEOUT_S = 10.0
 
 
 class Workers:
-    def __init__(self, handle: Any, generate: Any, stats_timeout_s: float, prefill_handle: Any = None) -> None:
+    def __init__(self, handle: Any, generate: Any, stats_timeout_s: float, prefill_handle: Any = None,
+                 cold_start: ColdStartBound = NO_BOUND, scale_to_zero: bool = False) -> None:
         self.handle = handle  # DeploymentHandle of the worker deployment (the decode pool when disaggregated)
         self.prefill_handle = prefill_handle  # the prefill pool's, when disaggregated
         # What GenerationStream sends engine requests through: handle.options(stream=True),
         # or router/frontend/disagg.py's DisaggregatedGenerate.
         self.generate = generate
         self._stats_timeout_s = stats_timeout_s
+        # The first model_info waits for a replica like a request does (a pool at zero).
+        self._cold_start = cold_start
+        # The pools may have no replica (scale to zero): the health check does not ask one then.
+        self._scale_to_zero = scale_to_zero
         self._model_info: dict[str, Any] | None = None
         self._stats_call: asyncio.Future[list[dict[str, Any]]] | None = None
         # What /health and gRPC Health read: one check at a time, cached briefly.
@@ -41,11 +48,12 @@ class Workers:
         """The workers' model facts, fetched once. `max_model_len` is the longest sequence
         a worker can hold: the model's limit, or the KV pool's when that is smaller (so that
         a default max_tokens always fits, and a too-long request is a 400 here). A worker
-        call that fails is the API error a client should see (503 when no worker is up)."""
+        call that fails is the API error a client should see (503 when no worker is up, or
+        none took the call within the cold-start bound)."""
         if self._model_info is None:
             try:
-                info = dict(await self.handle.model_info.remote())
-                stats = await self.handle.stats.remote()
+                info = dict(await self._cold_start.answer(self.handle.model_info.remote()))
+                stats = await self._cold_start.answer(self.handle.stats.remote())
             except errors.APIError:
                 raise
             except Exception as e:
@@ -137,10 +145,13 @@ class Workers:
 
     async def unhealthy_reason(self, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
         """None when a worker of every pool answers its health check within `timeout_s`;
-        else why not (the pools are asked at once)."""
-        pools = self.pools()
-        reasons = await asyncio.gather(*(_unhealthy(h, timeout_s) for h in pools.values()))
-        for name, reason in zip(pools, reasons):
+        else why not (the pools are asked at once). A pool that may scale to zero and has
+        no replica is healthy and is not asked: a health call queued at its handle would be
+        demand, and every probe would start a replica (requests wake it: cold_start.py)."""
+        asked = {name: h for name, h in self.pools().items()
+                 if not (self._scale_to_zero and known_replica_count(h) == 0)}
+        reasons = await asyncio.gather(*(_unhealthy(h, timeout_s) for h in asked.values()))
+        for name, reason in zip(asked, reasons):
             if reason is not None:
                 return f"{name} pool: {reason}" if name else reason
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from router.routing.admission import AdmissionController, SnapshotSource, Ticket
 from router.routing.admission_source import RouterSnapshotSource
+from router.routing.cold_start import DEFAULT_RETRY_AFTER_S, NO_BOUND, ColdStartBound
 from router.routing.sessions import SESSION_HEADER, client_session_id
 from router.routing.types import RequestProfile, request_hash_root
 
@@ -19,6 +20,9 @@ __all__ = [
     "ROUTER_CLASS",
     "SESSION_HEADER",
     "AdmissionController",
+    "ColdStartBound",
+    "DEFAULT_RETRY_AFTER_S",
+    "NO_BOUND",
     "RequestProfile",
     "RouterSnapshotSource",
     "SnapshotSource",

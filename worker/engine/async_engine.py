@@ -73,7 +73,12 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         engine = build_engine(config)
-        tokenizer = load_tokenizer(engine.model_path, config.model.trust_remote_code)
+        compiler = engine.compiles.compiler
+        # Ready means ready for a grammar request too; the tokenizer its build loaded is the
+        # replica's (loaded once), else the replica loads its own.
+        tokenizer = compiler.wait_prewarmed() if compiler is not None else None
+        if tokenizer is None:
+            tokenizer = load_tokenizer(engine.model_path, config.model.trust_remote_code)
         return cls(engine, tokenizer)
 
     # -- caller side (asyncio) ---------------------------------------------------------------

@@ -7,10 +7,14 @@
                  waits, and the step thread never waits on a compile.
 
 The llguidance tokenizer (built from the model's HF tokenizer: slow for a large
-vocabulary, too slow for the step thread) is built on the pool too, by the first compile.
+vocabulary, too slow for the step thread) is built on the pool too: started when the
+engine is built (`prewarm`) and awaited before the replica is ready (`wait_prewarmed`), so
+that no request waits for it; without a prewarm, by the first compile.
 """
 from __future__ import annotations
 
+import importlib.util
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,6 +24,8 @@ from typing import Any
 
 from worker.api import StructuredOutput, load_tokenizer
 from worker.structured.grammar import GrammarError, grammar_of, llguidance_module
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 256
 # A request whose grammar has not compiled by then fails: llguidance bounds a compile's work
@@ -40,6 +46,8 @@ class GrammarCompiler:
         self.compile_timeout_s = compile_timeout_s
         self._tokenizer: Any = None
         self._tokenizer_lock = threading.Lock()
+        self._prewarm: Future[Any] | None = None
+        self.hf_tokenizer: Any = None  # the model's tokenizer, when this compiler loaded it
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kvserve-grammar")
         self._cache: OrderedDict[StructuredOutput, Future[Any]] = OrderedDict()
         self._lock = threading.Lock()
@@ -56,7 +64,14 @@ class GrammarCompiler:
         ingress and the replica use: the grammar's vocabulary must be the very one the
         prompt was tokenized and the output is detokenized with, whatever the model's
         format (a directory, a single .gguf file)."""
-        return cls(lambda: _llguidance_tokenizer(load_tokenizer(path, trust_remote_code), vocab_size))
+        compiler = cls(lambda: None)
+
+        def make() -> Any:
+            compiler.hf_tokenizer = load_tokenizer(path, trust_remote_code)
+            return _llguidance_tokenizer(compiler.hf_tokenizer, vocab_size)
+
+        compiler._make_tokenizer = make
+        return compiler
 
     def submit(self, so: StructuredOutput) -> Future[Any]:
         """A future of the spec's compiled matcher (a prototype: deep-copy it per
@@ -72,6 +87,28 @@ class GrammarCompiler:
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
             return future
+
+    def prewarm(self) -> Future[Any] | None:
+        """Start building the llguidance tokenizer on the pool now (a replica does it while
+        it starts, off the step thread); compiles queue behind it. None when llguidance is
+        not installed (a grammar request then fails with the install hint)."""
+        if importlib.util.find_spec("llguidance") is None:
+            return None
+        self._prewarm = self._pool.submit(self.tokenizer)
+        return self._prewarm
+
+    def wait_prewarmed(self, timeout_s: float | None = None) -> Any:
+        """Wait for the prewarm (if one runs); the model's tokenizer it loaded once it is
+        done (None: no prewarm, or it failed or is slow, which is logged, not raised: the
+        replica serves on, and a grammar request then fails or waits as without it)."""
+        if self._prewarm is None:
+            return None
+        try:
+            self._prewarm.result(timeout=timeout_s if timeout_s is not None else self.compile_timeout_s)
+        except Exception as e:  # noqa: BLE001 -- reported; grammar requests surface it
+            logger.warning("structured-output tokenizer not ready at start: %r", e)
+            return None
+        return self.hf_tokenizer
 
     def tokenizer(self) -> Any:
         with self._tokenizer_lock:

@@ -7,6 +7,7 @@ of /v1/responses (a stored response may be continued on another model).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +44,29 @@ class ModelServing:
         return self.settings.served_model_name
 
 
+def build_servings(models: Sequence[ModelPools], api_keys: ApiKeys, replica_id: str | None) -> list[ModelServing]:
+    """Every served model's serving objects on this replica, the first model's first. The
+    models share this replica's arrival order, its stored responses and the per-key limits'
+    counts (a key's concurrency and tokens per minute are one budget across the models)."""
+    first = build_serving(models[0], api_keys, replica_id)
+    p = first.pipeline
+    return [first, *(build_serving(m, api_keys, replica_id, p.intake, first.responses.store, p.key_limits)
+                     for m in models[1:])]
+
+
+def key_limits_of(settings: IngressSettings) -> KeyLimits:
+    """The per-key limits over their store: the app-wide one when given, else the model's
+    state store, else this replica's counts."""
+    factory = settings.key_limits_store or settings.state_store
+    store = factory.build() if factory is not None else None
+    return KeyLimits(settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key, store=store)
+
+
 def build_serving(pools: ModelPools, api_keys: ApiKeys, replica_id: str | None,
-                  intake: IntakeWindow | None = None, response_store: ResponseStore | None = None) -> ModelServing:
-    """The model's serving objects on this replica; `intake` and `response_store` shared
-    with the other models when given (else its own)."""
+                  intake: IntakeWindow | None = None, response_store: ResponseStore | None = None,
+                  key_limits: KeyLimits | None = None) -> ModelServing:
+    """The model's serving objects on this replica; `intake`, `response_store` and
+    `key_limits` shared with the other models when given (else its own)."""
     settings, worker, prefill = pools.settings, pools.worker, pools.prefill_worker
     # Outputs come back in batches, one list per engine step for all of this replica's
     # requests on a worker (router/frontend/output_hub.py); disaggregated, the decode
@@ -57,10 +77,14 @@ def build_serving(pools: ModelPools, api_keys: ApiKeys, replica_id: str | None,
                      else DisaggregatedGenerate(process_transport(prefill, by_reference=True),
                                                 process_transport(worker, by_reference=True),
                                                 pools.max_waiting_for_decode))
-    workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill)
-    # Per-key limits: counted here, or cluster-wide in the shared store cluster/ injected.
-    store = settings.state_store.build() if settings.state_store is not None else None
-    key_limits = KeyLimits(settings.max_concurrent_requests_per_key, settings.tokens_per_minute_per_key, store=store)
+    workers = Workers(worker, generate, settings.stats_timeout_s, prefill_handle=prefill,
+                      cold_start=settings.cold_start, scale_to_zero=settings.scale_to_zero)
+    # Per-key limits: counted here, or cluster-wide in the shared store cluster/ injected;
+    # built by the first model, shared by the others.
+    own_limits = key_limits is None
+    if key_limits is None:
+        key_limits = key_limits_of(settings)
+    store = key_limits.store
     tokenizer = load_tokenizer(settings.tokenizer_path, settings.trust_remote_code)
     # Admission control judges with the reports of this replica's request router for the
     # model's worker pool; off when disaggregated (the prefill pool is routed elsewhere).
@@ -68,7 +92,7 @@ def build_serving(pools: ModelPools, api_keys: ApiKeys, replica_id: str | None,
     # Every series this replica serves carries its id (router/frontend/metrics.py: no double counting).
     metrics = IngressMetrics(settings.served_model_name, ingress_replica=replica_id)
     metrics.router.source = lambda: initialized_request_router_of(worker)
-    if store is not None and hasattr(store, "observer"):  # the shared store's outages show here
+    if own_limits and hasattr(store, "observer"):  # the shared store's outages show here
         store.observer = metrics
         metrics.limit_store_up(True)
     pipeline = RequestPipeline(settings, workers, tokenizer, metrics, api_keys, key_limits, routing_source)
