@@ -73,12 +73,14 @@ class AsyncEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         engine = build_engine(config)
+        tokenizer = load_tokenizer(engine.model_path, config.model.trust_remote_code)
         compiler = engine.compiles.compiler
-        # Ready means ready for a grammar request too; the tokenizer its build loaded is the
-        # replica's (loaded once), else the replica loads its own.
-        tokenizer = compiler.wait_prewarmed() if compiler is not None else None
-        if tokenizer is None:
-            tokenizer = load_tokenizer(engine.model_path, config.model.trust_remote_code)
+        # The structured-output tokenizer (slow for a large vocabulary) is built from the
+        # replica's tokenizer on the compiler's thread while the replica serves: no start
+        # waits for it, and only a grammar request arriving before it ends waits (for the
+        # rest of it). Not during the weights' load: its Python work holds the GIL.
+        if compiler is not None:
+            compiler.prewarm(tokenizer)
         return cls(engine, tokenizer)
 
     # -- caller side (asyncio) ---------------------------------------------------------------

@@ -52,14 +52,7 @@ def build_engine(config: EngineConfig) -> Engine:
         device = getattr(runner, "device", None)
         pin = device is not None and device.type == "cuda"
         engine.use_tiers(TierManager.from_config(config.cache, runner, path, pin_memory=pin))
-    # The structured-output tokenizer is built on the compiler's thread once the weights
-    # are in (it loads the model's tokenizer first; the replica then detokenizes with that
-    # one, and is ready once it is built: AsyncEngine.from_config). Not during the weights'
-    # load: its Python work holds the GIL and slows the load by more than it takes.
-    # A checkpoint without tokenizer files fails only there.
-    compiler = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
-    compiler.prewarm()
-    engine.compiles.compiler = compiler
+    engine.compiles.compiler = GrammarCompiler.for_model_path(path, hf_config.vocab_size, config.model.trust_remote_code)
     if getattr(runner, "lora", None) is not None:
         engine.enable_lora(EngineLoRA(config.lora, runner.lora_loader))
     return engine

@@ -7,9 +7,10 @@
                  waits, and the step thread never waits on a compile.
 
 The llguidance tokenizer (built from the model's HF tokenizer: slow for a large
-vocabulary, too slow for the step thread) is built on the pool too: started when the
-engine is built (`prewarm`) and awaited before the replica is ready (`wait_prewarmed`), so
-that no request waits for it; without a prewarm, by the first compile.
+vocabulary, too slow for the step thread) is built on the pool too: started from the
+replica's own tokenizer when the replica is ready (`prewarm`, not waited for), so that only
+a grammar request arriving before it ends waits, for the rest of it; without a prewarm, by
+the first compile.
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ class GrammarCompiler:
         compiler = cls(lambda: None)
 
         def make() -> Any:
-            compiler.hf_tokenizer = load_tokenizer(path, trust_remote_code)
+            if compiler.hf_tokenizer is None:  # the replica's, when prewarm was handed it
+                compiler.hf_tokenizer = load_tokenizer(path, trust_remote_code)
             return _llguidance_tokenizer(compiler.hf_tokenizer, vocab_size)
 
         compiler._make_tokenizer = make
@@ -88,12 +90,15 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
-    def prewarm(self) -> Future[Any] | None:
-        """Start building the llguidance tokenizer on the pool now (a replica does it while
-        it starts, off the step thread); compiles queue behind it. None when llguidance is
-        not installed (a grammar request then fails with the install hint)."""
+    def prewarm(self, hf_tokenizer: Any = None) -> Future[Any] | None:
+        """Start building the llguidance tokenizer on the pool now, from `hf_tokenizer` (the
+        replica's own: loaded once) or one it loads; compiles queue behind it. A replica
+        starts it when it is ready and does not wait for it. None when llguidance is not
+        installed (a grammar request then fails with the install hint)."""
         if importlib.util.find_spec("llguidance") is None:
             return None
+        if hf_tokenizer is not None:
+            self.hf_tokenizer = hf_tokenizer
         self._prewarm = self._pool.submit(self.tokenizer)
         return self._prewarm
 

@@ -1,7 +1,7 @@
-"""The structured-output tokenizer is built while a replica starts, not by the first grammar
-request (worker/structured/compiler.py's prewarm, started by build_engine, awaited by
-AsyncEngine.from_config), and the model's tokenizer is loaded once for
-both the grammar and the replica. The embedded default model, on CPU."""
+"""The structured-output tokenizer is built in the background from the moment a replica is
+ready, not by the first grammar request (worker/structured/compiler.py's prewarm, started
+by AsyncEngine.from_config and not waited for), and the model's tokenizer is loaded once
+for both the grammar and the replica. The embedded default model, on CPU."""
 from __future__ import annotations
 
 from typing import Any
@@ -46,13 +46,13 @@ def test_a_failed_prewarm_is_logged_and_the_replica_loads_its_own(tmp_path: Any,
     compiler.shutdown()
 
 
-def test_a_replica_is_ready_with_the_grammar_tokenizer_built_from_its_own_tokenizer() -> None:
+def test_a_ready_replica_builds_the_grammar_tokenizer_from_its_own_tokenizer() -> None:
     config = EngineConfig(model=ModelConfig(model=str(default_model_path()), device="cpu", num_threads=1),
                           cache=CacheConfig(kv_cache_bytes=16 * 1024**2))
     engine = AsyncEngine.from_config(config)
     try:
         compiler = engine.engine.compiles.compiler
-        assert compiler._tokenizer is not None  # built before ready
-        assert engine.tokenizer is compiler.hf_tokenizer  # one tokenizer load for both
+        assert compiler.wait_prewarmed() is engine.tokenizer  # started at ready, from the replica's
+        assert compiler._tokenizer is not None  # one tokenizer load for both
     finally:
         engine.shutdown()
