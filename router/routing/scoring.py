@@ -104,6 +104,7 @@ class ReplicaScore:
     ongoing: int = 0  # requests there now: Serve's queue length, or the report's + sent since
     total_blocks: int = 0  # its KV size (load shares)
     adapter_s: float = 0.0  # the request's LoRA adapter's load there, in ttft_s
+    cached_pool_blocks: int = 0  # the pool blocks its cached prefix of the prompt stands for
 
     @property
     def queue_depth(self) -> float:
@@ -196,6 +197,7 @@ def score_replica(
         total_blocks=report.token_capacity // bs,  # in full-attention blocks: shares compare tokens
         ongoing=max(view.queue_len, report.num_running + report.num_waiting + view.unreflected_requests),
         adapter_s=adapter_s,
+        cached_pool_blocks=report.prefix_blocks(cached),
     )
 
 

@@ -271,6 +271,22 @@ def test_cached_replica_owing_its_queue_keeps_the_turn_within_its_free_blocks() 
     assert counts == {"cold": 2}
 
 
+def test_where_nothing_fits_the_least_deficit_counts_the_cached_prefix() -> None:
+    """Neither replica has room; the one caching the prefix is short by more blocks (what
+    routers sent it since its report), but fewer than the 32 its prefix would cost the
+    other: it comes first."""
+    prefix = list(range(512))
+    request = prefix_requests(prefix, 1)[0]
+    views = [ReplicaView("cached", report(0, prefix_hashes=hash_full_blocks(prefix, BS)), 40, 2),
+             ReplicaView("cold", report(0), 0, 0)]
+    ranking = rank_replicas(request, views, PARAMS, NOW, random.Random(0), RankContext())
+    assert not any(s.fits for s in ranking.scores.values())
+    assert ranking.scores["cached"].score < ranking.scores["cold"].score
+    assert ranking.order[0] == "cached"
+    views[0] = replace(views[0], unreflected_blocks=70)  # short by more than its prefix saves
+    assert rank_replicas(request, views, PARAMS, NOW, random.Random(0), RankContext()).order[0] == "cold"
+
+
 def test_partial_prefix_match_earns_partial_credit() -> None:
     prefix = list(range(512))
     hashes = hash_full_blocks(prefix, BS)
