@@ -2,6 +2,7 @@
 (kv/retention.py) with the headroom router, against the baseline routers on the same trace.
 
     python -m benchmarks.agents [--rate R] [--window S]
+    python -m benchmarks.agents --rates 16,19,20,21     (a sweep: RESULT at its operating point)
 
 The trace (cluster/workload/sim_kinds.py agentic, closed loop): sessions start as a Poisson
 process; each turn re-sends the history (a coding agent's system prompt and tools, then
@@ -24,6 +25,12 @@ vLLM and SGLang evict) at their best settings: each with the same host tier as k
 host tier only adds hits), prefix_affinity also without it (SGLang's default: HiCache
 off), keeping its better row. Ablation: headroom and host tier without retention.
 Other clients share the cluster: OTHER_RATE_RPS one-shot requests a second (no session).
+
+A sweep (--rates) runs every row at each load and reports each load's keys; its RESULT
+line is the operating point's: the lowest swept load at which the best peer serves less
+than SATURATED_SHARE of its measured requests within both SLOs (the load where the
+cluster saturates for the best baseline; the highest swept load if it never does). The
+point is chosen from the peers' rows alone, the same for every policy.
 
 RESULT keys:
   later_turn_prefix_hit             kvserve's cached share (device or host tier) of the
@@ -76,6 +83,9 @@ OTHER_RATE_RPS = 2.0  # other clients' one-shot requests per second
 OTHER_PROMPT_LEN = 4096
 OTHER_OUTPUT_LEN = 128
 PEERS = ("round_robin", "pow2", "least_kv", "prefix_affinity", "sticky")
+OURS = "kvserve (headroom+retention+host)"
+# A sweep's operating point: the first load where the best peer falls below this share.
+SATURATED_SHARE = 0.95
 
 
 @dataclass(frozen=True)
@@ -184,26 +194,35 @@ def configs(device_only: SimConfig, device: SimDevice) -> dict[str, SimConfig]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rate", type=float, default=RATE_RPS, help="turns per second offered")
-    parser.add_argument("--window", type=float, default=WINDOW_S, help="measured seconds after the warm-up")
-    args = parser.parse_args()
-    t0 = time.perf_counter()
+@dataclass(frozen=True)
+class LoadResult:
+    rate: float
+    rows: dict[str, Row]
+    best_peer: Row
+    prefix_affinity: Row
+
+    def keys(self) -> str:
+        ours = self.rows[OURS]
+        return (f"later_turn_prefix_hit={ours.later_hit:.3f} "
+                f"agent_ttft_p50_vs_prefix_affinity={ours.later_ttft_p50_s / self.prefix_affinity.later_ttft_p50_s:.3f} "
+                f"agent_goodput_vs_best={ours.goodput_rps / self.best_peer.goodput_rps:.3f}")
+
+
+def run_load(rate: float, window_s: float) -> LoadResult:
+    """Every row on one trace at `rate` turns/s."""
     device_only = replace(sim_config(HEADROOM, NUM_REPLICAS), num_blocks=DEVICE_BLOCKS)
     device = SimDevice.from_config(device_only)
-    requests = trace(args.rate, args.window, engine_answers(device))
+    requests = trace(rate, window_s, engine_answers(device))
     log(f"agents: {NUM_REPLICAS} simulated H200s (llama-3-8b) x {DEVICE_BLOCKS} device blocks, host tier "
         f"{HOST_SHARE:g}x; {TURNS} turns a session, system {SYSTEM_LEN}, tool results ~{TOOL_RESULT_LEN}, answers "
         f"~{ANSWER_LEN} tokens, tool pauses log-uniform {PAUSE_S[0]:g}-{PAUSE_S[1]:g} s after each answer; "
-        f"{args.rate:g} turns/s, warm-up {WARMUP_S:g} s, {len(requests)} requests "
+        f"{rate:g} turns/s, warm-up {WARMUP_S:g} s, {len(requests)} requests "
         f"({sum(not r.warmup for r in requests)} measured); SLO TTFT {device_only.slo_ttft_ms:g} ms, "
         f"ITL {device_only.slo_itl_ms:g} ms")
     log(f"  later-turn prefix ceiling (previous prompt + answer, full blocks): "
         f"{ceiling(requests, device_only.block_size):.3f}")
-    rows = {name: row(name, config, requests, device, args.window)
+    rows = {name: row(name, config, requests, device, window_s)
             for name, config in configs(device_only, device).items()}
-    ours = rows["kvserve (headroom+retention+host)"]
     peers = {p: max((r for n, r in rows.items() if n in (p, f"{p} +host")),
                     key=lambda r: (r.goodput_rps, -r.later_ttft_p50_s)) for p in PEERS}
     for p, best in peers.items():
@@ -211,10 +230,35 @@ def main() -> None:
     best_peer = max(peers.values(), key=lambda r: r.goodput_rps)
     pa = peers["prefix_affinity"]
     log(f"  best peer by goodput: {best_peer.name}; prefix_affinity at its best: {pa.name}")
+    return LoadResult(rate, rows, best_peer, pa)
+
+
+def operating_point(loads: list[LoadResult]) -> LoadResult:
+    """The lowest load at which the best peer serves less than SATURATED_SHARE within the
+    SLOs; the highest load if none."""
+    ordered = sorted(loads, key=lambda x: x.rate)
+    return next((x for x in ordered if x.best_peer.within_share < SATURATED_SHARE), ordered[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rate", type=float, default=RATE_RPS, help="turns per second offered")
+    parser.add_argument("--rates", help="comma-separated loads (turns/s): a sweep, RESULT at its operating point")
+    parser.add_argument("--window", type=float, default=WINDOW_S, help="measured seconds after the warm-up")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
+    loads = [run_load(rate, args.window) for rate in rates]
+    if len(loads) > 1:
+        for x in loads:
+            log(f"LOAD {x.rate:g} turns/s: kvserve within-SLO {x.rows[OURS].within_share:.3f}, best peer "
+                f"({x.best_peer.name}) {x.best_peer.within_share:.3f}: {x.keys()}")
+    point = operating_point(loads)
+    if len(loads) > 1:
+        log(f"operating point: {point.rate:g} turns/s (the first load where the best peer serves < "
+            f"{SATURATED_SHARE:g} within the SLOs)")
     log(f"done in {time.perf_counter() - t0:.0f} s")
-    log(f"RESULT later_turn_prefix_hit={ours.later_hit:.3f} "
-        f"agent_ttft_p50_vs_prefix_affinity={ours.later_ttft_p50_s / pa.later_ttft_p50_s:.3f} "
-        f"agent_goodput_vs_best={ours.goodput_rps / best_peer.goodput_rps:.3f}")
+    log(f"RESULT {point.keys()}")
 
 
 if __name__ == "__main__":

@@ -27,10 +27,12 @@ from worker.sampling_params import (  # noqa: F401
     MAX_STOP_TOKEN_IDS,
     MAX_STRUCTURED_SPEC_CHARS,
     MAX_TENANT_CHARS,
+    MAX_THINKING_MARKER_IDS,
     STRUCTURED_KINDS,
     SamplingParams,
     SamplingParamsError,
     StructuredOutput,
+    ThinkingBudget,
     check_structured_output,
 )
 

@@ -54,6 +54,32 @@ class StructuredOutput:
             raise SamplingParamsError(f"a structured output spec is a string of at most {MAX_STRUCTURED_SPEC_CHARS} characters")
 
 
+# A thinking budget's markers: at most this many token ids each.
+MAX_THINKING_MARKER_IDS = 16
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `max_tokens` tokens inside the reasoning section (between `start_token_ids`
+    and `end_token_ids`, the `<think>` / `</think>` tags as the model's tokenizer encodes
+    them); then the engine forces `end_token_ids` and the answer follows
+    (worker/sampling/thinking.py). `starts_inside`: the prompt already opened the section
+    (a chat template whose generation prompt ends with the start tag); otherwise an output
+    that opens with `start_token_ids` enters it."""
+
+    max_tokens: int
+    start_token_ids: tuple[int, ...]
+    end_token_ids: tuple[int, ...]
+    starts_inside: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise SamplingParamsError(f"a thinking budget is an integer >= 0, got {self.max_tokens!r}")
+        for name, ids in (("start", self.start_token_ids), ("end", self.end_token_ids)):
+            if not 0 < len(ids) <= MAX_THINKING_MARKER_IDS or any(not isinstance(t, int) or t < 0 for t in ids):
+                raise SamplingParamsError(f"a thinking budget's {name} marker is 1 to {MAX_THINKING_MARKER_IDS} token ids >= 0")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters, validated once at the engine's door."""
@@ -92,6 +118,9 @@ class SamplingParams:
     # key waits (worker/scheduling/bands.py). Set by the ingress from its key table, never by a client.
     tenant: str = ""
     tenant_weight: int = 1
+    # Anthropic's thinking budget_tokens: the reasoning section's length, enforced by forcing
+    # its end marker (None: unbounded).
+    thinking: ThinkingBudget | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ from worker.api import SamplingParams, TokenLogprob
 if TYPE_CHECKING:
     from kv.transfer import KVExport
     from worker.structured.state import GrammarState
+    from worker.sampling.thinking import ThinkingState
 
 
 class SequenceStatus(enum.Enum):
@@ -53,6 +54,7 @@ class Sequence:
         "eos_token_ids",
         "kv_import",
         "grammar",
+        "thinking",
         "prompt_logprobs",
         "waiting_uncached_tokens",
         "lora_name",
@@ -97,6 +99,9 @@ class Sequence:
         self.kv_import: KVExport | None = None
         # Structured outputs: the request's grammar (worker/structured/state.py), else None.
         self.grammar: GrammarState | None = None
+        # A thinking budget (SamplingParams.thinking): its count and forced end marker
+        # (worker/sampling/thinking.py), else None.
+        self.thinking: ThinkingState | None = None
         # prompt_logprobs requests: entries for prompt tokens 1..len (token 0 has none),
         # appended by the runner chunk by chunk; their count says where the next chunk
         # resumes, so a preempted prefill never emits a token's entry twice.

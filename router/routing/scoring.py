@@ -19,7 +19,21 @@ Per fresh replica r and request q (KV in r's blocks, work in r's prompt tokens):
                          - decode_growth_blocks, 0)
                      (reserved: the waiting prompts' blocks; growth: what the requests
                      already there will still grow into, worker/serving/routing_report.py)
-    score(q, r)    = capacity - unreflected_blocks - need          # >= 0: the request fits
+    score(q, r)    = capacity - unreflected_blocks - need
+    slack(q, r)    = min(reserved_blocks + decode_growth_blocks, blocks_r(cached * block_size))
+    fits(q, r)     = score >= 0, or floor(free_blocks * headroom_share) - reserved_blocks
+                     - decode_growth_blocks + slack - unreflected_blocks - need >= 0
+                     (a replica that caches part of the prompt takes q although what it
+                     owes its queue, its waiting prompts' blocks and its running requests'
+                     growth, leaves no room, as long as the prompt blocks it caches cover
+                     that shortfall: those debts are paid from the blocks its running
+                     requests free as they finish, which capacity does not credit; q waits
+                     its turn behind them, a wait the TTFT term prices; and any other
+                     replica would need the cached blocks too, besides recomputing them.
+                     Never beyond its free blocks: what routers sent since its report
+                     counts whole. Without the slack a session's turn is pushed off its
+                     history's replica, to cost the cluster its whole history again, for
+                     want of the few blocks the turn adds)
     credit(q, r)   = prefix_weight * (cached + host_hit_weight * host
                      + disk_hit_weight * disk) / cacheable        # partial match, partial credit
                      + session_weight if r served q's session last  # a soft preference
@@ -90,6 +104,7 @@ class ReplicaScore:
     ongoing: int = 0  # requests there now: Serve's queue length, or the report's + sent since
     total_blocks: int = 0  # its KV size (load shares)
     adapter_s: float = 0.0  # the request's LoRA adapter's load there, in ttft_s
+    cached_pool_blocks: int = 0  # the pool blocks its cached prefix of the prompt stands for
 
     @property
     def queue_depth(self) -> float:
@@ -145,8 +160,10 @@ def score_replica(
     cacheable = request.cacheable_blocks(bs)
     cached = max(request.cached_blocks(bs, report.prefix_hashes), min(hinted_blocks, cacheable))
     need = max(report.request_blocks(request, report.expected_output_tokens(params)) - report.prefix_blocks(cached), 0)
-    capacity = max(report_headroom(report, params.headroom_share), 0)
+    headroom = report_headroom(report, params.headroom_share)
+    capacity = max(headroom, 0)
     score = capacity - view.unreflected_blocks - need
+    slack = min(report.reserved_blocks + report.decode_growth_blocks, report.prefix_blocks(cached))
     host, disk = request.tier_blocks(bs, cached, report.host_prefix_hashes, report.disk_prefix_hashes)
     hits = cached + params.host_hit_weight * host + params.disk_hit_weight * disk
     credit = (params.prefix_weight * hits / cacheable if cacheable else 0.0) + (params.session_weight if session else 0.0)
@@ -159,7 +176,7 @@ def score_replica(
     within = within_target(backlog, uncached, rate, params)
     return ReplicaScore(
         key=view.key,
-        fits=score >= 0,
+        fits=score >= 0 or headroom + slack - view.unreflected_blocks - need >= 0,
         score=score,
         capacity=capacity,
         need_blocks=need,
@@ -180,6 +197,7 @@ def score_replica(
         total_blocks=report.token_capacity // bs,  # in full-attention blocks: shares compare tokens
         ongoing=max(view.queue_len, report.num_running + report.num_waiting + view.unreflected_requests),
         adapter_s=adapter_s,
+        cached_pool_blocks=report.prefix_blocks(cached),
     )
 
 

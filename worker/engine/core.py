@@ -35,6 +35,7 @@ from worker.api import SamplingParams
 from worker.scheduling.scheduler import Scheduler, SchedulerOutput
 from worker.engine.request_checks import RequestLimits, check_import_root, check_request
 from worker.sequence import Sequence
+from worker.sampling.thinking import ThinkingState
 from worker.scheduling.step_budget import StepPredictor, engine_step_budget
 from worker.engine.step_meters import OutputLengthTracker, PrefillRateMeter, StepCounters
 from worker.engine.overlap import AppliedStep, LaunchedStep, overlaps
@@ -225,6 +226,9 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time)
         seq.num_resumed_tokens = max(0, min(num_resumed_tokens, len(prompt_token_ids) - 1))
         seq.session_id = session_id
+        if params.thinking is not None:  # a migrated request's earlier output counts as spent
+            resumed = prompt_token_ids[len(prompt_token_ids) - seq.num_resumed_tokens:]
+            seq.thinking = ThinkingState.replayed(params.thinking, resumed)
         if quiet and params.logprobs is None:  # per-token logprobs leave with each token's output
             seq.quiet_from = seq.num_prompt_tokens
         self.connector.add_request(seq, export_kv, kv_import)

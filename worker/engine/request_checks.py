@@ -45,6 +45,9 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, limits: R
         raise RequestError("prompt_logprobs is not supported by this engine (tensor parallelism or a simulated device)")
     if any(t >= vocab_size for t in params.stop_token_ids):
         raise RequestError(f"stop_token_ids must be in [0, {vocab_size})")
+    thinking = params.thinking
+    if thinking is not None and any(t >= vocab_size for t in thinking.start_token_ids + thinking.end_token_ids):
+        raise RequestError(f"a thinking budget's marker token ids must be in [0, {vocab_size})")
     num_tokens = min(n + params.max_tokens, max_model_len)
     need = limits.blocks_needed(num_tokens) if limits.blocks_needed else cdiv(num_tokens, limits.block_size)
     if need > limits.num_total_blocks:

@@ -6,6 +6,8 @@ Pipeline (each stage runs only when some row in the batch needs it):
       │ repetition / presence / frequency penalties  (rows that ask) │
       │ logit_bias: one index_put_ for the batch      (rows that ask) │
       │ min_tokens: ban EOS + stop token ids          (rows that ask) │
+      │ grammar bitmask                               (rows that ask) │
+      │ thinking budget spent: only the forced token  (rows forced)   │
       ├─> greedy rows: argmax                                         │
       └─> random rows: / temperature → min_p → top_k / top_p          │
                        → exponential race (Gumbel-max) with noise     │
@@ -93,6 +95,8 @@ class Sampler:
             bitmask = compute_bitmask(seqs, self.vocab_size, parallel=self.device.type != "cpu")
         if bitmask is not None:  # structured outputs: one masked_fill for the batch
             work = apply_bitmask(work, bitmask)
+        if any(s.thinking is not None for s in seqs):
+            work = self._apply_forced(work, raw, seqs)
 
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
@@ -242,6 +246,28 @@ class Sampler:
             # blocking host->device copy, i.e. a hidden sync.
             logits.new_full((len(ban_rows),), -math.inf),
         )
+        return logits
+
+    def _apply_forced(
+        self, logits: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence]
+    ) -> torch.Tensor:
+        """Rows whose thinking budget is spent (worker/sampling/thinking.py) may pick only
+        their forced token: every other logit of those rows -inf, in two ops for the batch.
+        Whatever the row's sampling, its one finite logit is what it samples."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, seq in enumerate(seqs):
+            forced = seq.thinking.forced_token() if seq.thinking is not None else None
+            if forced is not None:
+                rows.append(i)
+                cols.append(forced)
+        if not rows:
+            return logits
+        if logits is raw:
+            logits = logits.clone()
+        index = self._to_device(rows, torch.long)
+        logits.index_fill_(0, index, -math.inf)
+        logits.index_put_((index, self._to_device(cols, torch.long)), logits.new_zeros((len(rows),)))
         return logits
 
     # ------------------------------------------------------------------ random sampling

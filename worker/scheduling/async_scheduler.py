@@ -90,7 +90,8 @@ launched before waiting for N, and nothing is left on the critical path:
 
 The rules, and why:
 - Only the steady state: nothing waits, loads, compiles or exports, and no sequence has a
-  grammar (its mask for N+1 needs the matcher past token N). Anything else falls back to
+  grammar (its mask for N+1 needs the matcher past token N) or a thinking budget that may
+  force N+1's token (worker/sampling/thinking.py). Anything else falls back to
   the overlapped step, whose full schedule runs with no step in flight.
 - A sequence whose pending token is its last by length (max_tokens, the model's length)
   is left out: that stop is known before the token is. One that stops on EOS or a stop
@@ -220,10 +221,11 @@ def last_by_length(seq: Sequence, max_model_len: int) -> bool:
 def launch_plan(seqs: list[Sequence], block_ids: list[list[int]], max_model_len: int) -> SchedulerOutput | None:
     """The plan to launch ahead from a decode-ahead plan's rows (each table already holds
     the pending token); None when no row would outlive its pending token, or when a row
-    has a grammar."""
+    has a grammar or may be forced to end its thinking (its forced token depends on the
+    pending one)."""
     out = SchedulerOutput(pending_inputs=True)
     for seq, table in zip(seqs, block_ids):
-        if seq.grammar is not None:
+        if seq.grammar is not None or (seq.thinking is not None and seq.thinking.may_force_next()):
             return None
         if last_by_length(seq, max_model_len):
             continue

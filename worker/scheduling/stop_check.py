@@ -11,6 +11,8 @@ def check_stop(seq: Sequence, token_id: int, max_model_len: int) -> bool:
     num_tokens = len(seq.token_ids)
     num_output = num_tokens - seq.num_prompt_tokens
     reason: str | None = None
+    if seq.thinking is not None:
+        seq.thinking.advance(seq.token_ids, seq.num_prompt_tokens)
     # A constrained output is complete when its grammar terminates (every token
     # advances the matcher, so this runs before the other checks).
     if seq.grammar is not None and seq.grammar.accept(token_id):

@@ -38,10 +38,28 @@ class ToolChoice(_Strict):
     disable_parallel_tool_use: bool | None = None
 
 
+# Anthropic's floor on an extended-thinking budget (thinking.budget_tokens).
+MIN_THINKING_BUDGET = 1024
+
+
 class Thinking(_Strict):
+    """`enabled` takes a budget of at least MIN_THINKING_BUDGET tokens, below the request's
+    max_tokens (MessagesRequest checks that); the others take none."""
+
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
     display: str | None = None
+
+    @model_validator(mode="after")
+    def _budget(self) -> Thinking:
+        if self.type == "enabled":
+            if self.budget_tokens is None:
+                raise ValueError("thinking.budget_tokens: Field required when thinking is enabled")
+            if self.budget_tokens < MIN_THINKING_BUDGET:
+                raise ValueError(f"thinking.budget_tokens: Input should be greater than or equal to {MIN_THINKING_BUDGET}")
+        elif self.budget_tokens is not None:
+            raise ValueError(f"thinking.budget_tokens: only thinking of type 'enabled' takes a budget, not {self.type!r}")
+        return self
 
 
 class Metadata(_Strict):
@@ -64,6 +82,8 @@ class Conversation(_Strict):
                 raise ValueError(f"tool_choice names {choice.name!r}, which is not in tools")
         elif choice is not None and choice.type == "any" and not self.tools:
             raise ValueError("tool_choice 'any' needs tools")
+        if choice is not None and choice.type in ("any", "tool") and self.thinking is not None and self.thinking.type == "enabled":
+            raise ValueError("Thinking may not be enabled when tool_choice forces tool use.")
         return self
 
 
@@ -78,6 +98,13 @@ class MessagesRequest(Conversation):
     metadata: Metadata | None = None
     service_tier: str | None = None
     cache_control: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesRequest:
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        if budget is not None and budget >= self.max_tokens:
+            raise ValueError("`max_tokens` must be greater than `thinking.budget_tokens`")
+        return self
 
 
 class CountTokensRequest(Conversation):

@@ -11,6 +11,8 @@ an Anthropic Message. The chat path does the work; this file only renames.
     thinking {type}                       chat_template_kwargs enable_thinking (the answer's
                                           thinking comes back as thinking blocks whenever the
                                           reasoning parser finds some: router/frontend/reasoning/)
+    thinking {budget_tokens}              thinking_token_budget (the engine ends the thinking
+                                          there: router/frontend/reasoning/budget.py)
     tool_choice auto / any / tool / none  auto / required / named / none
     disable_parallel_tool_use             parallel_tool_calls false
     stop_sequences, max_tokens            stop, max_completion_tokens
@@ -95,6 +97,8 @@ def chat_request(req: Conversation, stream: bool = False) -> p.ChatCompletionReq
                  "user": req.metadata.user_id if req.metadata else None}
     if req.thinking is not None:  # for the templates that switch thinking (Qwen3's enable_thinking)
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+        if req.thinking.budget_tokens is not None and isinstance(req, MessagesRequest):
+            body["thinking_token_budget"] = req.thinking.budget_tokens
     if req.tools:
         body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                            "parameters": t.input_schema}} for t in req.tools]

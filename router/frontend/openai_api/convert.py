@@ -14,10 +14,11 @@ from typing import Any
 
 from router.frontend.openai_api import protocol as p
 from router.frontend.tool_calling import chat_tools
+from router.frontend.reasoning.budget import thinking_budget
 from router.frontend.reasoning.choose import keeps_special_tokens as reasoning_keeps_special_tokens
 from router.errors import bad_request
 from router.frontend.openai_api.structured import structured_output_of
-from worker.api import SamplingParams, SamplingParamsError, StructuredOutput
+from worker.api import SamplingParams, SamplingParamsError, StructuredOutput, ThinkingBudget
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ def sampling_params(
     choice: int,
     structured: StructuredOutput | None = None,
     prompt_logprobs: int | None = None,
+    thinking: ThinkingBudget | None = None,
 ) -> SamplingParams:
     """Choice i of a seeded request uses seed + i: reproducible, yet the n choices differ."""
     top_k = request.top_k if request.top_k is not None and request.top_k > 0 else 0
@@ -110,6 +112,7 @@ def sampling_params(
             structured=structured,
             logit_bias=request.logit_bias_pairs,
             cache_salt=request.cache_salt,
+            thinking=thinking,
         )
     except SamplingParamsError as e:
         raise bad_request(str(e)) from None
@@ -168,8 +171,12 @@ def chat_inputs(
     # No max_tokens in chat means "as long as the context allows", as with OpenAI.
     max_tokens = requested or max_model_len - len(ids)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    # A grammar decides every token of its output: there is no thinking section to bound.
+    thinking = None if structured is not None else thinking_budget(request.thinking_token_budget, reasoning_parser,
+                                                                   tokenizer, ids)
     return [
-        EngineInput(i, 0, ids, sampling_params(request, max_tokens, logprobs, i, structured, request.prompt_logprobs))
+        EngineInput(i, 0, ids, sampling_params(request, max_tokens, logprobs, i, structured, request.prompt_logprobs,
+                                               thinking))
         for i in range(request.n)
     ]
 

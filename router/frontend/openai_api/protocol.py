@@ -233,6 +233,9 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # At most this many tokens of thinking (<think> models), then the engine closes the
+    # section and the answer follows (router/frontend/reasoning/budget.py).
+    thinking_token_budget: int | None = Field(None, ge=0)
     # vLLM extensions for the template.
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

@@ -46,7 +46,12 @@ def reasoning_factory(setting: str, tokenizer: Any, prompt_token_ids: list[int])
         return None
     if name == "harmony":
         return HarmonyParser
-    # The prompt's last few tokens are enough to see whether it ends with the open tag.
-    tail = tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False)
-    starts_inside = tail.rstrip().endswith(OPEN)
+    starts_inside = prompt_opens_thinking(tokenizer, prompt_token_ids)
     return lambda: ThinkParser(starts_inside)
+
+
+def prompt_opens_thinking(tokenizer: Any, prompt_token_ids: list[int]) -> bool:
+    """Whether the rendered prompt ends with the open tag (the output starts inside the
+    section): its last few tokens are enough to see."""
+    tail = tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False)
+    return tail.rstrip().endswith(OPEN)

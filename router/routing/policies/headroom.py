@@ -3,7 +3,8 @@ the KV it has left after what it already holds and what was promised to it since
 report, the prefix of this request it caches, and the prefill work queued there
 (router/routing/scoring.py has the formulas); the decision is `rank_replicas` below.
 
-Modes, decided among the replicas where q fits (the others come last, least deficit first):
+Modes, decided among the replicas where q fits (the others come last, least deficit first,
+net of the blocks their cached prefix of q saves: any other replica needs those too):
   * "affinity": the owner (highest credit > 0; ties: lower ttft) first, while its prefill
     backlog with q stays within prefill rate x target_ttft_s (router/routing/scoring.py's
     within_target) and its ongoing requests are not more over its share than its gate
@@ -245,7 +246,9 @@ def rank_replicas(
 
     # Gating and ordering.
     fitting, mode = _order_fitting(scores, params, context, index)
-    not_fitting = sorted((s for s in scores if not s.fits), key=lambda s: (-s.score, s.queue_depth, index[s.key]))
+    # Least deficit first, net of the cached prefix: any other replica needs those blocks too.
+    not_fitting = sorted((s for s in scores if not s.fits),
+                         key=lambda s: (-(s.score + s.cached_pool_blocks), s.queue_depth, index[s.key]))
     order = [s.key for s in fitting] + power_of_two(stale, rng) + [s.key for s in not_fitting]
 
     # The ranking: what to reserve on whichever replica takes the request.

@@ -251,6 +251,42 @@ def test_prefix_affinity_ends_when_the_cached_replica_runs_out_of_headroom() -> 
     assert counts == {"cached": 4, "cold": 6}  # each needs 1 block there, 33 elsewhere
 
 
+def test_cached_replica_owing_its_queue_keeps_the_turn_within_its_free_blocks() -> None:
+    """Its waiting prompts' reservations leave no headroom, but its free blocks hold the
+    turn's own blocks: the turn waits there behind them (the cached prefix would cost any
+    other replica 33 blocks and its recompute), until what routers sent since the report
+    uses the free blocks up; a cold replica owing as much gets no such slack."""
+    prefix = list(range(512))
+    reports = {"cached": report(4, reserved_blocks=20, num_waiting=1, prefix_hashes=hash_full_blocks(prefix, BS)),
+               "cold": report(1000)}
+    counts, rankings = dispatch(reports, prefix_requests(prefix, 10))
+    assert counts == {"cached": 4, "cold": 6}
+    assert rankings[0].mode == MODE_AFFINITY and rankings[0].scores["cached"].fits
+    owing_cold = {"cold-owing": report(1000, reserved_blocks=1000), "cold": report(1000)}
+    counts, _ = dispatch(owing_cold, prefix_requests(prefix, 3))
+    assert counts == {"cold": 3}
+    no_free = {"cached": report(0, reserved_blocks=20, num_waiting=1, prefix_hashes=hash_full_blocks(prefix, BS)),
+               "cold": report(1000)}
+    counts, _ = dispatch(no_free, prefix_requests(prefix, 2))
+    assert counts == {"cold": 2}
+
+
+def test_where_nothing_fits_the_least_deficit_counts_the_cached_prefix() -> None:
+    """Neither replica has room; the one caching the prefix is short by more blocks (what
+    routers sent it since its report), but fewer than the 32 its prefix would cost the
+    other: it comes first."""
+    prefix = list(range(512))
+    request = prefix_requests(prefix, 1)[0]
+    views = [ReplicaView("cached", report(0, prefix_hashes=hash_full_blocks(prefix, BS)), 40, 2),
+             ReplicaView("cold", report(0), 0, 0)]
+    ranking = rank_replicas(request, views, PARAMS, NOW, random.Random(0), RankContext())
+    assert not any(s.fits for s in ranking.scores.values())
+    assert ranking.scores["cached"].score < ranking.scores["cold"].score
+    assert ranking.order[0] == "cached"
+    views[0] = replace(views[0], unreflected_blocks=70)  # short by more than its prefix saves
+    assert rank_replicas(request, views, PARAMS, NOW, random.Random(0), RankContext()).order[0] == "cold"
+
+
 def test_partial_prefix_match_earns_partial_credit() -> None:
     prefix = list(range(512))
     hashes = hash_full_blocks(prefix, BS)

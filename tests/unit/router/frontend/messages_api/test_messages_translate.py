@@ -118,5 +118,32 @@ def test_reasoning_becomes_thinking_blocks() -> None:
     assert [e["type"] for e in parsed] == ["content_block_start", "content_block_delta", "content_block_stop",
                                            "content_block_start", "content_block_delta"]
     assert parsed[1]["delta"] == {"type": "thinking_delta", "thinking": "hm"}
-    req = request(messages=[{"role": "user", "content": "hi"}], thinking={"type": "enabled", "budget_tokens": 2000})
-    assert t.chat_request(req).chat_template_kwargs == {"enable_thinking": True}
+    req = request(messages=[{"role": "user", "content": "hi"}], thinking={"type": "enabled", "budget_tokens": 2000},
+                  max_tokens=4096)
+    chat = t.chat_request(req)
+    assert chat.chat_template_kwargs == {"enable_thinking": True} and chat.thinking_token_budget == 2000
+    plain = t.chat_request(request(messages=[{"role": "user", "content": "hi"}], thinking={"type": "disabled"}))
+    assert plain.chat_template_kwargs == {"enable_thinking": False} and plain.thinking_token_budget is None
+
+
+@pytest.mark.parametrize(("thinking", "max_tokens", "words"), [
+    ({"type": "enabled"}, 4096, "budget_tokens: Field required"),
+    ({"type": "enabled", "budget_tokens": 1023}, 4096, "greater than or equal to 1024"),
+    ({"type": "enabled", "budget_tokens": 2048}, 2048, "`max_tokens` must be greater than `thinking.budget_tokens`"),
+    ({"type": "disabled", "budget_tokens": 2048}, 4096, "only thinking of type 'enabled' takes a budget"),
+])
+def test_bad_thinking_budgets_are_400(thinking: dict[str, Any], max_tokens: int, words: str) -> None:
+    body = {"model": "m", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}], "thinking": thinking}
+    with pytest.raises(errors.APIError) as info:
+        errors.validated(MessagesRequest, body)
+    assert info.value.status == 400 and words in info.value.message
+    assert error_body(info.value)["error"]["type"] == "invalid_request_error"
+
+
+def test_forced_tool_use_refuses_thinking() -> None:
+    body = {"model": "m", "max_tokens": 4096, "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "enabled", "budget_tokens": 1024}, "tool_choice": {"type": "any"},
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+    with pytest.raises(errors.APIError) as info:
+        errors.validated(MessagesRequest, body)
+    assert "tool_choice forces tool use" in info.value.message
