@@ -108,7 +108,7 @@ def test_the_simulated_device_prices_a_decode_after_a_prompt_step() -> None:
     def plan(*rows: tuple[int, int]) -> SimpleNamespace:
         seqs = [SimpleNamespace(num_computed_tokens=c, token_ids=list(range(c + n)), params=SimpleNamespace(
             logprobs=None, seed=None), sampler_state=None) for n, c in rows]
-        return SimpleNamespace(seqs=seqs, num_new_tokens=[n for n, _ in rows], pending_inputs=False)
+        return SimpleNamespace(seqs=seqs, num_new_tokens=[n for n, _ in rows], pending_inputs=False, draft_token_ids={})
 
     times = [runner.execute(p).forward_s for p in (plan((1, 100)), plan((64, 0), (1, 100)), plan((1, 64), (1, 101)),
                                                     plan((1, 65), (1, 102)))]
