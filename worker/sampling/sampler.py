@@ -37,12 +37,13 @@ from worker.structured.bitmask import apply_bitmask, compute_bitmask
 
 def argmax_only(seqs: SequenceT[Sequence]) -> bool:
     """Whether sampling these rows is a plain argmax of their logits: greedy, no penalty,
-    bias, token ban (min_tokens), grammar or logprobs. Such a batch may take its logits in
+    bias, token ban (min_tokens), grammar, logprobs or token forced by a spent thinking budget. Such a batch may take its logits in
     the model dtype: the fp32 upcast is exact, so its argmax is the same index."""
     for seq in seqs:
         p = seq.params
         if (not p.greedy or p.needs_penalties or p.logit_bias or p.logprobs is not None
-                or seq.num_output_tokens < p.min_tokens or seq.grammar is not None):
+                or seq.num_output_tokens < p.min_tokens or seq.grammar is not None
+                or (seq.thinking is not None and seq.thinking.forced_token() is not None)):
             return False
     return True
 

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from kv.cache_manager import KVCacheManager
 from worker.config import SpeculativeConfig
+from worker.sampling.thinking import DONE as THINKING_DONE
 from worker.sequence import Sequence
 from worker.spec.draft_model import DraftModelProposer
 from worker.spec.ngram import NgramProposer
@@ -32,10 +33,12 @@ class Proposer(Protocol):
 def eligible(seq: Sequence) -> bool:
     """Whether a decode of `seq` may speculate: its next tokens' distributions must not
     depend on the tokens before them beyond the model's logits (no penalties, no grammar,
-    no min_tokens still banning EOS) and it asked for no logprobs or logit bias."""
+    no min_tokens still banning EOS, no thinking budget still counting: it may force the
+    end marker at any position) and it asked for no logprobs or logit bias."""
     p = seq.params
     return (seq.grammar is None and p.logprobs is None and not p.needs_penalties and not p.logit_bias
-            and seq.num_output_tokens >= p.min_tokens)
+            and seq.num_output_tokens >= p.min_tokens
+            and (seq.thinking is None or seq.thinking.phase == THINKING_DONE))
 
 
 class Speculator:
