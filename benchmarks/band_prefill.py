@@ -70,7 +70,7 @@ def run(requests: list, limit: int, max_step_time_s: float | None) -> Figures:
     """One engine through `requests` on a virtual clock."""
     from worker.api import SamplingParams
     from worker.config import CacheConfig, SchedulerConfig
-    from worker.sim.runner import build_sim_engine
+    from worker.sim.build import build_sim_engine
 
     config = SchedulerConfig(max_num_seqs=8, max_model_len=4096, worse_band_prefill_tokens=limit,
                              max_step_time_s=max_step_time_s)

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from kv.cache_manager import cdiv
 from worker.config import CacheConfig, SchedulerConfig
-from worker.sim.runner import build_sim_engine
+from worker.sim.build import build_sim_engine
 from worker.costs.shapes import ModelShape, load_shape
 from worker.api import SamplingParams
 

@@ -40,7 +40,7 @@ from router.routing.types import RoutingParams, ReplicaReport
 from router.routing.policies.base import check_options
 from router.routing.routing_view import RoutingView
 from worker.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from worker.sim.runner import use_sim_drafts
+from worker.sim.build import use_sim_drafts
 from worker.engine.core import Engine
 
 # Virtual seconds without any token or dispatch, with requests unfinished, that end a run

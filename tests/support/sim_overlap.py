@@ -10,7 +10,7 @@ from worker.api import RequestOutput, SamplingParams
 from worker.engine.async_engine import AsyncEngine
 from worker.config import CacheConfig, SchedulerConfig
 from worker.engine.core import Engine
-from worker.sim.runner import build_sim_engine
+from worker.sim.build import build_sim_engine
 
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=4096)
 

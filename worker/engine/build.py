@@ -15,7 +15,7 @@ from worker.structured.compiler import GrammarCompiler
 from worker.model_config import cap_to_kv_capacity, eos_token_ids_of, load_hf_config, max_model_len_for
 from worker.model_path import resolve_model_path
 from worker.sim.device import is_sim_device
-from worker.sim.runner import sim_engine_from_config
+from worker.sim.build import sim_engine_from_config
 
 
 def build_engine(config: EngineConfig) -> Engine:

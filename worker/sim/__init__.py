@@ -1,8 +1,8 @@
 """The simulated device: the engine's device seam, modelled instead of run. Its step
 times come from the step-cost model (worker/costs).
 
-    runner.py      SimRunner (the engine's runner: modelled time, deterministic tokens) and
-                   build_sim_engine
+    runner.py      SimRunner (the engine's runner: modelled time, deterministic tokens)
+    build.py       build_sim_engine, and build_engine's branch for `device: sim:<profile>`
     device.py      the `sim:<profile>` device string
 
 Without Ray (the discrete-event simulator, tests): the real Engine on a SimRunner that
@@ -10,7 +10,7 @@ does not sleep; after each `engine.step()`, `engine.runner.last_step_s` is the m
 duration of that step for a virtual clock:
 
     from worker.config import CacheConfig, SchedulerConfig
-    from worker.sim.runner import build_sim_engine
+    from worker.sim.build import build_sim_engine
     engine = build_sim_engine("llama-3-8b", "h200", SchedulerConfig(max_num_seqs=256,
                               max_num_batched_tokens=8192, max_model_len=8192), CacheConfig())
     # KV blocks: CacheConfig.num_blocks_override, else device memory x gpu_memory_utilization

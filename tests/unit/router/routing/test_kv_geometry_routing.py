@@ -15,7 +15,7 @@ from router.routing.types import ReplicaReport, ReplicaView, RequestProfile, Rou
 from worker.api import SamplingParams
 from worker.config import CacheConfig, SchedulerConfig
 from worker.serving.routing_report import build_routing_stats
-from worker.sim.runner import build_sim_engine
+from worker.sim.build import build_sim_engine
 from worker.costs.shapes import load_shape
 
 BS = 16

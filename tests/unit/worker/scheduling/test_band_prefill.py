@@ -151,7 +151,7 @@ def test_a_simulated_h200_engine_keeps_worse_band_steps_short(limit: int) -> Non
     prompt of 2048 tokens goes 512 a step, each step about a quarter of the whole chunk's."""
     from worker.api import SamplingParams
     from worker.config import CacheConfig
-    from worker.sim.runner import build_sim_engine
+    from worker.sim.build import build_sim_engine
 
     config = SchedulerConfig(max_num_seqs=8, max_model_len=4096, worse_band_prefill_tokens=limit)
     engine = build_sim_engine("llama-3-8b", "h200", config, CacheConfig(num_blocks_override=1024))

@@ -138,7 +138,7 @@ def test_scheduler_gives_the_prompt_only_what_fits_beside_the_decodes() -> None:
 
 
 def test_sim_engine_steps_stay_within_the_budget_and_tokens_do_not_change() -> None:
-    from worker.sim.runner import build_sim_engine
+    from worker.sim.build import build_sim_engine
 
     def run(max_step_time_s: float | None) -> tuple[dict[str, list[int]], list[float], int]:
         sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=16384,

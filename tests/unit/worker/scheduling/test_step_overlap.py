@@ -25,7 +25,8 @@ from worker.engine.async_engine import STEP_THREAD_SWITCH_INTERVAL_S, AsyncEngin
 from worker.config import CacheConfig
 from worker.engine.stats import EngineStats
 from worker.runner.model_runner import ModelRunner
-from worker.sim.runner import SimRunner, build_sim_engine
+from worker.sim.build import build_sim_engine
+from worker.sim.runner import SimRunner
 
 # -- which loop runs ----------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from worker.serving.routing_report import (
     growth_blocks,
 )
 from worker.sequence import Sequence
-from worker.sim.runner import build_sim_engine
+from worker.sim.build import build_sim_engine
 from worker.engine.step_meters import OutputLengthTracker, PrefillRateMeter
 
 BS = 16

@@ -20,7 +20,7 @@ from worker.lora.cost import (
 )
 from worker.serving.replica import WorkerReplica
 from worker.sim.lora import shape_target_shapes
-from worker.sim.runner import build_sim_engine
+from worker.sim.build import build_sim_engine
 from worker.costs.shapes import load_shape
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from worker.config import CacheConfig, SchedulerConfig
 from worker.costs.cost_model import SeqWork, StepCostModel
 from worker.costs.profiles import load_profile
 from worker.costs.shapes import SHAPES_DIR, ModelShape, load_shape
-from worker.sim.runner import build_sim_engine
+from worker.sim.build import build_sim_engine
 
 FP8_BLOCK = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}

@@ -15,7 +15,8 @@ from worker.sim import runner as sim_runner
 from worker.costs.cost_model import SeqWork, StepCostModel
 from worker.costs.profiles import load_profile
 from worker.sim.device import parse_sim_device
-from worker.sim.runner import SimRunner, build_sim_engine, history_hash
+from worker.sim.build import build_sim_engine
+from worker.sim.runner import SimRunner, history_hash
 from worker.costs.shapes import load_shape
 from worker.engine.build import build_engine
 

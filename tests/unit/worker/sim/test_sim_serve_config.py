@@ -7,7 +7,7 @@ from cluster import cli
 from worker.api import GenerateRequest, SamplingParams
 from worker.config import CacheConfig, SchedulerConfig
 from worker.serving.replica import WorkerReplica
-from worker.sim.runner import build_sim_engine
+from worker.sim.build import build_sim_engine
 from worker.costs.shapes import load_shape
 
 

@@ -12,7 +12,7 @@ from cluster.workload.sim_kinds import SimRequest
 from worker.api import SamplingParams
 from worker.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from worker.engine.core import Engine
-from worker.sim.runner import build_sim_engine
+from worker.sim.build import build_sim_engine
 
 
 def _run(engine: Engine, num_requests: int, max_tokens: int) -> dict[str, list[int]]:
