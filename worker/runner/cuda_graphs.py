@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from worker.attention.base import AttentionMetadata
+from worker.runner.lm_head import greedy_ids, head_logits
 
 logger = logging.getLogger(__name__)
 
@@ -204,3 +205,45 @@ class DecodeGraphs:
         self.graphs[bucket].replay()
         hidden, logits, ids = self.outputs[bucket]
         return GraphOutputs(hidden[:n], logits[:n], ids[:n])
+
+
+def cuda_graphs_off_reason(enabled: bool, device: torch.device, backend: Any, tp_size: int,
+                           num_kv_groups: int) -> str | None:
+    """Why decode steps cannot replay graphs here (logged once), or None when they can.
+    Graphs need CUDA, a shape-static attention path (varlen backends) and a single rank
+    (NCCL collectives inside a captured graph are not attempted)."""
+    why_not = None
+    if not enabled:
+        why_not = "enable_cuda_graphs is off"
+    elif device.type != "cuda":
+        why_not = f"device is {device.type}"
+    elif not backend.varlen:
+        why_not = f"the {backend.name} attention backend is not shape-static per batch size"
+    elif tp_size > 1:
+        why_not = "tensor parallelism"
+    elif num_kv_groups > 1:
+        why_not = "the model's layers keep KV in several groups (kv/kv_groups.py)"
+    if why_not is not None:
+        logger.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
+    return why_not
+
+
+def capture_decode_graphs(model: Any, kv_caches: torch.Tensor, vocab_size: int, logits_in_model_dtype: bool,
+                          max_num_seqs: int, max_model_len: int, num_blocks: int, block_size: int,
+                          device: torch.device) -> DecodeGraphs:
+    """Buffers for the largest bucket and one captured graph per bucket: the model over
+    `kv_caches`, then the LM head and the greedy argmax. `num_blocks` is the scratch block
+    (one past the pool's: the caller allocated it)."""
+    sizes = graph_batch_sizes(max_num_seqs)
+    buffers = DecodeBuffers.allocate(sizes[-1], -(-max_model_len // block_size), num_blocks, block_size, device)
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return model(input_ids, positions, kv_caches, meta)
+
+    def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head_logits(model.compute_logits, hidden, logits_in_model_dtype)
+        return logits, greedy_ids(logits, vocab_size)
+
+    graphs = DecodeGraphs(forward, head, buffers, sizes, max_model_len)
+    graphs.capture()
+    return graphs

@@ -21,10 +21,10 @@ import torch
 
 from kv.kv_cache import KVCacheSpec, allocate_kv_cache, gpu_kv_budget, num_blocks_for_budget
 from worker.api import RunnerOutput
-from worker.attention import AttentionMetadata, select_backend
+from worker.attention import select_backend
 from worker.attention.kv_quant import kv_cache_dtype
 from worker.config import EngineConfig
-from worker.runner.cuda_graphs import DecodeBuffers, DecodeGraphs, GraphOutputs, graph_batch_sizes
+from worker.runner.cuda_graphs import GraphOutputs, capture_decode_graphs, cuda_graphs_off_reason
 from worker.runner.forward_timer import ForwardTimer
 from worker.runner.kv_group_binding import (
     bind_groups, gather_table, layer_caches, model_kv_layout, scatter_table,
@@ -121,7 +121,8 @@ class ModelRunner:
         self.spec = replace(kv_cache_spec_for(self.arch, self.block_size, kv_dtype, tp),
                             num_layers=self.kv_layout.layers_per_group)
         self.num_blocks = self._num_blocks(max_model_len)
-        use_graphs = self._use_cuda_graphs()
+        use_graphs = cuda_graphs_off_reason(config.model.enable_cuda_graphs, self.device, self.backend,
+                                            tp.size, self._num_groups) is None
         # With graphs, one scratch block past the pool's num_blocks takes the padded rows'
         # K/V (worker/runner/cuda_graphs.py); the block pool never hands it out.
         self.kv_caches = allocate_kv_cache(self.spec, self.num_blocks + int(use_graphs), self.device)
@@ -134,7 +135,10 @@ class ModelRunner:
         self.masks = MaskPrefetcher(self.device)
         self.timer = ForwardTimer(self.device)
         self._in_flight: LaunchedBatch | None = None  # launched last, not yet waited for
-        self.graphs = self._capture_graphs(max_model_len) if use_graphs else None
+        self.graphs = (capture_decode_graphs(self.model, self.kv_caches, self.arch.vocab_size,
+                                             self._logits_in_model_dtype, config.scheduler.max_num_seqs,
+                                             max_model_len, self.num_blocks, self.block_size, self.device)
+                       if use_graphs else None)
         # Varlen backends read the block tables on the device: there they persist between
         # steps and take only new block ids (worker/runner/block_table.py). One rank: a TP
         # rank's mirror may rewrite a table in place (worker/tp/plan_codec.py).
@@ -180,43 +184,6 @@ class ModelRunner:
         logger.info("KV budget %.2f GiB (profile forward peak %.2f GiB, gpu_memory_utilization %.2f)",
                     budget / 2**30, peak / 2**30, cache.gpu_memory_utilization)
         return num_blocks_for_budget(self.spec, budget)
-
-    def _use_cuda_graphs(self) -> bool:
-        """Graphs need CUDA, a shape-static attention path (varlen backends) and a single
-        rank (NCCL collectives inside a captured graph are not attempted). Logged once."""
-        why_not = None
-        if not self.config.model.enable_cuda_graphs:
-            why_not = "enable_cuda_graphs is off"
-        elif self.device.type != "cuda":
-            why_not = f"device is {self.device.type}"
-        elif not self.backend.varlen:
-            why_not = f"the {self.backend.name} attention backend is not shape-static per batch size"
-        elif self.tp.size > 1:
-            why_not = "tensor parallelism"
-        elif self._num_groups > 1:
-            why_not = "the model's layers keep KV in several groups (kv/kv_groups.py)"
-        if why_not is not None:
-            logger.info("CUDA graphs off (%s): decode steps run eagerly", why_not)
-        return why_not is None
-
-    def _capture_graphs(self, max_model_len: int) -> DecodeGraphs:
-        max_blocks_per_seq = -(-max_model_len // self.block_size)
-        sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs)
-        buffers = DecodeBuffers.allocate(sizes[-1], max_blocks_per_seq, self.num_blocks, self.block_size, self.device)
-        kv_caches = self.kv_caches
-
-        def forward(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-            return self.model(input_ids, positions, kv_caches, meta)
-
-        vocab, in_model_dtype = self.arch.vocab_size, self._logits_in_model_dtype
-
-        def head(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = head_logits(self.model.compute_logits, hidden, in_model_dtype)
-            return logits, greedy_ids(logits, vocab)
-
-        graphs = DecodeGraphs(forward, head, buffers, sizes, max_model_len)
-        graphs.capture()
-        return graphs
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
